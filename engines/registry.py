@@ -1,0 +1,31 @@
+"""Engines are found through the `moe_ladder.engines` entry-point group, so a third engine is a
+plugin that declares itself in its own package metadata. The two built-in engines are also known
+by module path, so they load from a bare checkout (a GPU box with no install)."""
+
+from __future__ import annotations
+
+import importlib
+from importlib.metadata import entry_points
+
+GROUP = "moe_ladder.engines"
+BUILTIN = {"torch": "engines.torch.engine:TorchEngine", "jax": "engines.jax.engine:JaxEngine"}
+
+
+def _targets() -> dict[str, str]:
+    targets = dict(BUILTIN)
+    for ep in entry_points(group=GROUP):
+        targets[ep.name] = ep.value
+    return targets
+
+
+def engine_names() -> set[str]:
+    return set(_targets())
+
+
+def get_engine(name: str):
+    """An engine instance by name; an unknown name is a KeyError that lists the known ones."""
+    targets = _targets()
+    if name not in targets:
+        raise KeyError(f"unknown engine {name!r}; registered engines: {', '.join(sorted(targets))}")
+    module, _, attr = targets[name].partition(":")
+    return getattr(importlib.import_module(module), attr)()

@@ -1,0 +1,1 @@
+"""moe-ladder: scaling-ladder experiments for mixture-of-experts language models."""

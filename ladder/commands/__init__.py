@@ -1,0 +1,1 @@
+"""CLI commands, one module per concern; each defines register(app: typer.Typer)."""

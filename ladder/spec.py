@@ -1,0 +1,324 @@
+"""Typed experiment specs.
+
+A spec says everything that changes a training result (model, data, optim, schedule, engine,
+seed) plus the run arguments that do not (hardware, run settings, name, lineage). Its id hashes
+only the former, so the same spec is the same run on any cluster.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+# Sections that change the training result; everything else is a run argument.
+IDENTITY_FIELDS = ("model", "data", "optim", "schedule", "engine", "seed")
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+
+class ModelSpec(_Frozen):
+    n_layers: int = Field(gt=0)
+    d_model: int = Field(gt=0)
+    n_heads: int = Field(gt=0)
+    n_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    n_routed_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    n_shared_experts: int = Field(ge=0, default=0)
+    expert_hidden: int = Field(gt=0, description="SwiGLU hidden width of one routed expert")
+    shared_hidden: int = Field(ge=0, default=0, description="SwiGLU hidden width of one shared expert")
+    latent_dim: int | None = Field(
+        default=None, gt=0, description="routed experts run inside this latent width (None: d_model)"
+    )
+    router_kind: Literal["softmax", "sigmoid"] = "softmax"
+    router_bias_balancing: bool = Field(
+        default=False, description="auxiliary-loss-free balancing: a per-expert bias on selection scores"
+    )
+    router_bias_rate: float = Field(default=1e-3, ge=0)
+    balance_scope: Literal["batch", "sequence"] = "batch"
+    dispatch: Literal["dropless", "capacity"] = "dropless"
+    capacity_factor_send: float = Field(default=1.25, description="bound on rows one source sends one destination")
+    capacity_factor_recv: float = Field(default=1.25, description="bound on rows per local expert")
+    n_waves: int = Field(default=1, gt=0)
+    ep_size: int = Field(default=1, gt=0, description="expert-parallel shards (emulated on one device)")
+    attention_window: int | None = Field(default=None, gt=0, description="sliding window; None = full causal")
+    rope_theta: float = Field(default=10000.0, gt=0)
+    norm_eps: float = Field(default=1e-5, gt=0)
+    init_std: float = Field(default=0.02, gt=0)
+
+    @field_validator("capacity_factor_send", "capacity_factor_recv")
+    @classmethod
+    def _cf_at_least_one(cls, v: float) -> float:
+        if not v >= 1.0:
+            raise ValueError(f"capacity factor must be >= 1.0 (got {v}); below 1 even a perfectly balanced router drops")
+        return v
+
+    @model_validator(mode="after")
+    def _shapes(self) -> "ModelSpec":
+        if self.top_k > self.n_routed_experts:
+            raise ValueError(f"top_k ({self.top_k}) exceeds n_routed_experts ({self.n_routed_experts})")
+        if self.d_model % self.n_heads:
+            raise ValueError(f"n_heads ({self.n_heads}) does not divide d_model ({self.d_model})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"n_kv_heads ({self.n_kv_heads}) does not divide n_heads ({self.n_heads})")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+        if self.n_routed_experts % self.ep_size:
+            raise ValueError(f"ep_size ({self.ep_size}) does not divide n_routed_experts ({self.n_routed_experts})")
+        if self.latent_dim is not None and self.latent_dim > self.d_model:
+            raise ValueError(f"latent_dim ({self.latent_dim}) exceeds d_model ({self.d_model})")
+        if self.n_shared_experts > 0 and self.shared_hidden == 0:
+            raise ValueError("n_shared_experts > 0 needs shared_hidden > 0")
+        return self
+
+    @property
+    def expert_dim(self) -> int:
+        """Width the routed experts read and write (the latent when there is one)."""
+        return self.latent_dim or self.d_model
+
+
+class SourceSpec(_Frozen):
+    name: str = Field(min_length=1)
+    weight: float
+    builtin: Literal["python_code", "python_docs"] | None = Field(
+        default=None, description="text every machine has: the Python installation's own source or prose"
+    )
+    paths: tuple[str, ...] = Field(default=(), description="txt / jsonl / parquet files or globs")
+    text_key: str = "text"
+
+    @model_validator(mode="after")
+    def _one_origin(self) -> "SourceSpec":
+        if (self.builtin is None) == (len(self.paths) == 0):
+            raise ValueError(f"source {self.name!r}: give exactly one of builtin or paths")
+        if not math.isfinite(self.weight) or self.weight < 0:
+            raise ValueError(f"source {self.name!r}: weight must be finite and >= 0 (got {self.weight})")
+        return self
+
+
+class DataPhase(_Frozen):
+    """From `start_frac` of training on, the mixture uses these weights (e.g. a midtrain phase)."""
+
+    name: str
+    start_frac: float = Field(ge=0, lt=1)
+    weights: dict[str, float]
+
+
+class ContextStage(_Frozen):
+    """A longer context from `start_frac` on; `gated` stages wait for a replan to enable them."""
+
+    start_frac: float = Field(ge=0, lt=1)
+    seq_len: int = Field(gt=0)
+    gated: bool = True
+    gate: str = "drop_frac <= 0.07"
+
+
+class DataSpec(_Frozen):
+    sources: tuple[SourceSpec, ...] = Field(min_length=1)
+    tokenizer: Literal["bytes", "llama3"] = "bytes"
+    seq_len: int = Field(gt=0)
+    batch_size: int = Field(gt=0, description="sequences per step")
+    total_tokens: int = Field(gt=0)
+    phases: tuple[DataPhase, ...] = ()
+    context_stages: tuple[ContextStage, ...] = ()
+    eval_fraction: float = Field(default=0.01, gt=0, lt=0.5, description="held-out share of every source")
+
+    @model_validator(mode="after")
+    def _mixture(self) -> "DataSpec":
+        names = [s.name for s in self.sources]
+        if len(set(names)) != len(names):
+            raise ValueError(f"source names must be unique (got {names})")
+        if sum(s.weight for s in self.sources) <= 0:
+            raise ValueError("mixture weights are all zero: at least one source needs a positive weight")
+        for ph in self.phases:
+            unknown = set(ph.weights) - set(names)
+            if unknown:
+                raise ValueError(f"phase {ph.name!r} weights name unknown sources {sorted(unknown)}")
+            if any((not math.isfinite(w)) or w < 0 for w in ph.weights.values()) or sum(ph.weights.values()) <= 0:
+                raise ValueError(f"phase {ph.name!r} weights must be >= 0 with a positive sum")
+        if self.total_tokens < self.tokens_per_step:
+            raise ValueError(
+                f"total_tokens ({self.total_tokens}) is less than one step ({self.batch_size} x {self.seq_len})"
+            )
+        return self
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.batch_size * self.seq_len
+
+    @property
+    def total_steps(self) -> int:
+        return self.total_tokens // self.tokens_per_step
+
+
+class OptimSpec(_Frozen):
+    peak_lr: float = Field(gt=0)
+    beta1: float = Field(default=0.9, ge=0, lt=1)
+    beta2: float = Field(default=0.95, ge=0, lt=1)
+    eps: float = Field(default=1e-8, gt=0)
+    weight_decay: float = Field(default=0.1, ge=0)
+    grad_clip: float = Field(default=1.0, gt=0)
+    z_loss: float = Field(default=1e-4, ge=0, description="logit z-loss coefficient on the output")
+    aux_loss: float = Field(default=1e-2, ge=0, description="router load-balancing loss coefficient")
+    router_z_loss: float = Field(default=1e-3, ge=0)
+
+
+class Rejoin(_Frozen):
+    """A replan point: up to `step` the schedule ran with `prev_total_steps`; from there the decay
+    is re-timed to reach min_lr_ratio x peak at the new end."""
+
+    step: int = Field(ge=0)
+    prev_total_steps: int = Field(gt=0)
+
+
+class CooldownBranch(_Frozen):
+    name: str
+    start_frac: float = Field(gt=0, lt=1)
+    length_frac: float = Field(gt=0, le=1)
+
+
+class ScheduleSpec(_Frozen):
+    warmup_frac: float = Field(default=0.01, ge=0, lt=1)
+    warmup_steps: int | None = Field(default=None, ge=0, description="overrides warmup_frac when set")
+    decay: Literal["linear", "cosine", "wsd", "constant"] = "linear"
+    min_lr_ratio: float = Field(default=0.05, ge=0, le=1)
+    decay_start_frac: float | None = Field(
+        default=None, ge=0, lt=1, description="wsd: where the decay begins (default 0.8); others: end of warmup"
+    )
+    decay_end_frac: float = Field(default=1.0, gt=0, le=1)
+    rejoins: tuple[Rejoin, ...] = ()
+    cooldown_branches: tuple[CooldownBranch, ...] = ()
+
+
+class HardwareSpec(_Frozen):
+    system: str = "cpu"
+    n_gpus: int = Field(default=0, ge=0)
+    ep_domain: int = Field(default=1, gt=0, description="GPUs in one expert-parallel domain")
+    peak_flops: float = Field(default=1e12, gt=0, description="dense bf16 FLOP/s of one device")
+    hbm_gb: float = Field(default=24.0, gt=0, description="memory of one device")
+    expected_mfu: float = Field(default=0.4, gt=0, le=1)
+    task_cpus: float = Field(default=1, ge=0, description="Ray resources of one run")
+    task_gpus: float = Field(default=0, ge=0)
+
+
+class RunSettings(_Frozen):
+    checkpoint_every: int = Field(default=50, gt=0)
+    eval_every: int = Field(default=50, gt=0)
+    eval_batches: int = Field(default=2, gt=0)
+    keep_checkpoints: int = Field(default=2, gt=0)
+
+
+class Lineage(_Frozen):
+    parent_id: str | None = None
+    reason: str | None = None
+    resume_step: int | None = Field(default=None, ge=0, description="continue the parent's run from this step")
+
+
+class Spec(_Frozen):
+    name: str = Field(min_length=1, description="rung name, e.g. d768")
+    role: Literal["rung", "hero", "branch"] = "rung"
+    engine: str = "torch"
+    seed: int = Field(default=0, ge=0)
+    model: ModelSpec
+    data: DataSpec
+    optim: OptimSpec
+    schedule: ScheduleSpec = ScheduleSpec()
+    hardware: HardwareSpec = HardwareSpec()
+    run: RunSettings = RunSettings()
+    lineage: Lineage = Lineage()
+
+    @field_validator("engine")
+    @classmethod
+    def _known_engine(cls, v: str) -> str:
+        from engines.registry import engine_names
+
+        names = engine_names()
+        if v not in names:
+            raise ValueError(f"unknown engine {v!r}; registered engines: {', '.join(sorted(names))}")
+        return v
+
+    @model_validator(mode="after")
+    def _cross(self) -> "Spec":
+        if self.data.tokenizer == "bytes" and self.model.vocab_size < 256:
+            raise ValueError(f"byte-level tokens need vocab_size >= 256 (got {self.model.vocab_size})")
+        return self
+
+    # ---- identity -------------------------------------------------------------------------
+    def identity(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", include=set(IDENTITY_FIELDS))
+
+    @property
+    def id(self) -> str:
+        canon = json.dumps(self.identity(), sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
+
+    @property
+    def total_steps(self) -> int:
+        return self.data.total_steps
+
+    # ---- io -------------------------------------------------------------------------------
+    def to_yaml(self) -> str:
+        return yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+
+    def to_json(self) -> str:
+        return self.model_dump_json(indent=2)
+
+    def replace(self, **changes: Any) -> "Spec":
+        """A validated copy with nested changes given as {"optim.peak_lr": 1e-3, ...}."""
+        data = self.model_dump(mode="json")
+        for dotted, value in changes.items():
+            node = data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                node = node[p]
+            node[leaf] = value
+        return Spec.model_validate(data)
+
+
+class SpecError(ValueError):
+    """A spec file that cannot be read; the message names the file and the problem."""
+
+
+def format_validation_error(err: ValidationError) -> str:
+    lines = []
+    for e in err.errors():
+        loc = ".".join(str(p) for p in e["loc"]) or "(top level)"
+        msg = e["msg"].removeprefix("Value error, ")
+        lines.append(f"{loc}: {msg}")
+    return "; ".join(lines)
+
+
+def spec_from_dict(data: Any, origin: str = "<dict>") -> Spec:
+    if not isinstance(data, dict):
+        raise SpecError(f"{origin}: a spec must be a mapping, got {type(data).__name__}")
+    try:
+        return Spec.model_validate(data)
+    except ValidationError as err:
+        raise SpecError(f"{origin}: invalid spec: {format_validation_error(err)}") from err
+
+
+def load_spec(path: str | Path) -> Spec:
+    path = Path(path)
+    if not path.exists():
+        raise SpecError(f"{path}: no such spec file")
+    text = path.read_text()
+    try:
+        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+    except (yaml.YAMLError, json.JSONDecodeError) as err:
+        raise SpecError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from err
+    return spec_from_dict(data, str(path))
+
+
+def save_spec(spec: Spec, path: str | Path) -> Path:
+    from ladder.fsutil import atomic_write_text
+
+    path = Path(path)
+    return atomic_write_text(path, spec.to_json() if path.suffix == ".json" else spec.to_yaml())
