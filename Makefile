@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/python -m experiments.demo
+	$(BIN)/ladder plan experiments/marin_535b.py
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q

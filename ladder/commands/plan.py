@@ -1,0 +1,74 @@
+"""`ladder plan` (the cost table of an experiment) and `ladder schema` (the spec's JSON schema)."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+from ladder import costs
+from ladder.experiment import load_experiment
+from ladder.spec import Spec
+
+
+def plan_rows(experiment: str) -> tuple[list[dict], dict]:
+    exp = load_experiment(experiment)
+    specs = [*exp.rungs, *([exp.hero] if exp.hero else [])]
+    rows = costs.plan(specs, exp.hero)
+    summary = {"experiment": exp.name}
+    if exp.hero:
+        summary["ladder_share_of_hero"] = costs.ladder_share(list(exp.rungs), exp.hero)
+    return rows, summary
+
+
+def render_plan(rows: list[dict], summary: dict, console: Console | None = None) -> None:
+    import sys
+
+    console = console or (Console() if sys.stdout.isatty() else Console(width=170))
+    t = Table(title=f"plan: {summary['experiment']}", header_style="bold")
+    for col in ("rung", "layers", "d", "total", "active", "tokens", "tok/act", "FLOPs", "% hero",
+                "mem/GPU", "a2a B/tok", "GPUs", "GPU-h", "days"):
+        t.add_column(col, justify="right")
+    for r in rows:
+        share = f"{100 * r['share_of_hero']:.3g}%" if r["share_of_hero"] is not None else "-"
+        t.add_row(
+            r["name"], str(r["layers"]), str(r["d_model"]), costs.fmt_count(r["total_params"]),
+            costs.fmt_count(r["active_params"]), costs.fmt_count(r["tokens"]), f"{r['tokens_per_active_param']:.0f}",
+            costs.fmt_sci(r["flops"]), share, f"{r['memory_per_gpu_gb']:.1f} GB" + ("" if r["memory_fits"] else " !"),
+            f"{r['a2a_bytes_per_token'] / 1e6:.2f} MB", str(r["gpus"]), f"{r['gpu_hours']:.3g}", f"{r['days']:.3g}",
+        )
+    console.print(t)
+    mfu = {r["mfu"] for r in rows}
+    systems = {r["system"] for r in rows}
+    console.print(f"GPU-hours and days at MFU {', '.join(f'{m:.0%}' for m in sorted(mfu))} on {', '.join(sorted(systems))}.")
+    if "ladder_share_of_hero" in summary:
+        console.print(f"ladder compute: {100 * summary['ladder_share_of_hero']:.2f}% of the hero's.")
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("plan")
+    def plan_cmd(
+        experiment: str = typer.Argument(..., help="experiment file, e.g. experiments/marin_535b.py"),
+        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    ) -> None:
+        """Parameters, tokens, FLOPs, memory, all-to-all traffic and GPU-hours of every rung."""
+        rows, summary = plan_rows(experiment)
+        if as_json:
+            print(json.dumps({**summary, "rungs": rows}, indent=2))
+        else:
+            render_plan(rows, summary)
+
+    @app.command("schema")
+    def schema_cmd() -> None:
+        """Print the spec's JSON schema."""
+        print(json.dumps(Spec.model_json_schema(), indent=2))
+
+    @app.command("validate")
+    def validate_cmd(path: str = typer.Argument(..., help="spec YAML or JSON")) -> None:
+        """Validate a spec file and print its id."""
+        from ladder.spec import load_spec
+
+        spec = load_spec(path)
+        print(f"{spec.name}: ok, id {spec.id}, {spec.total_steps} steps")

@@ -1,0 +1,153 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from pydantic import ValidationError
+
+from ladder.presets import micro_spec
+from ladder.spec import Spec, SpecError, load_spec, save_spec, spec_from_dict
+
+
+def _bad(**changes):
+    with pytest.raises(ValidationError) as exc:
+        micro_spec(**changes)
+    return str(exc.value)
+
+
+def test_top_k_above_experts_names_both_fields():
+    msg = _bad(**{"model.top_k": 9})
+    assert "top_k (9) exceeds n_routed_experts (8)" in msg
+
+
+def test_capacity_factor_below_one_is_refused():
+    assert "capacity_factor_send" in _bad(**{"model.capacity_factor_send": 0.9})
+
+
+def test_heads_not_dividing_d_model_is_refused():
+    assert "does not divide d_model" in _bad(**{"model.n_heads": 5})
+
+
+def test_kv_heads_not_dividing_heads_is_refused():
+    assert "n_kv_heads (3) does not divide n_heads (4)" in _bad(**{"model.n_kv_heads": 3})
+
+
+def test_all_zero_mixture_is_refused():
+    sources = [{"name": "a", "builtin": "python_code", "weight": 0.0}]
+    assert "all zero" in _bad(**{"data.sources": sources})
+
+
+def test_negative_weight_is_refused():
+    sources = [{"name": "a", "builtin": "python_code", "weight": -1.0}]
+    assert "weight must be finite and >= 0" in _bad(**{"data.sources": sources})
+
+
+def test_unknown_engine_lists_registered_ones():
+    msg = _bad(engine="tensorflow")
+    assert "unknown engine 'tensorflow'" in msg and "torch" in msg
+
+
+def test_non_positive_tokens_is_refused():
+    assert "total_tokens" in _bad(**{"data.total_tokens": 0})
+
+
+def test_unknown_key_is_refused():
+    data = micro_spec().model_dump(mode="json")
+    data["model"]["n_expertz"] = 3
+    with pytest.raises(SpecError, match="model.n_expertz: Extra inputs are not permitted"):
+        spec_from_dict(data)
+
+
+def test_yaml_that_is_not_a_mapping_is_a_clear_error(tmp_path):
+    p = tmp_path / "s.yaml"
+    p.write_text("- 1\n- 2\n")
+    with pytest.raises(SpecError, match="must be a mapping"):
+        load_spec(p)
+
+
+def test_spec_is_frozen():
+    s = micro_spec()
+    with pytest.raises(ValidationError):
+        s.seed = 3
+
+
+def test_yaml_and_json_round_trip(tmp_path):
+    s = micro_spec()
+    for name in ("s.yaml", "s.json"):
+        back = load_spec(save_spec(s, tmp_path / name))
+        assert back == s and back.id == s.id
+
+
+def test_id_ignores_run_arguments():
+    s = micro_spec()
+    moved = s.replace(**{"hardware.n_gpus": 8, "hardware.system": "h200", "run.checkpoint_every": 7, "name": "other"})
+    assert moved.id == s.id
+
+
+@pytest.mark.parametrize(
+    "change", [{"model.d_model": 64}, {"data.batch_size": 4}, {"optim.peak_lr": 1e-3}, {"schedule.min_lr_ratio": 0.1},
+               {"seed": 1}, {"engine": "jax"}, {"model.dispatch": "capacity"}]
+)
+def test_id_changes_with_every_training_field(change):
+    assert micro_spec(**change).id != micro_spec().id
+
+
+def test_id_is_stable_across_processes():
+    code = "from ladder.presets import micro_spec; print(micro_spec().id)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == micro_spec().id
+
+
+def test_id_is_the_hash_of_canonical_identity_json():
+    import hashlib
+
+    s = micro_spec()
+    canon = json.dumps(s.identity(), sort_keys=True, separators=(",", ":"))
+    assert s.id == hashlib.sha256(canon.encode()).hexdigest()[:16]
+    assert set(s.identity()) == {"model", "data", "optim", "schedule", "engine", "seed"}
+
+
+# ---- property-based --------------------------------------------------------------------------
+
+INVALID = st.one_of(
+    st.tuples(st.just("model.top_k"), st.integers(9, 10_000)),
+    st.tuples(st.just("model.capacity_factor_recv"), st.floats(-10, 0.999)),
+    st.tuples(st.just("model.n_heads"), st.sampled_from([3, 5, 6, 7, 9, 10, 12])),
+    st.tuples(st.just("model.n_kv_heads"), st.sampled_from([3, 5, 6, 7])),
+    st.tuples(st.just("data.total_tokens"), st.integers(-10**12, 0)),
+    st.tuples(st.just("optim.peak_lr"), st.floats(-1, 0)),
+    st.tuples(st.just("model.d_model"), st.integers(-100, 0)),
+    st.tuples(st.just("engine"), st.text(min_size=1).filter(lambda t: t not in ("torch", "jax"))),
+    st.tuples(st.just("data.sources"), st.lists(st.floats(-5, 0), min_size=1, max_size=3).map(
+        lambda ws: [{"name": f"s{i}", "builtin": "python_code", "weight": w} for i, w in enumerate(ws)])),
+)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(INVALID)
+def test_invalid_specs_always_raise_validation_error(change):
+    with pytest.raises(ValidationError):
+        micro_spec(**{change[0]: change[1]})
+
+
+VALID = st.fixed_dictionaries({
+    "model.d_model": st.sampled_from([16, 32, 64]),
+    "model.top_k": st.integers(1, 8),
+    "model.capacity_factor_send": st.floats(1.0, 4.0),
+    "model.dispatch": st.sampled_from(["dropless", "capacity"]),
+    "optim.peak_lr": st.floats(1e-5, 1e-1),
+    "schedule.decay": st.sampled_from(["linear", "cosine", "wsd", "constant"]),
+    "seed": st.integers(0, 2**31),
+})
+
+
+@settings(max_examples=60, deadline=None)
+@given(VALID)
+def test_valid_specs_round_trip_yaml_unchanged(changes):
+    s = micro_spec(**changes)
+    text = s.to_yaml()
+    back = spec_from_dict(yaml.safe_load(text))
+    assert back.to_yaml() == text and back.id == s.id
