@@ -1,0 +1,179 @@
+"""Read a run's metrics into a DataFrame, from this project's metrics.jsonl or from a CSV exported
+elsewhere, so a run not launched here can be compared and replanned too.
+
+    read_metrics_frame(path, columns=None) -> pd.DataFrame
+
+`path` is a run directory (its metrics.jsonl), a .jsonl file or a .csv file. The frame has one row
+per step, sorted by step (a repeated step keeps its last record, as a resumed writer would), with at
+least the columns `step` and `loss`; `tokens`, `grad_norm`, `lr`, `drop_frac_send`, ... are kept
+when present. A CSV's column names are matched case-insensitively against common aliases
+(`_step`, `global_step`, `iteration` for step; `train_loss`, `train/loss`, `loss/train` for loss;
+`train/grad_norm`, `grad/norm` for grad_norm; ...), or named explicitly with
+`columns={"loss": "my loss column"}`.
+
+Non-finite loss or grad-norm values are kept (the monitor flags them); a cell that is not a number
+at all is an error naming the file, column and row. Every problem raises `MetricsError` (a
+ValueError: the CLI prints it as a one-line error, exit 2).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import pandas as pd
+
+__all__ = ["MetricsError", "read_metrics_frame", "resolve_metrics_path", "ALIASES"]
+
+METRICS_FILE = "metrics.jsonl"
+
+# Canonical column -> names other tools export it under (compared lower-case, stripped).
+ALIASES: dict[str, tuple[str, ...]] = {
+    "step": ("step", "_step", "global_step", "iteration", "iter", "trainer/global_step", "steps"),
+    "tokens": ("tokens", "tokens_seen", "num_tokens", "train/tokens", "consumed_tokens"),
+    "loss": ("loss", "train_loss", "train/loss", "loss/train", "train/ce_loss", "ce_loss", "lm_loss"),
+    "grad_norm": ("grad_norm", "gradnorm", "grad/norm", "train/grad_norm", "optim/total_grad_norm", "total_grad_norm"),
+    "lr": ("lr", "learning_rate", "train/lr", "optim/lr"),
+    "eval_loss": ("eval_loss", "eval/loss", "val_loss", "validation_loss"),
+    "tokens_per_s": ("tokens_per_s", "tokens_per_sec", "throughput/tokens_per_s", "tok/s"),
+    "router_entropy": ("router_entropy",),
+    "drop_frac_send": ("drop_frac_send",),
+    "drop_frac_recv": ("drop_frac_recv",),
+    "time": ("time", "timestamp", "_timestamp", "unix_time"),
+}
+
+
+class MetricsError(ValueError):
+    """A metrics file that cannot be read as a run's curve; the message names file and problem."""
+
+
+def resolve_metrics_path(path: str | Path) -> Path:
+    """A run dir -> its metrics.jsonl; a file -> itself. Missing -> MetricsError."""
+    p = Path(path)
+    if p.is_dir():
+        m = p / METRICS_FILE
+        if not m.exists():
+            raise MetricsError(f"{p}: run directory has no {METRICS_FILE} (has the run started?)")
+        return m
+    if not p.exists():
+        raise MetricsError(f"{p}: no such metrics file")
+    return p
+
+
+def _read_jsonl(path: Path) -> pd.DataFrame:
+    records = []
+    lines = path.read_text().splitlines()
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            if i == len(lines) - 1:
+                continue  # a torn final line from a writer killed mid-record
+            raise MetricsError(f"{path}: line {i + 1} is not valid JSON") from None
+        if not isinstance(rec, dict):
+            raise MetricsError(f"{path}: line {i + 1} is not a JSON object")
+        extra = rec.pop("extra", None)
+        if isinstance(extra, dict):
+            for k, v in extra.items():
+                rec.setdefault(f"extra.{k}", v)
+        records.append(rec)
+    return pd.DataFrame.from_records(records)
+
+
+def _read_csv(path: Path) -> pd.DataFrame:
+    try:
+        return pd.read_csv(path)
+    except pd.errors.EmptyDataError:
+        raise MetricsError(f"{path}: file is empty (expected a CSV with a header row)") from None
+    except (pd.errors.ParserError, UnicodeDecodeError) as e:
+        raise MetricsError(f"{path}: not a readable CSV ({str(e).strip().splitlines()[0]})") from None
+
+
+def _rename(df: pd.DataFrame, path: Path, columns: Mapping[str, str] | None) -> pd.DataFrame:
+    df.columns = [str(c).strip() for c in df.columns]
+    rename: dict[str, str] = {}
+    columns = dict(columns or {})
+    for canon, given in columns.items():
+        if given not in df.columns:
+            raise MetricsError(
+                f"{path}: column {given!r} (given for {canon}) not found; columns present: "
+                + ", ".join(repr(c) for c in df.columns)
+            )
+        rename[given] = canon
+    lower = {c.lower(): c for c in df.columns}
+    for canon, names in ALIASES.items():
+        if canon in columns or canon in df.columns:
+            continue
+        for n in names:
+            if n in lower and lower[n] not in rename:
+                rename[lower[n]] = canon
+                break
+    return df.rename(columns=rename)
+
+
+def _numeric(df: pd.DataFrame, col: str, path: Path, allow_missing: bool) -> None:
+    raw = df[col]
+    num = pd.to_numeric(raw, errors="coerce")
+    bad = num.isna() & raw.notna()
+    # json NaN / inf arrive as floats already; text "nan"/"inf" in a CSV parse as floats too.
+    if bad.any():
+        r = int(np.flatnonzero(bad.to_numpy())[0])
+        raise MetricsError(f"{path}: column {col!r} row {r + 1}: value {raw.iloc[r]!r} is not a number")
+    if not allow_missing and num.isna().any():
+        r = int(np.flatnonzero(num.isna().to_numpy())[0])
+        raise MetricsError(f"{path}: column {col!r} row {r + 1} is empty")
+    df[col] = num.astype(np.float64)
+
+
+def read_metrics_frame(path: str | Path, columns: Mapping[str, str] | None = None) -> pd.DataFrame:
+    path = resolve_metrics_path(path)
+    if path.suffix in (".jsonl", ".json", ".ndjson"):
+        df = _read_jsonl(path)
+    elif path.suffix in (".csv", ".tsv", ".txt"):
+        df = _read_csv(path)
+    else:
+        raise MetricsError(f"{path}: unknown metrics format {path.suffix!r} (expected .jsonl or .csv)")
+    if df.empty:
+        raise MetricsError(f"{path}: no metric records")
+    df = _rename(df, path, columns)
+    for need in ("step", "loss"):
+        if need not in df.columns:
+            raise MetricsError(
+                f"{path}: no {need} column (looked for {', '.join(repr(a) for a in ALIASES[need])}; "
+                f"columns present: {', '.join(repr(c) for c in df.columns)})"
+                + ("; name it with --loss-col" if need == "loss" else "")
+            )
+    _numeric(df, "step", path, allow_missing=False)
+    # A NaN/inf loss is data (the monitor flags it); an empty loss cell in a CSV is read as NaN too.
+    _numeric(df, "loss", path, allow_missing=True)
+    for c in df.columns:
+        if c in ("step", "loss"):
+            continue
+        if c in ALIASES or df[c].dtype.kind in "biuf":
+            num = pd.to_numeric(df[c], errors="coerce")
+            if c in ALIASES or num.notna().sum() >= df[c].notna().sum():
+                df[c] = num.astype(np.float64)
+    steps = df["step"].to_numpy()
+    if (steps < 0).any() or (np.abs(steps - np.round(steps)) > 0).any():
+        r = int(np.flatnonzero((steps < 0) | (np.abs(steps - np.round(steps)) > 0))[0])
+        raise MetricsError(f"{path}: column 'step' row {r + 1}: {steps[r]:g} is not a non-negative whole number")
+    df["step"] = df["step"].astype(np.int64)
+    df = df.drop_duplicates("step", keep="last").sort_values("step", kind="stable").reset_index(drop=True)
+    return df
+
+
+def frame_tokens_per_step(df: pd.DataFrame) -> float | None:
+    """Tokens per step the metrics imply (tokens column over step count), or None."""
+    if "tokens" not in df.columns:
+        return None
+    ok = df["tokens"].notna() & (df["step"] > 0)
+    if not ok.any():
+        return None
+    last = df[ok].iloc[-1]
+    v = float(last["tokens"])
+    return v / float(last["step"] + 1) if v > 0 and math.isfinite(v) else None
