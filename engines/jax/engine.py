@@ -1,0 +1,213 @@
+"""JaxEngine: trains a spec with the JAX model, writes metrics.jsonl and engine-neutral
+checkpoints, resumes exactly from the newest checkpoint.
+
+Nothing in a step is random (no dropout; the data stream is counter-based), so a checkpoint's
+parameters, router-bias buffers, AdamW moments and step are the whole training state: a resumed
+run replays the same batches and reaches the same weights.
+
+With model.ep_size > 1, capacity dispatch and at least ep_size devices, the routed experts (and
+their optimizer moments) are sharded over a device mesh and the pooled-wave all-to-all runs
+between devices; the rest of the model is data-parallel over the same devices. Otherwise the
+expert shards are emulated on one device, with the same drops.
+"""
+
+from __future__ import annotations
+
+import time
+from functools import lru_cache
+from pathlib import Path
+from typing import Iterator
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from engines.base import DivergedError, MetricsWriter, StepMetrics, write_status
+from engines.checkpoint import latest_checkpoint, load_checkpoint, remove_checkpoints, save_checkpoint
+from engines.data import TokenStream
+from engines.jax.model import ModelConfig, Params, init_params, is_buffer, param_shapes
+from engines.jax.moe import EP_AXIS
+from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
+from ladder.costs import flops_per_token
+from ladder.schedule import lr_at
+from ladder.spec import Spec
+
+EXPERT_SUFFIXES = (".moe.experts.w_gate", ".moe.experts.w_up", ".moe.experts.w_down")
+
+
+def configure_jax() -> None:
+    """fp32 everywhere on the CPU, with full-precision matmuls (what parity with torch needs)."""
+    jax.config.update("jax_enable_x64", False)
+    if jax.default_backend() == "cpu":
+        jax.config.update("jax_default_matmul_precision", "highest")
+
+
+def make_mesh(cfg: ModelConfig) -> Mesh | None:
+    """A 1-D mesh over ep_size devices when the pooled-wave transport can run for real."""
+    if cfg.ep_size > 1 and cfg.dispatch == "capacity" and len(jax.devices()) >= cfg.ep_size:
+        return Mesh(np.array(jax.devices()[: cfg.ep_size]), (EP_AXIS,))
+    return None
+
+
+@lru_cache(maxsize=16)
+def compiled_steps(cfg: ModelConfig, optim, bias_rate: float, mesh: Mesh | None):
+    """(train_step, eval_step, optimizer) for a model and optimizer, shared by every run in this
+    process with the same ones (compiling is most of a small run's time)."""
+    shapes = {k: v for k, v in param_shapes(cfg).items() if not is_buffer(k)}
+    tx = make_optimizer(optim, {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()})
+    return make_train_step(cfg, optim, tx, bias_rate, mesh), make_eval_step(cfg, optim, mesh), tx
+
+
+# ---- checkpoint <-> state -------------------------------------------------------------------
+
+
+def _adam_state(opt_state) -> optax.ScaleByAdamState:
+    return next(s for s in opt_state if isinstance(s, optax.ScaleByAdamState))
+
+
+def state_to_arrays(state: TrainState) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]]:
+    """(model tensors by name, {"m/<name>", "v/<name>", "step"}) as numpy for the checkpoint."""
+    model = {k: np.asarray(v) for k, v in {**state.params, **state.buffers}.items()}
+    adam = _adam_state(state.opt_state)
+    opt: dict[str, np.ndarray] = {"step": np.asarray(int(adam.count), np.int64)}
+    for k in state.params:
+        opt[f"m/{k}"] = np.asarray(adam.mu[k])
+        opt[f"v/{k}"] = np.asarray(adam.nu[k])
+    return model, opt
+
+
+def state_from_arrays(cfg: ModelConfig, tx: optax.GradientTransformation, model: dict, opt: dict,
+                      origin: str) -> TrainState:
+    shapes = param_shapes(cfg)
+    missing = sorted(set(shapes) - set(model))
+    if missing:
+        raise ValueError(f"{origin}: checkpoint lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+    for k, s in shapes.items():
+        if tuple(model[k].shape) != s:
+            raise ValueError(f"{origin}: {k} has shape {tuple(model[k].shape)}, the spec needs {s}")
+    params = {k: jnp.asarray(model[k], jnp.float32) for k in shapes if not is_buffer(k)}
+    buffers = {k: jnp.asarray(model[k], jnp.float32) for k in shapes if is_buffer(k)}
+    opt_state = tx.init(params)
+    adam = _adam_state(opt_state)
+    new_adam = optax.ScaleByAdamState(
+        count=jnp.asarray(int(opt["step"]), jnp.int32),
+        mu={k: jnp.asarray(opt.get(f"m/{k}", np.zeros(shapes[k], np.float32))) for k in params},
+        nu={k: jnp.asarray(opt.get(f"v/{k}", np.zeros(shapes[k], np.float32))) for k in params},
+    )
+    opt_state = tuple(new_adam if s is adam else s for s in opt_state)
+    return TrainState(params, buffers, opt_state)
+
+
+def place(state: TrainState, mesh: Mesh | None) -> TrainState:
+    """Expert weights and their moments sharded over the mesh along E; the rest replicated."""
+    if mesh is None:
+        return state
+    rep = NamedSharding(mesh, P())
+    by_e = NamedSharding(mesh, P(EP_AXIS))
+
+    def put(path, x):
+        names = [getattr(k, "key", None) for k in path]
+        expert = any(isinstance(n, str) and n.endswith(EXPERT_SUFFIXES) for n in names)
+        return jax.device_put(x, by_e if expert else rep)
+
+    return jax.tree_util.tree_map_with_path(put, state)
+
+
+# ---- the engine -----------------------------------------------------------------------------
+
+
+class JaxEngine:
+    name = "jax"
+
+    def train(self, spec: Spec, run_dir: str | Path, resume: bool = True) -> Iterator[StepMetrics]:
+        configure_jax()
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = ModelConfig.from_spec(spec.model)
+        mesh = make_mesh(cfg)
+        train_step, eval_step, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
+        stream = TokenStream.from_spec(spec)
+        if not resume:
+            remove_checkpoints(run_dir)
+
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None:
+            model, opt, info = load_checkpoint(ckpt)
+            state = state_from_arrays(cfg, tx, model, opt, str(ckpt))
+            start, tokens = int(info["step"]), int(info.get("tokens", int(info["step"]) * spec.data.tokens_per_step))
+        else:
+            params, buffers = init_params(cfg, spec.seed)
+            state = TrainState(params, buffers, tx.init(params))
+            start, tokens = 0, 0
+        state = place(state, mesh)
+        batch_sharding = NamedSharding(mesh, P(EP_AXIS)) if mesh is not None else None
+        n_devices = mesh.size if mesh is not None else 1
+
+        def save(step: int, tokens: int) -> None:
+            model, opt = state_to_arrays(state)
+            info = {"tokens": tokens, "spec_id": spec.id, "engine": self.name, "data": stream.state(step)}
+            save_checkpoint(run_dir, step, model, opt, info, keep=spec.run.keep_checkpoints)
+
+        def evaluate() -> float:
+            losses = [float(eval_step(state.params, state.buffers, put_batch(stream.eval_batch(i))))
+                      for i in range(spec.run.eval_batches)]
+            return float(np.mean(losses))
+
+        def put_batch(batch_BS1: np.ndarray) -> jax.Array:
+            if batch_sharding is not None and batch_BS1.shape[0] % n_devices == 0:
+                return jax.device_put(batch_BS1, batch_sharding)
+            return jnp.asarray(batch_BS1)
+
+        write_status(run_dir, "running", step=start, engine=self.name, spec_id=spec.id)
+        if ckpt is None:
+            save(0, 0)  # the initial weights: another engine (or a replan) can start from them
+        writer = MetricsWriter(run_dir, start)
+        total = spec.total_steps
+        lrs = lr_at(spec, np.arange(total))
+        try:
+            for step in range(start, total):
+                batch = stream.batch(step)
+                n_tok = batch.shape[0] * (batch.shape[1] - 1)
+                t0 = time.perf_counter()
+                new_state, m = train_step(state, put_batch(batch), jnp.float32(lrs[step]))
+                m = jax.device_get(m)
+                dt = max(time.perf_counter() - t0, 1e-9)
+                state = new_state
+                tokens += n_tok
+                tps = n_tok / dt
+                rec = StepMetrics(
+                    step=step, tokens=tokens, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
+                    lr=float(lrs[step]), z_loss=float(m["z_loss"]), aux_loss=float(m["aux_loss"]),
+                    drop_frac_send=float(m["drop_frac_send"]), drop_frac_recv=float(m["drop_frac_recv"]),
+                    expert_load_max=float(m["expert_load_max"]), router_entropy=float(m["router_entropy"]),
+                    tokens_per_s=tps,
+                    mfu=flops_per_token(spec, batch.shape[1] - 1) * tps / (spec.hardware.peak_flops * n_devices),
+                    time=time.time(),
+                    extra={"router_z_loss": float(m["router_z_loss"]), "total_loss": float(m["total_loss"])},
+                )
+                if not (np.isfinite(rec.loss) and np.isfinite(m["total_loss"]) and np.isfinite(rec.grad_norm)):
+                    writer.write(rec)
+                    write_status(run_dir, "diverged", step=step, engine=self.name, loss=rec.loss,
+                                 grad_norm=rec.grad_norm)
+                    raise DivergedError(
+                        f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
+                        f"the last good checkpoint is {latest_checkpoint(run_dir)}"
+                    )
+                done = step + 1
+                if done % spec.run.eval_every == 0 or done == total:
+                    rec.eval_loss = evaluate()
+                writer.write(rec)
+                if done % spec.run.checkpoint_every == 0 or done == total:
+                    save(done, tokens)
+                yield rec
+        except DivergedError:
+            raise
+        except BaseException as err:
+            if not isinstance(err, GeneratorExit):
+                write_status(run_dir, "failed", engine=self.name, error=f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            writer.close()
+        write_status(run_dir, "finished", step=total, engine=self.name, spec_id=spec.id)

@@ -1,0 +1,203 @@
+"""The MoE transformer of a spec, in plain JAX: parameters are a flat dict keyed by the
+engine-neutral names of engines/base.py (same layouts, x @ w), so a checkpoint is the dict itself.
+
+Shape legend: B batch, S sequence, T tokens (B*S), D model, H query heads, G kv heads, Q head dim,
+V vocab, E routed experts, K top-k, L expert width (latent or D), F expert hidden, N shared
+experts, R shared hidden.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from ladder.spec import ModelSpec
+
+Params = dict[str, jax.Array]
+
+BUFFER_SUFFIX = ".moe.router_bias"  # balancing bias: a buffer, never trained or decayed
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The static (hashable) part of a spec the forward pass depends on."""
+
+    n_layers: int
+    d_model: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    n_experts: int
+    top_k: int
+    n_shared: int
+    expert_hidden: int
+    shared_hidden: int
+    latent_dim: int | None
+    router_kind: str
+    bias_balancing: bool
+    balance_scope: str
+    dispatch: str
+    cf_send: float
+    cf_recv: float
+    n_waves: int
+    ep_size: int
+    window: int | None
+    rope_theta: float
+    norm_eps: float
+    init_std: float
+
+    @classmethod
+    def from_spec(cls, m: ModelSpec) -> "ModelConfig":
+        return cls(
+            n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads,
+            head_dim=m.head_dim, vocab_size=m.vocab_size, n_experts=m.n_routed_experts, top_k=m.top_k,
+            n_shared=m.n_shared_experts, expert_hidden=m.expert_hidden, shared_hidden=m.shared_hidden,
+            latent_dim=m.latent_dim, router_kind=m.router_kind, bias_balancing=m.router_bias_balancing,
+            balance_scope=m.balance_scope, dispatch=m.dispatch, cf_send=m.capacity_factor_send,
+            cf_recv=m.capacity_factor_recv, n_waves=m.n_waves, ep_size=m.ep_size, window=m.attention_window,
+            rope_theta=m.rope_theta, norm_eps=m.norm_eps, init_std=m.init_std,
+        )
+
+    @property
+    def expert_dim(self) -> int:
+        return self.latent_dim or self.d_model
+
+
+def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Every tensor of the model (trainable parameters and the router-bias buffers), by name."""
+    D, V, E, F, L = cfg.d_model, cfg.vocab_size, cfg.n_experts, cfg.expert_hidden, cfg.expert_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, D)}
+    for i in range(cfg.n_layers):
+        b = f"blocks.{i}"
+        shapes[f"{b}.attn_norm.weight"] = (D,)
+        shapes[f"{b}.attn.wq"] = (D, cfg.n_heads * cfg.head_dim)
+        shapes[f"{b}.attn.wk"] = (D, cfg.n_kv_heads * cfg.head_dim)
+        shapes[f"{b}.attn.wv"] = (D, cfg.n_kv_heads * cfg.head_dim)
+        shapes[f"{b}.attn.wo"] = (cfg.n_heads * cfg.head_dim, D)
+        shapes[f"{b}.moe_norm.weight"] = (D,)
+        shapes[f"{b}.moe.router"] = (D, E)
+        shapes[f"{b}.moe.router_bias"] = (E,)
+        if cfg.latent_dim is not None:
+            shapes[f"{b}.moe.latent_down"] = (D, L)
+            shapes[f"{b}.moe.latent_up"] = (L, D)
+        shapes[f"{b}.moe.experts.w_gate"] = (E, L, F)
+        shapes[f"{b}.moe.experts.w_up"] = (E, L, F)
+        shapes[f"{b}.moe.experts.w_down"] = (E, F, L)
+        if cfg.n_shared > 0:
+            N, R = cfg.n_shared, cfg.shared_hidden
+            shapes[f"{b}.moe.shared.w_gate"] = (N, D, R)
+            shapes[f"{b}.moe.shared.w_up"] = (N, D, R)
+            shapes[f"{b}.moe.shared.w_down"] = (N, R, D)
+    shapes["final_norm.weight"] = (D,)
+    shapes["lm_head"] = (D, V)
+    return shapes
+
+
+def is_buffer(name: str) -> bool:
+    return name.endswith(BUFFER_SUFFIX)
+
+
+def init_params(cfg: ModelConfig, seed: int) -> tuple[Params, Params]:
+    """(trainable params, buffers). Norm weights 1, biases 0, matrices N(0, init_std) with the
+    output projections (attn.wo, experts/shared w_down) scaled by 1/sqrt(2 n_layers)."""
+    rng = np.random.default_rng(seed)
+    out_scale = 1.0 / np.sqrt(2.0 * cfg.n_layers)
+    params, buffers = {}, {}
+    for name, shape in param_shapes(cfg).items():
+        if is_buffer(name):
+            buffers[name] = jnp.zeros(shape, jnp.float32)
+        elif name.endswith("norm.weight"):
+            params[name] = jnp.ones(shape, jnp.float32)
+        else:
+            std = cfg.init_std * (out_scale if name.endswith(("attn.wo", "w_down")) else 1.0)
+            params[name] = jnp.asarray(rng.normal(0.0, std, size=shape).astype(np.float32))
+    return params, buffers
+
+
+# ---- layers -------------------------------------------------------------------------------
+
+
+def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
+
+
+def rope_tables(seq_len: int, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """cos/sin [S, Q/2] for rotating (first half, second half) pairs of a head."""
+    inv_freq = 1.0 / (theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim))
+    ang = np.outer(np.arange(seq_len, dtype=np.float64), inv_freq)
+    return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+
+
+def apply_rope(x_BSHQ: jax.Array, cos_SP: jax.Array, sin_SP: jax.Array) -> jax.Array:
+    half = x_BSHQ.shape[-1] // 2
+    x1, x2 = x_BSHQ[..., :half], x_BSHQ[..., half:]
+    cos, sin = cos_SP[None, :, None, :], sin_SP[None, :, None, :]
+    return jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+
+def attention_mask(seq_len: int, window: int | None) -> np.ndarray:
+    """[S, S] True where query i may attend key j: causal, and within the last `window` positions."""
+    i = np.arange(seq_len)[:, None]
+    j = np.arange(seq_len)[None, :]
+    allowed = j <= i
+    if window is not None:
+        allowed &= (i - j) < window
+    return allowed
+
+
+def attention(p: Params, b: str, x_BSD: jax.Array, cfg: ModelConfig, cos, sin, mask_SS) -> jax.Array:
+    B, S, _ = x_BSD.shape
+    H, G, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    q_BSHQ = (x_BSD @ p[f"{b}.attn.wq"]).reshape(B, S, H, Q)
+    k_BSGQ = (x_BSD @ p[f"{b}.attn.wk"]).reshape(B, S, G, Q)
+    v_BSGQ = (x_BSD @ p[f"{b}.attn.wv"]).reshape(B, S, G, Q)
+    q_BSHQ = apply_rope(q_BSHQ, cos, sin)
+    k_BSGQ = apply_rope(k_BSGQ, cos, sin)
+    # query head h reads kv head h // (H // G) (consecutive query heads share a kv head)
+    q_BSGRQ = q_BSHQ.reshape(B, S, G, H // G, Q)
+    scores = jnp.einsum("bsgrq,btgq->bgrst", q_BSGRQ, k_BSGQ) / np.sqrt(Q)
+    scores = jnp.where(mask_SS, scores, -jnp.inf)
+    probs = jax.nn.softmax(scores, axis=-1)
+    o_BSGRQ = jnp.einsum("bgrst,btgq->bsgrq", probs, v_BSGQ)
+    return o_BSGRQ.reshape(B, S, H * Q) @ p[f"{b}.attn.wo"]
+
+
+def swiglu(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
+    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+
+
+def shared_experts(p: Params, b: str, x_TD: jax.Array, cfg: ModelConfig) -> jax.Array:
+    wg, wu, wd = p[f"{b}.moe.shared.w_gate"], p[f"{b}.moe.shared.w_up"], p[f"{b}.moe.shared.w_down"]
+    h_NTR = jax.nn.silu(jnp.einsum("td,ndr->ntr", x_TD, wg)) * jnp.einsum("td,ndr->ntr", x_TD, wu)
+    return jnp.einsum("ntr,nrd->td", h_NTR, wd)
+
+
+MoeFn = Callable[[Params, Params, str, jax.Array], tuple[jax.Array, dict]]
+
+
+def forward(params: Params, buffers: Params, tokens_BS: jax.Array, cfg: ModelConfig, moe_fn: MoeFn):
+    """Logits [B, S, V] and per-layer MoE statistics (each a [n_layers, ...] array)."""
+    B, S = tokens_BS.shape
+    cos, sin = rope_tables(S, cfg.head_dim, cfg.rope_theta)
+    mask_SS = jnp.asarray(attention_mask(S, cfg.window))
+    x_BSD = params["embed.weight"][tokens_BS]
+    stats = []
+    for i in range(cfg.n_layers):
+        b = f"blocks.{i}"
+        h = rms_norm(x_BSD, params[f"{b}.attn_norm.weight"], cfg.norm_eps)
+        x_BSD = x_BSD + attention(params, b, h, cfg, cos, sin, mask_SS)
+        h_TD = rms_norm(x_BSD, params[f"{b}.moe_norm.weight"], cfg.norm_eps).reshape(B * S, cfg.d_model)
+        y_TD, st = moe_fn(params, buffers, b, h_TD)
+        if cfg.n_shared > 0:
+            y_TD = y_TD + shared_experts(params, b, h_TD, cfg)
+        x_BSD = x_BSD + y_TD.reshape(B, S, cfg.d_model)
+        stats.append(st)
+    x_BSD = rms_norm(x_BSD, params["final_norm.weight"], cfg.norm_eps)
+    logits_BSV = x_BSD @ params["lm_head"]
+    stacked = {k: jnp.stack([s[k] for s in stats]) for k in stats[0]}
+    return logits_BSV, stacked

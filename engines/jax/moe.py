@@ -1,0 +1,193 @@
+"""Routed experts: the router, dropless dispatch (tokens sorted by expert, grouped matmul) and
+capacity dispatch with the pooled-wave transport of the expert-parallel all-to-all.
+
+The capacity transport is one per-shard function written against a named axis `ep`. It runs
+either under shard_map over a real device mesh (jax.lax.all_to_all between devices) or under
+jax.vmap with the same axis name on one device (the emulated shards): the drops are the same
+by construction, since it is the same code.
+
+Shape legend: T tokens, t tokens of one source shard, D model, L expert width (latent or D),
+E routed experts, e experts of one shard, K top-k, F expert hidden, A assignments (t*K),
+W waves, P ep shards, C sender pool rows, X arrivals at one shard (W*P*C), R receiver rows.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.sharding import Mesh, PartitionSpec as P
+
+from engines.jax.model import ModelConfig, Params
+
+EP_AXIS = "ep"
+
+
+# ---- router -------------------------------------------------------------------------------
+
+
+def route(h_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: ModelConfig, seq_len: int):
+    """Top-k choices, their gates and the router statistics of one layer.
+
+    Selection uses scores + balancing bias; gates use the scores alone (the bias only steers
+    which experts are picked)."""
+    T = h_TD.shape[0]
+    E, K = cfg.n_experts, cfg.top_k
+    logits_TE = h_TD @ router_DE
+    if cfg.router_kind == "softmax":
+        scores_TE = jax.nn.softmax(logits_TE, axis=-1)
+    else:
+        scores_TE = jax.nn.sigmoid(logits_TE)
+    select_TE = scores_TE + bias_E if cfg.bias_balancing else scores_TE
+    _, expert_TK = lax.top_k(lax.stop_gradient(select_TE), K)
+    gate_TK = jnp.take_along_axis(scores_TE, expert_TK, axis=-1)
+    if cfg.router_kind == "sigmoid":
+        gate_TK = gate_TK / jnp.sum(gate_TK, axis=-1, keepdims=True)
+    # probabilities over experts for balancing and entropy (sigmoid scores normalised per token)
+    probs_TE = scores_TE if cfg.router_kind == "softmax" else scores_TE / jnp.sum(scores_TE, -1, keepdims=True)
+    onehot_TE = jnp.sum(jax.nn.one_hot(expert_TK, E, dtype=h_TD.dtype), axis=1)
+    load_E = jnp.sum(onehot_TE, axis=0)
+    if cfg.balance_scope == "sequence":
+        n_seq = T // seq_len
+        f_BE = jnp.sum(onehot_TE.reshape(n_seq, seq_len, E), axis=1) / (seq_len * K)
+        p_BE = jnp.mean(probs_TE.reshape(n_seq, seq_len, E), axis=1)
+        aux = E * jnp.mean(jnp.sum(f_BE * p_BE, axis=-1))
+    else:
+        aux = E * jnp.sum((load_E / (T * K)) * jnp.mean(probs_TE, axis=0))
+    router_z = jnp.mean(jax.nn.logsumexp(logits_TE, axis=-1) ** 2)
+    entropy = jnp.mean(-jnp.sum(probs_TE * jnp.log(jnp.clip(probs_TE, 1e-20)), axis=-1))
+    stats = {"aux": aux, "router_z": router_z, "entropy": lax.stop_gradient(entropy), "load": load_E}
+    return expert_TK, gate_TK, stats
+
+
+# ---- dropless -----------------------------------------------------------------------------
+
+
+def dropless_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL) -> jax.Array:
+    """Every assignment is computed: rows sorted by expert, one grouped matmul per weight."""
+    T, K = expert_TK.shape
+    E = wg_ELF.shape[0]
+    e_A = expert_TK.reshape(-1)  # token-major: a = t*K + j
+    order_A = jnp.argsort(e_A, stable=True)
+    sizes_E = jnp.bincount(e_A, length=E).astype(jnp.int32)
+    x_AL = x_TL[order_A // K]
+    h_AF = jax.nn.silu(lax.ragged_dot(x_AL, wg_ELF, sizes_E)) * lax.ragged_dot(x_AL, wu_ELF, sizes_E)
+    y_sorted_AL = lax.ragged_dot(h_AF, wd_EFL, sizes_E)
+    y_AL = jnp.zeros_like(y_sorted_AL).at[order_A].set(y_sorted_AL)
+    return jnp.sum(y_AL.reshape(T, K, -1) * gate_TK[..., None], axis=1)
+
+
+# ---- capacity: the pooled-wave transport ------------------------------------------------------
+
+
+def capacities(cfg: ModelConfig, n_tokens: int) -> tuple[int, int]:
+    """(C_send rows per (source, destination) pool per wave, C_recv rows per expert)."""
+    ep, K, E = cfg.ep_size, cfg.top_k, cfg.n_experts
+    if n_tokens % ep:
+        raise ValueError(f"capacity dispatch needs tokens per step ({n_tokens}) divisible by ep_size ({ep})")
+    c_send = math.ceil(cfg.cf_send * (n_tokens // ep) * K / ep / cfg.n_waves)
+    c_recv = math.ceil(cfg.cf_recv * n_tokens * K / E)
+    return c_send, c_recv
+
+
+def _rank_within(key_X: jax.Array, n_keys: int, valid_X: jax.Array) -> jax.Array:
+    """For each row, how many earlier valid rows share its key (rows are in priority order)."""
+    onehot_XG = (key_X[:, None] == jnp.arange(n_keys)[None, :]) & valid_X[:, None]
+    before_XG = jnp.cumsum(onehot_XG.astype(jnp.int32), axis=0) - onehot_XG.astype(jnp.int32)
+    return jnp.take_along_axis(before_XG, jnp.clip(key_X, 0, n_keys - 1)[:, None], axis=1)[:, 0]
+
+
+def pooled_wave_shard(x_tL, expert_tK, gate_tK, wg_eLF, wu_eLF, wd_eFL, *, ep, n_waves, c_send, c_recv):
+    """One source/destination shard of the transport; collectives over the axis EP_AXIS.
+
+    Sender: assignments in priority order (slot-major, then token) fill one pool per destination
+    shard and wave; the expert id (local to its destination) rides in the last payload column.
+    Receiver: arrivals ranked per local expert in (wave, source, row) order, at most c_recv kept.
+    Returns this shard's expert output and the global (psum) send and receive drop counts."""
+    t, K = expert_tK.shape
+    L = x_tL.shape[-1]
+    e_local = wg_eLF.shape[0]
+    # sender ----------------------------------------------------------------------------------
+    e_A = expert_tK.T.reshape(-1)  # slot-major: a = j*t + token
+    tok_A = jnp.tile(jnp.arange(t), K)
+    dst_A = e_A // e_local
+    pos_A = _rank_within(dst_A, ep, jnp.ones_like(dst_A, dtype=bool))
+    sent_A = pos_A < n_waves * c_send
+    wave_A = jnp.where(sent_A, pos_A // c_send, n_waves)  # out of range -> the scatter drops it
+    row_A = pos_A % c_send
+    payload_AL1 = jnp.concatenate([x_tL[tok_A], (e_A - dst_A * e_local)[:, None].astype(x_tL.dtype)], axis=-1)
+    empty = jnp.zeros((n_waves, ep, c_send, L + 1), x_tL.dtype).at[..., L].set(-1.0)
+    send_WPCL1 = empty.at[wave_A, dst_A, row_A].set(payload_AL1, mode="drop")
+    # one all-to-all per wave, every wave the same shape: [P dst, C, L+1] -> [P src, C, L+1]
+    recv_WPCL1 = jnp.stack([lax.all_to_all(send_WPCL1[w], EP_AXIS, 0, 0) for w in range(n_waves)])
+    # receiver --------------------------------------------------------------------------------
+    arr_XL1 = recv_WPCL1.reshape(n_waves * ep * c_send, L + 1)  # (wave, source, row) order
+    le_X = arr_XL1[:, L].astype(jnp.int32)
+    valid_X = le_X >= 0
+    rank_X = _rank_within(le_X, e_local, valid_X)
+    kept_X = valid_X & (rank_X < c_recv)
+    buf_eRL = jnp.zeros((e_local, c_recv, L), x_tL.dtype)
+    buf_eRL = buf_eRL.at[jnp.where(kept_X, le_X, e_local), rank_X].set(arr_XL1[:, :L], mode="drop")
+    h_eRF = jax.nn.silu(jnp.einsum("erl,elf->erf", buf_eRL, wg_eLF)) * jnp.einsum("erl,elf->erf", buf_eRL, wu_eLF)
+    out_eRL = jnp.einsum("erf,efl->erl", h_eRF, wd_eFL)
+    y_XL = jnp.where(kept_X[:, None], out_eRL[jnp.clip(le_X, 0, e_local - 1), jnp.clip(rank_X, 0, c_recv - 1)], 0.0)
+    y_WPCL = y_XL.reshape(n_waves, ep, c_send, L)
+    back_WPCL = jnp.stack([lax.all_to_all(y_WPCL[w], EP_AXIS, 0, 0) for w in range(n_waves)])
+    # back at the sender: each assignment reads its row (zero if dropped on either side)
+    y_AL = jnp.where(sent_A[:, None], back_WPCL[jnp.clip(wave_A, 0, n_waves - 1), dst_A, row_A], 0.0)
+    y_tL = jnp.sum(y_AL.reshape(K, t, L) * gate_tK.T[..., None], axis=0)
+    n_send = lax.psum(jnp.sum(~sent_A).astype(jnp.float32), EP_AXIS)
+    n_recv = lax.psum(jnp.sum(valid_X & ~kept_X).astype(jnp.float32), EP_AXIS)
+    return y_tL, n_send, n_recv
+
+
+def capacity_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, cfg: ModelConfig, mesh: Mesh | None):
+    """Pooled-wave capacity dispatch over cfg.ep_size shards: real devices when `mesh` is given,
+    otherwise emulated on one device. Returns (y_TL, send drops, receive drops)."""
+    T, K = expert_TK.shape
+    ep = cfg.ep_size
+    c_send, c_recv = capacities(cfg, T)
+    shard = partial(pooled_wave_shard, ep=ep, n_waves=cfg.n_waves, c_send=c_send, c_recv=c_recv)
+    if mesh is not None:
+        fn = jax.shard_map(
+            shard,
+            mesh=mesh,
+            in_specs=(P(EP_AXIS), P(EP_AXIS), P(EP_AXIS), P(EP_AXIS), P(EP_AXIS), P(EP_AXIS)),
+            out_specs=(P(EP_AXIS), P(), P()),
+        )
+        return fn(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL)
+
+    def split(a):
+        return a.reshape(ep, a.shape[0] // ep, *a.shape[1:])
+
+    y_PtL, n_send, n_recv = jax.vmap(shard, axis_name=EP_AXIS)(
+        split(x_TL), split(expert_TK), split(gate_TK), split(wg_ELF), split(wu_ELF), split(wd_EFL)
+    )
+    return y_PtL.reshape(T, -1), n_send[0], n_recv[0]
+
+
+# ---- the MoE layer ------------------------------------------------------------------------------
+
+
+def make_moe_fn(cfg: ModelConfig, seq_len: int, mesh: Mesh | None = None):
+    """moe_fn(params, buffers, block_prefix, h_TD) -> (routed output [T, D], stats) for forward()."""
+
+    def moe_fn(p: Params, buffers: Params, b: str, h_TD: jax.Array):
+        T = h_TD.shape[0]
+        expert_TK, gate_TK, stats = route(h_TD, p[f"{b}.moe.router"], buffers[f"{b}.moe.router_bias"], cfg, seq_len)
+        x_TL = h_TD @ p[f"{b}.moe.latent_down"] if cfg.latent_dim is not None else h_TD
+        w = (p[f"{b}.moe.experts.w_gate"], p[f"{b}.moe.experts.w_up"], p[f"{b}.moe.experts.w_down"])
+        if cfg.dispatch == "capacity":
+            y_TL, n_send, n_recv = capacity_experts(x_TL, expert_TK, gate_TK, *w, cfg, mesh)
+        else:
+            y_TL = dropless_experts(x_TL, expert_TK, gate_TK, *w)
+            n_send = n_recv = jnp.zeros((), jnp.float32)
+        y_TD = y_TL @ p[f"{b}.moe.latent_up"] if cfg.latent_dim is not None else y_TL
+        n_assign = T * cfg.top_k
+        stats = dict(stats, drop_send=n_send / n_assign, drop_recv=n_recv / n_assign)
+        return y_TD, stats
+
+    return moe_fn

@@ -1,0 +1,107 @@
+"""The pure, jit-compiled train and eval steps.
+
+train_step(state, tokens_BS1, lr) -> (state, metrics): the learning rate is an argument (from
+ladder.schedule.lr_at, outside), never an optax schedule of its own, so the one LR function
+rules both engines. AdamW is optax's own construction (scale_by_adam, decoupled weight decay on
+matrices only, times -lr) after clip_by_global_norm; the grad norm reported is the one before
+clipping. The router-bias buffers move by sign balancing after the update, outside the gradient.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh
+
+from engines.jax.model import ModelConfig, Params, forward
+from engines.jax.moe import make_moe_fn
+from ladder.spec import OptimSpec
+
+
+class TrainState(NamedTuple):
+    params: Params
+    buffers: Params
+    opt_state: optax.OptState
+
+
+def decay_mask(params: Params) -> Params:
+    """Weight decay on matrices (and expert stacks) only: never norms, never vectors."""
+    return {k: v.ndim >= 2 for k, v in params.items()}
+
+
+def make_optimizer(optim: OptimSpec, params: Params) -> optax.GradientTransformation:
+    """AdamW without its learning rate (applied by the step) and before it, clipping."""
+    return optax.chain(
+        optax.clip_by_global_norm(optim.grad_clip),
+        optax.scale_by_adam(b1=optim.beta1, b2=optim.beta2, eps=optim.eps),
+        optax.add_decayed_weights(optim.weight_decay, mask=decay_mask(params)),
+    )
+
+
+def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(mean token cross-entropy, mean squared log-partition: the logit z-loss term)."""
+    lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
+    tgt_BS = jnp.take_along_axis(logits_BSV, targets_BS[..., None], axis=-1)[..., 0]
+    return jnp.mean(lse_BS - tgt_BS), jnp.mean(lse_BS**2)
+
+
+def loss_and_stats(params: Params, buffers: Params, tokens_BS1: jax.Array, cfg: ModelConfig,
+                   optim: OptimSpec, mesh: Mesh | None):
+    inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+    moe_fn = make_moe_fn(cfg, inputs_BS.shape[1], mesh)
+    logits_BSV, st = forward(params, buffers, inputs_BS, cfg, moe_fn)
+    ce, z = cross_entropy(logits_BSV, targets_BS)
+    aux = jnp.mean(st["aux"])
+    router_z = jnp.mean(st["router_z"])
+    total = ce + optim.z_loss * z + optim.aux_loss * aux + optim.router_z_loss * router_z
+    load_LE = st["load"]
+    stats = {
+        "loss": ce,
+        "z_loss": z,
+        "aux_loss": aux,
+        "router_z_loss": router_z,
+        "drop_frac_send": jnp.mean(st["drop_send"]),
+        "drop_frac_recv": jnp.mean(st["drop_recv"]),
+        "expert_load_max": jnp.max(jnp.max(load_LE, axis=-1) / jnp.mean(load_LE, axis=-1)),
+        "router_entropy": jnp.mean(st["entropy"]),
+    }
+    return total, (stats, load_LE)
+
+
+def balance_biases(buffers: Params, load_LE: jax.Array, rate: float) -> Params:
+    """Auxiliary-loss-free balancing: each layer's bias rises for under-loaded experts and falls
+    for over-loaded ones by `rate` (sign of the deviation from the mean load)."""
+    out = dict(buffers)
+    for i in range(load_LE.shape[0]):
+        name = f"blocks.{i}.moe.router_bias"
+        load_E = load_LE[i]
+        out[name] = buffers[name] + rate * jnp.sign(jnp.mean(load_E) - load_E)
+    return out
+
+
+def make_train_step(cfg: ModelConfig, optim: OptimSpec, tx: optax.GradientTransformation,
+                    bias_rate: float, mesh: Mesh | None = None):
+    grad_fn = jax.value_and_grad(partial(loss_and_stats, cfg=cfg, optim=optim, mesh=mesh), has_aux=True)
+
+    def step(state: TrainState, tokens_BS1: jax.Array, lr: jax.Array):
+        (total, (stats, load_LE)), grads = grad_fn(state.params, state.buffers, tokens_BS1)
+        grad_norm = optax.global_norm(grads)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params)
+        params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
+        buffers = balance_biases(state.buffers, load_LE, bias_rate) if cfg.bias_balancing else state.buffers
+        stats = dict(stats, grad_norm=grad_norm, total_loss=total)
+        return TrainState(params, buffers, opt_state), stats
+
+    return jax.jit(step, donate_argnums=(0,))
+
+
+def make_eval_step(cfg: ModelConfig, optim: OptimSpec, mesh: Mesh | None = None):
+    def ev(params: Params, buffers: Params, tokens_BS1: jax.Array):
+        _, (stats, _) = loss_and_stats(params, buffers, tokens_BS1, cfg, optim, mesh)
+        return stats["loss"]
+
+    return jax.jit(ev)
