@@ -1,0 +1,471 @@
+"""Scaling-law fits: L(N, D) = E + A/N^alpha + B/D^beta and the compute envelope L(C) = E + A*C^-alpha.
+
+Both are sums of power terms plus a floor, fitted the way Hoffmann et al. (2022) and Epoch AI's
+replication did: in log space,
+
+    log L_hat = LSE(a_1 - alpha_1*log x_1, ..., a_K - alpha_K*log x_K, e)     (A_k = exp a_k, E = exp e)
+
+with a Huber loss (delta 1e-3) on the residual log L_hat - log L, SUMMED over points (with the mean
+the objective is ~1e-6 and L-BFGS's tolerances stop it early, the failure Epoch found), minimised by
+L-BFGS from a grid of starts.
+
+How it stays fast: the objective and its analytic gradient are vectorised over starts, so the whole
+grid (3,125 starts for two terms) is scored in one pass; L-BFGS then runs only from the best few
+starts, then once more from the winner so that a stale curvature memory cannot stop it early. Log x is
+centred on its mean (a_k is optimised as the log of term k at the data's geometric centre), which
+decorrelates a_k from alpha_k and makes the grid independent of the units of N, D or C.
+
+Uncertainty: a nonparametric bootstrap (points resampled with replacement, each refit started from
+the full-data optimum); intervals are percentiles of the refits, and predictions carry intervals
+from the same draws.
+
+Shape legend: S starts, Q parameters (2K+1), K power terms, R data rows, B bootstrap draws.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, ClassVar, Sequence
+
+import numpy as np
+from scipy.optimize import minimize
+
+try:  # a transitive dependency (scikit-learn via mlflow); without it the fit is only slower
+    from threadpoolctl import threadpool_limits
+except ImportError:  # pragma: no cover
+    threadpool_limits = None
+
+__all__ = [
+    "HUBER_DELTA",
+    "FitError",
+    "LawFit",
+    "EnvelopeFit",
+    "fit_law",
+    "fit_envelope",
+    "compute_optimal",
+]
+
+HUBER_DELTA = 1e-3
+
+# Start grid, per term: the term's share of the median loss at the data's centre, and its exponent;
+# and the floor E as a fraction of the smallest loss. Relative to the data, so no unit assumptions.
+_GRID_TERM_SHARE = (0.02, 0.08, 0.25, 0.5, 1.0)
+_GRID_EXPONENT = (0.1, 0.3, 0.6, 1.0, 2.0)
+_GRID_FLOOR_SHARE = (0.05, 0.3, 0.6, 0.8, 0.95)
+_N_LOCAL = 8  # L-BFGS runs from this many best grid starts
+
+# A fitted exponent outside (0, _MAX_EXPONENT) or a term below this share of the loss everywhere in
+# the data means the optimiser ran off to a degenerate limit instead of a finite optimum.
+_MAX_EXPONENT = 10.0
+_MIN_TERM_SHARE = 1e-6
+
+
+class FitError(ValueError):
+    """The data cannot be fitted (too few points, no spread) or the fit did not converge."""
+
+
+# ----------------------------------------------------------------------------------------------
+# Objective: vectorised over starts (S) and, for the bootstrap, weighted per row.
+
+
+def _objective(P_SQ: np.ndarray, X_KR: np.ndarray, y_R: np.ndarray, w_R: np.ndarray | None, delta: float):
+    """Sum of Huber(log L_hat - log L) and its gradient, for every start at once."""
+    K = X_KR.shape[0]
+    a_SK, alpha_SK, e_S = P_SQ[:, :K], P_SQ[:, K : 2 * K], P_SQ[:, 2 * K]
+    u_STR = np.empty((P_SQ.shape[0], K + 1, X_KR.shape[1]))
+    u_STR[:, :K] = a_SK[:, :, None] - alpha_SK[:, :, None] * X_KR[None]
+    u_STR[:, K] = e_S[:, None]
+    m_S1R = u_STR.max(axis=1, keepdims=True)
+    ex_STR = np.exp(u_STR - m_S1R)
+    z_S1R = ex_STR.sum(axis=1, keepdims=True)
+    r_SR = (m_S1R + np.log(z_S1R))[:, 0] - y_R
+    # Huber via the clipped residual c: c*(r - c/2) is r^2/2 inside [-delta, delta], delta*(|r| - delta/2) outside
+    dh_SR = np.clip(r_SR, -delta, delta)
+    h_SR = dh_SR * (r_SR - 0.5 * dh_SR)
+    if w_R is not None:
+        h_SR = h_SR * w_R
+        dh_SR = dh_SR * w_R
+    # d LSE / d u_t is the softmax share of term t
+    gu_STR = (dh_SR / z_S1R[:, 0])[:, None, :] * ex_STR
+    g_SQ = np.empty_like(P_SQ)
+    g_SQ[:, :K] = gu_STR[:, :K].sum(-1)
+    g_SQ[:, K : 2 * K] = -(gu_STR[:, :K] * X_KR[None]).sum(-1)
+    g_SQ[:, 2 * K] = gu_STR[:, K].sum(-1)
+    return h_SR.sum(-1), g_SQ
+
+
+@dataclass
+class _Local:
+    p_Q: np.ndarray
+    loss: float
+    grad_max: float
+    nit: int
+    message: str
+    ok: bool
+
+
+def _objective_one(p_Q: np.ndarray, X_KR: np.ndarray, y_R: np.ndarray, w_R: np.ndarray | None, delta: float):
+    """_objective for a single start, without the start axis: L-BFGS calls it thousands of times."""
+    K = X_KR.shape[0]
+    u_TR = np.empty((K + 1, X_KR.shape[1]))
+    np.multiply(p_Q[K : 2 * K, None], X_KR, out=u_TR[:K])
+    np.subtract(p_Q[:K, None], u_TR[:K], out=u_TR[:K])
+    u_TR[K] = p_Q[2 * K]
+    m_R = u_TR.max(axis=0)
+    ex_TR = np.exp(u_TR - m_R)
+    z_R = ex_TR.sum(axis=0)
+    r_R = m_R + np.log(z_R) - y_R
+    dh_R = np.clip(r_R, -delta, delta)
+    h_R = dh_R * (r_R - 0.5 * dh_R)
+    if w_R is not None:
+        h_R = h_R * w_R
+        dh_R = dh_R * w_R
+    gu_TR = ex_TR * (dh_R / z_R)
+    g_Q = np.empty_like(p_Q)
+    g_Q[:K] = gu_TR[:K].sum(-1)
+    g_Q[K : 2 * K] = -(gu_TR[:K] * X_KR).sum(-1)
+    g_Q[2 * K] = gu_TR[K].sum()
+    return float(h_R.sum()), g_Q
+
+
+def _lbfgs(p0_Q, X_KR, y_R, w_R, delta, maxiter) -> _Local:
+    def fg(p_Q):
+        return _objective_one(p_Q, X_KR, y_R, w_R, delta)
+
+    with np.errstate(over="ignore", invalid="ignore"):
+        res = minimize(
+            fg, p0_Q, jac=True, method="L-BFGS-B",
+            options=dict(maxiter=maxiter, maxcor=20, ftol=1e-15, gtol=1e-11, maxls=50),
+        )
+    _, g_Q = fg(res.x)
+    grad_max = float(np.max(np.abs(g_Q)))
+    finite = bool(np.all(np.isfinite(res.x)) and np.isfinite(res.fun))
+    # status 2 (the line search found no decrease) at a vanishing gradient is an optimum reached at
+    # machine precision; elsewhere it is a stall. Status 1 is the iteration limit.
+    tiny_grad = grad_max <= 1e-5 * delta * len(y_R)
+    ok = finite and (res.status == 0 or (res.status == 2 and tiny_grad))
+    return _Local(res.x, float(res.fun), grad_max, int(res.nit), str(res.message), ok)
+
+
+def _start_grid(K: int, y_R: np.ndarray) -> np.ndarray:
+    l_med, l_min = float(np.exp(np.median(y_R))), float(np.exp(np.min(y_R)))
+    a_vals = np.log(l_med * np.array(_GRID_TERM_SHARE))
+    e_vals = np.log(l_min * np.array(_GRID_FLOOR_SHARE))
+    axes = [a_vals] * K + [np.array(_GRID_EXPONENT)] * K + [e_vals]
+    return np.array(list(itertools.product(*axes)), dtype=np.float64)
+
+
+def _degeneracy(p_Q: np.ndarray, X_KR: np.ndarray, y_R: np.ndarray, terms: Sequence[tuple[str, str, str]]) -> str | None:
+    """Why an optimum is not a usable power law, or None. terms: (coefficient, exponent, variable)."""
+    K = X_KR.shape[0]
+    for k, (coef, exp, var) in enumerate(terms):
+        alpha = p_Q[K + k]
+        if alpha <= 0.0:
+            return f"{exp} = {alpha:.3g} is not positive: the loss does not fall with {var} in this data"
+        if alpha >= _MAX_EXPONENT:
+            return f"{exp} ran off to {alpha:.3g} (a step, not a power law, in {var})"
+        term_max = np.max(p_Q[k] - alpha * X_KR[k])
+        if term_max - np.max(y_R) < math.log(_MIN_TERM_SHARE):
+            return f"{coef} -> 0: the {coef}/{var}^{exp} term vanished, the loss does not fall with {var} in this data"
+    return None
+
+
+def _fit_terms(
+    X_KR: np.ndarray, y_R: np.ndarray, w_R: np.ndarray | None, delta: float, maxiter: int,
+    starts_SQ: np.ndarray | None = None,
+) -> _Local:
+    """Best optimum over the start grid (or over `starts_SQ`), in centred coordinates."""
+    if starts_SQ is None:
+        grid_SQ = _start_grid(X_KR.shape[0], y_R)
+        f_S, _ = _objective(grid_SQ, X_KR, y_R, w_R, delta)
+        order = np.argsort(np.where(np.isfinite(f_S), f_S, np.inf))
+        starts_SQ = grid_SQ[order[:_N_LOCAL]]
+    best: _Local | None = None
+    for p0_Q in starts_SQ:
+        loc = _lbfgs(p0_Q, X_KR, y_R, w_R, delta, maxiter)
+        if loc.ok and (best is None or loc.loss < best.loss):
+            best = loc
+    if best is None:
+        return loc  # every start failed; report the last one
+    # Restart from the winner with a fresh curvature memory: a stale one can stop a long run early.
+    polish = _lbfgs(best.p_Q, X_KR, y_R, w_R, delta, maxiter)
+    if polish.ok and polish.loss <= best.loss:
+        polish.nit += best.nit
+        return polish
+    return best
+
+
+# ----------------------------------------------------------------------------------------------
+# Results
+
+
+def _quantiles(v_B: np.ndarray, level: float) -> list[float]:
+    lo, hi = np.quantile(v_B, [(1 - level) / 2, (1 + level) / 2])
+    return [float(lo), float(hi)]
+
+
+@dataclass
+class _PowerFit:
+    """Common core of LawFit and EnvelopeFit. `draws` holds bootstrap refits, one row each,
+    in the natural parameters (E, A_1.., alpha_1..)."""
+
+    params: dict[str, float]
+    ci: dict[str, list[float]]
+    draws: np.ndarray = field(repr=False)
+    n_points: int
+    loss: float
+    converged: bool
+    level: float
+    n_bootstrap: int
+    n_bootstrap_failed: int
+    seconds: float
+    message: str = ""
+    huber_delta: float = HUBER_DELTA
+
+    _TERMS: ClassVar[tuple[str, ...]] = ()
+    _EXPS: ClassVar[tuple[str, ...]] = ()
+    _LAW: ClassVar[str] = ""
+
+    def __getattr__(self, name: str) -> float:
+        params = self.__dict__.get("params", {})
+        if name in params:
+            return params[name]
+        raise AttributeError(name)
+
+    def _vector(self) -> np.ndarray:
+        return np.array([self.params[k] for k in ("E", *self._TERMS, *self._EXPS)])
+
+    def _eval(self, theta_Q: np.ndarray, xs: Sequence[np.ndarray]) -> np.ndarray:
+        K = len(self._TERMS)
+        out = theta_Q[..., 0, None] * np.ones_like(xs[0])
+        for k in range(K):
+            out = out + theta_Q[..., 1 + k, None] * xs[k] ** (-theta_Q[..., 1 + K + k, None])
+        return out
+
+    def _predict(self, xs: Sequence[Any], level: float | None) -> dict[str, Any]:
+        arrs = [np.asarray(x, dtype=np.float64) for x in xs]
+        scalar = all(a.ndim == 0 for a in arrs)
+        arrs = [a.reshape(-1) for a in np.broadcast_arrays(*arrs)]
+        if any(np.any(a <= 0) or not np.all(np.isfinite(a)) for a in arrs):
+            raise ValueError("predict: inputs must be positive and finite")
+        point = self._eval(self._vector(), arrs)
+        level = self.level if level is None else level
+        if len(self.draws):
+            draws_BR = self._eval(self.draws, arrs)
+            lo, hi = np.quantile(draws_BR, [(1 - level) / 2, (1 + level) / 2], axis=0)
+        else:
+            lo = hi = np.full_like(point, np.nan)
+        if scalar:
+            return {"loss": float(point[0]), "lo": float(lo[0]), "hi": float(hi[0])}
+        return {"loss": point, "lo": lo, "hi": hi}
+
+    def to_dict(self) -> dict[str, Any]:
+        d: dict[str, Any] = {"law": self._LAW}
+        d.update({k: float(v) for k, v in self.params.items()})
+        d["ci"] = {k: list(v) for k, v in self.ci.items()}
+        d.update(
+            ci_level=self.level,
+            n_points=self.n_points,
+            loss=self.loss,
+            huber_delta=self.huber_delta,
+            converged=self.converged,
+            n_bootstrap=self.n_bootstrap,
+            n_bootstrap_failed=self.n_bootstrap_failed,
+            seconds=self.seconds,
+        )
+        if self.message:
+            d["message"] = self.message
+        return d
+
+
+@dataclass
+class LawFit(_PowerFit):
+    """L(N, D) = E + A/N^alpha + B/D^beta."""
+
+    _TERMS: ClassVar[tuple[str, ...]] = ("A", "B")
+    _EXPS: ClassVar[tuple[str, ...]] = ("alpha", "beta")
+    _LAW: ClassVar[str] = "L(N, D) = E + A/N^alpha + B/D^beta"
+
+    def predict(self, N, D, level: float | None = None) -> dict[str, Any]:
+        """Loss at (N, D) with a bootstrap interval: {"loss", "lo", "hi"} (floats or arrays)."""
+        return self._predict([N, D], level)
+
+    def compute_optimal(self, C, level: float | None = None) -> dict[str, Any]:
+        """Loss-minimising N*, D* (and the loss there) for a training budget of C = 6ND FLOPs,
+        each with a bootstrap interval."""
+        level = self.level if level is None else level
+        point = compute_optimal(self._vector(), C)
+        out: dict[str, Any] = {}
+        draws = compute_optimal(self.draws, C) if len(self.draws) else None
+        scalar = np.ndim(C) == 0
+        for key in ("N", "D", "loss"):
+            out[key] = point[key]
+            if draws is not None:
+                lo, hi = np.quantile(draws[key], [(1 - level) / 2, (1 + level) / 2], axis=0)
+                out[f"{key}_ci"] = [float(lo[0]), float(hi[0])] if scalar else [lo, hi]
+        return out
+
+    def to_dict(self) -> dict[str, Any]:
+        d = super().to_dict()
+        # L*(C) along the compute-optimal frontier falls as C^-(alpha*beta/(alpha+beta)).
+        a, b = self.params["alpha"], self.params["beta"]
+        d["optimal_N_exponent"] = b / (a + b)
+        d["optimal_D_exponent"] = a / (a + b)
+        return d
+
+
+@dataclass
+class EnvelopeFit(_PowerFit):
+    """L(C) = E + A*C^-alpha, the loss of the best run at each compute budget."""
+
+    _TERMS: ClassVar[tuple[str, ...]] = ("A",)
+    _EXPS: ClassVar[tuple[str, ...]] = ("alpha",)
+    _LAW: ClassVar[str] = "L(C) = E + A*C^-alpha"
+
+    def predict(self, C, level: float | None = None) -> dict[str, Any]:
+        return self._predict([C], level)
+
+
+def compute_optimal(theta, C) -> dict[str, np.ndarray | float]:
+    """N*, D*, L* minimising E + A/N^alpha + B/D^beta subject to 6ND = C.
+
+    theta: (..., 5) natural parameters (E, A, B, alpha, beta); rows broadcast against C.
+    Setting dL/dN = 0 along D = C/(6N) gives N* = G (C/6)^(beta/(alpha+beta)), D* = (C/6) / N*,
+    with G = (alpha A / (beta B))^(1/(alpha+beta)).
+    """
+    theta = np.asarray(theta, dtype=np.float64)
+    C_arr = np.asarray(C, dtype=np.float64)
+    if np.any(C_arr <= 0):
+        raise ValueError("compute budget C must be positive")
+    E, A, B, alpha, beta = (theta[..., i, None] for i in range(5))
+    c = C_arr.reshape(-1) / 6.0
+    G = (alpha * A / (beta * B)) ** (1.0 / (alpha + beta))
+    N = G * c ** (beta / (alpha + beta))
+    D = c / N
+    L = E + A * N**-alpha + B * D**-beta
+    out = {"N": N, "D": D, "loss": L}
+    if theta.ndim == 1 and C_arr.ndim == 0:
+        return {k: float(v.reshape(-1)[0]) for k, v in out.items()}
+    if theta.ndim == 1:
+        return {k: v.reshape(C_arr.shape) for k, v in out.items()}
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Fitting
+
+
+def _check_inputs(cols: dict[str, Any], n_params: int) -> list[np.ndarray]:
+    arrs = []
+    n = None
+    for name, v in cols.items():
+        a = np.asarray(v, dtype=np.float64).reshape(-1)
+        if n is not None and len(a) != n:
+            raise FitError(f"{name} has {len(a)} values, expected {n} (one per point)")
+        n = len(a)
+        if np.any(np.isnan(a)):
+            raise FitError(f"{name} contains NaN (row {int(np.flatnonzero(np.isnan(a))[0]) + 1})")
+        if not np.all(np.isfinite(a)):
+            raise FitError(f"{name} contains an infinite value")
+        if np.any(a <= 0):
+            i = int(np.flatnonzero(a <= 0)[0])
+            raise FitError(f"{name} must be positive (row {i + 1} is {a[i]:g})")
+        arrs.append(a)
+    if n < n_params:
+        raise FitError(f"{n} point(s) cannot determine {n_params} parameters: need at least {n_params}")
+    for name, a in list(cols.items())[:-1]:
+        if np.ptp(np.log(a)) == 0:
+            raise FitError(f"all points share one value of {name}: its exponent cannot be fitted")
+    return arrs
+
+
+def _single_blas_thread():
+    """L-BFGS-B makes thousands of tiny BLAS calls; a multi-threaded BLAS spins its threads on each
+    one and, on a busy 2-core machine, runs ~100x slower than one thread."""
+    if threadpool_limits is None:
+        import contextlib
+
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=1, user_api="blas")
+
+
+def _run(*args, **kwargs):
+    with _single_blas_thread():
+        return _run_fit(*args, **kwargs)
+
+
+def _run_fit(
+    xs: list[np.ndarray], loss: np.ndarray, terms: Sequence[tuple[str, str, str]], *,
+    delta: float, n_bootstrap: int, level: float, seed: int, strict: bool, max_iter: int,
+):
+    t0 = time.perf_counter()
+    K = len(xs)
+    names = tuple(t[0] for t in terms)
+    exps = tuple(t[1] for t in terms)
+    logx_KR = np.log(np.stack(xs))
+    centre_K = logx_KR.mean(axis=1)
+    X_KR = logx_KR - centre_K[:, None]
+    y_R = np.log(loss)
+    n = len(y_R)
+
+    def natural(p_Q: np.ndarray) -> np.ndarray:
+        # centred a_k is log of term k at the centre: A_k = exp(a_k + alpha_k * centre_k)
+        p_Q = np.asarray(p_Q)
+        a, al, e = p_Q[..., :K], p_Q[..., K : 2 * K], p_Q[..., 2 * K]
+        return np.concatenate([np.exp(e)[..., None], np.exp(a + al * centre_K), al], axis=-1)
+
+    best = _fit_terms(X_KR, y_R, None, delta, max_iter)
+    why = None if best.ok else f"L-BFGS stopped without an optimum ({best.message}, {best.nit} iterations)"
+    why = why or _degeneracy(best.p_Q, X_KR, y_R, terms)
+    converged = why is None
+    if not converged and strict:
+        raise FitError(f"the fit did not converge to a usable law: {why}")
+
+    theta_Q = natural(best.p_Q)
+    keys = ("E", *names, *exps)
+    params = {k: float(v) for k, v in zip(keys, theta_Q)}
+
+    draws, failed = [], 0
+    if converged and n_bootstrap > 0:
+        rng = np.random.default_rng(seed)
+        for _ in range(n_bootstrap):
+            w_R = np.bincount(rng.integers(0, n, n), minlength=n).astype(np.float64)
+            loc = _fit_terms(X_KR, y_R, w_R, delta, max_iter, starts_SQ=best.p_Q[None])
+            if loc.ok and _degeneracy(loc.p_Q, X_KR, y_R, terms) is None:
+                draws.append(loc.p_Q)
+            else:
+                failed += 1
+    draws_BQ = natural(np.array(draws)) if draws else np.empty((0, len(keys)))
+    ci = {k: (_quantiles(draws_BQ[:, i], level) if len(draws_BQ) else [math.nan, math.nan]) for i, k in enumerate(keys)}
+    return dict(
+        params=params, ci=ci, draws=draws_BQ, n_points=n, loss=best.loss, converged=converged,
+        level=level, n_bootstrap=len(draws), n_bootstrap_failed=failed,
+        seconds=time.perf_counter() - t0, message=why or "", huber_delta=delta,
+    )
+
+
+def fit_law(
+    N, D, loss, *, delta: float = HUBER_DELTA, n_bootstrap: int = 200, level: float = 0.95,
+    seed: int = 0, strict: bool = True, max_iter: int = 3000,
+) -> LawFit:
+    """Fit L(N, D) = E + A/N^alpha + B/D^beta to points (N params, D tokens, final loss).
+
+    Raises FitError on too few points (< 5), non-positive/NaN values, no spread in N or D, or a fit
+    that does not converge (with strict=False it returns converged=False and no intervals instead).
+    """
+    Nv, Dv, Lv = _check_inputs({"N": N, "D": D, "loss": loss}, 5)
+    return LawFit(**_run([Nv, Dv], Lv, [("A", "alpha", "N"), ("B", "beta", "D")], delta=delta,
+                         n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict, max_iter=max_iter))
+
+
+def fit_envelope(
+    C, loss, *, delta: float = HUBER_DELTA, n_bootstrap: int = 200, level: float = 0.95,
+    seed: int = 0, strict: bool = True, max_iter: int = 3000,
+) -> EnvelopeFit:
+    """Fit the compute envelope L(C) = E + A*C^-alpha to (compute, best loss at that compute) points."""
+    Cv, Lv = _check_inputs({"C": C, "loss": loss}, 3)
+    return EnvelopeFit(**_run([Cv], Lv, [("A", "alpha", "C")], delta=delta,
+                              n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict, max_iter=max_iter))
