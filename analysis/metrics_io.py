@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import numpy as np
 import pandas as pd
 
-__all__ = ["MetricsError", "read_metrics_frame", "resolve_metrics_path", "ALIASES"]
+__all__ = ["MetricsError", "RunRef", "read_metrics_frame", "resolve_metrics_path", "resolve_run", "check_spec_matches", "ALIASES"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -168,12 +169,163 @@ def read_metrics_frame(path: str | Path, columns: Mapping[str, str] | None = Non
 
 
 def frame_tokens_per_step(df: pd.DataFrame) -> float | None:
-    """Tokens per step the metrics imply (tokens column over step count), or None."""
+    """Tokens per step the metrics imply (the tokens column's slope over steps), or None."""
     if "tokens" not in df.columns:
         return None
-    ok = df["tokens"].notna() & (df["step"] > 0)
-    if not ok.any():
+    ok = df[np.isfinite(df["tokens"].to_numpy(dtype=np.float64))]
+    if len(ok) < 2:
         return None
-    last = df[ok].iloc[-1]
-    v = float(last["tokens"])
-    return v / float(last["step"] + 1) if v > 0 and math.isfinite(v) else None
+    a, b = ok.iloc[0], ok.iloc[-1]
+    return float(b["tokens"] - a["tokens"]) / float(b["step"] - a["step"])
+
+
+# ---- which run: a run dir, a metrics file, or a spec id in the ledger -------------------------
+
+SPEC_FILES = ("spec.yaml", "spec.yml", "spec.json")
+
+
+@dataclass
+class RunRef:
+    """Where a run's metrics are, and what is known about its spec."""
+
+    label: str
+    metrics_path: Path
+    run_dir: Path | None = None
+    spec: Any = None  # ladder.spec.Spec, when the run dir holds its spec file
+    spec_id: str | None = None  # from the spec file, a checkpoint's state.json or status.json
+
+    def status(self) -> dict:
+        if self.run_dir is None:
+            return {}
+        p = self.run_dir / "status.json"
+        try:
+            return json.loads(p.read_text()) if p.exists() else {}
+        except json.JSONDecodeError:
+            return {}  # being replaced right now; the next read sees the new file
+
+    def checkpoint_steps(self) -> list[int]:
+        """Steps of the complete checkpoints in the run dir (oldest first)."""
+        if self.run_dir is None:
+            return []
+        try:
+            from engines.checkpoint import list_checkpoints
+        except ImportError:
+            return []
+        out = []
+        for d in list_checkpoints(self.run_dir):
+            try:
+                out.append(int(d.name.split("_", 1)[1]))
+            except (IndexError, ValueError):
+                continue
+        return sorted(out)
+
+
+def _run_dir_facts(run_dir: Path) -> tuple[Any, str | None]:
+    from ladder.spec import load_spec
+
+    spec = None
+    for name in SPEC_FILES:
+        if (run_dir / name).exists():
+            spec = load_spec(run_dir / name)
+            return spec, spec.id
+    sid = None
+    st = run_dir / "status.json"
+    if st.exists():
+        try:
+            sid = json.loads(st.read_text()).get("spec_id")
+        except json.JSONDecodeError:
+            pass
+    ck = run_dir / "checkpoints"
+    if sid is None and ck.is_dir():
+        for d in sorted(ck.glob("step_*"), reverse=True):
+            try:
+                sid = json.loads((d / "state.json").read_text()).get("spec_id")
+                break
+            except (OSError, json.JSONDecodeError):
+                continue
+    return spec, sid
+
+
+def _ledger_run_dir(run_id: str, root: str | Path | None) -> Path | None:
+    """The run dir of a spec id (or a unique prefix of one) in the ledger, None if unknown."""
+    try:
+        from ladder import ledger
+    except ImportError:
+        return None
+    frame = ledger.runs_frame(root) if root is not None else ledger.runs_frame()
+    if frame is None or len(frame) == 0 or "spec_id" not in frame.columns:
+        return None
+    ids = frame["spec_id"].astype(str)
+    hits = frame[ids == run_id]
+    if hits.empty and len(run_id) >= 6:
+        hits = frame[ids.str.startswith(run_id)]
+    if hits.empty and "name" in frame.columns:
+        hits = frame[frame["name"].astype(str) == run_id]
+    if len(hits) > 1 and hits["spec_id"].nunique() > 1:
+        raise MetricsError(f"run id {run_id!r} is ambiguous in the ledger: {', '.join(sorted(hits['spec_id'].unique()))}")
+    if hits.empty:
+        return None
+    return Path(str(hits.iloc[-1]["run_dir"]))
+
+
+def resolve_run(run: str | None = None, metrics: str | Path | None = None, root: str | Path | None = None) -> RunRef:
+    """RUN_ID (a run dir, a metrics file, or a spec id in the ledger) or --metrics FILE -> RunRef."""
+    if (run is None) == (metrics is None):
+        raise MetricsError("give either a RUN_ID (spec id or run dir) or --metrics FILE, not both or neither")
+    if metrics is not None:
+        path = resolve_metrics_path(metrics)
+        run_dir = path.parent if path.name == METRICS_FILE else (Path(metrics) if Path(metrics).is_dir() else None)
+        spec, sid = _run_dir_facts(run_dir) if run_dir is not None else (None, None)
+        return RunRef(str(metrics), path, run_dir, spec, sid)
+    p = Path(run)
+    if p.is_dir():
+        spec, sid = _run_dir_facts(p)
+        return RunRef(run, resolve_metrics_path(p), p, spec, sid)
+    if p.is_file():
+        return resolve_run(None, p, root)
+    run_dir = _ledger_run_dir(run, root)
+    if run_dir is None:
+        raise MetricsError(
+            f"unknown run id {run!r}: not a run directory, not a metrics file, and no run with that spec id "
+            "in the ledger"
+        )
+    spec, sid = _run_dir_facts(run_dir)
+    return RunRef(run, resolve_metrics_path(run_dir), run_dir, spec, sid)
+
+
+def check_spec_matches(spec: Any, df: pd.DataFrame, ref: RunRef | None = None) -> None:
+    """Raise MetricsError when `spec` is not the spec the metrics came from: another spec id in the
+    run dir, an LR column that is not this spec's schedule, tokens per step that differ, or steps
+    past its end."""
+    import numpy as np
+
+    from ladder.schedule import lr_at
+
+    origin = ref.label if ref else "the run"
+    if ref is not None and ref.spec_id and ref.spec_id != spec.id:
+        raise MetricsError(
+            f"spec {spec.name!r} (id {spec.id}) is not the run's: {origin} was trained from spec id {ref.spec_id}"
+        )
+    steps = df["step"].to_numpy()
+    if len(steps) and steps[-1] >= spec.total_steps:
+        raise MetricsError(
+            f"spec {spec.name!r} (id {spec.id}) is not the run's: {origin} has step {steps[-1]} but the spec "
+            f"ends at step {spec.total_steps - 1}"
+        )
+    if "lr" in df.columns:
+        lr = df["lr"].to_numpy(dtype=np.float64)
+        ok = np.isfinite(lr)
+        want = lr_at(spec, steps)
+        bad = ok & ~np.isclose(lr, want, rtol=1e-4, atol=1e-12)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise MetricsError(
+                f"spec {spec.name!r} (id {spec.id}) is not the run's: at step {steps[i]} {origin} logged lr "
+                f"{lr[i]:.6g} but the spec's schedule gives {want[i]:.6g}"
+            )
+    tps = frame_tokens_per_step(df)
+    if tps is not None and abs(tps - spec.data.tokens_per_step) > 1e-6 * spec.data.tokens_per_step:
+        raise MetricsError(
+            f"spec {spec.name!r} (id {spec.id}) is not the run's: {origin} has {tps:g} tokens per step, "
+            f"the spec {spec.data.tokens_per_step}"
+        )

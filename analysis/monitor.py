@@ -275,32 +275,52 @@ def olmo_spike_score(x: np.ndarray, window: int = 1000, sigma: float = 7.0, min_
 
 
 def local_spike_z(steps: np.ndarray, x: np.ndarray, window: int, min_history: int) -> tuple[np.ndarray, np.ndarray]:
-    """z of each point against the least-squares line through the previous `window` finite points
-    (NaN where there is not enough history). Vectorised with rolling moments."""
-    t = pd.Series(steps.astype(np.float64))
-    v = pd.Series(np.where(np.isfinite(x), x, np.nan))
-    t = t.where(v.notna())
-    tv = t * v
-    tt = t * t
-    vv = v * v
+    """(z, prediction) of each point against a quadratic least-squares fit through the previous
+    `window` finite points, extrapolated one point ahead (NaN where there is too little history).
+    Quadratic, not linear: a curve still falling fast bends enough within one window that a line
+    extrapolates far below the next point. z includes the fit's own extrapolation variance."""
+    from numpy.lib.stride_tricks import sliding_window_view
 
-    def prev_mean(s: pd.Series) -> np.ndarray:
-        return s.shift(1).rolling(window, min_periods=min_history).mean().to_numpy()
-
-    n_prev = v.shift(1).rolling(window, min_periods=min_history).count().to_numpy()
-    mt, mv, mtv, mtt, mvv = (prev_mean(s) for s in (t, v, tv, tt, vv))
-    var_t = mtt - mt * mt
-    cov = mtv - mt * mv
-    var_v = mvv - mv * mv
-    slope = np.where(var_t > 0, cov / np.where(var_t > 0, var_t, 1.0), 0.0)
-    resid_var = np.maximum(var_v - slope * cov, 0.0) * n_prev / np.maximum(n_prev - 2, 1)
-    pred = mv + slope * (steps - mt)
-    # A floor on sigma so a perfectly smooth (e.g. logged-averaged) curve does not make every wiggle
-    # a spike: 0.1% of the local level.
-    sd = np.maximum(np.sqrt(resid_var), 1e-3 * np.abs(mv))
-    z = (x - pred) / np.where(sd > 0, sd, np.nan)
-    z[~np.isfinite(z)] = np.nan
-    return z, pred
+    n = len(x)
+    z_N = np.full(n, np.nan)
+    pred_N = np.full(n, np.nan)
+    if n <= min_history:
+        return z_N, pred_N
+    xf = np.where(np.isfinite(x), x, np.nan).astype(np.float64)
+    pad = np.full(window, np.nan)
+    xp = sliding_window_view(np.concatenate([pad, xf]), window)  # row i: the `window` points before i
+    tp = sliding_window_view(np.concatenate([pad, steps.astype(np.float64)]), window)
+    for a in range(0, n, 20000):
+        b = min(n, a + 20000)
+        X_CW = xp[a:b]
+        T_CW = tp[a:b] - steps[a:b, None]  # relative to the point predicted: its own t is 0
+        mask_CW = np.isfinite(X_CW) & np.isfinite(T_CW)
+        cnt_C = mask_CW.sum(1)
+        scale_C = np.nanmax(np.where(mask_CW, np.abs(T_CW), np.nan), axis=1, initial=0.0)
+        scale_C = np.where(scale_C > 0, scale_C, 1.0)
+        T_CW = np.where(mask_CW, T_CW / scale_C[:, None], 0.0)
+        X_CW = np.where(mask_CW, X_CW, 0.0)
+        w_CW = mask_CW.astype(np.float64)
+        basis_CWP = np.stack([w_CW, T_CW * w_CW, T_CW * T_CW * w_CW], axis=-1)
+        gram_CPP = np.einsum("cwp,cwq->cpq", basis_CWP, basis_CWP) + 1e-9 * np.eye(3)
+        rhs_CP = np.einsum("cwp,cw->cp", basis_CWP, X_CW)
+        ok_C = cnt_C >= max(min_history, 4)
+        if not ok_C.any():
+            continue
+        inv_CPP = np.linalg.inv(gram_CPP[ok_C])
+        coef_CP = np.einsum("cpq,cq->cp", inv_CPP, rhs_CP[ok_C])
+        fit_CW = np.einsum("cwp,cp->cw", basis_CWP[ok_C], coef_CP)
+        resid_CW = (X_CW[ok_C] - fit_CW) * w_CW[ok_C]
+        sd_C = np.sqrt((resid_CW**2).sum(1) / np.maximum(cnt_C[ok_C] - 3, 1))
+        level_C = np.abs(X_CW[ok_C].sum(1) / cnt_C[ok_C])
+        # A floor on sigma so a perfectly smooth (e.g. logged-averaged) curve does not make every
+        # wiggle a spike: 0.1% of the local level.
+        sd_C = np.maximum(sd_C * np.sqrt(1.0 + inv_CPP[:, 0, 0]), 1e-3 * level_C)
+        idx = np.arange(a, b)[ok_C]
+        pred_N[idx] = coef_CP[:, 0]
+        z_N[idx] = (xf[idx] - coef_CP[:, 0]) / np.where(sd_C > 0, sd_C, np.nan)
+    z_N[~np.isfinite(z_N)] = np.nan
+    return z_N, pred_N
 
 
 def _interp(xq: np.ndarray, xp: np.ndarray, fp: np.ndarray) -> np.ndarray:

@@ -1,0 +1,138 @@
+"""`ladder compare`: a live run (or any exported loss curve) against its forecast, with flags.
+
+Exit status 3 when a critical flag is raised (NaN/inf, divergence, grad norm past the critical
+threshold, ...), so it can gate a cron job; 2 on bad input; 0 otherwise.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+EXIT_CRITICAL = 3
+TERMINAL_STATES = ("finished", "diverged", "failed")
+SEVERITY_STYLE = {"info": "blue", "warning": "yellow", "critical": "bold red"}
+
+
+def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
+    """["band_k=5", "drop_budget=0.05"] -> {"band_k": "5", ...} (pydantic casts the values)."""
+    out: dict[str, Any] = {}
+    for p in pairs or []:
+        if "=" not in p:
+            raise ValueError(f"--set {p!r}: expected NAME=VALUE, e.g. --set grad_norm_warn=1.5")
+        k, v = p.split("=", 1)
+        out[k.strip()] = v.strip()
+    return out
+
+
+def load_inputs(run: str | None, metrics: str | None, spec_path: str | None, root: str | None,
+                loss_col: str | None):
+    from analysis.metrics_io import check_spec_matches, read_metrics_frame, resolve_run
+    from ladder.spec import load_spec
+
+    ref = resolve_run(run, metrics, root)
+    df = read_metrics_frame(ref.metrics_path, {"loss": loss_col} if loss_col else None)
+    spec = load_spec(spec_path) if spec_path else ref.spec
+    if spec is not None:
+        check_spec_matches(spec, df, ref)
+    return ref, df, spec
+
+
+def render(report, console: Console, title: str) -> None:
+    s = report.summary
+    t = Table(title=title, header_style="bold", show_lines=False)
+    for col in ("severity", "kind", "first step", "evidence"):
+        t.add_column(col, overflow="fold")
+    for f in report.flags:
+        t.add_row(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/]", f.kind, str(f.first_step), f.evidence.get("text", ""))
+    if not report.flags:
+        t.add_row("[green]ok[/]", "-", "-", "no flags")
+    console.print(t)
+    bits = [f"step {s.get('step')}"]
+    if s.get("total_steps"):
+        bits[0] += f"/{s['total_steps']}"
+    if isinstance(s.get("loss_smoothed"), float):
+        bits.append(f"loss {s['loss_smoothed']:.4f}")
+    if isinstance(s.get("forecast_loss"), float):
+        bits.append(f"forecast {s['forecast_loss']:.4f} [{s['band_lo']:.4f}, {s['band_hi']:.4f}]")
+    if isinstance(s.get("grad_norm"), float):
+        bits.append(f"grad norm {s['grad_norm']:.3g}")
+    if isinstance(s.get("drop_frac"), float):
+        bits.append(f"drops {s['drop_frac']:.1%}")
+    if isinstance(s.get("tokens_per_s"), float):
+        bits.append(f"{s['tokens_per_s']:,.0f} tokens/s")
+    if s.get("projected_finish"):
+        bits.append(f"projected finish {s['projected_finish']}")
+    console.print(", ".join(bits), highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("compare")
+    def compare_cmd(
+        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, or a run directory"),
+        metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV (step, loss, ...)"),
+        forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json from `ladder forecast`"),
+        spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec (default: the run dir's spec file)"),
+        follow: bool = typer.Option(False, "--follow", help="re-read as the run grows until it finishes"),
+        interval: float = typer.Option(10.0, "--interval", help="seconds between reads with --follow"),
+        max_wait: Optional[float] = typer.Option(None, "--max-wait", help="stop following after this many seconds"),
+        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+        png: Optional[str] = typer.Option(None, "--png", help="write the live curve over the forecast band here"),
+        settings_path: Optional[str] = typer.Option(None, "--settings", help="YAML of monitor thresholds"),
+        overrides: Optional[list[str]] = typer.Option(None, "--set", help="threshold override NAME=VALUE (repeatable)"),
+        tokens_per_s: Optional[float] = typer.Option(None, "--tokens-per-s", help="planned throughput"),
+        loss_col: Optional[str] = typer.Option(None, "--loss-col", help="the CSV's loss column, if not a usual name"),
+        root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
+    ) -> None:
+        """Flag where a run leaves its forecast: band, spikes, grad norm, drops, router entropy, NaN, throughput."""
+        from analysis.monitor import MonitorSettings, load_forecast, monitor, plot_report
+
+        settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
+        fc = load_forecast(forecast) if forecast else None
+        if tokens_per_s is not None and tokens_per_s <= 0:
+            raise ValueError(f"--tokens-per-s must be positive (got {tokens_per_s})")
+        if interval <= 0:
+            raise ValueError(f"--interval must be positive (got {interval})")
+        ref, df, spec = load_inputs(run, metrics, spec_path, root, loss_col)
+        console = Console(stderr=as_json) if sys.stdout.isatty() or as_json else Console(width=160)
+        start = time.monotonic()
+        seen: set[tuple[str, int]] = set()
+        while True:
+            report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=ref.status())
+            if follow:
+                for f in report.flags:
+                    if (f.kind, f.first_step) not in seen:
+                        seen.add((f.kind, f.first_step))
+                        console.print(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/] {f.kind} @ {f.first_step}: "
+                                      f"{f.evidence.get('text', '')}", highlight=False)
+                state = ref.status().get("state")
+                console.print(f"[dim]step {report.summary.get('step')} ({state or 'no status'})[/]", highlight=False)
+                done = state in TERMINAL_STATES
+                timed_out = max_wait is not None and time.monotonic() - start >= max_wait
+                if not (done or timed_out):
+                    time.sleep(interval)
+                    from analysis.metrics_io import read_metrics_frame
+
+                    df = read_metrics_frame(ref.metrics_path, {"loss": loss_col} if loss_col else None)
+                    continue
+            break
+        if png:
+            plot_report(df, report, fc, png, title=f"{ref.label}: worst flag {report.worst or 'none'}")
+        if as_json:
+            print(json.dumps({"run": ref.label, "metrics": str(ref.metrics_path), **report.to_dict(),
+                              **({"png": str(Path(png))} if png else {})}, indent=2, default=str))
+        else:
+            render(report, console, f"compare: {ref.label}")
+            if png:
+                console.print(f"plot: {png}")
+        if report.critical:
+            # SystemExit, not typer.Exit: the CLI runs click with standalone_mode=False, which turns an
+            # Exit into a return value and loses its code.
+            raise SystemExit(EXIT_CRITICAL)
