@@ -1,0 +1,43 @@
+"""`ladder submit`: train an experiment's specs on Ray."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("submit")
+    def submit_cmd(
+        experiment: str = typer.Argument(..., help="experiment file (or module name) defining EXPERIMENT"),
+        only: Optional[str] = typer.Option(None, "--only", help="regex over spec names (may select the hero)"),
+        engine: Optional[str] = typer.Option(None, "--engine", help="train every spec with this engine (changes spec ids)"),
+        address: Optional[str] = typer.Option(None, "--address", help="join this Ray cluster (default: $RAY_ADDRESS, else a local Ray)"),
+        max_concurrent: Optional[int] = typer.Option(None, "--max-concurrent", help="at most N runs at once"),
+        dry_run: bool = typer.Option(False, "--dry-run", help="show the plan, start nothing"),
+        include_hero: bool = typer.Option(False, "--include-hero", help="also train the hero spec"),
+        tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store (default sqlite:///<root>/mlflow.db)"),
+        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
+        retries: int = typer.Option(3, "--retries", help="Ray retries of a run whose worker or node is lost"),
+        no_tracking: bool = typer.Option(False, "--no-tracking", help="do not log to MLflow (ladder sync can upload later)"),
+    ) -> None:
+        """Train the experiment's rungs (finished ones are skipped, interrupted ones resume)."""
+        from ladder.controller import submit
+
+        result = submit(
+            experiment,
+            only=only,
+            engine=engine,
+            address=address,
+            max_concurrent=max_concurrent,
+            dry_run=dry_run,
+            include_hero=include_hero,
+            tracking_uri=tracking_uri,
+            root=root,
+            retries=retries,
+            tracking=not no_tracking,
+        )
+        if not dry_run and not result.ok:
+            raise typer.Exit(1)

@@ -1,0 +1,520 @@
+"""Scheduling: turn an experiment's specs into Ray tasks, one per spec, and see them through.
+
+    plan      which specs to run (selection, engine override, ledger: finished ones are skipped)
+    feasible  refuse at once a resource request no node of the cluster can ever satisfy
+    dispatch  submit, stream progress, defer specs another submission holds, collect outcomes
+    train_task  the worker: claim the spec, train it (resuming), mirror metrics to MLflow
+
+What is done lives in ladder.ledger, the display in ladder.progress, MLflow in ladder.tracking.
+A worker or node lost mid-run is retried by Ray (max_retries) and resumes from its checkpoint;
+a submission killed outright is finished by running it again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shlex
+import socket
+import sys
+import time
+import traceback
+import uuid
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+from ladder import ledger
+from ladder.errors import LadderError
+from ladder.experiment import Experiment, load_experiment
+from ladder.spec import Spec
+
+DEFER_POLL_S = 2.0
+
+
+# ---- plan ----------------------------------------------------------------------------------------
+def select_specs(exp: Experiment, only: str | None, include_hero: bool, engine: str | None) -> list[Spec]:
+    import re
+
+    if only:
+        try:
+            re.compile(only)
+        except re.error as err:
+            raise LadderError(f"--only {only!r} is not a valid regular expression: {err}") from err
+    specs = exp.select(only=only, include_hero=include_hero)
+    if not specs:
+        names = ", ".join(s.name for s in exp.all_specs())
+        raise LadderError(f"--only {only!r} matches no spec of experiment {exp.name!r} (specs: {names})")
+    if engine:
+        from engines.registry import engine_names
+
+        if engine not in engine_names():
+            raise LadderError(f"unknown engine {engine!r}; registered engines: {', '.join(sorted(engine_names()))}")
+        specs = [s.replace(engine=engine) for s in specs]
+    return specs
+
+
+@dataclass
+class Planned:
+    spec: Spec
+    run_dir: Path
+    action: str  # run | skip-finished | skip-diverged
+
+
+def plan(root: Path, exp: Experiment, specs: list[Spec]) -> list[Planned]:
+    out = []
+    for s in specs:
+        d = ledger.run_dir_for(root, exp.name, s)
+        if ledger.is_finished(d, s):
+            action = "skip-finished"
+        elif ledger.read_status(d).get("state") == "diverged":
+            action = "skip-diverged"
+        else:
+            action = "run"
+        out.append(Planned(s, d, action))
+    return out
+
+
+# ---- feasibility -----------------------------------------------------------------------------------
+def resources_of(spec: Spec) -> dict[str, float]:
+    need = {"CPU": float(spec.hardware.task_cpus), "GPU": float(spec.hardware.task_gpus)}
+    return {k: v for k, v in need.items() if v > 0}
+
+
+def check_feasible(specs: list[Spec], nodes: list[dict]) -> None:
+    """Raise LadderError naming every spec whose per-run resources no single alive node has
+    (Ray would leave such a task pending forever)."""
+    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", True))]
+    problems = []
+    for s in specs:
+        need = resources_of(s)
+        if any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in alive):
+            continue
+        wants = ", ".join(f"{v:g} {k}" for k, v in need.items())
+        missing = []
+        for k, v in need.items():
+            best = max((res.get(k, 0.0) for res in alive), default=0.0)
+            if best < v:
+                missing.append(f"no node has {v:g} {k} (largest: {best:g})" if best else f"the cluster has no {k}")
+        missing = missing or ["no single node has all of it at once"]
+        problems.append(f"spec {s.name} ({s.id}) asks for {wants} per run: {'; '.join(missing)}")
+    if problems:
+        totals: dict[str, float] = {}
+        for res in alive:
+            for k in ("CPU", "GPU"):
+                totals[k] = totals.get(k, 0.0) + res.get(k, 0.0)
+        have = ", ".join(f"{v:g} {k}" for k, v in totals.items())
+        raise LadderError(
+            "refused before submitting anything, the Ray cluster can never run these: "
+            + " | ".join(problems)
+            + f" (cluster: {len(alive)} node(s), {have}; change spec.hardware.task_cpus/task_gpus or use another cluster)"
+        )
+
+
+# ---- the worker ------------------------------------------------------------------------------------
+class ClaimLost(RuntimeError):
+    pass
+
+
+def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
+    """Runs on a Ray worker: claim, train with resume, mirror to MLflow, release."""
+    from engines.base import DivergedError, read_status, write_status
+    from engines.registry import get_engine
+    from ladder.progress import Reporter
+
+    spec = Spec.model_validate_json(spec_json)
+    rd = Path(run_dir)
+    host, pid = socket.gethostname(), os.getpid()
+    node = _node_id()
+    base = {"spec_id": spec.id, "name": spec.name, "host": host, "pid": pid, "node": node}
+    claim = ledger.Claim.acquire(ctx["root"], spec.id, ctx["owner"], node=node, run_dir=run_dir)
+    if claim is None:
+        return {**base, "outcome": "busy", "holder": ledger.live_claim(ctx["root"], spec.id)}
+    report = Reporter(ctx.get("sink"), spec.id)
+    tracker = None
+    state, note, last, engine_s = "failed", "", None, 0.0
+    try:
+        if ledger.is_finished(rd, spec):
+            return {**base, "outcome": "skipped", "note": "finished by another submission"}
+        _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time()})
+        if ctx.get("tracking_uri"):
+            from ladder import tracking
+
+            tracking.bounded_http_retries()
+            tracker = tracking.RunTracker(
+                ctx["tracking_uri"], ctx["experiment"], spec, rd, ctx.get("parent_run_id"), ctx.get("experiment_file", ""), reopen=True
+            ).start(ctx.get("tracking_every_s", 2.0))
+        report({**base, "step": 0}, force=True)
+        t0 = time.perf_counter()
+        for m in get_engine(spec.engine).train(spec, rd, resume=True):
+            last = m
+            if claim.lost:
+                raise ClaimLost("another submission judged this worker dead and took the spec over")
+            report({**base, "step": m.step + 1, "loss": m.loss, "tokens_per_s": m.tokens_per_s})
+        engine_s = time.perf_counter() - t0
+        state = "finished" if ledger.is_finished(rd, spec) else "failed"
+        if state == "failed":
+            note = f"engine stopped at step {last.step if last else None} of {spec.total_steps}"
+    except DivergedError as err:
+        state, note = "diverged", str(err)
+        if read_status(rd).get("state") != "diverged":
+            write_status(rd, "diverged", reason=str(err), step=last.step if last else None)
+    except (KeyboardInterrupt, ClaimLost) as err:
+        state, note = "interrupted", type(err).__name__
+        write_status(rd, "failed", reason="interrupted", step=last.step if last else None)
+    except Exception as err:
+        state, note = "failed", f"{type(err).__name__}: {err}"
+        if read_status(rd).get("state") in ("running", "pending"):
+            write_status(rd, "failed", error=note, traceback=traceback.format_exc()[-4000:])
+    finally:
+        synced = tracker.stop(state) if tracker is not None else None
+        claim.release()
+    report({**base, "step": (last.step + 1) if last else 0, "loss": last.loss if last else None, "state": state}, force=True)
+    return {
+        **base,
+        "outcome": state,
+        "note": note,
+        "step": None if last is None else last.step,
+        "loss": None if last is None else last.loss,
+        "engine_s": engine_s,
+        "tracking_synced": synced,
+        "tracking_error": None if tracker is None else tracker.error,
+    }
+
+
+def _node_id() -> str | None:
+    try:
+        import ray
+
+        return ray.get_runtime_context().get_node_id()
+    except Exception:
+        return None
+
+
+def _append_attempt(run_dir: Path, rec: dict) -> None:
+    """attempts.jsonl: who started (or resumed) this run, when, where."""
+    import json
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "attempts.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
+# ---- dispatch ----------------------------------------------------------------------------------------
+@dataclass
+class SubmitResult:
+    experiment: str
+    planned: list[Planned]
+    outcomes: dict[str, dict] = field(default_factory=dict)  # spec id -> the worker's answer
+    parent_run_id: str | None = None
+    tracking_uri: str | None = None
+    wall_s: float = 0.0
+    interrupted: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not self.interrupted and all(o.get("outcome") in ("finished", "skipped") for o in self.outcomes.values())
+
+
+def _start_ray(address: str | None) -> bool:
+    """Connect or start; True when this call started Ray (and should shut it down)."""
+    import ray
+
+    if ray.is_initialized():
+        return False
+    address = address or os.environ.get("RAY_ADDRESS")
+    kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
+    try:
+        if address:
+            ray.init(address=address, **kwargs)
+        else:
+            # "local": a fresh instance, never a stale cluster this machine happens to have
+            ray.init(address="local", num_cpus=os.cpu_count() or 1, **kwargs)
+    except (ConnectionError, ValueError, RuntimeError) as err:
+        raise LadderError(f"cannot start or join Ray{f' at {address}' if address else ''}: {err}") from err
+    return True
+
+
+def resume_hint(exp: Experiment, only, engine, address, include_hero, tracking_uri, root) -> str:
+    args = ["ladder", "submit", exp.path or exp.name]
+    for flag, val in (("--only", only), ("--engine", engine), ("--address", address), ("--tracking-uri", tracking_uri), ("--root", root)):
+        if val:
+            args += [flag, str(val)]
+    if include_hero:
+        args.append("--include-hero")
+    return shlex.join(args)
+
+
+def submit(
+    experiment: "str | Path | Experiment",
+    *,
+    only: str | None = None,
+    engine: str | None = None,
+    address: str | None = None,
+    max_concurrent: int | None = None,
+    dry_run: bool = False,
+    include_hero: bool = False,
+    tracking_uri: str | None = None,
+    root: str | Path | None = None,
+    retries: int = 3,
+    tracking: bool = True,
+    console: Console | None = None,
+    show_progress: bool = True,
+) -> SubmitResult:
+    """Run an experiment's selected specs on Ray; see `ladder submit --help`."""
+    t_start = time.perf_counter()
+    console = console or Console(stderr=True)
+    exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
+    root = ledger.ladder_root(root)
+    specs = select_specs(exp, only, include_hero, engine)
+    planned = plan(root, exp, specs)
+    result = SubmitResult(exp.name, planned)
+    todo = [p for p in planned if p.action == "run"]
+    if max_concurrent is not None and max_concurrent < 1:
+        raise LadderError(f"--max-concurrent must be at least 1 (got {max_concurrent})")
+
+    if dry_run:
+        console.print(plan_table(exp, planned))
+        return result
+    for p in planned:
+        if p.action == "skip-diverged":
+            console.print(f"{p.spec.name}: diverged earlier, not rerun (change the spec to train it again)", highlight=False)
+    if not todo:
+        n_done = sum(p.action == "skip-finished" for p in planned)
+        console.print(f"{exp.name}: all {n_done} selected specs already finished; nothing to train.", highlight=False)
+        result.wall_s = time.perf_counter() - t_start
+        return result
+
+    import ray
+
+    started = _start_ray(address)
+    try:
+        check_feasible([p.spec for p in todo], ray.nodes())
+        for p in todo:
+            ledger.write_spec_file(p.run_dir, p.spec)
+        owner = uuid.uuid4().hex
+        ctx: dict[str, Any] = {
+            "root": str(root),
+            "owner": owner,
+            "experiment": exp.name,
+            "experiment_file": exp.path,
+            "tracking_uri": None,
+        }
+        sub = None
+        if tracking:
+            sub = _open_tracking(console, root, tracking_uri, exp, [p.spec for p in todo], owner)
+            ctx["tracking_uri"] = tracking_uri_resolved = _resolved_uri(tracking_uri, root)
+            result.tracking_uri = tracking_uri_resolved
+            if sub is not None:
+                ctx["parent_run_id"] = result.parent_run_id = sub.run_id
+        from ladder.progress import SweepDisplay, progress_sink
+
+        ctx["sink"] = progress_sink()
+        n_skip = len(planned) - len(todo)
+        if n_skip:
+            console.print(f"{exp.name}: {n_skip} spec(s) already finished, skipped", highlight=False)
+        display = SweepDisplay([(p.spec.id, p.spec.name, p.spec.total_steps) for p in todo], console, show_progress)
+        try:
+            with display:
+                _dispatch(todo, ctx, result, display, max_concurrent, retries)
+        except KeyboardInterrupt:
+            result.interrupted = True
+            _close_tracking(sub, "KILLED")
+            console.print(
+                f"interrupted: runs stopped at their last checkpoint. Resume with:\n  "
+                f"{resume_hint(exp, only, engine, address, include_hero, tracking_uri, root)}",
+                highlight=False,
+            )
+            raise
+        _close_tracking(sub, "FINISHED" if result.ok else "FAILED")
+        result.wall_s = time.perf_counter() - t_start
+        console.print(summary_table(exp, result), highlight=False)
+        behind = [o["name"] for o in result.outcomes.values() if o.get("tracking_synced") is False]
+        if behind:
+            console.print(
+                f"MLflow is missing metrics of {len(behind)} run(s) ({', '.join(behind)}); "
+                f"metrics.jsonl has them: run `ladder sync {exp.name}` when the tracking server is back.",
+                highlight=False,
+            )
+        return result
+    finally:
+        if started:
+            ray.shutdown()
+
+
+def _resolved_uri(uri: str | None, root: Path) -> str:
+    from ladder.tracking import resolve_tracking_uri
+
+    return resolve_tracking_uri(uri, root)
+
+
+def _open_tracking(console, root, uri, exp, specs, owner):
+    from ladder import tracking
+
+    uri = tracking.resolve_tracking_uri(uri, root)
+    tracking.bounded_http_retries()
+    try:
+        tracking.prepare_store(uri)
+        return tracking.start_submission(uri, exp, specs, {"owner": owner, "host": socket.gethostname(), "argv": shlex.join(sys.argv)[:490]})
+    except Exception as err:
+        console.print(
+            f"warning: MLflow at {uri} is unreachable ({type(err).__name__}); training goes on, metrics.jsonl keeps "
+            "everything, and `ladder sync` uploads it later",
+            highlight=False,
+        )
+        return None
+
+
+def _close_tracking(sub, status: str) -> None:
+    if sub is None:
+        return
+    from ladder import tracking
+
+    try:
+        tracking.end_submission(sub, status)
+    except Exception:
+        pass  # the parent run's status is cosmetic; the runs themselves are in the run dirs
+
+
+_REMOTE = None
+
+
+def _launch(p: Planned, ctx: dict, retries: int):
+    import ray
+
+    global _REMOTE
+    if _REMOTE is None:
+        _REMOTE = ray.remote(train_task)  # exported once per driver, not once per spec
+    remote = _REMOTE
+    res = resources_of(p.spec)
+    return remote.options(
+        num_cpus=res.get("CPU", 0),
+        num_gpus=res.get("GPU", 0),
+        max_retries=retries,
+        retry_exceptions=False,
+        name=f"train:{p.spec.name}",
+    ).remote(p.spec.model_dump_json(), str(p.run_dir), ctx)
+
+
+def _dispatch(todo: list[Planned], ctx: dict, result: SubmitResult, display, max_concurrent: int | None, retries: int) -> None:
+    import ray
+
+    queue = list(todo)
+    inflight: dict[Any, Planned] = {}
+    deferred: dict[str, Planned] = {}
+    last_poll = 0.0
+    try:
+        while queue or inflight or deferred:
+            while queue and (max_concurrent is None or len(inflight) < max_concurrent):
+                p = queue.pop(0)
+                holder = ledger.live_claim(ctx["root"], p.spec.id)
+                if holder is not None and holder.get("owner") != ctx["owner"]:
+                    deferred[p.spec.id] = p
+                    display.waiting(p.spec.id, f"held by another submission ({holder.get('host')} pid {holder.get('pid')}); waiting")
+                    continue
+                inflight[_launch(p, ctx, retries)] = p
+            if inflight:
+                ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.25)
+            else:
+                ready = []
+                time.sleep(0.25)
+            for ref in ready:
+                p = inflight.pop(ref)
+                out = _outcome(ref, p)
+                if out["outcome"] == "busy":
+                    deferred[p.spec.id] = p
+                    h = out.get("holder") or {}
+                    display.waiting(p.spec.id, f"held by another submission ({h.get('host')} pid {h.get('pid')}); waiting")
+                    continue
+                result.outcomes[p.spec.id] = out
+                display.done(p.spec.id, out["outcome"], _note(out))
+            for key, upd in ray.get(ctx["sink"].drain.remote()).items():
+                display.update(key, upd)
+            if deferred and time.monotonic() - last_poll > DEFER_POLL_S:
+                last_poll = time.monotonic()
+                for sid, p in list(deferred.items()):
+                    if ledger.live_claim(ctx["root"], sid) is not None:
+                        continue
+                    del deferred[sid]
+                    if ledger.is_finished(p.run_dir, p.spec):
+                        result.outcomes[sid] = {"spec_id": sid, "name": p.spec.name, "outcome": "skipped", "note": "finished by another submission"}
+                        display.done(sid, "skipped", "finished by another submission")
+                    else:
+                        queue.append(p)
+    except KeyboardInterrupt:
+        _cancel(inflight)
+        raise
+
+
+def _outcome(ref, p: Planned) -> dict:
+    import ray
+
+    try:
+        return ray.get(ref)
+    except ray.exceptions.TaskCancelledError:
+        return {"spec_id": p.spec.id, "name": p.spec.name, "outcome": "interrupted", "note": "cancelled"}
+    except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.RayTaskError, ray.exceptions.RayError) as err:
+        return {
+            "spec_id": p.spec.id,
+            "name": p.spec.name,
+            "outcome": "failed",
+            "note": f"worker lost after retries ({type(err).__name__}); resubmit resumes from the checkpoint",
+        }
+
+
+def _note(out: dict) -> str:
+    bits = []
+    if out.get("loss") is not None:
+        bits.append(f"loss {out['loss']:.4f}")
+    if out.get("note"):
+        bits.append(str(out["note"])[:160])
+    return "  ".join(bits)
+
+
+def _cancel(inflight: dict) -> None:
+    """Ask every running task to stop (a KeyboardInterrupt inside it: it writes its status,
+    closes its MLflow run and releases its claim), then wait a little for them."""
+    import ray
+
+    refs = list(inflight)
+    for ref in refs:
+        try:
+            ray.cancel(ref)
+        except Exception:
+            pass
+    if refs:
+        try:
+            ray.wait(refs, num_returns=len(refs), timeout=15)
+        except KeyboardInterrupt:
+            for ref in refs:
+                ray.cancel(ref, force=True)
+
+
+# ---- tables ----------------------------------------------------------------------------------------
+def plan_table(exp: Experiment, planned: list[Planned]) -> Table:
+    t = Table(title=f"{exp.name}: plan ({sum(p.action == 'run' for p in planned)} to run)")
+    for col in ("spec", "id", "role", "engine", "steps", "resources", "action"):
+        t.add_column(col)
+    for p in planned:
+        res = ", ".join(f"{v:g} {k}" for k, v in resources_of(p.spec).items()) or "-"
+        t.add_row(p.spec.name, p.spec.id, p.spec.role, p.spec.engine, str(p.spec.total_steps), res, p.action)
+    return t
+
+
+def summary_table(exp: Experiment, result: SubmitResult) -> Table:
+    t = Table(title=f"{exp.name}: {len(result.outcomes)} run(s) in {result.wall_s:.1f}s")
+    for col in ("spec", "outcome", "loss", "engine s", "note"):
+        t.add_column(col)
+    for o in result.outcomes.values():
+        loss = o.get("loss")
+        t.add_row(
+            o.get("name", "?"),
+            o.get("outcome", "?"),
+            "-" if loss is None else f"{loss:.4f}",
+            f"{o.get('engine_s', 0.0):.1f}",
+            str(o.get("note") or "")[:80],
+        )
+    return t

@@ -1,0 +1,525 @@
+"""MLflow tracking: one experiment per ladder, a parent run per submission, a child run per spec.
+
+A spec has exactly one child run per tracking store, found again by its `spec_id` tag: a run that
+is interrupted and resumed, even by a later submission, keeps logging into the same run (which
+moves under the submission that continues it), so a run's curve is never split or repeated.
+
+Metrics come from the run dir's metrics.jsonl, the source of truth, in batches of whole steps
+(`MlflowClient.log_batch`, at most 1,000 values a call) from a background thread of the worker,
+so a slow or absent tracking server never stalls training. What is in MLflow is always decided by
+asking MLflow: every record carries every key with the `loss` key in all of them, a batch holds
+whole steps in order and is committed atomically, so the largest logged step of `loss` is exactly
+where the upload stopped. After any failure the uploader asks again before sending, and
+`ladder sync` does the same, so an outage loses nothing and duplicates nothing. (Values are sent
+with the timestamps of the records, so even a racing re-send is an exact duplicate, which the SQL
+store rejects by primary key.)
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Iterable
+
+from engines.base import METRICS_FILE
+from ladder import ledger
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+    from ladder.experiment import Experiment
+    from ladder.spec import Spec
+
+SENTINEL_KEY = "loss"
+MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
+MAX_PARAMS_PER_BATCH = 100
+PARAM_VALUE_LIMIT = 500  # the smallest limit of MLflow servers still in use
+NOT_METRICS = {"step", "time", "extra"}
+MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "diverged": "FAILED", "interrupted": "KILLED"}
+
+log = logging.getLogger("ladder.tracking")
+
+
+# ---- stores ------------------------------------------------------------------------------------
+def default_tracking_uri(root: str | Path) -> str:
+    return f"sqlite:///{Path(root) / 'mlflow.db'}"
+
+
+def resolve_tracking_uri(uri: str | None, root: str | Path) -> str:
+    """--tracking-uri, else $LADDER_TRACKING_URI, else $MLFLOW_TRACKING_URI, else the root's SQLite."""
+    return uri or os.environ.get("LADDER_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(root)
+
+
+def _quiet() -> None:
+    for name in ("mlflow", "alembic", "sqlalchemy", "urllib3"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
+def bounded_http_retries() -> None:
+    """A worker must not block for minutes on a dead server (MLflow's default retries back off
+    for ~4 minutes); the user's own settings win."""
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0.5")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
+
+
+@lru_cache(maxsize=8)
+def client(uri: str) -> "MlflowClient":
+    _quiet()
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=uri)
+
+
+def prepare_store(uri: str) -> None:
+    """Create the embedded SQLite store once, in the controller, before any worker opens it:
+    concurrent first-time creation of the schema races."""
+    if uri.startswith("sqlite:///"):
+        Path(uri.removeprefix("sqlite:///")).parent.mkdir(parents=True, exist_ok=True)
+    client(uri).search_experiments(max_results=1)
+
+
+def _artifact_location(uri: str) -> str | None:
+    if uri.startswith("sqlite:///"):
+        return (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").as_uri()
+    return None  # a server decides where artifacts go
+
+
+def experiment_id(uri: str, name: str) -> str:
+    c = client(uri)
+    exp = c.get_experiment_by_name(name)
+    if exp is None:
+        try:
+            return c.create_experiment(name, artifact_location=_artifact_location(uri))
+        except Exception:
+            exp = c.get_experiment_by_name(name)  # created concurrently by another process
+            if exp is None:
+                raise
+    if exp.lifecycle_stage == "deleted":
+        c.restore_experiment(exp.experiment_id)
+    return exp.experiment_id
+
+
+# ---- submissions (parent runs) ---------------------------------------------------------------
+@dataclass
+class Submission:
+    uri: str
+    experiment_id: str
+    run_id: str
+
+
+def start_submission(uri: str, experiment: "Experiment", specs: list["Spec"], tags: dict[str, str]) -> Submission:
+    c = client(uri)
+    exp_id = experiment_id(uri, experiment.name)
+    run = c.create_run(
+        exp_id,
+        run_name=f"submit-{time.strftime('%Y%m%d-%H%M%S')}",
+        tags={
+            "ladder.kind": "submission",
+            "experiment_file": experiment.path,
+            "n_specs": str(len(specs)),
+            "specs": _truncate(",".join(s.name for s in specs)),
+            **tags,
+        },
+    )
+    return Submission(uri, exp_id, run.info.run_id)
+
+
+def end_submission(sub: Submission, status: str) -> None:
+    client(sub.uri).set_terminated(sub.run_id, status)
+
+
+def latest_parent_run(uri: str, experiment_name: str, create: bool = True) -> str | None:
+    """The ladder's newest submission run (analysis attaches its files there)."""
+    c = client(uri)
+    exp_id = experiment_id(uri, experiment_name)
+    runs = c.search_runs([exp_id], "tags.`ladder.kind` = 'submission'", order_by=["attributes.start_time DESC"], max_results=1)
+    if runs:
+        return runs[0].info.run_id
+    if not create:
+        return None
+    run = c.create_run(exp_id, run_name="analysis", tags={"ladder.kind": "submission"})
+    c.set_terminated(run.info.run_id, "FINISHED")
+    return run.info.run_id
+
+
+def _experiment_name(experiment: "str | Experiment") -> str:
+    return experiment if isinstance(experiment, str) else experiment.name
+
+
+def log_artifact_to_parent(
+    experiment: "str | Experiment",
+    path: str | Path,
+    artifact_path: str | None = None,
+    tracking_uri: str | None = None,
+    root: str | Path | None = None,
+) -> str:
+    """Attach a file (forecast.json, a plot, a report) to the ladder's latest parent run; returns
+    the run id."""
+    uri = resolve_tracking_uri(tracking_uri, ledger.ladder_root(root))
+    prepare_store(uri)
+    run_id = latest_parent_run(uri, _experiment_name(experiment))
+    client(uri).log_artifact(run_id, str(path), artifact_path)
+    return run_id
+
+
+def log_forecast(
+    experiment: "str | Experiment",
+    forecast: "dict | str | Path",
+    tracking_uri: str | None = None,
+    root: str | Path | None = None,
+) -> str:
+    """forecast.json (a dict or a file) as an artifact of the latest parent run, plus the hero's
+    predicted final loss and interval as metrics when the forecast has them."""
+    import tempfile
+
+    uri = resolve_tracking_uri(tracking_uri, ledger.ladder_root(root))
+    prepare_store(uri)
+    run_id = latest_parent_run(uri, _experiment_name(experiment))
+    c = client(uri)
+    if isinstance(forecast, dict):
+        with tempfile.TemporaryDirectory() as tmp:
+            p = Path(tmp) / "forecast.json"
+            p.write_text(json.dumps(forecast, indent=2, default=float))
+            c.log_artifact(run_id, str(p))
+        data = forecast
+    else:
+        c.log_artifact(run_id, str(forecast))
+        data = json.loads(Path(forecast).read_text())
+    final = ((data or {}).get("hero") or {}).get("final_loss") or {}
+    from mlflow.entities import Metric
+
+    now = int(time.time() * 1000)
+    metrics = [Metric(f"forecast.hero_final_loss.{k}", float(final[k]), now, 0) for k in ("mean", "lo", "hi") if k in final]
+    if metrics:
+        c.log_batch(run_id, metrics=metrics)
+    return run_id
+
+
+# ---- one spec's run ------------------------------------------------------------------------------
+def flatten(d: Any, prefix: str = "") -> dict[str, str]:
+    out: dict[str, str] = {}
+    if isinstance(d, dict):
+        for k, v in d.items():
+            out.update(flatten(v, f"{prefix}{k}."))
+    elif isinstance(d, (list, tuple)):
+        out[prefix[:-1]] = _truncate(json.dumps(d, separators=(",", ":")))
+    else:
+        out[prefix[:-1]] = _truncate(str(d))
+    return out
+
+
+def _truncate(s: str, limit: int = PARAM_VALUE_LIMIT) -> str:
+    return s if len(s) <= limit else s[: limit - 3] + "..."
+
+
+def record_metrics(rec: dict) -> list[tuple[str, float]]:
+    """(key, value) pairs of one metrics.jsonl record: every numeric field but step and time,
+    plus the engine's extras."""
+    out = []
+    for k, v in rec.items():
+        if k in NOT_METRICS or v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
+            continue
+        out.append((k, float(v)))
+    for k, v in (rec.get("extra") or {}).items():
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            out.append((k if k not in rec else f"extra.{k}", float(v)))
+    return out
+
+
+class MetricsTail:
+    """Complete new lines of an append-only metrics.jsonl; starts over if the file was replaced
+    or truncated (an engine resuming rewrites it), which is safe because uploads skip by step."""
+
+    def __init__(self, path: Path):
+        self.path, self._ino, self._offset = path, None, 0
+
+    def read(self) -> list[dict]:
+        try:
+            st = self.path.stat()
+        except FileNotFoundError:
+            return []
+        if st.st_ino != self._ino or st.st_size < self._offset:
+            self._ino, self._offset = st.st_ino, 0
+        if st.st_size == self._offset:
+            return []
+        with open(self.path, "rb") as f:
+            f.seek(self._offset)
+            data = f.read()
+        end = data.rfind(b"\n") + 1  # leave a half-written last line for next time
+        self._offset += end
+        out = []
+        for raw in data[:end].splitlines():
+            try:
+                out.append(json.loads(raw))
+            except json.JSONDecodeError:
+                continue
+        return out
+
+
+class RunTracker:
+    """Mirrors one run dir into its MLflow child run."""
+
+    def __init__(
+        self,
+        uri: str,
+        experiment_name: str,
+        spec: "Spec",
+        run_dir: str | Path,
+        parent_run_id: str | None = None,
+        experiment_file: str = "",
+        reopen: bool = False,
+    ):
+        self.uri, self.experiment_name, self.spec = uri, experiment_name, spec
+        self.reopen = reopen  # a worker resuming the run marks it RUNNING again
+        self.run_dir = Path(run_dir)
+        self.parent_run_id, self.experiment_file = parent_run_id, experiment_file
+        self.run_id: str | None = None
+        self.synced_step: int | None = None  # None: ask MLflow before the next upload
+        self.uploaded = 0
+        self.error: str | None = None
+        self._tail = MetricsTail(self.run_dir / METRICS_FILE)
+        self._pending: dict[int, dict] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._final_state: str | None = None
+
+    # -- the MLflow side ------------------------------------------------------------------------
+    def ensure_run(self) -> str:
+        if self.run_id is not None:
+            return self.run_id
+        c = client(self.uri)
+        exp_id = experiment_id(self.uri, self.experiment_name)
+        run_id = self._find_run(c, exp_id)
+        if run_id is None:
+            run_id = self._create_run(c, exp_id)
+        else:
+            run = c.get_run(run_id)
+            if self.reopen and run.info.status != "RUNNING" and self._final_state is None:
+                c.update_run(run_id, status="RUNNING")
+            if self.parent_run_id and run.data.tags.get("mlflow.parentRunId") != self.parent_run_id:
+                c.set_tag(run_id, "mlflow.parentRunId", self.parent_run_id)
+        self.run_id = run_id
+        ledger.update_tracking(self.run_dir, self.uri, run_id=run_id)
+        return run_id
+
+    def _find_run(self, c: "MlflowClient", exp_id: str) -> str | None:
+        known = ledger.read_tracking(self.run_dir).get(self.uri, {}).get("run_id")
+        if known:
+            try:
+                run = c.get_run(known)
+                if run.info.lifecycle_stage == "active":
+                    return known
+            except Exception as err:  # a store that no longer has it: fall back to the tag
+                if "RESOURCE_DOES_NOT_EXIST" not in str(err) and "not found" not in str(err).lower():
+                    raise
+        runs = c.search_runs(
+            [exp_id],
+            f"tags.spec_id = '{self.spec.id}' and tags.`ladder.kind` = 'run'",
+            order_by=["attributes.start_time ASC"],
+            max_results=1,
+        )
+        return runs[0].info.run_id if runs else None
+
+    def _create_run(self, c: "MlflowClient", exp_id: str) -> str:
+        from mlflow.entities import Param
+
+        spec = self.spec
+        tags = {
+            "ladder.kind": "run",
+            "spec_id": spec.id,
+            "rung": spec.name,
+            "role": spec.role,
+            "engine": spec.engine,
+            "experiment": self.experiment_name,
+            "experiment_file": self.experiment_file,
+            "run_dir": str(self.run_dir),
+        }
+        if self.parent_run_id:
+            tags["mlflow.parentRunId"] = self.parent_run_id
+        run = c.create_run(exp_id, run_name=f"{spec.name}-{spec.id[:8]}", tags=tags)
+        params = [Param(k, v) for k, v in flatten(spec.model_dump(mode="json")).items()]
+        params.append(Param("spec_id", spec.id))
+        params.append(Param("total_steps", str(spec.total_steps)))
+        for i in range(0, len(params), MAX_PARAMS_PER_BATCH):
+            c.log_batch(run.info.run_id, params=params[i : i + MAX_PARAMS_PER_BATCH])
+        spec_file = self.run_dir / ledger.SPEC_FILE
+        if spec_file.exists():
+            c.log_artifact(run.info.run_id, str(spec_file))
+        return run.info.run_id
+
+    def logged_step(self) -> int:
+        """The largest step MLflow holds for this run (-1: none)."""
+        hist = client(self.uri).get_metric_history(self.ensure_run(), SENTINEL_KEY)
+        return max((m.step for m in hist), default=-1)
+
+    def upload(self) -> int:
+        """Send every record of metrics.jsonl past what MLflow holds; returns values sent."""
+        from mlflow.entities import Metric
+
+        for rec in self._tail.read():
+            if "step" in rec:
+                self._pending[int(rec["step"])] = rec  # a rewritten step replaces the older line
+        run_id = self.ensure_run()
+        if self.synced_step is None:
+            self.synced_step = self.logged_step()
+        steps = sorted(s for s in self._pending if s > self.synced_step)
+        for s in [s for s in self._pending if s <= self.synced_step]:
+            del self._pending[s]
+        sent = 0
+        batch: list[Metric] = []
+        batch_last = None
+
+        def send() -> None:
+            nonlocal batch, sent
+            try:
+                client(self.uri).log_batch(run_id, metrics=batch)
+            except Exception:
+                self.synced_step = None  # it may or may not have landed: ask before resending
+                raise
+            self.synced_step = batch_last
+            sent += len(batch)
+            ledger.update_tracking(self.run_dir, self.uri, synced_step=batch_last)
+            batch = []
+
+        for s in steps:
+            rec = self._pending[s]
+            ts = int(float(rec.get("time") or time.time()) * 1000)
+            values = [Metric(k, v, ts, s) for k, v in record_metrics(rec)]
+            if batch and len(batch) + len(values) > MAX_METRICS_PER_BATCH:
+                send()
+            batch.extend(values)
+            batch_last = s
+        if batch:
+            send()
+        for s in steps:
+            self._pending.pop(s, None)
+        self.uploaded += sent
+        return sent
+
+    def set_final(self, state: str) -> None:
+        """Close the MLflow run with the run dir's final state."""
+        c = client(self.uri)
+        run_id = self.ensure_run()
+        c.set_tag(run_id, "ladder.state", state)
+        c.set_terminated(run_id, MLFLOW_STATUS.get(state, "FAILED"))
+        ledger.update_tracking(self.run_dir, self.uri, final_state=state)
+
+    # -- the background uploader ------------------------------------------------------------------
+    def start(self, every_s: float = 2.0) -> "RunTracker":
+        self._thread = threading.Thread(target=self._loop, args=(every_s,), daemon=True, name="ladder-tracking")
+        self._thread.start()
+        return self
+
+    def _attempt(self, final: bool) -> bool:
+        try:
+            self.upload()
+            if final and self._final_state is not None:
+                self.set_final(self._final_state)
+            if self.error:
+                print(f"[ladder] tracking for {self.spec.name} recovered", file=sys.stderr)
+            self.error = None
+            return True
+        except Exception as err:  # MLflow down, a locked SQLite, a network error: training goes on
+            if self.error is None:
+                print(
+                    f"[ladder] tracking for {self.spec.name} unavailable ({type(err).__name__}: {str(err)[:200]}); "
+                    "metrics.jsonl keeps everything, uploads resume when it is back (or run `ladder sync`)",
+                    file=sys.stderr,
+                )
+            self.error = f"{type(err).__name__}: {str(err)[:200]}"
+            self.synced_step = None
+            return False
+
+    def _loop(self, every_s: float) -> None:
+        wait = every_s
+        while not self._stop.wait(wait):
+            ok = self._attempt(final=False)
+            wait = every_s if ok else min(wait * 2, 30.0)
+        self._attempt(final=True)
+
+    def stop(self, final_state: str | None, timeout_s: float = 30.0) -> bool:
+        """Upload the rest and close the run; True when MLflow has everything."""
+        self._final_state = final_state
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                self.error = self.error or "tracking did not finish in time"
+                return False
+        else:
+            self._attempt(final=True)
+        return self.error is None
+
+
+# ---- sync ----------------------------------------------------------------------------------------
+@dataclass
+class SyncResult:
+    experiment: str
+    name: str
+    run_dir: str
+    run_id: str | None
+    uploaded: int
+    state: str
+    error: str | None = None
+
+
+def sync_runs(root: str | Path | None = None, experiment: str | None = None, tracking_uri: str | None = None) -> list[SyncResult]:
+    """Upload to MLflow whatever of each run dir it lacks; runs a live worker is training are
+    left to that worker."""
+    from ladder.spec import load_spec
+
+    root = ledger.ladder_root(root)
+    uri = resolve_tracking_uri(tracking_uri, root)
+    prepare_store(uri)
+    results = []
+    parents: dict[str, str | None] = {}
+    for exp, d in ledger.iter_run_dirs(root, experiment):
+        spec = load_spec(d / ledger.SPEC_FILE)
+        rec = ledger.run_record(root, exp, spec, d, uri)
+        if rec.state == "running":
+            results.append(SyncResult(exp, spec.name, str(d), rec.mlflow_run_id, 0, rec.state, "skipped: a worker is training it"))
+            continue
+        if rec.state == "pending" and rec.step is None:
+            continue
+        if exp not in parents:
+            parents[exp] = latest_parent_run(uri, exp)
+        tracker = RunTracker(uri, exp, spec, d, parent_run_id=None)
+        if ledger.read_tracking(d).get(uri, {}).get("run_id") is None:
+            tracker.parent_run_id = parents[exp]  # a run first seen by sync hangs under the latest submission
+        state = {"failed": "interrupted" if rec.detail.startswith("interrupted") else "failed"}.get(rec.state, rec.state)
+        try:
+            tracker.upload()
+            tracker.set_final(state)
+            results.append(SyncResult(exp, spec.name, str(d), tracker.run_id, tracker.uploaded, rec.state))
+        except Exception as err:
+            results.append(SyncResult(exp, spec.name, str(d), tracker.run_id, tracker.uploaded, rec.state, f"{type(err).__name__}: {err}"))
+    return results
+
+
+def child_runs(uri: str, experiment_name: str) -> list[Any]:
+    """Every child run of a ladder (for the ledger's MLflow join and for tests)."""
+    c = client(uri)
+    exp = c.get_experiment_by_name(experiment_name)
+    if exp is None:
+        return []
+    out, token = [], None
+    while True:
+        page = c.search_runs([exp.experiment_id], "tags.`ladder.kind` = 'run'", max_results=1000, page_token=token)
+        out.extend(page)
+        token = page.token
+        if not token:
+            return out
+
+
+def iter_metric_points(uri: str, run_id: str, keys: Iterable[str]) -> dict[str, list[int]]:
+    """Steps logged per key (with repeats, so duplicates show)."""
+    c = client(uri)
+    return {k: [m.step for m in c.get_metric_history(run_id, k)] for k in keys}
