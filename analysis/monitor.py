@@ -34,7 +34,8 @@ evidence holds a sentence ("text") and the numbers behind it. The kinds:
   fewer experts than they are routed to, so top-k degenerates toward top-1 -- or below
   `entropy_rel_floor` x its early value (median of its first `entropy_early_points` after warmup),
   a sharp fall from the near-uniform log(n_experts) at initialisation.
-- `throughput_low` (warning): measured tokens/s (median of the last `throughput_points`) below
+- `throughput_low` (warning): measured tokens/s (tokens over wall time across the last
+  `throughput_points` records, else the median logged tokens/s) below
   `throughput_frac` x the plan (given tokens/s, or the spec's hardware at its expected MFU), with the
   projected finish date at the measured rate.
 - `forecast_spec_mismatch` (info): the forecast was made for another spec id than the run's.
@@ -345,18 +346,19 @@ def planned_tokens_per_s(spec: Spec) -> float | None:
 
 
 def measured_tokens_per_s(df: pd.DataFrame, points: int = 20) -> float | None:
-    """Median logged tokens/s over the last `points` records, else tokens over wall time."""
+    """Tokens over wall time across the last `points` records (what a deadline sees: eval and
+    checkpoint pauses included); else the median of the logged tokens_per_s."""
+    tok, t = _col(df, "tokens"), _col(df, "time")
+    if tok is not None and t is not None:
+        ok = np.isfinite(tok) & np.isfinite(t) & (t > 0)
+        tok, t = tok[ok][-points - 1 :], t[ok][-points - 1 :]
+        if len(t) >= 2 and t[-1] > t[0] and tok[-1] > tok[0]:
+            return float((tok[-1] - tok[0]) / (t[-1] - t[0]))
     tps = _col(df, "tokens_per_s")
     if tps is not None:
         v = tps[np.isfinite(tps) & (tps > 0)]
         if len(v):
             return float(np.median(v[-points:]))
-    tok, t = _col(df, "tokens"), _col(df, "time")
-    if tok is not None and t is not None:
-        ok = np.isfinite(tok) & np.isfinite(t) & (t > 0)
-        tok, t = tok[ok][-points - 1 :], t[ok][-points - 1 :]
-        if len(t) >= 2 and t[-1] > t[0]:
-            return float((tok[-1] - tok[0]) / (t[-1] - t[0]))
     return None
 
 

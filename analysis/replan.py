@@ -1,0 +1,641 @@
+"""Contingency replans for a live run: each option is a complete new spec plus a table row.
+
+    state = RunState.build(df, spec, ref=None, tokens_per_s=None, now=None)
+    plan = make_replan(state, deadline=None, force=False, settings=None)
+    paths = write_replan(plan, out_dir)
+
+An option's spec has a new id and records its lineage: parent_id (the run's spec id), reason, and
+resume_step (the parent checkpoint it continues from: the engine loads
+<parent run dir>/checkpoints/step_<resume_step> and goes on from there). Its row has the finish
+date at the run's throughput, the device-hours still to spend, and the forecast final loss with an
+interval from the curve model under the option's own schedule.
+
+Options (Marin's contingency plan, DESIGN.md):
+
+- `keep`: the plan as it is; projected finish and final loss.
+- `shorten`: a shorter token horizon that meets the deadline. The LR decay is re-timed through
+  ladder.spec.Rejoin (linear and cosine decays: from the resume step the LR goes, in the same shape,
+  from its value there to min_lr_ratio x peak at the new end; WSD and constant runs still in their
+  flat part just get the new total, with the warmup pinned in steps). Checked here: the LR is the
+  parent's at every step before the join, continuous at it, and reaches the minimum at the new end.
+  Allowed by default only while the run is within the first quarter of its token budget; later it
+  needs force=True (--force), and the row says so. The data phases stay at their planned token
+  positions (a midtrain phase past the new end is cut).
+- `shorten_mix`: the same horizon with the data mix re-timed for it: phases that have not started
+  keep their fraction of the new budget (an 80/20 pretrain/midtrain split stays 80/20). Only when
+  the spec has phases.
+- Token drops over budget (monitor flag `token_drops`): `capacity` raises both capacity factors
+  (memory per GPU from ladder.costs; refused when it no longer fits hardware.hbm_gb), `dropless`
+  switches to ragged dispatch, `sequence_balance` balances the router per sequence.
+- Divergence (NaN, loss jump or spike, grad-norm spike, growth or threshold): rewind to the last
+  kept checkpoint before the first such flag and continue with `rewind_zloss` (logit z-loss raised
+  to 1e-4, or x10 when already there), `rewind_lower_lr` (peak LR x `lr_factor`; note the new
+  spec's schedule then describes the steps before the rewind at the lower peak too: those steps
+  come from the parent checkpoint) or `rewind_redraw`. The data pipeline cannot skip batches (a
+  step's batch is a function of (seed, step, mixture) and the spec has no offset), so the offending
+  batches are not skipped: `rewind_redraw` re-draws every batch from the resume step on with a new
+  data seed (the seed also keys the initial weights, which the checkpoint replaces).
+- `enable_context`: the next gated stage of data.context_stages, when its gate (e.g.
+  "drop_frac <= 0.07") holds on the measured drop fraction (mean of the last 20 points).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import time as _time
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Any, Callable
+
+import numpy as np
+import pandas as pd
+
+from analysis.metrics_io import RunRef
+from analysis.monitor import Forecast, MonitorReport, MonitorSettings, measured_tokens_per_s, monitor, planned_tokens_per_s
+from ladder.schedule import lr_at
+from ladder.spec import Rejoin, Spec
+
+DIVERGENCE_KINDS = ("non_finite", "run_diverged", "loss_jump", "loss_spike", "grad_norm_spike", "grad_norm_high",
+                    "grad_norm_growth", "grad_norm_above_envelope")
+FIRST_QUARTER = 0.25
+INTERVAL_LEVEL = 0.9
+
+
+class ReplanError(ValueError):
+    """A replan that cannot be made from this input; nothing has been written."""
+
+
+# ---- where the run is --------------------------------------------------------------------------
+
+
+@dataclass
+class RunState:
+    spec: Spec
+    df: pd.DataFrame
+    report: MonitorReport
+    step: int  # last logged step
+    tokens_per_s: float
+    tokens_per_s_source: str
+    checkpoints: list[int]
+    checkpoints_assumed: bool
+    now: float
+    ref: RunRef | None = None
+    run_dir: Path | None = None
+
+    @property
+    def done_steps(self) -> int:
+        return self.step + 1
+
+    @property
+    def budget_frac(self) -> float:
+        return self.done_steps / self.spec.total_steps
+
+    @property
+    def drop_frac(self) -> float | None:
+        cols = [c for c in ("drop_frac_send", "drop_frac_recv") if c in self.df.columns]
+        if not cols:
+            return None
+        d = self.df[cols].fillna(0.0).sum(axis=1).to_numpy()[-20:]
+        return float(np.mean(d)) if len(d) else None
+
+    def latest_checkpoint(self, before: int | None = None) -> int:
+        """Newest kept checkpoint <= the run's progress (strictly before `before` when given);
+        0 (a fresh start from the spec's seed) when none is kept."""
+        limit = self.done_steps if before is None else before - 1
+        ok = [c for c in self.checkpoints if c <= limit]
+        return max(ok) if ok else 0
+
+    @classmethod
+    def build(cls, df: pd.DataFrame, spec: Spec, ref: RunRef | None = None, *, tokens_per_s: float | None = None,
+              forecast: Forecast | None = None, settings: MonitorSettings | None = None,
+              now: float | None = None) -> "RunState":
+        now = _time.time() if now is None else now
+        if len(df) == 0:
+            raise ReplanError("the metrics have no records: nothing to replan from")
+        report = monitor(df, spec, forecast, settings, plan_tokens_per_s=tokens_per_s,
+                         status=ref.status() if ref else None, now=now)
+        if tokens_per_s is not None:
+            if not tokens_per_s > 0:
+                raise ReplanError(f"--tokens-per-s must be positive (got {tokens_per_s})")
+            tps, src = float(tokens_per_s), "given"
+        else:
+            tps, src = measured_tokens_per_s(df), "measured"
+            if tps is None:
+                tps, src = planned_tokens_per_s(spec), "planned (hardware x expected MFU)"
+            if tps is None or not tps > 0:
+                raise ReplanError("the metrics hold no throughput (tokens_per_s or time): pass --tokens-per-s")
+        step = int(df["step"].iloc[-1])
+        ckpts = ref.checkpoint_steps() if ref is not None else []
+        assumed = False
+        if not ckpts and (ref is None or ref.run_dir is None):
+            # Metrics from elsewhere: assume the spec's checkpoint cadence.
+            every = spec.run.checkpoint_every
+            ckpts = list(range(every, step + 2, every))
+            assumed = True
+        return cls(spec, df, report, step, tps, src, ckpts, assumed, now, ref, ref.run_dir if ref else None)
+
+
+# ---- the curve model's forecast ----------------------------------------------------------------
+
+# forecaster(state, option_spec, resume_step) -> {"mean", "lo", "hi", "level"} or None
+Forecaster = Callable[["RunState", Spec, int], "dict | None"]
+
+
+def curve_forecaster(state: RunState) -> Forecaster | None:
+    """Fits the curve model (analysis.curves) to the run's own curve so far and predicts the final
+    loss under any option's schedule; None when the curve model is not available."""
+    try:
+        from analysis import curves
+    except ImportError:
+        return None
+    return _make_curve_forecaster(curves, state)
+
+
+def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
+    df = state.df
+    ok = np.isfinite(df["loss"].to_numpy(dtype=np.float64))
+    # Fit on the part of the curve before any divergence flag: a replan forecasts a healthy run.
+    first_bad = state.report.first(*DIVERGENCE_KINDS)
+    steps = df["step"].to_numpy()
+    if first_bad is not None:
+        ok &= steps < first_bad.first_step
+    if ok.sum() < 8:
+        return None
+    s_obs = steps[ok]
+    loss_obs = df["loss"].to_numpy(dtype=np.float64)[ok]
+    lr_full = lr_at(state.spec, np.arange(state.spec.total_steps))
+    try:
+        fit = curves.fit_curves([{"step": s_obs, "loss": loss_obs, "lr": lr_full}])
+    except Exception:
+        return None
+
+    def forecast(st: RunState, option: Spec, resume_step: int) -> dict | None:
+        total = option.total_steps
+        lr = lr_at(option, np.arange(total))
+        lr[:resume_step] = lr_at(st.spec, np.arange(resume_step))
+        try:
+            band = fit.predict(np.array([total - 1]), lr)
+        except Exception:
+            return None
+        return band
+
+    return forecast
+
+
+# ---- options -----------------------------------------------------------------------------------
+
+
+@dataclass
+class Option:
+    kind: str
+    title: str
+    spec: Spec | None
+    resume_step: int | None
+    reason: str
+    allowed: bool = True
+    note: str = ""
+    finish: str | None = None
+    finish_ts: float | None = None
+    device_hours: float | None = None
+    forecast: dict | None = None
+    meets_deadline: bool | None = None
+    memory_gb: float | None = None
+    path: str | None = None
+
+    def row(self, n: int) -> dict[str, Any]:
+        fc = self.forecast or {}
+        return {
+            "n": n, "kind": self.kind, "title": self.title, "allowed": self.allowed,
+            "spec_id": self.spec.id if self.spec else None, "spec_path": self.path,
+            "resume_step": self.resume_step, "total_steps": self.spec.total_steps if self.spec else None,
+            "tokens": self.spec.data.total_tokens if self.spec else None,
+            "finish": self.finish, "meets_deadline": self.meets_deadline, "device_hours": self.device_hours,
+            "forecast_loss": fc.get("mean"), "forecast_lo": fc.get("lo"), "forecast_hi": fc.get("hi"),
+            "forecast_level": fc.get("level"), "memory_gb": self.memory_gb, "reason": self.reason, "note": self.note,
+        }
+
+
+@dataclass
+class Replan:
+    state: RunState
+    deadline: float | None
+    options: list[Option]
+    recommended: int | None  # index into options
+    recommendation: str
+    context_gate: dict | None
+    notes: list[str] = field(default_factory=list)
+
+    def rows(self) -> list[dict[str, Any]]:
+        return [o.row(i + 1) for i, o in enumerate(self.options)]
+
+    def to_dict(self) -> dict[str, Any]:
+        st = self.state
+        return {
+            "run": {
+                "spec_id": st.spec.id, "name": st.spec.name, "step": st.step, "total_steps": st.spec.total_steps,
+                "budget_frac": st.budget_frac, "tokens_per_s": st.tokens_per_s,
+                "tokens_per_s_source": st.tokens_per_s_source, "checkpoints": st.checkpoints,
+                "checkpoints_assumed": st.checkpoints_assumed, "drop_frac": st.drop_frac,
+                "run_dir": str(st.run_dir) if st.run_dir else None,
+            },
+            "now": _iso(st.now),
+            "deadline": _iso(self.deadline) if self.deadline else None,
+            "flags": [f.to_dict() for f in st.report.flags],
+            "options": self.rows(),
+            "recommended": (self.recommended + 1) if self.recommended is not None else None,
+            "recommendation": self.recommendation,
+            "context_gate": self.context_gate,
+            "notes": self.notes,
+        }
+
+
+def _iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def parse_deadline(deadline: str | None, days: float | None, now: float) -> float | None:
+    """--deadline DATE (ISO date or date-time; naive means UTC) or --days N -> unix time."""
+    if deadline is not None and days is not None:
+        raise ReplanError("give --deadline or --days, not both")
+    if days is not None:
+        if not days > 0:
+            raise ReplanError(f"--days must be positive (got {days}): a deadline in the past")
+        return now + days * 86400.0
+    if deadline is None:
+        return None
+    try:
+        dt = datetime.fromisoformat(deadline.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise ReplanError(f"--deadline {deadline!r} is not a date (use e.g. 2026-12-24 or 2026-12-24T18:00:00Z)") from None
+    if dt.tzinfo is None:
+        dt = dt.replace(tzinfo=timezone.utc)
+    ts = dt.timestamp()
+    if ts <= now:
+        raise ReplanError(f"--deadline {deadline} is in the past (now is {_iso(now)})")
+    return ts
+
+
+def _lineage(parent: Spec, reason: str, resume_step: int) -> dict[str, Any]:
+    return {"parent_id": parent.id, "reason": reason, "resume_step": resume_step}
+
+
+def _derive(parent: Spec, kind: str, reason: str, resume_step: int, **changes: Any) -> Spec:
+    base = parent.name.split("+", 1)[0]
+    return parent.replace(**{"name": f"{base}+{kind}", "lineage": _lineage(parent, reason, resume_step), **changes})
+
+
+def _timing(opt: Option, st: RunState, start_step: int, deadline: float | None) -> None:
+    spec = opt.spec or st.spec
+    remaining_tokens = max(spec.total_steps - start_step, 0) * spec.data.tokens_per_step
+    secs = remaining_tokens / st.tokens_per_s
+    opt.finish_ts = st.now + secs
+    opt.finish = _iso(opt.finish_ts)
+    opt.device_hours = secs * max(spec.hardware.n_gpus, 1) / 3600.0
+    if deadline is not None:
+        opt.meets_deadline = opt.finish_ts <= deadline
+
+
+def _verify_rejoin(old: Spec, new: Spec, join: int) -> None:
+    """The re-timed schedule must be the old one before the join, continuous at it, and reach the
+    minimum at the new end. A failure here is a bug, not bad input."""
+    before = np.arange(join)
+    if join and not np.allclose(lr_at(new, before), lr_at(old, before), rtol=1e-12, atol=0):
+        raise AssertionError("re-timed schedule differs from the parent's before the join")
+    if join < old.total_steps and not math.isclose(float(lr_at(new, [join])[0]), float(lr_at(old, [join])[0]), rel_tol=1e-9):
+        raise AssertionError("re-timed schedule is not continuous at the join")
+    end = max(int(round(new.schedule.decay_end_frac * new.total_steps)), join + 1)
+    want = new.optim.peak_lr * new.schedule.min_lr_ratio
+    if new.schedule.decay != "constant" and not math.isclose(float(lr_at(new, [end])[0]), want, rel_tol=1e-9):
+        raise AssertionError("re-timed schedule does not reach min_lr_ratio x peak at the new end")
+
+
+def _phases(spec: Spec, old_total: int, new_total: int, join: int, keep_fraction: bool) -> list[dict]:
+    """Data phases for a new horizon. Started phases keep their exact start step; the others keep
+    their token position (keep_fraction=False; dropped when past the new end) or their fraction of
+    the new budget (keep_fraction=True)."""
+    out = []
+    for ph in spec.data.phases:
+        start = int(ph.start_frac * old_total)  # engines/data.py: floor(start_frac * total_steps)
+        d = ph.model_dump(mode="json")
+        if start <= join or not keep_fraction:
+            if start + 0.5 >= new_total:
+                continue
+            # (start + 0.5) / new: floor(frac * new) is exactly `start` despite float rounding
+            d["start_frac"] = (start + 0.5) / new_total
+        out.append(d)
+    return out
+
+
+def _context_stages(spec: Spec, old_total: int, new_total: int, join: int) -> list[dict]:
+    out = []
+    for cs in spec.data.context_stages:
+        start = int(cs.start_frac * old_total)
+        d = cs.model_dump(mode="json")
+        if start <= join and not cs.gated:
+            if start + 0.5 >= new_total:
+                continue
+            d["start_frac"] = (start + 0.5) / new_total
+        out.append(d)
+    return out
+
+
+def shorten_spec(spec: Spec, join: int, new_total: int, keep_fraction: bool, kind: str, reason: str) -> Spec:
+    """The spec with its horizon cut to `new_total` steps from the checkpoint at `join`."""
+    old_total = spec.total_steps
+    sched = spec.schedule
+    warm = sched.warmup_steps if sched.warmup_steps is not None else int(round(sched.warmup_frac * old_total))
+    changes: dict[str, Any] = {"data.total_tokens": new_total * spec.data.tokens_per_step}
+    flat_until = None
+    if sched.decay == "constant":
+        flat_until = new_total
+    elif sched.decay == "wsd" and not sched.rejoins:
+        flat_until = int(round((sched.decay_start_frac if sched.decay_start_frac is not None else 0.8) * new_total))
+    if flat_until is not None and join <= flat_until and join >= warm:
+        # Still in the flat part: the new total moves the decay; pin the warmup in steps.
+        changes["schedule.warmup_steps"] = warm
+    else:
+        changes["schedule.rejoins"] = [r.model_dump() for r in sched.rejoins] + [
+            Rejoin(step=join, prev_total_steps=old_total).model_dump()
+        ]
+    if spec.data.phases:
+        changes["data.phases"] = _phases(spec, old_total, new_total, join, keep_fraction)
+    if spec.data.context_stages:
+        changes["data.context_stages"] = _context_stages(spec, old_total, new_total, join)
+    new = _derive(spec, kind, reason, join, **changes)
+    _verify_rejoin(spec, new, join)
+    return new
+
+
+def _parse_gate(gate: str) -> tuple[str, str, float] | None:
+    m = re.fullmatch(r"\s*([A-Za-z_][\w.]*)\s*(<=|<|>=|>|==)\s*([-+0-9.eE]+)\s*", gate)
+    if not m:
+        return None
+    try:
+        return m.group(1), m.group(2), float(m.group(3))
+    except ValueError:
+        return None
+
+
+def context_gate(st: RunState) -> dict | None:
+    """Whether the next gated context stage may be enabled, judged on the measured metrics."""
+    stages = sorted((c for c in st.spec.data.context_stages if c.gated), key=lambda c: c.start_frac)
+    if not stages:
+        return None
+    nxt = stages[0]
+    out: dict[str, Any] = {"stage": nxt.model_dump(mode="json"), "gate": nxt.gate, "allowed": False}
+    parsed = _parse_gate(nxt.gate)
+    if parsed is None:
+        out["note"] = f"cannot read the gate {nxt.gate!r} (expected e.g. 'drop_frac <= 0.07')"
+        return out
+    metric, op, bound = parsed
+    if metric == "drop_frac":
+        value = st.drop_frac
+    elif metric in st.df.columns:
+        v = pd.to_numeric(st.df[metric], errors="coerce").dropna().to_numpy()[-20:]
+        value = float(np.mean(v)) if len(v) else None
+    else:
+        value = None
+    if value is None:
+        out["note"] = f"the run logs no {metric!r}: the gate cannot be judged"
+        return out
+    allowed = {"<=": value <= bound, "<": value < bound, ">=": value >= bound, ">": value > bound, "==": value == bound}[op]
+    out.update({"metric": metric, "measured": value, "bound": bound, "allowed": bool(allowed),
+                "note": f"measured {metric} {value:.4g} {'meets' if allowed else 'fails'} the gate {nxt.gate!r} "
+                        f"for {nxt.seq_len}-token context"})
+    return out
+
+
+def make_replan(
+    st: RunState,
+    deadline: float | None = None,
+    *,
+    force: bool = False,
+    lr_factor: float = 0.5,
+    forecaster: Forecaster | None | str = "auto",
+) -> Replan:
+    spec = st.spec
+    notes: list[str] = []
+    if forecaster == "auto":
+        forecaster = curve_forecaster(st)
+    if forecaster is None:
+        notes.append("no curve model available: options carry no loss forecast")
+    if st.checkpoints_assumed:
+        notes.append(f"no run directory: checkpoints assumed every {spec.run.checkpoint_every} steps")
+    options: list[Option] = []
+
+    # keep
+    keep = Option("keep", "keep the plan", spec, None, "no change", note="the run goes on as planned")
+    _timing(keep, st, st.done_steps, deadline)
+    if forecaster:
+        keep.forecast = forecaster(st, spec, st.done_steps)
+    options.append(keep)
+
+    # shorten the horizon to meet the deadline
+    if deadline is not None:
+        join = st.latest_checkpoint()
+        tps_step = spec.data.tokens_per_step
+        fit_steps = int((deadline - st.now) * st.tokens_per_s // tps_step)
+        new_total = join + fit_steps
+        past_quarter = st.budget_frac > FIRST_QUARTER
+        sched = spec.schedule
+        warm = sched.warmup_steps if sched.warmup_steps is not None else int(round(sched.warmup_frac * spec.total_steps))
+        reason_base = (f"deadline {_iso(deadline)}: at {st.tokens_per_s:,.0f} tokens/s the plan finishes {keep.finish}")
+        refusal = None
+        if keep.meets_deadline:
+            refusal = "not needed: the plan meets the deadline"
+        elif new_total >= spec.total_steps:
+            refusal = ("not needed from the last checkpoint: resuming at step "
+                       f"{join} the full horizon still fits")
+        elif new_total <= join + 1 or int(round(sched.decay_end_frac * new_total)) <= join:
+            refusal = (f"impossible: only {fit_steps} more step(s) fit before the deadline from checkpoint {join}; "
+                       "no horizon ends in time")
+        elif join < warm:
+            refusal = f"the last checkpoint ({join}) is inside the warmup ({warm} steps): replan after it"
+        variants = [("shorten", False)] + ([("shorten_mix", True)] if spec.data.phases else [])
+        for kind, keep_frac in variants:
+            title = ("shorten the horizon, data mix re-timed (phases keep their share of the new budget)" if keep_frac
+                     else "shorten the horizon, LR decay re-timed")
+            if refusal is not None:
+                if kind == "shorten":
+                    options.append(Option(kind, title, None, None, reason_base, allowed=False, note=refusal))
+                continue
+            reason = (f"{reason_base}; horizon cut from {spec.total_steps} to {new_total} steps "
+                      f"({new_total * tps_step:,} tokens) with the LR decay re-timed from step {join}"
+                      + ("; data phases keep their share of the new budget" if keep_frac else ""))
+            new = shorten_spec(spec, join, new_total, keep_frac, kind, reason)
+            opt = Option(kind, title, new, join, reason)
+            if spec.data.phases and not keep_frac:
+                cut = len(spec.data.phases) - len(new.data.phases)
+                opt.note = (f"{cut} data phase(s) past the new end are cut" if cut
+                            else "data phases stay at their planned token positions")
+            if past_quarter and not force:
+                opt.allowed = False
+                opt.note = (f"refused: the run is at {st.budget_frac:.0%} of its token budget, past the first quarter "
+                            "where a horizon change is allowed; --force to write it anyway. " + opt.note).strip()
+            elif past_quarter:
+                opt.note = (f"forced past the first quarter ({st.budget_frac:.0%} of the budget). " + opt.note).strip()
+            _timing(opt, st, join, deadline)
+            if forecaster:
+                opt.forecast = forecaster(st, new, join)
+            options.append(opt)
+
+    # token drops
+    drops = next((f for f in st.report.flags if f.kind == "token_drops"), None)
+    if drops is not None:
+        join = st.latest_checkpoint()
+        d = st.drop_frac or float(drops.evidence.get("drop_frac_last") or 0.0)
+        why = f"token drops {d:.1%} over the {st.report.settings['drop_budget']:.0%} budget (from step {drops.first_step})"
+        m = spec.model
+        cf = (m.capacity_factor_send, m.capacity_factor_recv)
+        bump = max(0.1, 2.0 * d)
+        new_cf = tuple(math.ceil(c * (1.0 + bump) * 20) / 20 for c in cf)
+        options.append(_drop_option(st, "capacity", f"raise capacity factors {cf[0]:g}/{cf[1]:g} -> {new_cf[0]:g}/{new_cf[1]:g}",
+                                    why, join, deadline, forecaster,
+                                    {"model.capacity_factor_send": new_cf[0], "model.capacity_factor_recv": new_cf[1],
+                                     "model.dispatch": "capacity"}))
+        if m.dispatch != "dropless":
+            options.append(_drop_option(st, "dropless", "switch to dropless (ragged) dispatch", why, join, deadline,
+                                        forecaster, {"model.dispatch": "dropless"},
+                                        note="memory for the routed rows follows the busiest expert (expert_load_max)"))
+        if m.balance_scope != "sequence":
+            options.append(_drop_option(st, "sequence_balance", "balance the router per sequence", why, join, deadline,
+                                        forecaster, {"model.balance_scope": "sequence"}))
+
+    # divergence
+    bad = st.report.first(*DIVERGENCE_KINDS)
+    if bad is not None:
+        fault = int(bad.evidence.get("window_start_step", bad.first_step)) if bad.kind == "grad_norm_growth" else bad.first_step
+        join = st.latest_checkpoint(before=fault)
+        where = (f"checkpoint {join}" if join else "step 0 (no kept checkpoint precedes the fault: a fresh start)")
+        why = f"{bad.kind} at step {bad.first_step} ({bad.evidence.get('text', '')}); rewind to {where}"
+        z = spec.optim.z_loss
+        new_z = 1e-4 if z < 1e-4 else z * 10
+        options.append(_rewind_option(st, "rewind_zloss", f"rewind to {join}, z-loss {z:g} -> {new_z:g}", why, join,
+                                      deadline, forecaster, {"optim.z_loss": new_z}))
+        new_lr = spec.optim.peak_lr * lr_factor
+        options.append(_rewind_option(
+            st, "rewind_lower_lr", f"rewind to {join}, peak LR {spec.optim.peak_lr:g} -> {new_lr:g}", why, join,
+            deadline, forecaster, {"optim.peak_lr": new_lr},
+            note="the new peak applies from the resume step; earlier steps come from the parent checkpoint"))
+        options.append(_rewind_option(
+            st, "rewind_redraw", f"rewind to {join}, re-draw the data from there (seed {spec.seed} -> {spec.seed + 1})",
+            why, join, deadline, forecaster, {"seed": spec.seed + 1},
+            note="the pipeline cannot skip batches; a new data seed replaces every batch from the resume step"))
+        if st.checkpoints and join == 0 and st.checkpoints[0] > 0:
+            notes.append(f"kept checkpoints {st.checkpoints} all follow the first flag at step {fault}: "
+                         "the rewind restarts from step 0")
+
+    # context-length gate
+    gate = context_gate(st)
+    if gate is not None and gate.get("allowed"):
+        join = st.latest_checkpoint()
+        stages = [c.model_dump(mode="json") for c in spec.data.context_stages]
+        target = min((i for i, c in enumerate(spec.data.context_stages) if c.gated),
+                     key=lambda i: spec.data.context_stages[i].start_frac)
+        stages[target]["gated"] = False
+        opt = Option("enable_context", f"enable the {spec.data.context_stages[target].seq_len}-token context stage",
+                     _derive(spec, "enable_context", gate["note"], join, **{"data.context_stages": stages}), join,
+                     gate["note"], note="the curve model does not see context length: the forecast is the plan's")
+        _timing(opt, st, join, deadline)
+        opt.forecast = keep.forecast
+        options.append(opt)
+
+    rec, text = _recommend(st, options, deadline, bad, drops)
+    return Replan(st, deadline, options, rec, text, gate, notes)
+
+
+def _drop_option(st, kind, title, why, join, deadline, forecaster, changes, note="") -> Option:
+    from ladder import costs
+
+    new = _derive(st.spec, kind, why + f"; {title}", join, **changes)
+    opt = Option(kind, title, new, join, why + f"; {title}", note=note)
+    mem = costs.memory_per_gpu(new)
+    old = costs.memory_per_gpu(st.spec)
+    opt.memory_gb = mem["total"] / 2**30
+    delta = (mem["total"] - old["total"]) / 2**30
+    extra = f"memory/GPU {opt.memory_gb:.2f} GiB ({delta:+.2f} GiB)"
+    if not mem["fits"]:
+        opt.allowed = False
+        extra = f"refused: {extra} exceeds the {st.spec.hardware.hbm_gb:g} GB of one device"
+    opt.note = "; ".join(x for x in (extra, note) if x)
+    _timing(opt, st, join, deadline)
+    if forecaster and opt.allowed:
+        opt.forecast = forecaster(st, new, join)
+    return opt
+
+
+def _rewind_option(st, kind, title, why, join, deadline, forecaster, changes, note="") -> Option:
+    new = _derive(st.spec, kind, why + f"; {title}", join, **changes)
+    opt = Option(kind, title, new, join, why + f"; {title}", note=note)
+    _timing(opt, st, join, deadline)
+    if forecaster:
+        opt.forecast = forecaster(st, new, join)
+    return opt
+
+
+def _recommend(st: RunState, options: list[Option], deadline, bad, drops) -> tuple[int | None, str]:
+    by = {o.kind: i for i, o in enumerate(options) if o.allowed and o.spec is not None}
+    if bad is not None:
+        zl = st.spec.optim.z_loss
+        gn_kinds = ("grad_norm_spike", "grad_norm_high", "grad_norm_growth", "grad_norm_above_envelope")
+        if zl < 1e-4:
+            k, why = "rewind_zloss", (f"the run diverged ({bad.kind} at step {bad.first_step}) with logit z-loss {zl:g}, "
+                                      "below the 1e-4 that kept Marin's ladder stable as its horizon grew")
+        elif bad.kind in gn_kinds or bad.kind in ("non_finite", "run_diverged", "loss_jump"):
+            k, why = "rewind_lower_lr", (f"the run diverged ({bad.kind} at step {bad.first_step}) with z-loss already "
+                                         f"{zl:g}: a lower peak LR is the surer fix")
+        else:
+            k, why = "rewind_redraw", (f"a loss spike at step {bad.first_step} without grad-norm trouble points at "
+                                       "the data: replay from before it on other batches")
+        if k in by:
+            return by[k], f"option {by[k] + 1} ({k}): {why}"
+        return None, why + f" (the {k} option is not available)"
+    if drops is not None:
+        for k in ("capacity", "dropless", "sequence_balance"):
+            if k in by:
+                o = options[by[k]]
+                return by[k], f"option {by[k] + 1} ({k}): token drops over budget; {o.title} ({o.note})"
+    if deadline is not None and not options[0].meets_deadline:
+        for k in ("shorten_mix", "shorten"):
+            if k in by:
+                o = options[by[k]]
+                fc = o.forecast
+                loss = f", forecast final loss {fc['mean']:.4f}" if fc else ""
+                return by[k], (f"option {by[k] + 1} ({k}): the plan finishes {options[0].finish}, after the deadline; "
+                               f"{o.title} ends {o.finish} ({o.spec.total_steps} steps{loss})")
+        refused = next((o for o in options if o.kind.startswith("shorten")), None)
+        return 0, ("option 1 (keep): the deadline is missed, and no shortened horizon is allowed"
+                   + (f" ({refused.note})" if refused else ""))
+    return 0, "option 1 (keep): no flag calls for a change" + ("" if deadline is None else " and the plan meets the deadline")
+
+
+def write_replan(plan: Replan, out_dir: str | Path) -> dict[str, str]:
+    """Writes each allowed option's spec (`<n>-<kind>.yaml`) and replan.json; returns their paths."""
+    from ladder.fsutil import atomic_write_text
+    from ladder.spec import save_spec
+
+    out = Path(out_dir)
+    paths: dict[str, str] = {}
+    for i, o in enumerate(plan.options):
+        if o.spec is None or not o.allowed or o.kind == "keep":
+            continue
+        p = out / f"{i + 1}-{o.kind}.yaml"
+        save_spec(o.spec, p)
+        o.path = str(p)
+        paths[o.kind] = str(p)
+    atomic_write_text(out / "replan.json", json.dumps(plan.to_dict(), indent=2, default=_json_default) + "\n")
+    paths["replan.json"] = str(out / "replan.json")
+    return paths
+
+
+def _json_default(x):
+    if isinstance(x, (np.integer,)):
+        return int(x)
+    if isinstance(x, (np.floating,)):
+        return float(x)
+    if isinstance(x, Path):
+        return str(x)
+    return str(x)
