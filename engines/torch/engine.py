@@ -1,0 +1,284 @@
+"""TorchEngine: trains a spec with the PyTorch MoE transformer, appends every StepMetrics to
+run_dir/metrics.jsonl, checkpoints in the engine-neutral format and resumes exactly.
+
+Nothing in a step is random (no dropout; the token stream is counter-based), so a checkpoint's
+weights, router-bias buffers, AdamW moments and step count are the whole training state: a
+resumed run replays the same batches and, on the CPU, reaches bit-identical weights.
+
+Step s (0-based) trains on stream.batch(s) at lr(spec, s); its record has step=s and tokens =
+tokens seen after it. Checkpoints are named by updates done (step_00000025 after steps 0..24),
+written every run.checkpoint_every updates and at the end, plus step_00000000 with the initial
+weights of a fresh run (another engine, or a parity check, can start from it). Eval loss (mean
+CE over run.eval_batches held-out batches) every run.eval_every updates and at the last.
+
+Metrics: loss is the data cross-entropy; z_loss the mean squared log-partition of the output
+(before its coefficient); aux_loss the Switch balancing loss and extra.router_z_loss the router
+z-loss (both before their coefficients, mean over layers); extra.total_loss the objective;
+drop fractions are shares of the step's T*K expert assignments (all layers); expert_load_max is
+the worst layer's max/mean expert load; router_entropy the mean per-token entropy (nats).
+
+A NaN or inf loss or grad norm stops the run before the optimizer touches the weights:
+status.json becomes "diverged" and DivergedError is raised; the checkpoints on disk are the
+last good ones.
+
+Replans: a spec with lineage.resume_step continues its parent's run. Seed the child's run dir
+first with engines.checkpoint.init_from_checkpoint(run_dir, <parent run>/checkpoints/step_N,
+metrics_from=<parent run>); train() then resumes from that checkpoint (its spec id is the
+parent's, which lineage.parent_id allows).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import warnings
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+import torch
+
+from engines.base import DivergedError, MetricsWriter, StepMetrics, write_status
+from engines.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_checkpoints,
+    save_checkpoint,
+)
+from engines.data import TokenStream
+from engines.torch.model import MoETransformer, init_params, loss_terms
+from ladder.schedule import lr_at
+from ladder.spec import Spec
+
+METRIC_KEYS = ("loss", "z_loss", "aux_loss", "router_z_loss", "drop_frac_send", "drop_frac_recv",
+               "expert_load_max", "router_entropy", "total_loss")
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _flops_per_token(spec: Spec, seq_len: int) -> float:
+    try:
+        from ladder.costs import flops_per_token
+    except ImportError:
+        return 0.0
+    return float(flops_per_token(spec, seq_len))
+
+
+def cpu_threads(spec: Spec) -> int | None:
+    """Threads for a CPU run: $MOE_LADDER_CPU_THREADS, else one for tiny steps (thread start-up
+    and spinning cost more than they save there, badly so on a busy machine), else torch's own.
+    Fixed per spec, so a resumed run uses the same count as the run it continues."""
+    env = os.environ.get("MOE_LADDER_CPU_THREADS")
+    if env:
+        return max(int(env), 1)
+    step_flops = _flops_per_token(spec, spec.data.seq_len) * spec.data.tokens_per_step
+    return 1 if step_flops < 2e10 else None
+
+
+def build_optimizer(model: MoETransformer, spec: Spec) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on matrices and expert stacks only (never norms)."""
+    decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
+    o = spec.optim
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
+    )
+
+
+def optimizer_to_numpy(model: MoETransformer, opt: torch.optim.AdamW) -> dict[str, np.ndarray]:
+    """AdamW state as {"m/<name>", "v/<name>", "step"} (exp_avg, exp_avg_sq, updates done)."""
+    out: dict[str, np.ndarray] = {}
+    step = 0
+    for name, p in model.named_parameters():
+        st = opt.state.get(p)
+        if st:
+            out[f"m/{name}"] = st["exp_avg"].detach().float().cpu().numpy()
+            out[f"v/{name}"] = st["exp_avg_sq"].detach().float().cpu().numpy()
+            step = int(st["step"])
+        else:
+            out[f"m/{name}"] = np.zeros(tuple(p.shape), np.float32)
+            out[f"v/{name}"] = np.zeros(tuple(p.shape), np.float32)
+    out["step"] = np.asarray(step, np.int64)
+    return out
+
+
+def optimizer_from_numpy(model: MoETransformer, opt: torch.optim.AdamW, arrays: dict[str, np.ndarray]) -> None:
+    step = int(arrays.get("step", 0))
+    if step == 0:
+        return  # zero moments at step 0 are exactly a fresh optimizer
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    state = {}
+    for name, p in model.named_parameters():
+        m, v = arrays.get(f"m/{name}"), arrays.get(f"v/{name}")
+        zeros = np.zeros(tuple(p.shape), np.float32)
+        state[index[id(p)]] = {
+            "step": torch.tensor(float(step), dtype=torch.float32),
+            "exp_avg": torch.from_numpy(np.array(zeros if m is None else m, np.float32)).to(p.device),
+            "exp_avg_sq": torch.from_numpy(np.array(zeros if v is None else v, np.float32)).to(p.device),
+        }
+    sd = opt.state_dict()
+    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+def _check_same_run(spec: Spec, info: dict, path: Path) -> None:
+    ckpt_id = info.get("spec_id")
+    if ckpt_id is None or ckpt_id in (spec.id, spec.lineage.parent_id):
+        return
+    other_engine = info.get("engine")
+    if other_engine and other_engine != spec.engine:
+        try:
+            if spec.replace(engine=other_engine).id == ckpt_id:
+                return  # the same run, written by the other engine
+        except Exception:
+            pass
+    raise CheckpointError(
+        f"{path} belongs to spec {ckpt_id}, not this spec ({spec.id}); use another --run-dir, "
+        f"--no-resume to start over, or set lineage.parent_id to continue it"
+    )
+
+
+class TorchEngine:
+    name = "torch"
+
+    def __init__(self, device: str | torch.device | None = None):
+        self.device = torch.device(device) if device is not None else None
+
+    def train(self, spec: Spec, run_dir: str | Path, resume: bool = True) -> Iterator[StepMetrics]:
+        run_dir = Path(run_dir)
+        run_dir.mkdir(parents=True, exist_ok=True)
+        device = self.device or default_device()
+        cuda = device.type == "cuda"
+        threads_before = torch.get_num_threads()
+        if not cuda and cpu_threads(spec):
+            torch.set_num_threads(cpu_threads(spec))
+        try:
+            yield from self._train(spec, run_dir, resume, device)
+        finally:
+            torch.set_num_threads(threads_before)
+
+    def _train(self, spec: Spec, run_dir: Path, resume: bool, device: torch.device) -> Iterator[StepMetrics]:
+        cuda = device.type == "cuda"
+        stream = TokenStream.from_spec(spec)
+        if not resume:
+            remove_checkpoints(run_dir)
+
+        model = MoETransformer(spec.model).to(device)
+        opt = build_optimizer(model, spec)
+        ckpt = latest_checkpoint(run_dir)
+        if ckpt is not None:
+            params, opt_arrays, info = load_checkpoint(ckpt)
+            _check_same_run(spec, info, ckpt)
+            try:
+                model.load_numpy(params)
+            except ValueError as err:
+                raise CheckpointError(f"{ckpt}: {err}") from err
+            optimizer_from_numpy(model, opt, opt_arrays)
+            start = int(info["step"])
+            tokens = int(info.get("tokens", start * spec.data.tokens_per_step))
+            seen = (info.get("data") or {}).get("fingerprint")
+            if seen and seen != stream.fingerprint:
+                warnings.warn(f"{ckpt} was trained on different data ({seen} != {stream.fingerprint}): "
+                              "the resumed run is not a replay", stacklevel=2)
+        elif spec.lineage.resume_step is not None:
+            raise CheckpointError(
+                f"spec {spec.name!r} continues run {spec.lineage.parent_id} from step {spec.lineage.resume_step} "
+                f"(lineage.resume_step) but {run_dir} has no checkpoint; seed it with "
+                f"engines.checkpoint.init_from_checkpoint(run_dir, <parent run>/checkpoints/step_N)"
+            )
+        else:
+            model.load_numpy(init_params(spec.model, spec.seed))
+            start, tokens = 0, 0
+
+        params = [p for p in model.parameters()]
+        biases = [blk.moe.router_bias for blk in model.blocks]
+
+        def save(done: int) -> None:
+            info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
+                    "data": stream.state(done)}
+            save_checkpoint(run_dir, done, model.to_numpy(), optimizer_to_numpy(model, opt), info,
+                            keep=spec.run.keep_checkpoints)
+
+        def evaluate() -> float:
+            model.eval()
+            losses = []
+            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                for i in range(spec.run.eval_batches):
+                    x = torch.from_numpy(stream.eval_batch(i)).to(device, dtype=torch.long)
+                    losses.append(loss_terms(model, x, spec.optim)[1]["metrics"]["loss"])
+            model.train()
+            return float(torch.stack(losses).mean())
+
+        total = spec.total_steps
+        lrs = lr_at(spec, np.arange(total))
+        write_status(run_dir, "running", step=start, engine=self.name, spec_id=spec.id)
+        if ckpt is None:
+            save(0)
+        writer = MetricsWriter(run_dir, start)
+        try:
+            t_prev = time.perf_counter()
+            for step in range(start, total):
+                batch = stream.batch(step)
+                n_tok = batch.shape[0] * (batch.shape[1] - 1)
+                x = torch.from_numpy(batch).to(device, dtype=torch.long, non_blocking=True)
+                lr = float(lrs[step])
+                for g in opt.param_groups:
+                    g["lr"] = lr
+                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+                    total_loss, out = loss_terms(model, x, spec.optim)
+                total_loss.backward()
+                grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optim.grad_clip)
+                vals = torch.stack([out["metrics"][k].float() for k in METRIC_KEYS] + [grad_norm.float()])
+                m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))  # the step's one host sync
+                finite = all(np.isfinite(m[k]) for k in ("loss", "total_loss", "grad_norm"))
+                if finite:
+                    opt.step()
+                    if spec.model.router_bias_balancing:
+                        with torch.no_grad():
+                            load_LE = out["load_LE"]
+                            upd_LE = spec.model.router_bias_rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
+                            for i, b in enumerate(biases):
+                                b.add_(upd_LE[i])
+                opt.zero_grad(set_to_none=True)
+                tokens += n_tok
+                dt = max(time.perf_counter() - t_prev, 1e-9)
+                tps = n_tok / dt
+                rec = StepMetrics(
+                    step=step, tokens=tokens, loss=m["loss"], grad_norm=m["grad_norm"], lr=lr,
+                    z_loss=m["z_loss"], aux_loss=m["aux_loss"], drop_frac_send=m["drop_frac_send"],
+                    drop_frac_recv=m["drop_frac_recv"], expert_load_max=m["expert_load_max"],
+                    router_entropy=m["router_entropy"], tokens_per_s=tps,
+                    mfu=_flops_per_token(spec, batch.shape[1] - 1) * tps / spec.hardware.peak_flops,
+                    time=time.time(),
+                    extra={"router_z_loss": m["router_z_loss"], "total_loss": m["total_loss"]},
+                )
+                if not finite:
+                    writer.write(rec)
+                    write_status(run_dir, "diverged", step=step, engine=self.name, spec_id=spec.id,
+                                 loss=rec.loss, grad_norm=rec.grad_norm,
+                                 last_checkpoint=str(latest_checkpoint(run_dir)))
+                    raise DivergedError(
+                        f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
+                        f"the last good checkpoint is {latest_checkpoint(run_dir)}"
+                    )
+                done = step + 1
+                if done % spec.run.eval_every == 0 or done == total:
+                    rec.eval_loss = evaluate()
+                writer.write(rec)
+                if done % spec.run.checkpoint_every == 0 or done == total:
+                    save(done)
+                t_prev = time.perf_counter()
+                yield rec
+        except DivergedError:
+            raise
+        except BaseException as err:
+            if not isinstance(err, GeneratorExit):
+                write_status(run_dir, "failed", engine=self.name, spec_id=spec.id,
+                             error=f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            writer.close()
+        write_status(run_dir, "finished", step=total, engine=self.name, spec_id=spec.id, tokens=tokens)

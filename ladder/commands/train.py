@@ -1,0 +1,80 @@
+"""`ladder train SPEC --run-dir DIR`: one spec, in this process, no Ray and no MLflow (the path
+used on a bare GPU machine and in tests). The run dir is the record: metrics.jsonl, status.json,
+checkpoints/; running the same command again resumes from the newest checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("train")
+    def train(
+        spec_path: Path = typer.Argument(..., metavar="SPEC", help="spec file (.yaml or .json)"),
+        run_dir: Optional[Path] = typer.Option(
+            None, "--run-dir", help="where metrics, status and checkpoints go (default: runs/<name>-<spec id>)"
+        ),
+        engine: Optional[str] = typer.Option(None, "--engine", help="engine to use instead of the spec's"),
+        no_resume: bool = typer.Option(False, "--no-resume", help="start over, discarding this run dir's checkpoints"),
+        quiet: bool = typer.Option(False, "--quiet", help="no progress bar, only the final line"),
+    ) -> None:
+        """Train one spec in-process with a progress bar (step, loss, tokens/s)."""
+        from rich.console import Console
+
+        from engines.base import DivergedError
+        from engines.registry import engine_names, get_engine
+        from ladder.errors import LadderError
+        from ladder.spec import load_spec
+
+        spec = load_spec(spec_path)
+        if engine is not None:
+            if engine not in engine_names():
+                raise LadderError(f"unknown engine {engine!r}; registered engines: {', '.join(sorted(engine_names()))}")
+            spec = spec.replace(engine=engine)
+        run_dir = run_dir or Path("runs") / f"{spec.name}-{spec.id}"
+        eng = get_engine(spec.engine)
+        console = Console(stderr=True)
+        last = None
+        try:
+            if quiet:
+                for last in eng.train(spec, run_dir, resume=not no_resume):
+                    pass
+            else:
+                last = _with_progress(eng.train(spec, run_dir, resume=not no_resume), spec, console)
+        except DivergedError as err:
+            console.print(f"[red]diverged:[/red] {err}", highlight=False)
+            raise typer.Exit(3)
+        if last is None:
+            console.print(f"{spec.name}: already finished ({run_dir})", highlight=False)
+            return
+        ev = f", eval loss {last.eval_loss:.4f}" if last.eval_loss is not None else ""
+        console.print(
+            f"{spec.name}: finished step {last.step + 1}/{spec.total_steps}, loss {last.loss:.4f}{ev} -> {run_dir}",
+            highlight=False,
+        )
+
+
+def _with_progress(records, spec, console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    last = None
+    with Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TextColumn("loss {task.fields[loss]}"),
+        TextColumn("{task.fields[tps]} tok/s"),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    ) as progress:
+        task = progress.add_task(spec.name, total=spec.total_steps, loss="-", tps="-")
+        for rec in records:
+            if last is None:
+                progress.update(task, completed=rec.step)
+            last = rec
+            progress.update(task, advance=1, loss=f"{rec.loss:.4f}", tps=f"{rec.tokens_per_s:,.0f}")
+    return last
