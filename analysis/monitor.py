@@ -82,7 +82,7 @@ class MonitorSettings(BaseModel):
     ignore_first_steps: int | None = Field(
         None, ge=0, description="steps excluded from grad-norm and entropy tests (None: the spec's warmup)"
     )
-    grad_trend_window_frac: float = Field(0.25, gt=0, le=1, description="trailing share of points in the trend fit")
+    grad_trend_window_frac: float = Field(0.5, gt=0, le=1, description="trailing share of points in the trend fit")
     grad_trend_min_points: int = Field(8, ge=3, description="fewest points in the trend fit")
     grad_trend_ratio: float = Field(1.5, gt=1, description="growth over the window, relative to the envelope's")
     grad_trend_min_t: float = Field(3.0, gt=0, description="slope t-statistic needed for a growth flag")
@@ -578,7 +578,8 @@ def monitor(
         "step": int(steps[-1]) if n else None,
         "tokens": _f(_col(df, "tokens")[-1]) if _col(df, "tokens") is not None else None,
         "loss": _f(loss[-1]) if n else None,
-        "loss_smoothed": _f(np.nanmedian(finite_loss[-cfg.loss_jump_smooth:])) if np.isfinite(finite_loss).any() else None,
+        "loss_smoothed": _f(np.median(finite_loss[np.isfinite(finite_loss)][-cfg.loss_jump_smooth:]))
+        if np.isfinite(finite_loss).any() else None,
         "spec_id": spec.id if spec else None,
         "total_steps": spec.total_steps if spec else None,
         "spike_score": spike_scores,
