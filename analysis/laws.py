@@ -43,6 +43,8 @@ __all__ = [
     "FitError",
     "LawFit",
     "EnvelopeFit",
+    "MoELawFit",
+    "fit_moe_law",
     "fit_law",
     "fit_envelope",
     "compute_optimal",
@@ -55,6 +57,8 @@ HUBER_DELTA = 1e-3
 _GRID_TERM_SHARE = (0.02, 0.08, 0.25, 0.5, 1.0)
 _GRID_EXPONENT = (0.1, 0.3, 0.6, 1.0, 2.0)
 _GRID_FLOOR_SHARE = (0.05, 0.3, 0.6, 0.8, 0.95)
+# With three terms, 5 values per axis would be 5^7 starts; 3 per axis keeps the grid near 2,000.
+_GRID_COARSE = ((0.05, 0.3, 1.0), (0.2, 0.5, 1.0), (0.05, 0.5, 0.9))
 _N_LOCAL = 8  # L-BFGS runs from this many best grid starts
 
 # A fitted exponent outside (0, _MAX_EXPONENT) or a term below this share of the loss everywhere in
@@ -151,10 +155,11 @@ def _lbfgs(p0_Q, X_KR, y_R, w_R, delta, maxiter) -> _Local:
 
 
 def _start_grid(K: int, y_R: np.ndarray) -> np.ndarray:
+    shares, exponents, floors = (_GRID_TERM_SHARE, _GRID_EXPONENT, _GRID_FLOOR_SHARE) if K <= 2 else _GRID_COARSE
     l_med, l_min = float(np.exp(np.median(y_R))), float(np.exp(np.min(y_R)))
-    a_vals = np.log(l_med * np.array(_GRID_TERM_SHARE))
-    e_vals = np.log(l_min * np.array(_GRID_FLOOR_SHARE))
-    axes = [a_vals] * K + [np.array(_GRID_EXPONENT)] * K + [e_vals]
+    a_vals = np.log(l_med * np.array(shares))
+    e_vals = np.log(l_min * np.array(floors))
+    axes = [a_vals] * K + [np.array(exponents)] * K + [e_vals]
     return np.array(list(itertools.product(*axes)), dtype=np.float64)
 
 
@@ -329,6 +334,19 @@ class EnvelopeFit(_PowerFit):
         return self._predict([C], level)
 
 
+@dataclass
+class MoELawFit(_PowerFit):
+    """L(N_active, N_total, D) = E + A/N_active^alpha + G/N_total^gamma + B/D^beta: active parameters
+    set the compute per token, total parameters the capacity; a dense model has N_total = N_active."""
+
+    _TERMS: ClassVar[tuple[str, ...]] = ("A", "G", "B")
+    _EXPS: ClassVar[tuple[str, ...]] = ("alpha", "gamma", "beta")
+    _LAW: ClassVar[str] = "L(N_active, N_total, D) = E + A/N_active^alpha + G/N_total^gamma + B/D^beta"
+
+    def predict(self, N_active, N_total, D, level: float | None = None) -> dict[str, Any]:
+        return self._predict([N_active, N_total, D], level)
+
+
 def compute_optimal(theta, C) -> dict[str, np.ndarray | float]:
     """N*, D*, L* minimising E + A/N^alpha + B/D^beta subject to 6ND = C.
 
@@ -469,3 +487,29 @@ def fit_envelope(
     Cv, Lv = _check_inputs({"C": C, "loss": loss}, 3)
     return EnvelopeFit(**_run([Cv], Lv, [("A", "alpha", "C")], delta=delta,
                               n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict, max_iter=max_iter))
+
+
+def fit_moe_law(
+    N_active, N_total, D, loss, *, delta: float = HUBER_DELTA, n_bootstrap: int = 200, level: float = 0.95,
+    seed: int = 0, strict: bool = True, max_iter: int = 3000,
+) -> MoELawFit:
+    """Fit L = E + A/N_active^alpha + G/N_total^gamma + B/D^beta to runs of different sparsity.
+
+    The data must vary the sparsity (N_total / N_active) independently of size: on a ladder that
+    keeps one sparsity, log N_total is log N_active plus a constant and the two terms cannot be told
+    apart (FitError; use fit_law with either count).
+    """
+    Na, Nt, Dv, Lv = _check_inputs({"N_active": N_active, "N_total": N_total, "D": D, "loss": loss}, 7)
+    if np.any(Nt < Na):
+        i = int(np.flatnonzero(Nt < Na)[0])
+        raise FitError(f"N_total must be >= N_active (row {i + 1}: {Nt[i]:g} < {Na[i]:g})")
+    la, lt = np.log(Na), np.log(Nt)
+    resid = (lt - la) - np.mean(lt - la)
+    if np.ptp(resid) < 1e-6 or abs(np.corrcoef(la, lt)[0, 1]) > 0.999:
+        raise FitError(
+            "N_total moves in lockstep with N_active in this data (one sparsity): the total-parameter "
+            "term cannot be separated; fit L(N, D) with either count instead"
+        )
+    return MoELawFit(**_run([Na, Nt, Dv], Lv, [("A", "alpha", "N_active"), ("G", "gamma", "N_total"), ("B", "beta", "D")],
+                            delta=delta, n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict,
+                            max_iter=max_iter))

@@ -1,5 +1,5 @@
-"""`ladder law fit` (L(N, D) = E + A/N^alpha + B/D^beta) and `ladder law envelope` (L(C) = E + A*C^-alpha)
-over a user's CSV file."""
+"""`ladder law fit` (L(N, D) = E + A/N^alpha + B/D^beta, or its MoE form with a total-parameter term)
+and `ladder law envelope` (L(C) = E + A*C^-alpha) over a user's CSV file."""
 
 from __future__ import annotations
 
@@ -94,7 +94,11 @@ def register(app: typer.Typer) -> None:
     @law_app.command("fit")
     def fit_cmd(
         file: Path = typer.Argument(..., help="CSV with one row per training run"),
-        params_col: str = typer.Option(..., "--params-col", help="column of parameter counts N"),
+        params_col: str = typer.Option(..., "--params-col", help="column of parameter counts N (active ones for MoE)"),
+        total_col: Optional[str] = typer.Option(
+            None, "--total-params-col",
+            help="column of total parameters: fits the MoE law E + A/N^alpha + G/N_total^gamma + B/D^beta",
+        ),
         tokens_col: Optional[str] = typer.Option(None, "--tokens-col", help="column of training tokens D"),
         flops_col: Optional[str] = typer.Option(None, "--flops-col", help="column of training FLOPs C (D = C / 6N)"),
         loss_col: str = typer.Option(..., "--loss-col", help="column of final losses"),
@@ -108,7 +112,7 @@ def register(app: typer.Typer) -> None:
         ),
     ) -> None:
         """Fit L(N, D) = E + A/N^alpha + B/D^beta (Huber on log loss, L-BFGS, bootstrap intervals)."""
-        from analysis.laws import fit_law
+        from analysis.laws import fit_law, fit_moe_law
 
         if (tokens_col is None) == (flops_col is None):
             raise LadderError("give exactly one of --tokens-col (D) or --flops-col (C, with D = C / 6N)")
@@ -118,15 +122,24 @@ def register(app: typer.Typer) -> None:
             raise LadderError(f"--bootstrap must be >= 0, got {bootstrap}")
         if budget and any(not (c > 0 and math.isfinite(c)) for c in budget):
             raise LadderError("--budget must be a positive number of FLOPs")
+        if budget and total_col:
+            raise LadderError("--budget needs a fixed sparsity: it is not defined for the --total-params-col law")
         second = tokens_col if tokens_col is not None else flops_col
-        df = _load(file, {"N": params_col, "D": second}, loss_col, drop_highest, min_rows=5)
+        cols = {"N": params_col, "D": second, **({"N_total": total_col} if total_col else {})}
+        df = _load(file, cols, loss_col, drop_highest, min_rows=7 if total_col else 5)
         N = df[params_col].to_numpy()
         D = df[tokens_col].to_numpy() if tokens_col is not None else df[flops_col].to_numpy() / (6.0 * N)
-        fit = _fit_or_explain(fit_law, file, N, D, df[loss_col].to_numpy(), n_bootstrap=bootstrap, level=level, seed=seed)
+        L = df[loss_col].to_numpy()
+        opts = dict(n_bootstrap=bootstrap, level=level, seed=seed)
+        if total_col:
+            fit = _fit_or_explain(fit_moe_law, file, N, df[total_col].to_numpy(), D, L, **opts)
+        else:
+            fit = _fit_or_explain(fit_law, file, N, D, L, **opts)
 
         d = fit.to_dict()
         d["data"] = {
-            "file": str(file), "params_col": params_col, "tokens_col": tokens_col, "flops_col": flops_col,
+            "file": str(file), "params_col": params_col, "total_params_col": total_col,
+            "tokens_col": tokens_col, "flops_col": flops_col,
             "loss_col": loss_col, "dropped_highest": drop_highest,
         }
         if budget:
@@ -135,7 +148,9 @@ def register(app: typer.Typer) -> None:
         if as_json:
             print(json.dumps(d, indent=2))
             return
-        extra = [f"compute-optimal: N* ~ C^{d['optimal_N_exponent']:.3f}, D* ~ C^{d['optimal_D_exponent']:.3f}"]
+        extra = []
+        if "optimal_N_exponent" in d:
+            extra.append(f"compute-optimal: N* ~ C^{d['optimal_N_exponent']:.3f}, D* ~ C^{d['optimal_D_exponent']:.3f}")
         for row in d.get("compute_optimal", []):
             ci = row.get("loss_ci") or [None, None]
             extra.append(

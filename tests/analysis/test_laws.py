@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analysis.laws import FitError, compute_optimal, fit_envelope, fit_law
+from analysis.laws import FitError, compute_optimal, fit_envelope, fit_law, fit_moe_law
 
 ROOT = Path(__file__).resolve().parents[2]
 CHINCHILLA = ROOT.parent / "shared" / "data" / "chinchilla" / "svg_extracted_data.csv"
@@ -128,6 +128,29 @@ def test_to_dict_has_numbers_and_intervals_for_every_parameter():
         assert isinstance(d[key], float) and len(d["ci"][key]) == 2
     assert d["n_points"] == 40 and d["converged"] is True and d["loss"] >= 0
     json.dumps(d)
+
+
+def _moe_runs(n=30, seed=0):
+    rng = np.random.default_rng(seed)
+    Na = np.exp(rng.uniform(np.log(1e7), np.log(1e10), n))
+    Nt = Na * np.exp(rng.uniform(0, np.log(64), n))  # sparsity 1x..64x, independent of size
+    D = np.exp(rng.uniform(np.log(1e9), np.log(1e12), n))
+    return Na, Nt, D
+
+
+def test_moe_law_separates_active_and_total_parameter_terms():
+    Na, Nt, D = _moe_runs()
+    true = dict(E=1.5, A=300.0, G=2000.0, B=1500.0, alpha=0.3, gamma=0.35, beta=0.33)
+    L = true["E"] + true["A"] / Na**0.3 + true["G"] / Nt**0.35 + true["B"] / D**0.33
+    fit = fit_moe_law(Na, Nt, D, L, n_bootstrap=0)
+    assert fit.params == pytest.approx(true, rel=1e-4)
+    assert fit.predict(1e9, 3e10, 1e11)["loss"] == pytest.approx(1.5 + 300 / 1e9**0.3 + 2000 / 3e10**0.35 + 1500 / 1e11**0.33)
+
+
+def test_moe_law_refuses_a_ladder_of_one_sparsity():
+    Na, _, D = _moe_runs()
+    with pytest.raises(FitError, match="lockstep"):
+        fit_moe_law(Na, 8 * Na, D, 1.5 + 300 / Na**0.3 + 1500 / D**0.33)
 
 
 # ---------------------------------------------------------------------------------------------- refusals
