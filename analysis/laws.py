@@ -1,6 +1,7 @@
-"""Scaling-law fits: L(N, D) = E + A/N^alpha + B/D^beta and the compute envelope L(C) = E + A*C^-alpha.
+"""Scaling-law fits: L(N, D) = E + A/N^alpha + B/D^beta, the compute envelope L(C) = E + A*C^-alpha,
+and an MoE form E + A/N_active^alpha + G/N_total^gamma + B/D^beta; compute-optimal N*, D* for a budget.
 
-Both are sums of power terms plus a floor, fitted the way Hoffmann et al. (2022) and Epoch AI's
+All are sums of power terms plus a floor, fitted the way Hoffmann et al. (2022) and Epoch AI's
 replication did: in log space,
 
     log L_hat = LSE(a_1 - alpha_1*log x_1, ..., a_K - alpha_K*log x_K, e)     (A_k = exp a_k, E = exp e)
@@ -419,6 +420,10 @@ def _run_fit(
     xs: list[np.ndarray], loss: np.ndarray, terms: Sequence[tuple[str, str, str]], *,
     delta: float, n_bootstrap: int, level: float, seed: int, strict: bool, max_iter: int,
 ):
+    if not 0 < level < 1:
+        raise ValueError(f"level must be in (0, 1), got {level}")
+    if n_bootstrap < 0 or not delta > 0 or max_iter < 1:
+        raise ValueError("n_bootstrap must be >= 0, delta > 0 and max_iter >= 1")
     t0 = time.perf_counter()
     K = len(xs)
     names = tuple(t[0] for t in terms)
