@@ -1,0 +1,139 @@
+"""`ladder forecast` (fit the ladder, forecast the hero) and `ladder report` (the HTML page)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+
+from ladder.errors import LadderError
+
+
+def analysis_dir(root: Path, experiment: str) -> Path:
+    """Where an experiment's forecast, comparison and replans live (beside its runs)."""
+    return root / "analysis" / experiment
+
+
+def finished_rungs(root: Path, exp, holdout: str | None = None):
+    from analysis.forecast import RungRun
+    from analysis.metrics_io import read_metrics_frame
+    from ladder.ledger import is_finished, run_dir_for
+
+    rungs, missing = [], []
+    for spec in exp.rungs:
+        d = run_dir_for(root, exp.name, spec)
+        if not is_finished(d, spec):
+            missing.append(spec.name)
+            continue
+        rungs.append(RungRun(spec, d, read_metrics_frame(d / "metrics.jsonl")))
+    if holdout:
+        by_flops = sorted(rungs, key=lambda r: r.flops)
+        target = by_flops[-1].spec.name if holdout.upper() == "LAST" and by_flops else holdout
+        if target not in {r.spec.name for r in rungs}:
+            raise LadderError(f"--holdout {holdout}: no finished rung named {target!r}")
+        rungs = [r for r in rungs if r.spec.name != target]
+    return rungs, missing
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("forecast")
+    def forecast_cmd(
+        experiment: str = typer.Argument(..., help="experiment file"),
+        holdout: str = typer.Option(None, "--holdout", help="LAST (or a rung name): refit without it and report its error"),
+        root: str = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
+        tracking_uri: str = typer.Option(None, "--tracking-uri"),
+        no_tracking: bool = typer.Option(False, "--no-tracking", help="do not log to MLflow"),
+        as_json: bool = typer.Option(False, "--json"),
+    ) -> None:
+        """Fit the laws and the curve model on the finished rungs; forecast the hero (forecast.json + plot)."""
+        from analysis.forecast import forecast
+        from analysis.report import plot_law
+        from ladder import costs
+        from ladder.experiment import load_experiment
+        from ladder.fsutil import atomic_write_json
+        from ladder.ledger import ladder_root
+
+        exp = load_experiment(experiment)
+        if exp.hero is None:
+            raise LadderError(f"{experiment}: the experiment has no hero to forecast")
+        r = ladder_root(root)
+        rungs, missing = finished_rungs(r, exp, holdout)
+        if len(rungs) < 3:
+            raise LadderError(f"forecast needs at least 3 finished rungs; unfinished: {', '.join(missing) or 'none'}"
+                              f" (run `ladder submit {experiment}` first)")
+        fc = forecast(exp.name, rungs, exp.hero)
+        if holdout:
+            held = [s for s in exp.rungs if s.name not in {x.spec.name for x in rungs}]
+            fc["holdout"] = [h.name for h in held]
+        out = analysis_dir(r, exp.name)
+        path = atomic_write_json(out / ("forecast.json" if not holdout else "forecast_holdout.json"), fc)
+        plan = costs.plan([*exp.rungs, exp.hero], exp.hero)
+        plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, fc, None)
+        if not no_tracking:
+            try:
+                from ladder.tracking import log_artifact_to_parent, log_forecast
+
+                log_forecast(exp, path, tracking_uri, r)
+                log_artifact_to_parent(exp, out / "law.png", None, tracking_uri, r)
+            except Exception as e:  # the forecast file is the record; tracking can catch up later
+                Console(stderr=True).print(f"warning: could not log the forecast to MLflow: {e}", style="yellow")
+        if as_json:
+            print(json.dumps(fc, default=float))
+            return
+        c = Console()
+        h = fc["hero"]["final_loss"]
+        c.print(f"[bold]{exp.name}[/bold]: hero {fc['hero']['name']} forecast final loss {h['mean']:.4f} "
+                f"({int(100 * h['level'])}% interval {h['lo']:.4f} to {h['hi']:.4f}) from {len(rungs)} rungs")
+        law = fc["law"]
+        c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
+        if fc.get("backtest"):
+            b = fc["backtest"]
+            c.print(f"backtest: {b['held_out']} predicted {b['predicted']:.4f}, actual {b['actual']:.4f}, "
+                    f"error {100 * b['rel_error']:+.2f}%")
+        if fc.get("trajectory") is None:
+            c.print(f"[yellow]no trajectory: {fc.get('curve_model_error')}[/yellow]")
+        if holdout:
+            held = [s for s in exp.rungs if s.name in fc["holdout"]]
+            for s in held:
+                from analysis.forecast import _law, _law_predict
+
+                pred = _law_predict(_law(rungs), costs.total_flops(s))
+                c.print(f"holdout {s.name}: predicted {pred[0]:.4f} ({pred[1]:.4f} to {pred[2]:.4f})")
+        c.print(f"wrote {path}")
+
+    @app.command("report")
+    def report_cmd(
+        experiment: str = typer.Argument(..., help="experiment file"),
+        out: str = typer.Option("report", "--out", help="output directory"),
+        root: str = typer.Option(None, "--root"),
+    ) -> None:
+        """A self-contained HTML report (plots as PNG files beside it)."""
+        from analysis.metrics_io import read_metrics_frame
+        from analysis.report import build_report
+        from ladder import costs
+        from ladder.experiment import load_experiment
+        from ladder.ledger import ladder_root, run_dir_for
+
+        exp = load_experiment(experiment)
+        r = ladder_root(root)
+        specs = [*exp.rungs, *([exp.hero] if exp.hero else [])]
+        plan = costs.plan(specs, exp.hero)
+        runs = {}
+        for s in specs:
+            m = run_dir_for(r, exp.name, s) / "metrics.jsonl"
+            if m.exists() and m.stat().st_size:
+                runs[s.name] = read_metrics_frame(m)
+        adir = analysis_dir(r, exp.name)
+        load = lambda name: json.loads((adir / name).read_text()) if (adir / name).exists() else None  # noqa: E731
+        forecast = load("forecast.json")
+        compare = load("compare.json") or {}
+        replan = load("replan.json") or {}
+        flags = compare.get("flags", []) if isinstance(compare, dict) else []
+        options = replan.get("options", []) if isinstance(replan, dict) else []
+        rows = [{k: v for k, v in o.items() if not isinstance(v, (dict, list))} for o in options]
+        page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.get("recommendation"))
+        summary = json.loads((Path(out) / "summary.json").read_text())
+        Console().print(summary["verdict"], highlight=False)
+        Console().print(f"report: {page.resolve()}")
