@@ -295,8 +295,8 @@ def resolve_run(run: str | None = None, metrics: str | Path | None = None, root:
 
 def check_spec_matches(spec: Any, df: pd.DataFrame, ref: RunRef | None = None) -> None:
     """Raise MetricsError when `spec` is not the spec the metrics came from: another spec id in the
-    run dir, an LR column that is not this spec's schedule, tokens per step that differ, or steps
-    past its end."""
+    run dir, an LR column that is not this spec's schedule (from its lineage.resume_step on: the
+    records before it are the parent's), tokens per step that differ, or steps past its end."""
     import numpy as np
 
     from ladder.schedule import lr_at
@@ -314,7 +314,8 @@ def check_spec_matches(spec: Any, df: pd.DataFrame, ref: RunRef | None = None) -
         )
     if "lr" in df.columns:
         lr = df["lr"].to_numpy(dtype=np.float64)
-        ok = np.isfinite(lr)
+        # A continuation's records before its resume step are its parent's, under the parent's LR.
+        ok = np.isfinite(lr) & (steps >= (spec.lineage.resume_step or 0))
         want = lr_at(spec, steps)
         bad = ok & ~np.isclose(lr, want, rtol=1e-4, atol=1e-12)
         if bad.any():
