@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 setup: $(STAMP)
 
 demo: $(STAMP)
-	$(BIN)/ladder plan experiments/marin_535b.py
+	$(BIN)/ladder demo experiments/proxy_cpu.py --out report
 
 test: $(STAMP)
 	$(BIN)/python -m pytest -q
