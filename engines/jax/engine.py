@@ -25,14 +25,20 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from engines.base import DivergedError, MetricsWriter, StepMetrics, write_status
-from engines.checkpoint import latest_checkpoint, load_checkpoint, remove_checkpoints, save_checkpoint
+from engines.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    remove_checkpoints,
+    save_checkpoint,
+)
 from engines.data import TokenStream
 from engines.jax.model import ModelConfig, Params, init_params, is_buffer, param_shapes
 from engines.jax.moe import EP_AXIS
 from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
 from ladder.costs import flops_per_token
 from ladder.schedule import lr_at
-from ladder.spec import Spec
+from ladder.spec import OptimSpec, Spec
 
 EXPERT_SUFFIXES = (".moe.experts.w_gate", ".moe.experts.w_up", ".moe.experts.w_down")
 
@@ -51,13 +57,25 @@ def make_mesh(cfg: ModelConfig) -> Mesh | None:
     return None
 
 
-@lru_cache(maxsize=16)
-def compiled_steps(cfg: ModelConfig, optim, bias_rate: float, mesh: Mesh | None):
+def compiled_steps(cfg: ModelConfig, optim: OptimSpec, bias_rate: float, mesh: Mesh | None):
     """(train_step, eval_step, optimizer) for a model and optimizer, shared by every run in this
-    process with the same ones (compiling is most of a small run's time)."""
+    process with the same ones (compiling is most of a small run's time). The peak LR is not part
+    of the compiled step (the LR is an argument), so runs that differ only there share it."""
+    return _compiled_steps(cfg, optim.model_copy(update={"peak_lr": 1.0}), bias_rate, mesh)
+
+
+@lru_cache(maxsize=16)
+def _compiled_steps(cfg: ModelConfig, optim: OptimSpec, bias_rate: float, mesh: Mesh | None):
     shapes = {k: v for k, v in param_shapes(cfg).items() if not is_buffer(k)}
     tx = make_optimizer(optim, {k: jax.ShapeDtypeStruct(s, jnp.float32) for k, s in shapes.items()})
     return make_train_step(cfg, optim, tx, bias_rate, mesh), make_eval_step(cfg, optim, mesh), tx
+
+
+def put_batch(batch_BS1: np.ndarray, mesh: Mesh | None) -> jax.Array:
+    """A batch on the device(s): split by sequence over the mesh when the rows divide evenly."""
+    if mesh is not None and batch_BS1.shape[0] % mesh.size == 0:
+        return jax.device_put(batch_BS1, NamedSharding(mesh, P(EP_AXIS)))
+    return jnp.asarray(batch_BS1)
 
 
 # ---- checkpoint <-> state -------------------------------------------------------------------
@@ -115,6 +133,25 @@ def place(state: TrainState, mesh: Mesh | None) -> TrainState:
     return jax.tree_util.tree_map_with_path(put, state)
 
 
+def check_same_run(spec: Spec, info: dict, path: Path) -> None:
+    """A checkpoint continues this spec's run: the same spec id, its lineage parent's, or the
+    same spec written by another engine (the id hashes the engine name)."""
+    ckpt_id = info.get("spec_id")
+    if ckpt_id is None or ckpt_id in (spec.id, spec.lineage.parent_id):
+        return
+    other = info.get("engine")
+    if other and other != spec.engine:
+        try:
+            if spec.replace(engine=other).id == ckpt_id:
+                return
+        except Exception:  # the other engine is not installed here: the ids cannot match
+            pass
+    raise CheckpointError(
+        f"{path} belongs to spec {ckpt_id}, not this spec ({spec.id}); use another --run-dir, "
+        f"--no-resume to start over, or set lineage.parent_id to continue it"
+    )
+
+
 # ---- the engine -----------------------------------------------------------------------------
 
 
@@ -135,30 +172,35 @@ class JaxEngine:
         ckpt = latest_checkpoint(run_dir)
         if ckpt is not None:
             model, opt, info = load_checkpoint(ckpt)
-            state = state_from_arrays(cfg, tx, model, opt, str(ckpt))
+            check_same_run(spec, info, ckpt)
+            try:
+                state = state_from_arrays(cfg, tx, model, opt, str(ckpt))
+            except ValueError as err:
+                raise CheckpointError(str(err)) from err
             start, tokens = int(info["step"]), int(info.get("tokens", int(info["step"]) * spec.data.tokens_per_step))
+        elif spec.lineage.resume_step is not None:
+            raise CheckpointError(
+                f"spec {spec.name!r} continues run {spec.lineage.parent_id} from step {spec.lineage.resume_step} "
+                f"(lineage.resume_step) but {run_dir} has no checkpoint; seed it with "
+                f"engines.checkpoint.init_from_checkpoint(run_dir, <parent run>/checkpoints/step_N)"
+            )
         else:
             params, buffers = init_params(cfg, spec.seed)
             state = TrainState(params, buffers, tx.init(params))
             start, tokens = 0, 0
         state = place(state, mesh)
-        batch_sharding = NamedSharding(mesh, P(EP_AXIS)) if mesh is not None else None
         n_devices = mesh.size if mesh is not None else 1
 
         def save(step: int, tokens: int) -> None:
             model, opt = state_to_arrays(state)
-            info = {"tokens": tokens, "spec_id": spec.id, "engine": self.name, "data": stream.state(step)}
+            info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
+                    "data": stream.state(step)}
             save_checkpoint(run_dir, step, model, opt, info, keep=spec.run.keep_checkpoints)
 
         def evaluate() -> float:
-            losses = [float(eval_step(state.params, state.buffers, put_batch(stream.eval_batch(i))))
+            losses = [float(eval_step(state.params, state.buffers, put_batch(stream.eval_batch(i), mesh)))
                       for i in range(spec.run.eval_batches)]
             return float(np.mean(losses))
-
-        def put_batch(batch_BS1: np.ndarray) -> jax.Array:
-            if batch_sharding is not None and batch_BS1.shape[0] % n_devices == 0:
-                return jax.device_put(batch_BS1, batch_sharding)
-            return jnp.asarray(batch_BS1)
 
         write_status(run_dir, "running", step=start, engine=self.name, spec_id=spec.id)
         if ckpt is None:
@@ -171,10 +213,9 @@ class JaxEngine:
                 batch = stream.batch(step)
                 n_tok = batch.shape[0] * (batch.shape[1] - 1)
                 t0 = time.perf_counter()
-                new_state, m = train_step(state, put_batch(batch), jnp.float32(lrs[step]))
-                m = jax.device_get(m)
+                new_state, m = train_step(state, put_batch(batch, mesh), jnp.float32(lrs[step]))
+                m = jax.device_get(m)  # the step's one host sync
                 dt = max(time.perf_counter() - t0, 1e-9)
-                state = new_state
                 tokens += n_tok
                 tps = n_tok / dt
                 rec = StepMetrics(
@@ -189,12 +230,14 @@ class JaxEngine:
                 )
                 if not (np.isfinite(rec.loss) and np.isfinite(m["total_loss"]) and np.isfinite(rec.grad_norm)):
                     writer.write(rec)
-                    write_status(run_dir, "diverged", step=step, engine=self.name, loss=rec.loss,
-                                 grad_norm=rec.grad_norm)
+                    write_status(run_dir, "diverged", step=step, engine=self.name, spec_id=spec.id,
+                                 loss=rec.loss, grad_norm=rec.grad_norm,
+                                 last_checkpoint=str(latest_checkpoint(run_dir)))
                     raise DivergedError(
                         f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
                         f"the last good checkpoint is {latest_checkpoint(run_dir)}"
                     )
+                state = new_state  # only finite steps are kept
                 done = step + 1
                 if done % spec.run.eval_every == 0 or done == total:
                     rec.eval_loss = evaluate()
@@ -206,8 +249,8 @@ class JaxEngine:
             raise
         except BaseException as err:
             if not isinstance(err, GeneratorExit):
-                write_status(run_dir, "failed", engine=self.name, error=f"{type(err).__name__}: {err}")
+                write_status(run_dir, "failed", engine=self.name, spec_id=spec.id, error=f"{type(err).__name__}: {err}")
             raise
         finally:
             writer.close()
-        write_status(run_dir, "finished", step=total, engine=self.name, spec_id=spec.id)
+        write_status(run_dir, "finished", step=total, engine=self.name, spec_id=spec.id, tokens=tokens)

@@ -1,0 +1,138 @@
+"""The JAX pooled-wave capacity transport against the rules, written out plainly in numpy."""
+
+from __future__ import annotations
+
+import math
+from collections import defaultdict
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engines.jax.model import ModelConfig
+from engines.jax.moe import capacities, capacity_experts as _capacity_experts, dropless_experts
+from ladder.presets import micro_spec
+
+jax.config.update("jax_default_matmul_precision", "highest")
+capacity_experts = jax.jit(_capacity_experts, static_argnums=(6, 7))  # compiled: eager is slower here
+
+
+def _cfg(E=8, K=2, ep=2, waves=1, cf_s=1.0, cf_r=1.0) -> ModelConfig:
+    spec = micro_spec(**{"model.n_routed_experts": E, "model.top_k": K, "model.ep_size": ep,
+                         "model.n_waves": waves, "model.capacity_factor_send": cf_s,
+                         "model.capacity_factor_recv": cf_r, "model.dispatch": "capacity"})
+    return ModelConfig.from_spec(spec.model)
+
+
+def reference_keep(expert_TK: np.ndarray, E: int, ep: int, W: int, cf_s: float, cf_r: float):
+    """(kept [T, K], send drops, receive drops) by the capacity rules, one assignment at a time."""
+    T, K = expert_TK.shape
+    t_src, e_dst = T // ep, E // ep
+    c_send = math.ceil(cf_s * t_src * K / ep / W)
+    c_recv = math.ceil(cf_r * T * K / E)
+    filled = defaultdict(int)
+    arrivals = defaultdict(list)  # expert -> [((wave, src, row), t, j)]
+    send_drops = 0
+    for j in range(K):  # slot-major priority: all first choices, then all second choices, ...
+        for t in range(T):
+            e = int(expert_TK[t, j])
+            src, dst = t // t_src, e // e_dst
+            p = filled[src, dst]
+            filled[src, dst] += 1
+            if p >= W * c_send:
+                send_drops += 1
+                continue
+            arrivals[e].append(((p // c_send, src, p % c_send), t, j))
+    kept = np.zeros((T, K), bool)
+    recv_drops = 0
+    for e, arr in arrivals.items():
+        for rank, (_, t, j) in enumerate(sorted(arr)):
+            if rank < c_recv:
+                kept[t, j] = True
+            else:
+                recv_drops += 1
+    return kept, send_drops, recv_drops
+
+
+def _weights(rng, E, L, F):
+    return [jnp.asarray(rng.normal(0, 0.3, s).astype(np.float32)) for s in ((E, L, F), (E, L, F), (E, F, L))]
+
+
+def _expert_out(x_L, e, wg, wu, wd):
+    wg, wu, wd = (np.asarray(a, np.float64) for a in (wg, wu, wd))
+    a = x_L @ wg[e]
+    return (a / (1.0 + np.exp(-a)) * (x_L @ wu[e])) @ wd[e]
+
+
+def _expected(x_TL, expert_TK, gate_TK, kept_TK, w):
+    y = np.zeros(x_TL.shape, np.float32)
+    for t in range(x_TL.shape[0]):
+        for j in range(expert_TK.shape[1]):
+            if kept_TK[t, j]:
+                y[t] += gate_TK[t, j] * _expert_out(x_TL[t], int(expert_TK[t, j]), *w)
+    return y
+
+
+def test_hand_check_all_tokens_to_one_expert():
+    # T=8, k=1, E=4, ep=2, W=1, cf 1: C_send = 2, C_recv = 2. Every token picks expert 0: each
+    # source sends its first 2 tokens (4 send drops), expert 0 keeps source 0's two (2 recv drops).
+    cfg = _cfg(E=4, K=1, ep=2, waves=1)
+    assert capacities(cfg, 8) == (2, 2)
+    rng = np.random.default_rng(0)
+    x_TL = jnp.asarray(rng.normal(size=(8, 16)).astype(np.float32))
+    expert_TK = jnp.zeros((8, 1), jnp.int32)
+    gate_TK = jnp.ones((8, 1), jnp.float32)
+    w = _weights(rng, 4, 16, 8)
+    y, n_send, n_recv = capacity_experts(x_TL, expert_TK, gate_TK, *w, cfg, None)
+    assert (float(n_send), float(n_recv)) == (4.0, 2.0)
+    nonzero = np.abs(np.asarray(y)).sum(axis=1) > 0
+    assert nonzero.tolist() == [True, True, False, False, False, False, False, False]
+
+
+@pytest.mark.parametrize("ep,waves,K,cf_s", [(2, 1, 2, 1.0), (4, 2, 2, 1.5), (4, 3, 1, 2.0), (8, 2, 3, 1.0)])
+def test_drops_and_outputs_match_the_rules_on_skewed_routings(ep, waves, K, cf_s):
+    E, T, L, F = 8, 64, 16, 8
+    cfg = _cfg(E=E, K=K, ep=ep, waves=waves, cf_s=cf_s)
+    rng = np.random.default_rng(ep * 10 + waves)
+    # skewed: low-numbered experts are popular, so both bounds bite
+    p = np.arange(E, 0, -1, dtype=np.float64) ** 2
+    expert_TK = np.stack([rng.choice(E, size=K, replace=False, p=p / p.sum()) for _ in range(T)]).astype(np.int32)
+    gate_TK = rng.uniform(0.1, 1.0, size=(T, K)).astype(np.float32)
+    x_TL = rng.normal(size=(T, L)).astype(np.float32)
+    w = _weights(rng, E, L, F)
+    kept, send_drops, recv_drops = reference_keep(expert_TK, E, ep, waves, cf_s, 1.0)
+    assert send_drops > 0 and recv_drops > 0
+    y, n_send, n_recv = capacity_experts(jnp.asarray(x_TL), jnp.asarray(expert_TK), jnp.asarray(gate_TK), *w, cfg, None)
+    assert (int(n_send), int(n_recv)) == (send_drops, recv_drops)
+    np.testing.assert_allclose(np.asarray(y), _expected(x_TL, expert_TK, gate_TK, kept, w), rtol=1e-5, atol=1e-5)
+
+
+def test_capacity_equals_dropless_when_the_factors_are_large():
+    E, T, K, L, F, ep = 8, 64, 2, 16, 8, 4
+    cfg = _cfg(E=E, K=K, ep=ep, waves=2, cf_s=float(ep * E), cf_r=float(E))
+    rng = np.random.default_rng(3)
+    expert_TK = jnp.asarray(np.stack([rng.choice(E, K, replace=False) for _ in range(T)]).astype(np.int32))
+    gate_TK = jnp.asarray(rng.uniform(size=(T, K)).astype(np.float32))
+    x_TL = jnp.asarray(rng.normal(size=(T, L)).astype(np.float32))
+    w = _weights(rng, E, L, F)
+    y_cap, n_send, n_recv = capacity_experts(x_TL, expert_TK, gate_TK, *w, cfg, None)
+    y_free = jax.jit(dropless_experts)(x_TL, expert_TK, gate_TK, *w)
+    assert (float(n_send), float(n_recv)) == (0.0, 0.0)
+    np.testing.assert_allclose(np.asarray(y_cap), np.asarray(y_free), rtol=1e-5, atol=1e-6)
+
+
+def test_gradients_flow_through_the_transport_only_for_kept_rows():
+    cfg = _cfg(E=4, K=1, ep=2, waves=1)
+    rng = np.random.default_rng(1)
+    x_TL = jnp.asarray(rng.normal(size=(8, 16)).astype(np.float32))
+    expert_TK = jnp.zeros((8, 1), jnp.int32)
+    w = _weights(rng, 4, 16, 8)
+
+    def f(x, g):
+        return jnp.sum(capacity_experts(x, expert_TK, g, *w, cfg, None)[0])
+
+    gx, gg = jax.jit(jax.grad(f, argnums=(0, 1)))(x_TL, jnp.ones((8, 1), jnp.float32))
+    has_grad = np.abs(np.asarray(gx)).sum(axis=1) > 0
+    assert has_grad.tolist() == [True, True] + [False] * 6
+    assert np.count_nonzero(np.asarray(gg)) == 2
