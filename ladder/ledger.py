@@ -370,7 +370,9 @@ class Claim:
         self._thread.start()
 
     @classmethod
-    def acquire(cls, root: str | Path, spec_id: str, owner: str, **info: Any) -> "Claim | None":
+    def acquire(
+        cls, root: str | Path, spec_id: str, owner: str, heartbeat_s: float = HEARTBEAT_S, **info: Any
+    ) -> "Claim | None":
         """The claim, or None when a live holder of another submission has it."""
         path = _lock_path(root, spec_id)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -386,7 +388,7 @@ class Claim:
         }
         for _ in range(5):
             if _create_exclusive(path, payload):
-                return cls(path, payload)
+                return cls(path, payload, heartbeat_s)
             got = _read_lock(path)
             if got is None:
                 continue  # released between our attempt and the read

@@ -66,15 +66,15 @@ def bounded_http_retries() -> None:
     """A worker must not block for minutes on a dead server (MLflow's default retries back off
     for ~4 minutes); the user's own settings win."""
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "1")
-    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "0.5")
+    os.environ.setdefault("MLFLOW_HTTP_REQUEST_BACKOFF_FACTOR", "1")
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
 @lru_cache(maxsize=8)
 def client(uri: str) -> "MlflowClient":
-    _quiet()
     from mlflow import MlflowClient
 
+    _quiet()  # after the import: mlflow sets its own logger up when imported
     return MlflowClient(tracking_uri=uri)
 
 

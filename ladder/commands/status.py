@@ -50,7 +50,7 @@ def register(app: typer.Typer) -> None:
                 step if x.step is not None else f"0/{x.total_steps}",
                 "-" if x.loss is None else f"{x.loss:.4f}",
                 "-" if x.tokens_per_s is None else f"{x.tokens_per_s:,.0f}",
-                x.mlflow_run_id or "-",
+                (x.mlflow_run_id or "-")[:12],
                 x.detail or (f"held by {x.holder}" if x.holder else ""),
             )
         Console().print(t if recs else f"no runs under {r}")
