@@ -1,0 +1,34 @@
+"""Marin's ladder scaled to one H200: four rungs (the largest ~115M total params) and a hero
+proxy, planned to fit in about 20 GPU-minutes at 25% MFU.
+
+Same rules as experiments/marin_535b.py (ladder.rules.moe_model) with 64 routed experts top-8
+inside a latent of d/2, 2 shared experts, head dim 64, capacity factors 1.15 over 3 waves on 8
+emulated EP shards, a 512-token sliding window in 1,024-token sequences, z-loss 1e-4, 1% warmup
+then linear decay to 5% of peak, 8 tokens per active parameter. Byte-level real text.
+"""
+
+from ladder.costs import param_counts
+from ladder.experiment import Experiment
+from ladder.rules import moe_model, run_spec
+
+SEQ, BATCH = 1024, 64
+TOKENS_PER_ACTIVE = 8
+SOURCES = [{"name": "code", "builtin": "python_code", "weight": 0.7},
+           {"name": "docs", "builtin": "python_docs", "weight": 0.3}]
+H200 = {"system": "h200", "n_gpus": 1, "ep_domain": 1, "peak_flops": 989e12, "hbm_gb": 141,
+        "expected_mfu": 0.25, "task_cpus": 4, "task_gpus": 1}
+
+
+def proxy(d: int, layers: int, role: str = "rung"):
+    model = moe_model(d, layers, head_dim=64, vocab_size=256, n_routed_experts=64, top_k=8, ep_size=8,
+                      window=512, capacity_factor=1.15, n_waves=3)
+    steps = round(TOKENS_PER_ACTIVE * param_counts(model)["active"] / (SEQ * BATCH))
+    return run_spec(f"{'hero-' if role == 'hero' else ''}d{d}", model, batch_size=BATCH, steps=steps, seq_len=SEQ,
+                    sources=SOURCES, peak_lr=0.04 / d**0.5, role=role, hardware=H200,
+                    run={"checkpoint_every": 200, "eval_every": 100, "eval_batches": 8})
+
+
+RUNGS = (proxy(256, 4), proxy(320, 6), proxy(384, 8), proxy(512, 8))
+HERO = proxy(640, 12, role="hero")
+
+EXPERIMENT = Experiment(name="proxy_h200", rungs=RUNGS, hero=HERO)
