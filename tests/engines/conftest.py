@@ -16,3 +16,18 @@ def _token_cache(tmp_path_factory):
         os.environ.pop("MOE_LADDER_CACHE", None)
     else:
         os.environ["MOE_LADDER_CACHE"] = old
+
+
+@pytest.fixture(autouse=True)
+def _one_torch_thread():
+    """Tiny tensors: one thread beats two (no spinning, steady on a busy 2-core machine)."""
+    import sys
+
+    torch = sys.modules.get("torch")
+    if torch is None:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
