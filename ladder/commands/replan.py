@@ -48,7 +48,7 @@ def render(plan, console: Console) -> None:
         t.add_row(str(r["n"]), f"{r['kind']}: {r['title']}", "-" if r["resume_step"] is None else str(r["resume_step"]),
                   "-" if r["total_steps"] is None else str(r["total_steps"]), finish,
                   "-" if r["device_hours"] is None else f"{r['device_hours']:.3g}", loss,
-                  (r["note"] or "") + (f" -> {r['spec_path']}" if r["spec_path"] else ""), style=style)
+                  " ".join(x for x in (r["note"], f"-> {r['spec_path']}" if r["spec_path"] else "") if x), style=style)
     console.print(t)
     if plan.context_gate:
         console.print(f"context gate: {plan.context_gate.get('note')}", highlight=False)
@@ -144,11 +144,14 @@ def register(app: typer.Typer) -> None:
             out = str(Path(base) / "replans" / stamp)
         paths = write_replan(plan, out)
         console = Console(stderr=True) if as_json else (Console() if sys.stdout.isatty() else Console(width=180))
+        if not as_json:
+            render(plan, console)
+            console.print(f"written: {out}", highlight=False)
         applied = apply_option(plan, apply, root, console) if apply is not None else None
         if as_json:
             print(json.dumps({**plan.to_dict(), "out": out, "paths": paths, "applied": applied}, indent=2, default=str))
-        else:
-            render(plan, console)
-            console.print(f"written: {out}", highlight=False)
-            if applied:
-                console.print(f"applied: {applied}", highlight=False)
+        elif applied:
+            console.print(f"applied: option {apply} runs in {applied['run_dir']}"
+                          + ("" if applied["ok"] else " (it did not finish: see `ladder status`)"), highlight=False)
+        if applied is not None and not applied["ok"]:
+            raise SystemExit(1)

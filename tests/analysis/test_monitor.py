@@ -290,3 +290,30 @@ def test_compare_bad_inputs_are_one_line_errors_and_write_nothing(tmp_path):
     r = run_cli(["compare", "0123456789abcdef", "--png", "x.png", "--root", str(tmp_path / "ledger")], tmp_path)
     assert r.returncode == 2 and "unknown run id '0123456789abcdef'" in " ".join(r.stderr.split())
     assert not (tmp_path / "x.png").exists()
+
+
+def test_compare_follow_rereads_the_growing_run_until_its_status_says_done(tmp_path):
+    """`compare --follow` reports step 49 first; only then are more records (ending in NaN) appended
+    and the status set to diverged: the command must re-read, catch the NaN, and stop."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "status.json").write_text(json.dumps({"state": "running"}))
+    metrics = run / "metrics.jsonl"
+    metrics.write_text("".join(json.dumps({"step": s, "loss": 3.0 - 0.001 * s, "grad_norm": 0.8}) + "\n" for s in range(50)))
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
+    proc = subprocess.Popen([*LADDER, "compare", str(run), "--follow", "--interval", "0.3", "--max-wait", "60", "--json"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        first = proc.stderr.readline()
+        assert "step 49 (running)" in first, first
+        with metrics.open("a") as f:
+            for s in range(50, 80):
+                f.write(json.dumps({"step": s, "loss": float("nan") if s >= 70 else 3.0 - 0.001 * s, "grad_norm": 0.8}) + "\n")
+        (run / "status.json").write_text(json.dumps({"state": "diverged", "step": 70}))
+        out, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 3, err
+    doc = json.loads(out)
+    assert doc["summary"]["step"] == 79
+    assert {"non_finite", "run_diverged"} <= {f["kind"] for f in doc["flags"]}
