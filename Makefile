@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean
+.PHONY: demo test setup clean browser
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -19,7 +19,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/ladder demo experiments/proxy_cpu.py --out report
 
-test: $(STAMP)
+# The report test drives Debian's chromium through chromedriver (no browser download).
+browser:
+	@command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  { echo "installing Debian's chromium and chromium-driver for the report test"; \
+	    $$(command -v sudo) apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$(command -v sudo) apt-get install -y -qq chromium chromium-driver >/dev/null; }
+
+test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
 clean:
