@@ -34,7 +34,7 @@ from engines.checkpoint import (
 )
 from engines.data import TokenStream
 from engines.jax.model import ModelConfig, Params, init_params, is_buffer, param_shapes
-from engines.jax.moe import EP_AXIS
+from engines.jax.moe import EP_AXIS, capacities
 from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
 from ladder.costs import flops_per_token
 from ladder.schedule import lr_at
@@ -163,6 +163,8 @@ class JaxEngine:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg = ModelConfig.from_spec(spec.model)
+        if cfg.dispatch == "capacity":
+            capacities(cfg, spec.data.tokens_per_step)  # T % ep_size: a clear error before any work
         mesh = make_mesh(cfg)
         train_step, eval_step, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
         stream = TokenStream.from_spec(spec)

@@ -13,7 +13,6 @@ W waves, P ep shards, C sender pool rows, X arrivals at one shard (W*P*C), R rec
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import jax
@@ -21,6 +20,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
+from engines import dispatch_ref
 from engines.jax.model import ModelConfig, Params
 
 EP_AXIS = "ep"
@@ -84,13 +84,10 @@ def dropless_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL) -> jax.Ar
 
 
 def capacities(cfg: ModelConfig, n_tokens: int) -> tuple[int, int]:
-    """(C_send rows per (source, destination) pool per wave, C_recv rows per expert)."""
-    ep, K, E = cfg.ep_size, cfg.top_k, cfg.n_experts
-    if n_tokens % ep:
-        raise ValueError(f"capacity dispatch needs tokens per step ({n_tokens}) divisible by ep_size ({ep})")
-    c_send = math.ceil(cfg.cf_send * (n_tokens // ep) * K / ep / cfg.n_waves)
-    c_recv = math.ceil(cfg.cf_recv * n_tokens * K / E)
-    return c_send, c_recv
+    """(C_send rows per (source, destination) pool per wave, C_recv rows per expert): the one
+    formula of engines/dispatch_ref.py, shared with the other engine."""
+    return dispatch_ref.capacities(n_tokens, cfg.top_k, cfg.n_experts, cfg.ep_size, cfg.n_waves,
+                                   cfg.cf_send, cfg.cf_recv)
 
 
 def _rank_within(key_X: jax.Array, n_keys: int, valid_X: jax.Array) -> jax.Array:

@@ -1,15 +1,14 @@
-"""The JAX pooled-wave capacity transport against the rules, written out plainly in numpy."""
+"""The JAX pooled-wave capacity transport against the rules, as engines/dispatch_ref.py writes
+them out in plain numpy."""
 
 from __future__ import annotations
-
-import math
-from collections import defaultdict
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from engines.dispatch_ref import capacity_plan
 from engines.jax.model import ModelConfig
 from engines.jax.moe import capacities, capacity_experts as _capacity_experts, dropless_experts
 from ladder.presets import micro_spec
@@ -23,36 +22,6 @@ def _cfg(E=8, K=2, ep=2, waves=1, cf_s=1.0, cf_r=1.0) -> ModelConfig:
                          "model.n_waves": waves, "model.capacity_factor_send": cf_s,
                          "model.capacity_factor_recv": cf_r, "model.dispatch": "capacity"})
     return ModelConfig.from_spec(spec.model)
-
-
-def reference_keep(expert_TK: np.ndarray, E: int, ep: int, W: int, cf_s: float, cf_r: float):
-    """(kept [T, K], send drops, receive drops) by the capacity rules, one assignment at a time."""
-    T, K = expert_TK.shape
-    t_src, e_dst = T // ep, E // ep
-    c_send = math.ceil(cf_s * t_src * K / ep / W)
-    c_recv = math.ceil(cf_r * T * K / E)
-    filled = defaultdict(int)
-    arrivals = defaultdict(list)  # expert -> [((wave, src, row), t, j)]
-    send_drops = 0
-    for j in range(K):  # slot-major priority: all first choices, then all second choices, ...
-        for t in range(T):
-            e = int(expert_TK[t, j])
-            src, dst = t // t_src, e // e_dst
-            p = filled[src, dst]
-            filled[src, dst] += 1
-            if p >= W * c_send:
-                send_drops += 1
-                continue
-            arrivals[e].append(((p // c_send, src, p % c_send), t, j))
-    kept = np.zeros((T, K), bool)
-    recv_drops = 0
-    for e, arr in arrivals.items():
-        for rank, (_, t, j) in enumerate(sorted(arr)):
-            if rank < c_recv:
-                kept[t, j] = True
-            else:
-                recv_drops += 1
-    return kept, send_drops, recv_drops
 
 
 def _weights(rng, E, L, F):
@@ -101,7 +70,8 @@ def test_drops_and_outputs_match_the_rules_on_skewed_routings(ep, waves, K, cf_s
     gate_TK = rng.uniform(0.1, 1.0, size=(T, K)).astype(np.float32)
     x_TL = rng.normal(size=(T, L)).astype(np.float32)
     w = _weights(rng, E, L, F)
-    kept, send_drops, recv_drops = reference_keep(expert_TK, E, ep, waves, cf_s, 1.0)
+    plan = capacity_plan(expert_TK, E, ep, waves, cf_s, 1.0)
+    kept, send_drops, recv_drops = plan.kept_TK, int(plan.send_drop_TK.sum()), int(plan.recv_drop_TK.sum())
     assert send_drops > 0 and recv_drops > 0
     y, n_send, n_recv = capacity_experts(jnp.asarray(x_TL), jnp.asarray(expert_TK), jnp.asarray(gate_TK), *w, cfg, None)
     assert (int(n_send), int(n_recv)) == (send_drops, recv_drops)
