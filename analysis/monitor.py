@@ -564,7 +564,8 @@ def monitor(
             tput["projected_finish"] = _iso(base + remaining_tokens / measured)
         if plan:
             tput["planned_finish"] = _iso(base + remaining_tokens / plan)
-    if measured is not None and plan is not None and measured < cfg.throughput_frac * plan:
+    if (measured is not None and plan is not None and measured < cfg.throughput_frac * plan
+            and tput.get("remaining_tokens", 1) > 0):
         flags.append(Flag("throughput_low", "warning", int(steps[-1]), {
             "text": f"measured {measured:,.0f} tokens/s is {measured / plan:.0%} of the plan's {plan:,.0f}"
                     + (f"; projected finish {tput['projected_finish']} instead of {tput['planned_finish']}"

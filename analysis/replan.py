@@ -27,8 +27,9 @@ Options (Marin's contingency plan, DESIGN.md):
 - Token drops over budget (monitor flag `token_drops`): `capacity` raises both capacity factors
   (memory per GPU from ladder.costs; refused when it no longer fits hardware.hbm_gb), `dropless`
   switches to ragged dispatch, `sequence_balance` balances the router per sequence.
-- Divergence (NaN, loss jump or spike, grad-norm spike, growth or threshold): rewind to the last
-  kept checkpoint before the first such flag and continue with `rewind_zloss` (logit z-loss raised
+- Divergence (NaN, loss jump or spike, grad norm over its threshold, growing or above its
+  envelope; a lone grad-norm spike is not enough): rewind to the last kept checkpoint before the
+  onset (the first such flag, or a spike shortly before it) and continue with `rewind_zloss` (logit z-loss raised
   to 1e-4, or x10 when already there), `rewind_lower_lr` (peak LR x `lr_factor`; note the new
   spec's schedule then describes the steps before the rewind at the lower peak too: those steps
   come from the parent checkpoint) or `rewind_redraw`. The data pipeline cannot skip batches (a
@@ -58,8 +59,28 @@ from analysis.monitor import Forecast, MonitorReport, MonitorSettings, measured_
 from ladder.schedule import lr_at
 from ladder.spec import Rejoin, Spec
 
-DIVERGENCE_KINDS = ("non_finite", "run_diverged", "loss_jump", "loss_spike", "grad_norm_spike", "grad_norm_high",
+# Flags that call for a rewind. A lone grad-norm spike the loss shrugs off is routine in small runs
+# and calls for nothing; it only moves the onset earlier when it comes just before one of these.
+DIVERGENCE_KINDS = ("non_finite", "run_diverged", "loss_jump", "loss_spike", "grad_norm_high",
                     "grad_norm_growth", "grad_norm_above_envelope")
+SPIKE_KINDS = ("loss_spike", "grad_norm_spike")
+
+
+def divergence_onset(report: MonitorReport, total_steps: int) -> tuple[int, Any] | None:
+    """(first step of the trouble, the flag that calls for a rewind), or None. The onset is the
+    earliest such flag, moved back to any spike within the lookback (max(10 steps, 5% of the run))
+    before it: the spike is where the trouble began."""
+    trig = report.first(*DIVERGENCE_KINDS)
+    if trig is None:
+        return None
+    start = int(trig.evidence.get("window_start_step", trig.first_step)) if trig.kind == "grad_norm_growth" else trig.first_step
+    lookback = max(10, int(0.05 * total_steps))
+    for f in report.flags:
+        if f.kind in SPIKE_KINDS:
+            near = [s for s in f.evidence.get("spike_steps", [f.first_step]) if start - lookback <= s <= start]
+            if near:
+                start = min(start, min(near))
+    return start, trig
 FIRST_QUARTER = 0.25
 INTERVAL_LEVEL = 0.9
 
@@ -157,11 +178,11 @@ def curve_forecaster(state: RunState) -> Forecaster | None:
 def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
     df = state.df
     ok = np.isfinite(df["loss"].to_numpy(dtype=np.float64))
-    # Fit on the part of the curve before any divergence flag: a replan forecasts a healthy run.
-    first_bad = state.report.first(*DIVERGENCE_KINDS)
+    # Fit on the part of the curve before any divergence: a replan forecasts a healthy run.
+    onset = divergence_onset(state.report, state.spec.total_steps)
     steps = df["step"].to_numpy()
-    if first_bad is not None:
-        ok &= steps < first_bad.first_step
+    if onset is not None:
+        ok &= steps < onset[0]
     if ok.sum() < 8:
         return None
     s_obs = steps[ok]
@@ -505,12 +526,14 @@ def make_replan(
                                         forecaster, {"model.balance_scope": "sequence"}))
 
     # divergence
-    bad = st.report.first(*DIVERGENCE_KINDS)
-    if bad is not None:
-        fault = int(bad.evidence.get("window_start_step", bad.first_step)) if bad.kind == "grad_norm_growth" else bad.first_step
+    onset = divergence_onset(st.report, spec.total_steps)
+    bad = onset[1] if onset else None
+    if onset is not None:
+        fault = onset[0]
         join = st.latest_checkpoint(before=fault)
         where = (f"checkpoint {join}" if join else "step 0 (no kept checkpoint precedes the fault: a fresh start)")
-        why = f"{bad.kind} at step {bad.first_step} ({bad.evidence.get('text', '')}); rewind to {where}"
+        why = (f"{bad.kind} at step {bad.first_step} ({bad.evidence.get('text', '')})"
+               + (f", trouble from step {fault}" if fault != bad.first_step else "") + f"; rewind to {where}")
         z = spec.optim.z_loss
         new_z = 1e-4 if z < 1e-4 else z * 10
         options.append(_rewind_option(st, "rewind_zloss", f"rewind to {join}, z-loss {z:g} -> {new_z:g}", why, join,
