@@ -83,10 +83,56 @@ def build_optimizer(model: MoETransformer, spec: Spec) -> torch.optim.AdamW:
     decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
     o = spec.optim
+    cuda = all(p.is_cuda for p in model.parameters())
     return torch.optim.AdamW(
         [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
         lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        fused=True if cuda else None,  # one kernel per group on the GPU; the CPU keeps its default
     )
+
+
+def make_loss_fn(model: MoETransformer, device: torch.device):
+    """The step's objective: the fast path on CUDA (engines/torch/fast.py), else model.loss_terms
+    under autocast (bf16 on a GPU, which the fast path turned off then; fp32 on the CPU)."""
+    from engines.torch.fast import FastLoss, fast_path_enabled
+
+    if fast_path_enabled(device):
+        return FastLoss(model, device)
+    cuda = device.type == "cuda"
+
+    def loss_fn(model, x, optim):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            return loss_terms(model, x, optim)
+
+    return loss_fn
+
+
+def launch_step(model: MoETransformer, loss_fn, x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, dict]:
+    """Forward, backward and clipping of one step, queued on the device without waiting for it:
+    (the step's metrics and grad norm stacked in METRIC_KEYS + ("grad_norm",) order, loss_fn's
+    outputs)."""
+    total_loss, out = loss_fn(model, x, spec.optim)
+    total_loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), spec.optim.grad_clip)
+    return torch.stack([out["metrics"][k].float() for k in METRIC_KEYS] + [grad_norm.float()]), out
+
+
+def finish_step(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
+                spec: Spec) -> tuple[dict[str, float], bool]:
+    """The step's one host sync (its metrics), then the update unless the loss or grad norm is
+    not finite: (metrics by name, finite)."""
+    m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))
+    finite = all(np.isfinite(m[k]) for k in ("loss", "total_loss", "grad_norm"))
+    if finite:
+        opt.step()
+        if spec.model.router_bias_balancing:
+            with torch.no_grad():
+                load_LE = out["load_LE"]
+                upd_LE = spec.model.router_bias_rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
+                for i, blk in enumerate(model.blocks):
+                    blk.moe.router_bias.add_(upd_LE[i])
+    opt.zero_grad(set_to_none=True)
+    return m, finite
 
 
 def optimizer_to_numpy(model: MoETransformer, opt: torch.optim.AdamW) -> dict[str, np.ndarray]:
@@ -193,8 +239,7 @@ class TorchEngine:
             model.load_numpy(init_params(spec.model, spec.seed))
             start, tokens = 0, 0
 
-        params = [p for p in model.parameters()]
-        biases = [blk.moe.router_bias for blk in model.blocks]
+        loss_fn = make_loss_fn(model, device)
 
         def save(done: int) -> None:
             info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
@@ -220,29 +265,17 @@ class TorchEngine:
         writer = MetricsWriter(run_dir, start)
         try:
             t_prev = time.perf_counter()
+            batch = stream.batch(start) if start < total else None
             for step in range(start, total):
-                batch = stream.batch(step)
                 n_tok = batch.shape[0] * (batch.shape[1] - 1)
                 x = torch.from_numpy(batch).to(device, dtype=torch.long, non_blocking=True)
                 lr = float(lrs[step])
                 for g in opt.param_groups:
                     g["lr"] = lr
-                with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                    total_loss, out = loss_terms(model, x, spec.optim)
-                total_loss.backward()
-                grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optim.grad_clip)
-                vals = torch.stack([out["metrics"][k].float() for k in METRIC_KEYS] + [grad_norm.float()])
-                m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))  # the step's one host sync
-                finite = all(np.isfinite(m[k]) for k in ("loss", "total_loss", "grad_norm"))
-                if finite:
-                    opt.step()
-                    if spec.model.router_bias_balancing:
-                        with torch.no_grad():
-                            load_LE = out["load_LE"]
-                            upd_LE = spec.model.router_bias_rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
-                            for i, b in enumerate(biases):
-                                b.add_(upd_LE[i])
-                opt.zero_grad(set_to_none=True)
+                vals, out = launch_step(model, loss_fn, x, spec)
+                # the next batch is read while the device works on this step
+                batch = stream.batch(step + 1) if step + 1 < total else None
+                m, finite = finish_step(model, opt, vals, out, spec)
                 tokens += n_tok
                 dt = max(time.perf_counter() - t_prev, 1e-9)
                 tps = n_tok / dt
@@ -251,7 +284,7 @@ class TorchEngine:
                     z_loss=m["z_loss"], aux_loss=m["aux_loss"], drop_frac_send=m["drop_frac_send"],
                     drop_frac_recv=m["drop_frac_recv"], expert_load_max=m["expert_load_max"],
                     router_entropy=m["router_entropy"], tokens_per_s=tps,
-                    mfu=_flops_per_token(spec, batch.shape[1] - 1) * tps / spec.hardware.peak_flops,
+                    mfu=_flops_per_token(spec, x.shape[1] - 1) * tps / spec.hardware.peak_flops,
                     time=time.time(),
                     extra={"router_z_loss": m["router_z_loss"], "total_loss": m["total_loss"]},
                 )

@@ -202,11 +202,17 @@ def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
 
 
+def group_counts(group_A: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """Rows per group (int64) by scatter-add: CUDA's bincount reads its maximum back to the host."""
+    return torch.zeros(n_groups, dtype=torch.long, device=group_A.device).scatter_add_(
+        0, group_A, torch.ones_like(group_A))
+
+
 def _rank_within_groups(group_A: torch.Tensor, n_groups: int) -> torch.Tensor:
     """How many earlier rows (in the given order) share each row's group; stays on the device."""
     A = group_A.shape[0]
     order_A = torch.argsort(group_A, stable=True)
-    counts_G = torch.bincount(group_A, minlength=n_groups)
+    counts_G = group_counts(group_A, n_groups)
     starts_G = torch.cumsum(counts_G, 0) - counts_G
     rank_sorted = torch.arange(A, device=group_A.device) - starts_G[group_A[order_A]]
     return torch.empty_like(rank_sorted).scatter_(0, order_A, rank_sorted)
@@ -233,7 +239,7 @@ def capacity_plan(expert_TK: torch.Tensor, n_experts: int, ep: int, n_waves: int
     n_keys = n_waves * ep * c_send
     key_P = torch.where(send_drop_P, torch.full_like(pos_P, n_keys), (wave_P * ep + src_P) * c_send + row_P)
     order_P = torch.argsort(e_P * (n_keys + 1) + key_P, stable=True)
-    counts_E = torch.bincount(e_P, minlength=E)
+    counts_E = group_counts(e_P, E)
     starts_E = torch.cumsum(counts_E, 0) - counts_E
     rank_sorted = torch.arange(T * K, device=dev) - starts_E[e_P[order_P]]
     rank_P = torch.empty_like(rank_sorted).scatter_(0, order_P, rank_sorted)
@@ -323,7 +329,7 @@ class MoE(nn.Module):
         T, K = expert_TK.shape
         e_A = expert_TK.reshape(-1)  # token-major: a = t * K + j
         order_A = torch.argsort(e_A, stable=True)
-        counts_E = torch.bincount(e_A, minlength=self.m.n_routed_experts)
+        counts_E = group_counts(e_A, self.m.n_routed_experts)
         y_sorted_AL = self.experts.grouped(x_TL[order_A // K], counts_E)
         y_AL = torch.empty_like(y_sorted_AL).index_copy(0, order_A, y_sorted_AL)
         return y_AL.view(T, K, -1)
