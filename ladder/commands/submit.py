@@ -26,18 +26,21 @@ def register(app: typer.Typer) -> None:
         """Train the experiment's rungs (finished ones are skipped, interrupted ones resume)."""
         from ladder.controller import submit
 
-        result = submit(
-            experiment,
-            only=only,
-            engine=engine,
-            address=address,
-            max_concurrent=max_concurrent,
-            dry_run=dry_run,
-            include_hero=include_hero,
-            tracking_uri=tracking_uri,
-            root=root,
-            retries=retries,
-            tracking=not no_tracking,
-        )
+        try:
+            result = submit(
+                experiment,
+                only=only,
+                engine=engine,
+                address=address,
+                max_concurrent=max_concurrent,
+                dry_run=dry_run,
+                include_hero=include_hero,
+                tracking_uri=tracking_uri,
+                root=root,
+                retries=retries,
+                tracking=not no_tracking,
+            )
+        except KeyboardInterrupt:
+            raise SystemExit(130)  # the controller already said how to resume
         if not dry_run and not result.ok:
-            raise typer.Exit(1)
+            raise SystemExit(1)  # some run failed or diverged; the table says which

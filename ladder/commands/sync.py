@@ -39,4 +39,4 @@ def register(app: typer.Typer) -> None:
             t.add_row(s.experiment, s.name, s.state, str(s.uploaded), s.run_id or "-", s.error or "")
         Console().print(t)
         if any(s.error and not s.error.startswith("skipped") for s in results):
-            raise typer.Exit(1)
+            raise SystemExit(1)

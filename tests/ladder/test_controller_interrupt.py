@@ -1,0 +1,149 @@
+"""`ladder submit` as a real process: Ctrl-C stops it cleanly; SIGKILL mid-sweep and a rerun
+still train every spec exactly once.
+
+One sweep goes through three submissions: the first is interrupted with SIGINT (as a terminal's
+Ctrl-C, to the whole process group), the second is SIGKILLed with one run finished and another
+mid-way, the third finishes the sweep.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from engines.base import read_metrics, read_status
+from ladder import ledger, tracking
+from ladder.experiment import load_experiment
+
+pytestmark = pytest.mark.slow
+
+STEPS = 40
+RUNGS = [("a", {}), ("b", {"seed": 1}), ("c", {"seed": 2})]
+
+
+def attempts(run_dir: Path) -> list[dict]:
+    p = run_dir / "attempts.jsonl"
+    return [json.loads(l) for l in p.read_text().splitlines()] if p.exists() else []
+
+
+def last_step(run_dir: Path) -> int:
+    rec = ledger.last_metrics(run_dir)
+    return -1 if rec is None else rec["step"]
+
+
+def start_submit(path: Path, root: Path) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-m", "ladder.cli", "submit", str(path), "--root", str(root)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+    )
+
+
+def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 240) -> None:
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if cond():
+            return
+        if proc.poll() is not None:
+            out, err = proc.communicate()
+            pytest.fail(f"ladder submit exited ({proc.returncode}) before {what}:\n{err[-3000:]}")
+        time.sleep(0.05)
+    proc.kill()
+    pytest.fail(f"timed out waiting for {what}")
+
+
+@pytest.fixture(scope="module")
+def story(tmp_path_factory):
+    from tests.conftest import tiny_changes
+
+    tmp = tmp_path_factory.mktemp("interrupt")
+    path = tmp / "intr.py"
+    path.write_text(
+        "from ladder.experiment import Experiment\nfrom ladder.presets import micro_spec\n"
+        f"BASE = {tiny_changes(STEPS, 10)!r}\n"
+        f"EXPERIMENT = Experiment(name='intr', rungs=tuple(micro_spec(n, **{{**BASE, **c}}) for n, c in {RUNGS!r}))\n"
+    )
+    root = tmp / ".ladder"
+    exp = load_experiment(path)
+    dirs = {s.name: ledger.run_dir_for(root, "intr", s) for s in exp.rungs}
+    out: dict = {"path": path, "root": root, "exp": exp, "dirs": dirs}
+
+    # 1. Ctrl-C once a run is past its first checkpoint
+    p = start_submit(path, root)
+    wait_for(lambda: any(last_step(d) >= 12 for d in dirs.values()), p, "a run passed step 12")
+    os.killpg(p.pid, signal.SIGINT)
+    _, err = p.communicate(timeout=120)
+    out["sigint"] = {
+        "rc": p.returncode,
+        "stderr": err,
+        "states": {n: read_status(d).get("state") for n, d in dirs.items()},
+        "reasons": {n: read_status(d).get("reason") for n, d in dirs.items()},
+        "locks": sorted(x.name for x in (root / "locks").glob("*.lock")),
+        "frame": ledger.runs_frame(root, path),
+        "steps": {n: last_step(d) for n, d in dirs.items()},
+    }
+
+    # 2. SIGKILL with one run finished and another mid-way
+    p = start_submit(path, root)
+
+    def mid_sweep() -> bool:
+        done = [n for n, d in dirs.items() if read_status(d).get("state") == "finished"]
+        mid = [n for n, d in dirs.items() if n not in done and last_step(d) >= 12 and len(attempts(d)) >= 1]
+        return bool(done) and bool(mid)
+
+    wait_for(mid_sweep, p, "one run finished and another mid-way")
+    out["finished_before_kill"] = [n for n, d in dirs.items() if read_status(d).get("state") == "finished"]
+    out["attempts_before_rerun"] = {n: len(attempts(d)) for n, d in dirs.items()}
+    p.send_signal(signal.SIGKILL)  # the driver only: its local Ray goes down with it
+    p.communicate(timeout=60)
+
+    # 3. run it again to the end
+    t0 = time.perf_counter()
+    final = subprocess.run(
+        [sys.executable, "-m", "ladder.cli", "submit", str(path), "--root", str(root)],
+        capture_output=True, text=True, timeout=400,
+    )
+    out["rerun"] = {"rc": final.returncode, "stderr": final.stderr, "s": time.perf_counter() - t0}
+    return out
+
+
+def test_ctrl_c_stops_every_run_cleanly_and_says_how_to_resume(story):
+    s = story["sigint"]
+    assert s["rc"] == 130, s["stderr"][-2000:]
+    assert "Resume with" in s["stderr"] and f"ladder submit {story['path']}" in s["stderr"]
+    started = [n for n, st in s["states"].items() if st is not None and st != "pending"]
+    assert started, "no run had started"
+    for n in started:
+        assert s["states"][n] in ("failed", "finished"), s["states"]
+        if s["states"][n] == "failed":
+            assert s["reasons"][n] == "interrupted"
+    assert s["locks"] == []  # every claim released
+    frame = s["frame"].set_index("name")
+    assert set(frame["state"]) <= {"failed", "finished", "pending"}
+
+
+def test_a_killed_submission_rerun_trains_every_spec_exactly_once(story):
+    r, root, exp, dirs = story["rerun"], story["root"], story["exp"], story["dirs"]
+    assert r["rc"] == 0, r["stderr"][-3000:]
+    assert story["finished_before_kill"], "the kill came before any run finished"
+    uri = tracking.default_tracking_uri(root)
+    children = tracking.child_runs(uri, "intr")
+    assert sorted(c.data.tags["spec_id"] for c in children) == sorted(s.id for s in exp.rungs)  # one MLflow run each
+    assert {c.info.status for c in children} == {"FINISHED"}
+    assert sorted(p.name for p in (root / "runs" / "intr").iterdir()) == sorted(d.name for d in dirs.values())
+    for spec in exp.rungs:
+        d = dirs[spec.name]
+        assert [m["step"] for m in read_metrics(d)] == list(range(STEPS)), spec.name
+        assert read_status(d)["state"] == "finished"
+        run = next(c for c in children if c.data.tags["spec_id"] == spec.id)
+        logged = tracking.iter_metric_points(uri, run.info.run_id, ["loss"])["loss"]
+        assert sorted(logged) == list(range(STEPS)), f"{spec.name}: MLflow steps lost or duplicated"
+    for name in story["finished_before_kill"]:
+        # a run finished before the kill is not touched again
+        assert len(attempts(dirs[name])) == story["attempts_before_rerun"][name]
