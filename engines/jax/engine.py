@@ -13,6 +13,7 @@ expert shards are emulated on one device, with the same drops.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from functools import lru_cache
 from pathlib import Path
@@ -163,6 +164,8 @@ class JaxEngine:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         cfg = ModelConfig.from_spec(spec.model)
+        if jax.default_backend() == "gpu":
+            cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # fp32 weights, bf16 matmuls
         if cfg.dispatch == "capacity":
             capacities(cfg, spec.data.tokens_per_step)  # T % ep_size: a clear error before any work
         mesh = make_mesh(cfg)

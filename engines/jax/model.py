@@ -50,6 +50,7 @@ class ModelConfig:
     rope_theta: float
     norm_eps: float
     init_std: float
+    compute_dtype: str = "float32"  # matmul inputs; bfloat16 on a GPU (fp32 accumulation, fp32 weights)
 
     @classmethod
     def from_spec(cls, m: ModelSpec) -> "ModelConfig":
@@ -66,6 +67,10 @@ class ModelConfig:
     @property
     def expert_dim(self) -> int:
         return self.latent_dim or self.d_model
+
+    @property
+    def dtype(self):
+        return jnp.dtype(self.compute_dtype)
 
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
@@ -122,6 +127,15 @@ def init_params(cfg: ModelConfig, seed: int) -> tuple[Params, Params]:
 # ---- layers -------------------------------------------------------------------------------
 
 
+def mm(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
+    """x @ w with inputs in the compute dtype and an fp32 result (fp32 master weights stay fp32)."""
+    return jnp.matmul(x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
+
+
+def einsum(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
+    return jnp.einsum(spec, a.astype(dtype), b.astype(dtype), preferred_element_type=jnp.float32)
+
+
 def rms_norm(x: jax.Array, w: jax.Array, eps: float) -> jax.Array:
     return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps) * w
 
@@ -150,31 +164,48 @@ def attention_mask(seq_len: int, window: int | None) -> np.ndarray:
     return allowed
 
 
-def attention(p: Params, b: str, x_BSD: jax.Array, cfg: ModelConfig, cos, sin, mask_SS) -> jax.Array:
-    B, S, _ = x_BSD.shape
-    H, G, Q = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    q_BSHQ = (x_BSD @ p[f"{b}.attn.wq"]).reshape(B, S, H, Q)
-    k_BSGQ = (x_BSD @ p[f"{b}.attn.wk"]).reshape(B, S, G, Q)
-    v_BSGQ = (x_BSD @ p[f"{b}.attn.wv"]).reshape(B, S, G, Q)
-    q_BSHQ = apply_rope(q_BSHQ, cos, sin)
-    k_BSGQ = apply_rope(k_BSGQ, cos, sin)
+def attend_masked(q_BSHQ, k_BSGQ, v_BSGQ, mask_SS, dtype) -> jax.Array:
+    """Attention with an explicit [S, S] mask (fp32 on the CPU: the reference path)."""
+    B, S, H, Q = q_BSHQ.shape
+    G = k_BSGQ.shape[2]
     # query head h reads kv head h // (H // G) (consecutive query heads share a kv head)
     q_BSGRQ = q_BSHQ.reshape(B, S, G, H // G, Q)
-    scores = jnp.einsum("bsgrq,btgq->bgrst", q_BSGRQ, k_BSGQ) / np.sqrt(Q)
+    scores = einsum("bsgrq,btgq->bgrst", q_BSGRQ, k_BSGQ, dtype) / np.sqrt(Q)
     scores = jnp.where(mask_SS, scores, -jnp.inf)
     probs = jax.nn.softmax(scores, axis=-1)
-    o_BSGRQ = jnp.einsum("bgrst,btgq->bsgrq", probs, v_BSGQ)
-    return o_BSGRQ.reshape(B, S, H * Q) @ p[f"{b}.attn.wo"]
+    return einsum("bgrst,btgq->bsgrq", probs, v_BSGQ, dtype).reshape(B, S, H, Q)
 
 
-def swiglu(x: jax.Array, w_gate, w_up, w_down) -> jax.Array:
-    return (jax.nn.silu(x @ w_gate) * (x @ w_up)) @ w_down
+def attend_fused(q_BSHQ, k_BSGQ, v_BSGQ, window: int | None, dtype) -> jax.Array:
+    """The same attention through jax.nn.dot_product_attention (cuDNN's fused kernel on a GPU):
+    causal, the window as (window - 1) keys to the left of each query."""
+    S = q_BSHQ.shape[1]
+    left = window - 1 if window is not None and window < S else None
+    o = jax.nn.dot_product_attention(
+        q_BSHQ.astype(dtype), k_BSGQ.astype(dtype), v_BSGQ.astype(dtype), is_causal=True,
+        local_window_size=(left, 0) if left is not None else None,
+    )
+    return o.astype(jnp.float32)
+
+
+def attention(p: Params, b: str, x_BSD: jax.Array, cfg: ModelConfig, cos, sin, mask_SS) -> jax.Array:
+    B, S, _ = x_BSD.shape
+    H, G, Q, dt = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.dtype
+    q_BSHQ = apply_rope(mm(x_BSD, p[f"{b}.attn.wq"], dt).reshape(B, S, H, Q), cos, sin)
+    k_BSGQ = apply_rope(mm(x_BSD, p[f"{b}.attn.wk"], dt).reshape(B, S, G, Q), cos, sin)
+    v_BSGQ = mm(x_BSD, p[f"{b}.attn.wv"], dt).reshape(B, S, G, Q)
+    if dt != jnp.float32:
+        o_BSHQ = attend_fused(q_BSHQ, k_BSGQ, v_BSGQ, cfg.window, dt)
+    else:
+        o_BSHQ = attend_masked(q_BSHQ, k_BSGQ, v_BSGQ, mask_SS, dt)
+    return mm(o_BSHQ.reshape(B, S, H * Q), p[f"{b}.attn.wo"], dt)
 
 
 def shared_experts(p: Params, b: str, x_TD: jax.Array, cfg: ModelConfig) -> jax.Array:
     wg, wu, wd = p[f"{b}.moe.shared.w_gate"], p[f"{b}.moe.shared.w_up"], p[f"{b}.moe.shared.w_down"]
-    h_NTR = jax.nn.silu(jnp.einsum("td,ndr->ntr", x_TD, wg)) * jnp.einsum("td,ndr->ntr", x_TD, wu)
-    return jnp.einsum("ntr,nrd->td", h_NTR, wd)
+    dt = cfg.dtype
+    h_NTR = jax.nn.silu(einsum("td,ndr->ntr", x_TD, wg, dt)) * einsum("td,ndr->ntr", x_TD, wu, dt)
+    return einsum("ntr,nrd->td", h_NTR, wd, dt)
 
 
 MoeFn = Callable[[Params, Params, str, jax.Array], tuple[jax.Array, dict]]
@@ -198,6 +229,6 @@ def forward(params: Params, buffers: Params, tokens_BS: jax.Array, cfg: ModelCon
         x_BSD = x_BSD + y_TD.reshape(B, S, cfg.d_model)
         stats.append(st)
     x_BSD = rms_norm(x_BSD, params["final_norm.weight"], cfg.norm_eps)
-    logits_BSV = x_BSD @ params["lm_head"]
+    logits_BSV = mm(x_BSD, params["lm_head"], cfg.dtype)
     stacked = {k: jnp.stack([s[k] for s in stats]) for k in stats[0]}
     return logits_BSV, stacked

@@ -21,7 +21,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from engines import dispatch_ref
-from engines.jax.model import ModelConfig, Params
+from engines.jax.model import ModelConfig, Params, einsum, mm
 
 EP_AXIS = "ep"
 
@@ -36,7 +36,7 @@ def route(h_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: ModelCo
     which experts are picked)."""
     T = h_TD.shape[0]
     E, K = cfg.n_experts, cfg.top_k
-    logits_TE = h_TD @ router_DE
+    logits_TE = jnp.matmul(h_TD.astype(jnp.float32), router_DE, preferred_element_type=jnp.float32)  # fp32 routing
     if cfg.router_kind == "softmax":
         scores_TE = jax.nn.softmax(logits_TE, axis=-1)
     else:
@@ -66,7 +66,11 @@ def route(h_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: ModelCo
 # ---- dropless -----------------------------------------------------------------------------
 
 
-def dropless_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL) -> jax.Array:
+def _ragged(x_AL, w_ELF, sizes_E, dtype):
+    return lax.ragged_dot(x_AL.astype(dtype), w_ELF.astype(dtype), sizes_E, preferred_element_type=jnp.float32)
+
+
+def dropless_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype=jnp.float32) -> jax.Array:
     """Every assignment is computed: rows sorted by expert, one grouped matmul per weight."""
     T, K = expert_TK.shape
     E = wg_ELF.shape[0]
@@ -74,8 +78,8 @@ def dropless_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL) -> jax.Ar
     order_A = jnp.argsort(e_A, stable=True)
     sizes_E = jnp.bincount(e_A, length=E).astype(jnp.int32)
     x_AL = x_TL[order_A // K]
-    h_AF = jax.nn.silu(lax.ragged_dot(x_AL, wg_ELF, sizes_E)) * lax.ragged_dot(x_AL, wu_ELF, sizes_E)
-    y_sorted_AL = lax.ragged_dot(h_AF, wd_EFL, sizes_E)
+    h_AF = jax.nn.silu(_ragged(x_AL, wg_ELF, sizes_E, dtype)) * _ragged(x_AL, wu_ELF, sizes_E, dtype)
+    y_sorted_AL = _ragged(h_AF, wd_EFL, sizes_E, dtype)
     y_AL = jnp.zeros_like(y_sorted_AL).at[order_A].set(y_sorted_AL)
     return jnp.sum(y_AL.reshape(T, K, -1) * gate_TK[..., None], axis=1)
 
@@ -97,16 +101,21 @@ def _rank_within(key_X: jax.Array, n_keys: int, valid_X: jax.Array) -> jax.Array
     return jnp.take_along_axis(before_XG, jnp.clip(key_X, 0, n_keys - 1)[:, None], axis=1)[:, 0]
 
 
-def pooled_wave_shard(x_tL, expert_tK, gate_tK, wg_eLF, wu_eLF, wd_eFL, *, ep, n_waves, c_send, c_recv):
+def pooled_wave_shard(x_tL, expert_tK, gate_tK, wg_eLF, wu_eLF, wd_eFL, *, ep, n_waves, c_send, c_recv,
+                      dtype=jnp.float32):
     """One source/destination shard of the transport; collectives over the axis EP_AXIS.
 
     Sender: assignments in priority order (slot-major, then token) fill one pool per destination
     shard and wave; the expert id (local to its destination) rides in the last payload column.
     Receiver: arrivals ranked per local expert in (wave, source, row) order, at most c_recv kept.
-    Returns this shard's expert output and the global (psum) send and receive drop counts."""
+    Rows travel in the compute dtype (bf16 halves the bytes) unless a local expert id would not be
+    exact in it. Returns this shard's expert output (fp32) and the global (psum) send and receive
+    drop counts."""
     t, K = expert_tK.shape
     L = x_tL.shape[-1]
     e_local = wg_eLF.shape[0]
+    wire = dtype if e_local <= 256 else jnp.float32  # bf16 holds every integer up to 256 exactly
+    x_tL = x_tL.astype(wire)
     # sender ----------------------------------------------------------------------------------
     e_A = expert_tK.T.reshape(-1)  # slot-major: a = j*t + token
     tok_A = jnp.tile(jnp.arange(t), K)
@@ -128,14 +137,15 @@ def pooled_wave_shard(x_tL, expert_tK, gate_tK, wg_eLF, wu_eLF, wd_eFL, *, ep, n
     kept_X = valid_X & (rank_X < c_recv)
     buf_eRL = jnp.zeros((e_local, c_recv, L), x_tL.dtype)
     buf_eRL = buf_eRL.at[jnp.where(kept_X, le_X, e_local), rank_X].set(arr_XL1[:, :L], mode="drop")
-    h_eRF = jax.nn.silu(jnp.einsum("erl,elf->erf", buf_eRL, wg_eLF)) * jnp.einsum("erl,elf->erf", buf_eRL, wu_eLF)
-    out_eRL = jnp.einsum("erf,efl->erl", h_eRF, wd_eFL)
+    gate_eRF = jax.nn.silu(einsum("erl,elf->erf", buf_eRL, wg_eLF, dtype))
+    h_eRF = gate_eRF * einsum("erl,elf->erf", buf_eRL, wu_eLF, dtype)
+    out_eRL = einsum("erf,efl->erl", h_eRF, wd_eFL, dtype).astype(wire)
     y_XL = jnp.where(kept_X[:, None], out_eRL[jnp.clip(le_X, 0, e_local - 1), jnp.clip(rank_X, 0, c_recv - 1)], 0.0)
     y_WPCL = y_XL.reshape(n_waves, ep, c_send, L)
     back_WPCL = jnp.stack([lax.all_to_all(y_WPCL[w], EP_AXIS, 0, 0) for w in range(n_waves)])
     # back at the sender: each assignment reads its row (zero if dropped on either side)
     y_AL = jnp.where(sent_A[:, None], back_WPCL[jnp.clip(wave_A, 0, n_waves - 1), dst_A, row_A], 0.0)
-    y_tL = jnp.sum(y_AL.reshape(K, t, L) * gate_tK.T[..., None], axis=0)
+    y_tL = jnp.sum(y_AL.reshape(K, t, L).astype(jnp.float32) * gate_tK.T[..., None], axis=0)
     n_send = lax.psum(jnp.sum(~sent_A).astype(jnp.float32), EP_AXIS)
     n_recv = lax.psum(jnp.sum(valid_X & ~kept_X).astype(jnp.float32), EP_AXIS)
     return y_tL, n_send, n_recv
@@ -147,7 +157,7 @@ def capacity_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, cfg: Mode
     T, K = expert_TK.shape
     ep = cfg.ep_size
     c_send, c_recv = capacities(cfg, T)
-    shard = partial(pooled_wave_shard, ep=ep, n_waves=cfg.n_waves, c_send=c_send, c_recv=c_recv)
+    shard = partial(pooled_wave_shard, ep=ep, n_waves=cfg.n_waves, c_send=c_send, c_recv=c_recv, dtype=cfg.dtype)
     if mesh is not None:
         fn = jax.shard_map(
             shard,
@@ -175,14 +185,14 @@ def make_moe_fn(cfg: ModelConfig, seq_len: int, mesh: Mesh | None = None):
     def moe_fn(p: Params, buffers: Params, b: str, h_TD: jax.Array):
         T = h_TD.shape[0]
         expert_TK, gate_TK, stats = route(h_TD, p[f"{b}.moe.router"], buffers[f"{b}.moe.router_bias"], cfg, seq_len)
-        x_TL = h_TD @ p[f"{b}.moe.latent_down"] if cfg.latent_dim is not None else h_TD
+        x_TL = mm(h_TD, p[f"{b}.moe.latent_down"], cfg.dtype) if cfg.latent_dim is not None else h_TD
         w = (p[f"{b}.moe.experts.w_gate"], p[f"{b}.moe.experts.w_up"], p[f"{b}.moe.experts.w_down"])
         if cfg.dispatch == "capacity":
             y_TL, n_send, n_recv = capacity_experts(x_TL, expert_TK, gate_TK, *w, cfg, mesh)
         else:
-            y_TL = dropless_experts(x_TL, expert_TK, gate_TK, *w)
+            y_TL = dropless_experts(x_TL, expert_TK, gate_TK, *w, dtype=cfg.dtype)
             n_send = n_recv = jnp.zeros((), jnp.float32)
-        y_TD = y_TL @ p[f"{b}.moe.latent_up"] if cfg.latent_dim is not None else y_TL
+        y_TD = mm(y_TL, p[f"{b}.moe.latent_up"], cfg.dtype) if cfg.latent_dim is not None else y_TL
         n_assign = T * cfg.top_k
         stats = dict(stats, drop_send=n_send / n_assign, drop_recv=n_recv / n_assign)
         return y_TD, stats

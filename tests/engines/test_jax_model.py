@@ -1,0 +1,41 @@
+"""Pieces of the JAX model that the engine tests do not pin down on the CPU."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from engines.jax.model import ModelConfig, attend_fused, attend_masked, attention_mask, forward, init_params
+from engines.jax.moe import make_moe_fn
+from ladder.presets import micro_spec
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.mark.parametrize("window", [None, 1, 5, 16])
+def test_fused_attention_keeps_the_same_causal_window_as_the_mask(window):
+    # the GPU path (fused kernel, window given as keys to the left) and the CPU path (explicit mask)
+    rng = np.random.default_rng(0)
+    B, S, H, G, Q = 2, 16, 4, 2, 8
+    q, k, v = (jnp.asarray(rng.normal(size=(B, S, n, Q)).astype(np.float32)) for n in (H, G, G))
+    mask = jnp.asarray(attention_mask(S, window))
+    ref = attend_masked(q, k, v, mask, jnp.float32)
+    np.testing.assert_allclose(np.asarray(attend_fused(q, k, v, window, jnp.float32)), np.asarray(ref),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bf16_compute_stays_close_to_fp32():
+    spec = micro_spec(**{"model.dispatch": "capacity"})
+    cfg32 = ModelConfig.from_spec(spec.model)
+    cfg16 = dataclasses.replace(cfg32, compute_dtype="bfloat16")
+    params, buffers = init_params(cfg32, 0)
+    tokens = jnp.asarray(np.random.default_rng(1).integers(0, 256, size=(8, 64)), jnp.int32)
+    out = {}
+    for name, cfg in (("fp32", cfg32), ("bf16", cfg16)):
+        fn = jax.jit(lambda p, b, t, cfg=cfg: forward(p, b, t, cfg, make_moe_fn(cfg, 64)))
+        logits, _ = fn(params, buffers, tokens)
+        assert logits.dtype == jnp.float32
+        out[name] = np.asarray(logits)
+    assert np.abs(out["bf16"] - out["fp32"]).max() < 0.05 * np.abs(out["fp32"]).max()
