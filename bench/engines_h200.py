@@ -1,0 +1,420 @@
+"""Both engines against the Hugging Face OLMoE trainer, side by side in one process on one GPU.
+
+    PYTHONPATH=. python3 bench/engines_h200.py                      # the main table
+    PYTHONPATH=. python3 bench/engines_h200.py --scaling            # + 8/128 experts, seq 8192
+    PYTHONPATH=. python3 bench/engines_h200.py --only torch,jax --steps 5
+
+The shape (OLMoE-like): vocab 50,304, d_model 1,024, 12 layers, 16 heads x 64 (full MHA), 64 routed
+experts top-8 of hidden 512, no shared experts, no latent, sequence 4,096, batch 4, dropless; the
+same in capacity mode (factors 1.25, one shard). Every variant trains on the same real-text batches
+(engines/data.py) from step 0; warm-up steps (compilation included) are not timed; the timed steps
+run back to back between two device synchronisations.
+
+Columns: tokens/s; model TFLOP/s = tokens/s x training FLOPs per token (ladder.costs.flops_per_token:
+6 x (active params incl. router + lm head) + causal attention, cross-checked against an independent
+count below); MFU against a large bf16 matmul timed in the same process; peak memory (torch: max
+allocated; JAX: the compiled step's planned footprint, arguments + temporaries); the ratio of
+tokens/s to the Hugging Face reference; the losses over the timed steps.
+
+Results are appended to <out>/results.jsonl as each variant finishes (so a run cut short keeps what
+it measured) and the tables are written to <out>/table.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares the GPU with torch
+
+import numpy as np  # noqa: E402
+
+T_START = time.perf_counter()
+
+BASE_MODEL = {
+    "n_layers": 12, "d_model": 1024, "n_heads": 16, "n_kv_heads": 16, "head_dim": 64, "vocab_size": 50304,
+    "n_routed_experts": 64, "top_k": 8, "n_shared_experts": 0, "expert_hidden": 512, "latent_dim": None,
+    "dispatch": "dropless", "capacity_factor_send": 1.25, "capacity_factor_recv": 1.25, "n_waves": 1,
+    "ep_size": 1, "attention_window": None,
+}
+
+
+TINY_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "vocab_size": 512,
+              "n_routed_experts": 16, "top_k": 2, "expert_hidden": 32}
+DEVICE = "cuda"
+
+
+def sync():
+    import torch
+
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def log(*a):
+    print(f"[{time.perf_counter() - T_START:6.1f}s]", *a, flush=True)
+
+
+def make_spec(n_steps: int, seq: int = 4096, batch: int = 4, engine: str = "torch", **model):
+    from ladder.spec import Spec
+
+    return Spec.model_validate({
+        "name": "olmoe-like", "engine": engine, "seed": 0,
+        "model": {**BASE_MODEL, **model},
+        "data": {"sources": [{"name": "code", "builtin": "python_code", "weight": 0.7},
+                             {"name": "docs", "builtin": "python_docs", "weight": 0.3}],
+                 "seq_len": seq, "batch_size": batch, "total_tokens": seq * batch * (n_steps + 1)},
+        "optim": {"peak_lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "grad_clip": 1.0},
+        "schedule": {"warmup_steps": 0, "decay": "constant"},
+        "hardware": {"system": "h200", "n_gpus": 1, "peak_flops": 989e12, "hbm_gb": 141},
+    })
+
+
+def independent_flops_per_token(m: dict, seq: int) -> float:
+    """6 x (attention + router + top-k experts + lm head) + 3 x causal attention (QK^T and AV)."""
+    d, L = m["d_model"], m["n_layers"]
+    attn = d * m["n_heads"] * m["head_dim"] * 2 + d * m["n_kv_heads"] * m["head_dim"] * 2
+    active = L * (attn + d * m["n_routed_experts"] + m["top_k"] * 3 * d * m["expert_hidden"])
+    lm_head = d * m["vocab_size"]
+    mean_ctx = (seq + 1) / 2
+    return 6.0 * (active + lm_head) + 3.0 * (2 * 2 * L * mean_ctx * m["n_heads"] * m["head_dim"])
+
+
+# ---- the matmul ceiling ----------------------------------------------------------------------------
+
+
+def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
+    import torch
+
+    a = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    b = torch.randn(n, n, device=DEVICE, dtype=torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        a @ b
+    sync()
+    return 2 * n**3 * reps / (time.perf_counter() - t)
+
+
+# ---- variants ----------------------------------------------------------------------------------------
+
+
+def timed_loop(step, batches, warmup: int, sync):
+    """Run warmup + timed steps; step(i, batch) returns the loss (device or host value)."""
+    losses = []
+    t_w = time.perf_counter()
+    for i in range(warmup):
+        losses.append(step(i, batches[i]))
+    sync()
+    t0 = time.perf_counter()
+    for i in range(warmup, len(batches)):
+        losses.append(step(i, batches[i]))
+    sync()
+    t1 = time.perf_counter()
+    return losses, t1 - t0, t0 - t_w
+
+
+def run_hf(spec, batches, warmup):
+    import torch
+    from transformers import OlmoeConfig, OlmoeForCausalLM
+
+    m = spec.model
+    cfg = OlmoeConfig(
+        vocab_size=m.vocab_size, hidden_size=m.d_model, intermediate_size=m.expert_hidden,
+        num_hidden_layers=m.n_layers, num_attention_heads=m.n_heads, num_key_value_heads=m.n_kv_heads,
+        num_experts=m.n_routed_experts, num_experts_per_tok=m.top_k, max_position_embeddings=spec.data.seq_len,
+        tie_word_embeddings=False, use_cache=False,
+    )
+    cfg._attn_implementation = "sdpa"
+    with torch.device(DEVICE):
+        model = OlmoeForCausalLM(cfg)
+    model = model.to(torch.bfloat16).train()
+    o = spec.optim
+    opt = torch.optim.AdamW(model.parameters(), lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                            weight_decay=o.weight_decay, fused=DEVICE == "cuda")
+    info = {"experts_implementation": str(getattr(cfg, "_experts_implementation", None)),
+            "attn_implementation": str(getattr(model.config, "_attn_implementation", None)),
+            "params": sum(p.numel() for p in model.parameters())}
+
+    def step(i, b):
+        x = torch.from_numpy(b).to(DEVICE, dtype=torch.long, non_blocking=True)
+        loss = model(input_ids=x, labels=x).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), o.grad_clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss.detach()
+
+    losses, dt, t_warm = timed_loop(step, batches, warmup, sync)
+    del model, opt
+    return [float(v) for v in losses], dt, t_warm, info
+
+
+def run_torch(spec, batches, warmup, options: dict | None = None):
+    import torch
+
+    from engines.torch import fast
+    from engines.torch.engine import build_optimizer, finish_step, launch_step, make_loss_fn
+    from engines.torch.model import MoETransformer, init_params
+
+    saved = fast.OPTIONS
+    if options:
+        fast.OPTIONS = fast.FastOptions(**{**vars(saved), **options})
+    try:
+        torch._dynamo.reset()
+        device = torch.device(DEVICE)
+        model = MoETransformer(spec.model).to(device)
+        model.load_numpy(init_params(spec.model, spec.seed))
+        opt = build_optimizer(model, spec)
+        loss_fn = make_loss_fn(model, device)
+        lr = spec.optim.peak_lr
+        for g in opt.param_groups:
+            g["lr"] = lr
+
+        def step(i, b):
+            x = torch.from_numpy(b).to(device, dtype=torch.long, non_blocking=True)
+            vals, out = launch_step(model, loss_fn, x, spec)
+            m, finite = finish_step(model, opt, vals, out, spec)
+            if not finite:
+                raise FloatingPointError(f"step {i}: loss {m['loss']}, grad norm {m['grad_norm']}")
+            return m["loss"], m["drop_frac_send"], m["drop_frac_recv"]
+
+        out, dt, t_warm = timed_loop(step, batches, warmup, sync)
+        info = {"options": vars(fast.OPTIONS), "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
+                "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]]))}
+        del model, opt, loss_fn
+        return [o[0] for o in out], dt, t_warm, info
+    finally:
+        fast.OPTIONS = saved
+
+
+def run_jax(spec, batches, warmup):
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
+    from engines.jax.model import ModelConfig, init_params
+    from engines.jax.train import TrainState
+
+    configure_jax()
+    cfg = ModelConfig.from_spec(spec.model)
+    if jax.default_backend() == "gpu" and "compute_dtype" in {f.name for f in dataclasses.fields(cfg)}:
+        cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # as JaxEngine.train does on a GPU
+    mesh = make_mesh(cfg)
+    train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
+    params, buffers = init_params(cfg, spec.seed)
+    state = place(TrainState(params, buffers, tx.init(params)), mesh)
+    lr = jnp.float32(spec.optim.peak_lr)
+    info = {}
+    try:
+        mem = train_step.lower(state, put_batch(batches[0], mesh), lr).compile().memory_analysis()
+        info["planned_bytes"] = int(mem.argument_size_in_bytes + mem.temp_size_in_bytes
+                                    + mem.output_size_in_bytes - mem.alias_size_in_bytes)
+    except Exception as err:  # memory_analysis is best effort across versions
+        info["planned_bytes_error"] = repr(err)[:200]
+    box = {"state": state}
+    del state, params, buffers
+
+    def step(i, b):
+        new_state, m = train_step(box["state"], put_batch(b, mesh), lr)
+        m = jax.device_get(m)  # the engine's one host sync per step
+        box["state"] = new_state
+        return float(m["loss"]), float(m["drop_frac_send"]), float(m["drop_frac_recv"])
+
+    def sync():
+        jax.block_until_ready(box["state"])
+
+    out, dt, t_warm = timed_loop(step, batches, warmup, sync)
+    try:
+        stats = jax.devices()[0].memory_stats() or {}
+        info["process_peak_bytes"] = int(stats.get("peak_bytes_in_use", 0))
+    except Exception:
+        pass
+    info["drop_frac_recv"] = float(np.mean([o[2] for o in out[warmup:]]))
+    info["drop_frac_send"] = float(np.mean([o[1] for o in out[warmup:]]))
+    box.clear()
+    jax.clear_caches()
+    return [o[0] for o in out], dt, t_warm, info
+
+
+# ---- driver ------------------------------------------------------------------------------------------
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
+    ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
+    ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
+                    help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
+                         "torch_cudnn")
+    ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
+    ap.add_argument("--scaling-engines", default="torch,jax,ref")
+    ap.add_argument("--budget-s", type=float, default=560.0, help="skip what would start after this")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--tiny", action="store_true", help="a tiny model (a smoke run; the CPU if no GPU)")
+    args = ap.parse_args(argv)
+
+    import torch
+
+    global DEVICE, BASE_MODEL
+    if not torch.cuda.is_available():
+        if not args.tiny:
+            print("bench/engines_h200.py needs a CUDA GPU (or --tiny for a smoke run)", file=sys.stderr)
+            return 2
+        DEVICE = "cpu"
+    if args.tiny:
+        BASE_MODEL = {**BASE_MODEL, **TINY_MODEL}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    results_path = out / "results.jsonl"
+    try:
+        import transformers
+
+        hf_version = transformers.__version__
+    except ImportError as err:
+        hf_version = f"unavailable: {err}"
+    env = {"gpu": torch.cuda.get_device_name(0) if DEVICE == "cuda" else "cpu", "torch": torch.__version__,
+           "transformers": hf_version, "grouped_mm": hasattr(torch, "_grouped_mm")}
+    try:
+        import jax
+
+        env["jax"] = jax.__version__
+    except Exception as err:
+        env["jax"] = f"unavailable: {err}"
+    log("env", env)
+    ceiling = matmul_ceiling() if DEVICE == "cuda" else matmul_ceiling(512, 3)
+    log(f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
+    from engines.data import TokenStream
+    from ladder.costs import flops_per_token
+
+    rows: list[dict] = []
+    ref_tps: dict[tuple, float] = {}
+
+    def record(row):
+        rows.append(row)
+        with open(results_path, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    def run_variant(name, runner, spec, batches, key, **kw):
+        if time.perf_counter() - T_START > args.budget_s:
+            log(f"skip {name} {key}: past the time budget")
+            return
+        import torch
+
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        log(f"run {name} {key}")
+        try:
+            losses, dt, t_warm, info = runner(spec, batches, args.warmup, **kw)
+        except Exception as err:
+            log(f"FAILED {name} {key}: {type(err).__name__}: {err}")
+            traceback.print_exc()
+            record({"variant": name, "key": list(key), "error": f"{type(err).__name__}: {err}"[:2000]})
+            return
+        S = spec.data.seq_len
+        n_tok = args.steps * spec.data.batch_size * S
+        tps = n_tok / dt
+        fpt = flops_per_token(spec, S)
+        if name.startswith("jax"):
+            peak = info.get("planned_bytes", 0)
+        else:
+            peak = torch.cuda.max_memory_allocated() if DEVICE == "cuda" else 0
+        row = {"variant": name, "key": list(key), "tokens_per_s": tps, "tflops": tps * fpt / 1e12,
+               "mfu": tps * fpt / ceiling, "peak_gib": peak / 2**30, "warmup_s": t_warm, "timed_s": dt,
+               "flops_per_token": fpt, "losses": losses, "timed_losses": losses[args.warmup:], "info": info}
+        if name == "ref":
+            ref_tps[key] = tps
+            for r in rows:  # variants of this shape timed before the reference
+                if tuple(r["key"]) == key and "tokens_per_s" in r:
+                    r["vs_ref"] = r["tokens_per_s"] / tps
+        row["vs_ref"] = tps / ref_tps[key] if key in ref_tps else None
+        log(f"{name} {key}: {tps:,.0f} tok/s, {row['tflops']:.0f} TFLOP/s, MFU {row['mfu']:.1%}, "
+            f"peak {row['peak_gib']:.1f} GiB, warm-up {t_warm:.0f}s, losses {losses[0]:.3f} -> {losses[-1]:.3f}")
+        record(row)
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+    n_total = args.warmup + args.steps
+    runners = {
+        "ref": (run_hf, {}), "torch": (run_torch, {}), "torch_cap": (run_torch, {}),
+        "torch_eager": (run_torch, {"options": {"compile": "none"}}),
+        "torch_dense": (run_torch, {"options": {"compile": "dense"}}),
+        "torch_cudnn": (run_torch, {"options": {"attn_backend": "cudnn"}}),
+        "torch_nmajor": (run_torch, {"options": {"grouped_mm_weights": "nmajor"}}),
+        "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
+    }
+
+    def sweep(names, key, seq=4096, batch=4, **model):
+        spec0 = make_spec(n_total, seq=seq, batch=batch, **model)
+        stream = TokenStream.from_spec(spec0)
+        batches = [stream.batch(i) for i in range(n_total)]
+        f_ind = independent_flops_per_token(spec0.model.model_dump(), seq)
+        log(f"{key}: flops/token ladder.costs {flops_per_token(spec0, seq):.4e}, independent {f_ind:.4e}")
+        for name in names:
+            runner, kw = runners[name]
+            cap = name.endswith("_cap")
+            spec = make_spec(n_total, seq=seq, batch=batch, engine="jax" if name.startswith("jax") else "torch",
+                             **{**model, "dispatch": "capacity" if cap else "dropless"})
+            run_variant(name, runner, spec, batches, key, **kw)
+
+    main_names = [n for n in args.only.split(",") if n]
+    unknown = set(main_names) - set(runners)
+    if unknown:
+        print(f"unknown variants {sorted(unknown)}; known: {sorted(runners)}", file=sys.stderr)
+        return 2
+    seq, batch = (128, 2) if args.tiny else (4096, 4)
+    E = BASE_MODEL["n_routed_experts"]
+    sweep(main_names, (f"E{E}", seq), seq=seq, batch=batch)
+    if args.scaling:
+        names = [n for n in args.scaling_engines.split(",") if n]
+        for key, s2, b2, model in (((f"E{E // 8}", seq), seq, batch, {"n_routed_experts": E // 8}),
+                                   ((f"E{2 * E}", seq), seq, batch, {"n_routed_experts": 2 * E}),
+                                   ((f"E{E}", 2 * seq), 2 * seq, batch // 2, {})):
+            sweep(names, key, seq=s2, batch=b2, **model)
+
+    table = format_tables(rows, ceiling, env, args)
+    (out / "table.md").write_text(table)
+    print(table)
+    return 0
+
+
+def format_tables(rows, ceiling, env, args) -> str:
+    lines = [f"GPU {env['gpu']}; torch {env['torch']}, transformers {env['transformers']}, jax {env.get('jax')}; "
+             f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s; {args.warmup} warm-up + {args.steps} timed steps.", ""]
+    lines.append("| shape | variant | tokens/s | model TFLOP/s | MFU | peak GiB | vs reference | warm-up s | "
+                 "loss first -> last timed |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|")
+    for r in rows:
+        shape = f"{r['key'][0]} seq {r['key'][1]}"
+        if "error" in r:
+            lines.append(f"| {shape} | {r['variant']} | failed: {r['error'][:120]} | | | | | | |")
+            continue
+        vs = f"{r['vs_ref']:.2f}x" if r.get("vs_ref") else "-"
+        tl = r["timed_losses"]
+        lines.append(f"| {shape} | {r['variant']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {r['mfu']:.1%} | "
+                     f"{r['peak_gib']:.1f} | {vs} | {r['warmup_s']:.0f} | {tl[0]:.3f} -> {tl[-1]:.3f} |")
+    lines.append("")
+    lines.append("Losses, every step (warm-up steps first):")
+    for r in rows:
+        if "losses" in r:
+            lines.append(f"- {r['key'][0]} seq {r['key'][1]} {r['variant']}: "
+                         + " ".join(f"{v:.3f}" for v in r["losses"]))
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,180 @@
+"""The kernels the engines' fast paths lean on, timed alone at the bench shape (one MoE layer of
+bench/engines_h200.py: 4 x 4,096 tokens, top-8 of 64 experts, d 1,024, expert hidden 512; attention
+4 x 16 heads x 4,096 x 64), forward + backward, bf16:
+
+    PYTHONPATH=. python3 bench/kernels_h200.py [--only torch,jax]
+
+torch: torch._grouped_mm with the weights K-major vs N-major; SDPA causal with each backend.
+JAX: lax.ragged_dot; the Pallas Mosaic-GPU ragged dot kernels; jax.nn.dot_product_attention
+(cuDNN vs XLA). A line per kernel: milliseconds and TFLOP/s (model FLOPs of the operation).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+A, L, F_, E = 4 * 4096 * 8, 1024, 512, 64
+B, H, S, Q = 4, 16, 4096, 64
+
+
+def routing_sizes(seed=0):
+    """Expert sizes of one top-8 routing of 16,384 tokens with mildly skewed router scores."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(A // 8, E)) + rng.normal(scale=0.5, size=E)
+    top = np.argsort(-logits, axis=1)[:, :8]
+    return np.bincount(top.reshape(-1), minlength=E).astype(np.int32)
+
+
+def report(name, ms, flops):
+    print(f"{name:48s} {ms:8.3f} ms  {flops / ms / 1e9:7.1f} TFLOP/s", flush=True)
+
+
+def bench_torch():
+    import torch
+    import torch.nn.functional as F
+
+    def timeit(fn, reps=10):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps * 1e3
+
+    dev = "cuda"
+    sizes = torch.tensor(routing_sizes(), device=dev)
+    offs = torch.cumsum(sizes, 0, dtype=torch.int32)
+    x = torch.randn(A, L, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    for layout in ("nmajor", "kmajor"):
+        w32 = torch.randn(E, L, F_, device=dev, requires_grad=True)
+
+        def fwd_bwd():
+            w = w32.to(torch.bfloat16)
+            if layout == "kmajor":
+                w = w.transpose(-2, -1).contiguous().transpose(-2, -1)
+            y = torch._grouped_mm(x, w, offs=offs)
+            y.backward(torch.ones_like(y))
+
+        def fwd():
+            w = w32.to(torch.bfloat16)
+            if layout == "kmajor":
+                w = w.transpose(-2, -1).contiguous().transpose(-2, -1)
+            with torch.no_grad():
+                torch._grouped_mm(x, w, offs=offs)
+
+        try:
+            report(f"torch _grouped_mm fwd {layout}", timeit(fwd), 2 * A * L * F_)
+            report(f"torch _grouped_mm fwd+bwd {layout}", timeit(fwd_bwd), 6 * A * L * F_)
+        except Exception as err:
+            print(f"torch _grouped_mm {layout}: {type(err).__name__}: {err}"[:400], flush=True)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q, k, v = (torch.randn(B, H, S, Q, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    attn_flops = 4 * B * H * S * S / 2 * Q
+    for name, be in (("flash", SDPBackend.FLASH_ATTENTION), ("cudnn", SDPBackend.CUDNN_ATTENTION),
+                     ("efficient", SDPBackend.EFFICIENT_ATTENTION)):
+        def fb():
+            with sdpa_kernel(be):
+                o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            o.backward(torch.ones_like(o))
+
+        def f():
+            with sdpa_kernel(be), torch.no_grad():
+                F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+        try:
+            report(f"torch sdpa causal fwd {name}", timeit(f), attn_flops)
+            report(f"torch sdpa causal fwd+bwd {name}", timeit(fb), 3.5 * attn_flops)
+        except Exception as err:
+            print(f"torch sdpa {name}: {type(err).__name__}: {err}"[:400], flush=True)
+
+
+def bench_jax():
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax import lax
+
+    def timeit(fn, *args, reps=10):
+        out = fn(*args)
+        jax.block_until_ready(out)
+        out = fn(*args)
+        jax.block_until_ready(out)
+        t = time.perf_counter()
+        for _ in range(reps):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        return (time.perf_counter() - t) / reps * 1e3
+
+    key = jax.random.key(0)
+    sizes = jnp.asarray(routing_sizes())
+    x = jax.random.normal(key, (A, L), jnp.bfloat16)
+    w = jax.random.normal(key, (E, L, F_), jnp.bfloat16)
+
+    def loss_lax(x, w):
+        return jnp.sum(lax.ragged_dot(x, w, sizes, preferred_element_type=jnp.float32))
+
+    try:
+        report("jax lax.ragged_dot fwd", timeit(jax.jit(lambda x, w: lax.ragged_dot(x, w, sizes)), x, w),
+               2 * A * L * F_)
+        report("jax lax.ragged_dot fwd+bwd", timeit(jax.jit(jax.grad(loss_lax, argnums=(0, 1))), x, w),
+               6 * A * L * F_)
+    except Exception as err:
+        print(f"jax ragged_dot: {type(err).__name__}: {err}"[:400], flush=True)
+    try:
+        from engines.jax import fast
+
+        for cfg in fast.MGPU_CONFIGS:
+            fast.MGPU.update(cfg)
+            fn = jax.jit(lambda x, w: fast.mgpu_gmm(x, w, sizes))
+            report(f"jax mgpu ragged_dot fwd {cfg}", timeit(fn, x, w), 2 * A * L * F_)
+            g = jax.jit(jax.grad(lambda x, w: jnp.sum(fast.mgpu_gmm(x, w, sizes).astype(jnp.float32)),
+                                 argnums=(0, 1)))
+            report(f"jax mgpu ragged_dot fwd+bwd {cfg}", timeit(g, x, w), 6 * A * L * F_)
+            ref = jax.jit(lambda x, w: lax.ragged_dot(x, w, sizes))(x[:, :], w)
+            got = jax.jit(lambda x, w: fast.mgpu_gmm(x, w, sizes))(x, w)
+            err = float(jnp.max(jnp.abs(ref.astype(jnp.float32) - got.astype(jnp.float32))))
+            print(f"   mgpu vs lax max abs diff {err:.3g} (values ~{float(jnp.std(ref.astype(jnp.float32))):.3g})")
+    except Exception as err:
+        print(f"jax mgpu: {type(err).__name__}: {err}"[:600], flush=True)
+    qkv = [jax.random.normal(jax.random.key(i), (B, S, H, Q), jnp.bfloat16) for i in range(3)]
+    attn_flops = 4 * B * H * S * S / 2 * Q
+    for impl in ("cudnn", "xla"):
+        def f(q, k, v, impl=impl):
+            return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+
+        def lf(q, k, v, impl=impl):
+            return jnp.sum(f(q, k, v).astype(jnp.float32))
+
+        try:
+            report(f"jax dot_product_attention fwd {impl}", timeit(jax.jit(f), *qkv), attn_flops)
+            report(f"jax dot_product_attention fwd+bwd {impl}",
+                   timeit(jax.jit(jax.grad(lf, argnums=(0, 1, 2))), *qkv), 3.5 * attn_flops)
+        except Exception as err:
+            print(f"jax attention {impl}: {type(err).__name__}: {err}"[:400], flush=True)
+    del np
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default="torch,jax")
+    args = ap.parse_args(argv)
+    which = set(args.only.split(","))
+    if "torch" in which:
+        bench_torch()
+    if "jax" in which:
+        bench_jax()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Grouped matmul for dropless dispatch on Hopper GPUs: JAX's Pallas Mosaic-GPU ragged dot kernels
+(jax.experimental.pallas.ops.gpu) behind a custom VJP, as an alternative to lax.ragged_dot.
+
+    y_AN = mgpu_gmm(x_AK, w_EKN, sizes_E)   # rows of x sorted by group, sizes_E rows per group
+
+Backward: dx = ragged dot of dy with each group's w transposed (the same kernel, transpose_rhs),
+dw = the transposed ragged dot (x_e^T dy_e per group). Inputs in bf16 (the kernels need equal
+16-bit dtypes); the tile sizes are MGPU (K and N must be multiples of block_k and block_n).
+"""
+
+from __future__ import annotations
+
+import inspect
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+
+MGPU = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
+MGPU_CONFIGS = (
+    {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
+    {"block_m": 128, "block_n": 256, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 2},
+    {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 5, "grid_block_n": 4},
+)
+
+
+def _kernels():
+    """(ragged_dot, transposed_ragged_dot) of the installed JAX."""
+    from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu, transposed_ragged_dot_mgpu
+
+    return ragged_dot_mgpu.ragged_dot, transposed_ragged_dot_mgpu.transposed_ragged_dot
+
+
+def _call(fn, *args, **kwargs):
+    accepted = inspect.signature(fn).parameters
+    return fn(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+def _rd(x, w, sizes, transpose_rhs=False):
+    rd, _ = _kernels()
+    return _call(rd, x, w, group_sizes=sizes.astype(jnp.int32), transpose_rhs=transpose_rhs, **MGPU)
+
+
+def _trd(x, g, sizes):
+    _, trd = _kernels()
+    cfg = dict(MGPU)
+    return _call(trd, x, g, group_sizes=sizes.astype(jnp.int32), **cfg)
+
+
+@partial(jax.custom_vjp)
+def mgpu_gmm(x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array) -> jax.Array:
+    return _rd(x_AK, w_EKN, sizes_E)
+
+
+def _fwd(x_AK, w_EKN, sizes_E):
+    return _rd(x_AK, w_EKN, sizes_E), (x_AK, w_EKN, sizes_E)
+
+
+def _bwd(res, g_AN):
+    x_AK, w_EKN, sizes_E = res
+    g_AN = g_AN.astype(x_AK.dtype)
+    dx_AK = _rd(g_AN, w_EKN, sizes_E, transpose_rhs=True)
+    dw_EKN = _trd(x_AK, g_AN, sizes_E)
+    return dx_AK, dw_EKN.astype(w_EKN.dtype), None
+
+
+mgpu_gmm.defvjp(_fwd, _bwd)
