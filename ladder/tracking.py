@@ -72,6 +72,7 @@ def bounded_http_retries() -> None:
 
 @lru_cache(maxsize=8)
 def client(uri: str) -> "MlflowClient":
+    os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # stdout is for `ladder runs --json`
     from mlflow import MlflowClient
 
     _quiet()  # after the import: mlflow sets its own logger up when imported
@@ -439,7 +440,7 @@ class RunTracker:
             return False
 
     def _loop(self, every_s: float) -> None:
-        wait = every_s
+        wait = 0.0  # open the MLflow run at once, so it shows while the engine starts
         while not self._stop.wait(wait):
             ok = self._attempt(final=False)
             wait = every_s if ok else min(wait * 2, 30.0)

@@ -23,7 +23,7 @@ from ladder.experiment import load_experiment
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
+STEPS = 60
 RUNGS = [("a", {}), ("b", {"model.d_model": 64, "model.head_dim": 16}), ("c", {"seed": 1})]
 
 
@@ -164,3 +164,30 @@ def test_an_only_pattern_that_matches_nothing_names_the_specs(write_experiment, 
     path = write_experiment("sel", [("a", {}), ("b", {"seed": 3})])
     with pytest.raises(LadderError, match=r"matches no spec .*a, b"):
         submit(path, only="^zzz$", root=tmp_path / ".ladder", console=quiet())
+
+
+def test_two_concurrent_submissions_train_each_spec_once(local_ray, write_experiment, tmp_path):
+    path = write_experiment("twice", [("a", {"seed": 5}), ("b", {"seed": 6}), ("c", {"seed": 7})], steps=30)
+    root = tmp_path / ".ladder"
+    results: list = []
+
+    def one() -> None:
+        results.append(submit(path, root=root, console=quiet()))
+
+    threads = [threading.Thread(target=one) for _ in range(2)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join(300)
+    assert len(results) == 2 and all(r.ok for r in results), [r.outcomes for r in results]
+    exp = load_experiment(path)
+    uri = tracking.default_tracking_uri(root)
+    contested = 0
+    for spec in exp.rungs:
+        d = ledger.run_dir_for(root, "twice", spec)
+        assert len(attempts(d)) == 1, f"{spec.name} was trained {len(attempts(d))} times"
+        outcomes = sorted(r.outcomes[spec.id]["outcome"] for r in results if spec.id in r.outcomes)
+        assert outcomes in (["finished", "skipped"], ["finished"]), outcomes
+        contested += outcomes == ["finished", "skipped"]
+        assert_each_step_once(uri, "twice", spec, d)
+    assert contested, "the two submissions never competed for a spec"
