@@ -215,9 +215,9 @@ class JaxEngine:
         lrs = lr_at(spec, np.arange(total))
         try:
             for step in range(start, total):
+                t0 = time.perf_counter()  # the step's time includes reading its batch
                 batch = stream.batch(step)
                 n_tok = batch.shape[0] * (batch.shape[1] - 1)
-                t0 = time.perf_counter()
                 new_state, m = train_step(state, put_batch(batch, mesh), jnp.float32(lrs[step]))
                 m = jax.device_get(m)  # the step's one host sync
                 dt = max(time.perf_counter() - t0, 1e-9)

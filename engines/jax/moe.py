@@ -66,22 +66,38 @@ def route(h_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: ModelCo
 # ---- dropless -----------------------------------------------------------------------------
 
 
-def _ragged(x_AL, w_ELF, sizes_E, dtype):
-    return lax.ragged_dot(x_AL.astype(dtype), w_ELF.astype(dtype), sizes_E, preferred_element_type=jnp.float32)
+def _block_rows(n_assign: int, n_experts: int) -> int:
+    """Rows per block of the grouped matmul: about a quarter of an expert's mean share, a power
+    of two in [8, 512], so the padding (at most block - 1 rows per expert) stays small."""
+    want = max(n_assign // (4 * n_experts), 1)
+    return int(min(max(1 << (want.bit_length() - 1), 8), 512))
 
 
 def dropless_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype=jnp.float32) -> jax.Array:
-    """Every assignment is computed: rows sorted by expert, one grouped matmul per weight."""
+    """Every assignment is computed: rows sorted by expert, each expert's rows padded to whole
+    blocks, one batched matmul over blocks (each block multiplies its own expert's weights).
+    Static shapes: at most A + E * (block - 1) rows, whatever the routing."""
     T, K = expert_TK.shape
-    E = wg_ELF.shape[0]
+    E, L = wg_ELF.shape[0], x_TL.shape[-1]
+    A = T * K
+    block = _block_rows(A, E)
+    n_blocks = -(-(A + E * (block - 1)) // block)
     e_A = expert_TK.reshape(-1)  # token-major: a = t*K + j
     order_A = jnp.argsort(e_A, stable=True)
-    sizes_E = jnp.bincount(e_A, length=E).astype(jnp.int32)
-    x_AL = x_TL[order_A // K]
-    h_AF = jax.nn.silu(_ragged(x_AL, wg_ELF, sizes_E, dtype)) * _ragged(x_AL, wu_ELF, sizes_E, dtype)
-    y_sorted_AL = _ragged(h_AF, wd_EFL, sizes_E, dtype)
-    y_AL = jnp.zeros_like(y_sorted_AL).at[order_A].set(y_sorted_AL)
-    return jnp.sum(y_AL.reshape(T, K, -1) * gate_TK[..., None], axis=1)
+    sizes_E = jnp.bincount(e_A, length=E)
+    padded_E = -(-sizes_E // block) * block
+    pad_end_E = jnp.cumsum(padded_E)
+    e_sorted_A = e_A[order_A]
+    row_A = (pad_end_E - padded_E)[e_sorted_A] + jnp.arange(A) - (jnp.cumsum(sizes_E) - sizes_E)[e_sorted_A]
+    x_NL = jnp.zeros((n_blocks * block, L), dtype).at[row_A].set(x_TL[order_A // K].astype(dtype))
+    # expert of each block; blocks past the last expert's rows are empty (zero rows, any weights)
+    blk_B = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_blocks) * block, side="right"), E - 1)
+    x_BnL = x_NL.reshape(n_blocks, block, L)
+    h_BnF = jax.nn.silu(einsum("bnl,blf->bnf", x_BnL, wg_ELF[blk_B], dtype))
+    h_BnF = h_BnF * einsum("bnl,blf->bnf", x_BnL, wu_ELF[blk_B], dtype)
+    y_NL = einsum("bnf,bfl->bnl", h_BnF, wd_EFL[blk_B], dtype).reshape(n_blocks * block, L)
+    y_AL = jnp.zeros((A, L), jnp.float32).at[order_A].set(y_NL[row_A])
+    return jnp.sum(y_AL.reshape(T, K, L) * gate_TK[..., None], axis=1)
 
 
 # ---- capacity: the pooled-wave transport ------------------------------------------------------
@@ -95,10 +111,15 @@ def capacities(cfg: ModelConfig, n_tokens: int) -> tuple[int, int]:
 
 
 def _rank_within(key_X: jax.Array, n_keys: int, valid_X: jax.Array) -> jax.Array:
-    """For each row, how many earlier valid rows share its key (rows are in priority order)."""
-    onehot_XG = (key_X[:, None] == jnp.arange(n_keys)[None, :]) & valid_X[:, None]
-    before_XG = jnp.cumsum(onehot_XG.astype(jnp.int32), axis=0) - onehot_XG.astype(jnp.int32)
-    return jnp.take_along_axis(before_XG, jnp.clip(key_X, 0, n_keys - 1)[:, None], axis=1)[:, 0]
+    """For each row, how many earlier valid rows share its key (rows are in priority order).
+    A stable sort by key, then position minus the key's start: O(X log X) for any key count."""
+    X = key_X.shape[0]
+    key_X = jnp.where(valid_X, key_X, n_keys)  # invalid rows form a group of their own, last
+    order_X = jnp.argsort(key_X, stable=True)
+    counts_G = jnp.bincount(key_X, length=n_keys + 1)
+    starts_G = jnp.cumsum(counts_G) - counts_G
+    rank_sorted_X = jnp.arange(X) - starts_G[key_X[order_X]]
+    return jnp.zeros_like(rank_sorted_X).at[order_X].set(rank_sorted_X)
 
 
 def pooled_wave_shard(x_tL, expert_tK, gate_tK, wg_eLF, wu_eLF, wd_eFL, *, ep, n_waves, c_send, c_recv,

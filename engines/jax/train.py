@@ -89,7 +89,7 @@ def make_train_step(cfg: ModelConfig, optim: OptimSpec, tx: optax.GradientTransf
 
     def step(state: TrainState, tokens_BS1: jax.Array, lr: jax.Array):
         (total, (stats, load_LE)), grads = grad_fn(state.params, state.buffers, tokens_BS1)
-        grad_norm = optax.tree.norm(grads)
+        grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
         buffers = balance_biases(state.buffers, load_LE, bias_rate) if cfg.bias_balancing else state.buffers
