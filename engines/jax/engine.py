@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -183,6 +184,10 @@ class JaxEngine:
             except ValueError as err:
                 raise CheckpointError(str(err)) from err
             start, tokens = int(info["step"]), int(info.get("tokens", int(info["step"]) * spec.data.tokens_per_step))
+            seen = (info.get("data") or {}).get("fingerprint")
+            if seen and seen != stream.fingerprint:
+                warnings.warn(f"{ckpt} was trained on different data ({seen} != {stream.fingerprint}): "
+                              "the resumed run is not a replay", stacklevel=2)
         elif spec.lineage.resume_step is not None:
             raise CheckpointError(
                 f"spec {spec.name!r} continues run {spec.lineage.parent_id} from step {spec.lineage.resume_step} "
