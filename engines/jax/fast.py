@@ -11,7 +11,8 @@ dw = the transposed ragged dot (x_e^T dy_e per group). Inputs in bf16 (the kerne
 from __future__ import annotations
 
 import inspect
-from functools import partial
+import os
+from functools import lru_cache, partial
 
 import jax
 import jax.numpy as jnp
@@ -65,3 +66,38 @@ def _bwd(res, g_AN):
 
 
 mgpu_gmm.defvjp(_fwd, _bwd)
+
+
+@lru_cache(maxsize=1)
+def _on_hopper() -> bool:
+    try:
+        dev = jax.devices()[0]
+        return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
+    except Exception:
+        return False
+
+
+def mgpu_usable(L: int, F: int, dtype) -> bool:
+    """Whether dropless dispatch can use the kernels: a Hopper GPU, 16-bit compute, expert
+    widths that tile (multiples of 128); $MOE_LADDER_JAX_MGPU=0 turns them off."""
+    if os.environ.get("MOE_LADDER_JAX_MGPU", "1") == "0" or jnp.dtype(dtype).itemsize != 2:
+        return False
+    return L % 128 == 0 and F % 128 == 0 and _on_hopper()
+
+
+def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype) -> jax.Array:
+    """Dropless experts (the contract of moe.dropless_experts): assignments sorted by expert,
+    SwiGLU through three grouped matmuls, outputs back in (token, slot) order, gated sum in fp32."""
+    T, K = expert_TK.shape
+    E = wg_ELF.shape[0]
+    e_A = expert_TK.reshape(-1)  # token-major: a = t*K + j
+    order_A = jnp.argsort(e_A, stable=True)
+    sizes_E = jnp.bincount(e_A, length=E).astype(jnp.int32)
+    x_AL = x_TL[order_A // K].astype(dtype)
+    g_AF = mgpu_gmm(x_AL, wg_ELF.astype(dtype), sizes_E).astype(jnp.float32)
+    u_AF = mgpu_gmm(x_AL, wu_ELF.astype(dtype), sizes_E).astype(jnp.float32)
+    h_AF = (jax.nn.silu(g_AF) * u_AF).astype(dtype)
+    y_sorted_AL = mgpu_gmm(h_AF, wd_EFL.astype(dtype), sizes_E)
+    inv_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
+    y_AL = y_sorted_AL[inv_A].astype(jnp.float32)
+    return jnp.sum(y_AL.reshape(T, K, -1) * gate_TK[..., None], axis=1)

@@ -184,6 +184,8 @@ def attend_fused(q_BSHQ, k_BSGQ, v_BSGQ, window: int | None, dtype) -> jax.Array
     o = jax.nn.dot_product_attention(
         q_BSHQ.astype(dtype), k_BSGQ.astype(dtype), v_BSGQ.astype(dtype), is_causal=True,
         local_window_size=(left, 0) if left is not None else None,
+        # left to itself (None) JAX picks its XLA version, which materialises [B, H, S, S] scores
+        implementation="cudnn" if jax.default_backend() == "gpu" else None,
     )
     return o.astype(jnp.float32)
 

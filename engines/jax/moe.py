@@ -21,6 +21,7 @@ from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
 from engines import dispatch_ref
+from engines.jax import fast
 from engines.jax.model import ModelConfig, Params, einsum, mm
 
 EP_AXIS = "ep"
@@ -76,7 +77,10 @@ def _block_rows(n_assign: int, n_experts: int) -> int:
 def dropless_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype=jnp.float32) -> jax.Array:
     """Every assignment is computed: rows sorted by expert, each expert's rows padded to whole
     blocks, one batched matmul over blocks (each block multiplies its own expert's weights).
-    Static shapes: at most A + E * (block - 1) rows, whatever the routing."""
+    Static shapes: at most A + E * (block - 1) rows, whatever the routing. On a Hopper GPU in
+    bf16 the Mosaic-GPU ragged dot kernels do it instead (engines/jax/fast.py)."""
+    if fast.mgpu_usable(wg_ELF.shape[1], wg_ELF.shape[2], dtype):
+        return fast.dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype)
     T, K = expert_TK.shape
     E, L = wg_ELF.shape[0], x_TL.shape[-1]
     A = T * K

@@ -1,0 +1,63 @@
+"""The GPU grouped matmul of the JAX engine (engines/jax/fast.py): its custom VJP and the dropless
+dispatch built on it equal lax.ragged_dot and moe.dropless_experts. On the CPU the Mosaic-GPU
+kernels are stood in for by lax.ragged_dot(_general) with the same argument conventions, so what
+is tested is the plumbing around them (transposes, the weight gradient, sorting, gates)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import lax
+
+from engines.jax import fast, moe
+
+
+def _ref_kernels():
+    def rd(x, w, *, group_sizes, transpose_rhs=False, **_):
+        return lax.ragged_dot(x, jnp.swapaxes(w, 1, 2) if transpose_rhs else w, group_sizes)
+
+    def trd(x, g, *, group_sizes, **_):
+        dims = lax.RaggedDotDimensionNumbers(dot_dimension_numbers=(((0,), (0,)), ((), ())),
+                                             lhs_ragged_dimensions=[0], rhs_group_dimensions=[])
+        return lax.ragged_dot_general(x, g, group_sizes, ragged_dot_dimension_numbers=dims)
+
+    return rd, trd
+
+
+@pytest.fixture(autouse=True)
+def _stand_in_kernels(monkeypatch):
+    monkeypatch.setattr(fast, "_kernels", _ref_kernels)
+
+
+def test_grouped_matmul_gradients_equal_ragged_dot():
+    ks = jax.random.split(jax.random.key(0), 2)
+    x, w = jax.random.normal(ks[0], (40, 8)), jax.random.normal(ks[1], (3, 8, 6))
+    sizes = jnp.array([10, 0, 30], jnp.int32)  # an empty group too
+    got = jax.grad(lambda x, w: jnp.sum(jnp.sin(fast.mgpu_gmm(x, w, sizes))), (0, 1))(x, w)
+    want = jax.grad(lambda x, w: jnp.sum(jnp.sin(lax.ragged_dot(x, w, sizes))), (0, 1))(x, w)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
+
+
+def test_dropless_dispatch_equals_the_blocked_reference():
+    T, K, E, L, F = 24, 2, 4, 8, 6
+    ks = jax.random.split(jax.random.key(1), 6)
+    x = jax.random.normal(ks[0], (T, L))
+    expert = jax.random.randint(ks[1], (T, K), 0, E)
+    gate = jax.random.uniform(ks[2], (T, K))
+    ws = (jax.random.normal(ks[3], (E, L, F)), jax.random.normal(ks[4], (E, L, F)),
+          jax.random.normal(ks[5], (E, F, L)))
+
+    def loss(fn):
+        return lambda x, *w: jnp.sum(jnp.sin(fn(x, expert, gate, *w, dtype=jnp.float32)))
+
+    np.testing.assert_allclose(loss(fast.dropless_mgpu)(x, *ws), loss(moe.dropless_experts)(x, *ws), rtol=1e-5)
+    got = jax.grad(loss(fast.dropless_mgpu), (0, 1, 2, 3))(x, *ws)
+    want = jax.grad(loss(moe.dropless_experts), (0, 1, 2, 3))(x, *ws)
+    for g, r in zip(got, want):
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
+
+
+def test_kernels_are_used_only_where_they_apply():
+    assert not fast.mgpu_usable(1024, 512, jnp.float32)  # fp32: the reference path
+    assert not fast.mgpu_usable(1000, 512, jnp.bfloat16)  # widths that do not tile
