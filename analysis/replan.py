@@ -175,33 +175,78 @@ def curve_forecaster(state: RunState) -> Forecaster | None:
     return _make_curve_forecaster(curves, state)
 
 
+FINAL_POINTS = 5  # the forecast final loss is the mean training loss over the last 5 steps
+Z90 = 1.6448536269514722
+
+
 def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
+    """The curve model fitted to the run's healthy points; its final-loss interval adds, in
+    quadrature, the noise of a FINAL_POINTS-step mean (from the late residuals) and the model's
+    extrapolation error, measured by backtests on the run itself (fit on the first 50/60/70% of the
+    observed steps, error of the mean over the last 20%) and scaled by how much further the option
+    extrapolates than those backtests did."""
+    spec = state.spec
     df = state.df
-    ok = np.isfinite(df["loss"].to_numpy(dtype=np.float64))
-    # Fit on the part of the curve before any divergence: a replan forecasts a healthy run.
-    onset = divergence_onset(state.report, state.spec.total_steps)
     steps = df["step"].to_numpy()
+    loss = df["loss"].to_numpy(dtype=np.float64)
+    ok = np.isfinite(loss)
+    onset = divergence_onset(state.report, spec.total_steps)
     if onset is not None:
-        ok &= steps < onset[0]
-    if ok.sum() < 8:
+        ok &= steps < onset[0]  # a replan forecasts a healthy run
+    # The curve laws describe training after warmup (the published fits start there too).
+    from analysis.monitor import spec_warmup_steps
+
+    ok &= steps >= spec_warmup_steps(spec)
+    s_obs, l_obs = steps[ok], loss[ok]
+    if len(s_obs) < 12:
         return None
-    s_obs = steps[ok]
-    loss_obs = df["loss"].to_numpy(dtype=np.float64)[ok]
-    lr_full = lr_at(state.spec, np.arange(state.spec.total_steps))
+    lr_run = lr_at(spec, np.arange(spec.total_steps))
+
+    def fit_on(mask):
+        return curves.fit_curves([curves.Curve(step=s_obs[mask], lr=lr_run[s_obs[mask]], loss=l_obs[mask])])
+
+    def predict(fit, upto: int, lr_T: np.ndarray) -> np.ndarray:
+        return np.asarray(fit.predict(np.arange(upto), lr_T[:upto]), dtype=np.float64)
+
     try:
-        fit = curves.fit_curves([{"step": s_obs, "loss": loss_obs, "lr": lr_full}])
+        fit = fit_on(np.ones(len(s_obs), bool))
+        resid = l_obs - predict(fit, int(s_obs[-1]) + 1, lr_run)[s_obs]
+        sigma = float(np.std(resid[len(resid) // 2 :], ddof=1))
+        span = float(s_obs[-1] - s_obs[0])
+        tail = s_obs >= s_obs[0] + 0.8 * span
+        rel_errs = []
+        for frac in (0.5, 0.6, 0.7):
+            cut = s_obs[0] + frac * span
+            m = s_obs < cut
+            if m.sum() < 8:
+                continue
+            bt = fit_on(m)
+            err = float(np.mean(predict(bt, int(s_obs[-1]) + 1, lr_run)[s_obs[tail]] - l_obs[tail]))
+            rel_errs.append(abs(err) / max(float(np.mean(s_obs[tail])) - cut, 1.0))  # per step extrapolated
     except Exception:
         return None
+    if not np.isfinite(sigma) or not rel_errs:
+        return None
+    err_per_step = float(np.sqrt(np.mean(np.square(rel_errs))))
+    noise = sigma / math.sqrt(FINAL_POINTS)
+    last_obs = int(s_obs[-1])
 
     def forecast(st: RunState, option: Spec, resume_step: int) -> dict | None:
         total = option.total_steps
-        lr = lr_at(option, np.arange(total))
-        lr[:resume_step] = lr_at(st.spec, np.arange(resume_step))
+        lr_T = lr_at(option, np.arange(total))
+        lr_T[:resume_step] = lr_run[:resume_step]  # the steps before the resume are the parent's
         try:
-            band = fit.predict(np.array([total - 1]), lr)
+            pred = predict(fit, total, lr_T)
         except Exception:
             return None
-        return band
+        mean = float(np.mean(pred[-FINAL_POINTS:]))
+        if not math.isfinite(mean):
+            return None
+        model = err_per_step * max(total - 1 - last_obs, 0)
+        half = Z90 * math.sqrt(noise**2 + model**2)
+        return {"mean": mean, "lo": mean - half, "hi": mean + half, "level": INTERVAL_LEVEL,
+                "noise_sd": noise, "model_sd": model, "fitted_points": int(len(s_obs)),
+                "what": f"mean training loss over the last {FINAL_POINTS} steps"}
 
     return forecast
 

@@ -1,0 +1,263 @@
+"""Replans of real proxy runs (the torch engine on real text) and of hand-made states."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+import pandas as pd
+import pytest
+
+from analysis.metrics_io import read_metrics_frame, resolve_run
+from analysis.monitor import monitor
+from analysis.replan import RunState, make_replan, shorten_spec
+from engines.base import read_metrics
+from engines.checkpoint import init_from_checkpoint, step_dir_name
+from engines.registry import get_engine
+from ladder.presets import micro_spec
+from ladder.schedule import lr_at
+from ladder.spec import load_spec, save_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+TOKENS_PER_STEP = 512  # micro spec: 8 sequences of 64 tokens
+
+
+def proxy_spec(name="proxy", steps=320, **changes):
+    return micro_spec(name, **{"data.total_tokens": TOKENS_PER_STEP * steps, "run.checkpoint_every": 10,
+                               "run.keep_checkpoints": 5, "run.eval_every": 10**6, **changes})
+
+
+def train(spec, run_dir: Path, stop_after: int | None = None) -> None:
+    """Real training with the torch engine; stop_after leaves the run mid-way (as if still going)."""
+    for m in get_engine("torch").train(spec, run_dir):
+        if stop_after is not None and m.step >= stop_after:
+            break
+
+
+def ladder(*args, cwd):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "ladder.cli", *map(str, args)], cwd=cwd, capture_output=True,
+                          text=True, env=env, timeout=120)
+
+
+def ladder_in_process(*args) -> tuple[int, str]:
+    """The CLI's own entry (run_cli) in this process: exit code and stderr, whitespace-normalised."""
+    import contextlib
+    import io
+
+    from ladder.cli import app
+    from ladder.errors import run_cli
+
+    err, old = io.StringIO(), sys.argv
+    sys.argv = ["ladder", *map(str, args)]
+    try:
+        with contextlib.redirect_stderr(err), contextlib.redirect_stdout(io.StringIO()):
+            rc = run_cli(app)
+    finally:
+        sys.argv = old
+    return rc, " ".join(err.getvalue().split())
+
+
+def iso(ts: float) -> str:
+    return datetime.fromtimestamp(ts, tz=timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@pytest.fixture(scope="module")
+def live_run(tmp_path_factory):
+    """A 320-step proxy run in the ledger's layout, stopped after step 79: a quarter of its tokens
+    done, checkpoints 40..80 kept. Returns (spec, run dir, ledger root)."""
+    from ladder import ledger
+
+    root = tmp_path_factory.mktemp("ledger")
+    spec = proxy_spec()
+    d = ledger.run_dir_for(root, "px", spec)
+    ledger.write_spec_file(d, spec)
+    train(spec, d, stop_after=79)
+    return spec, d, root
+
+
+# ---- real runs ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def shortened(live_run, tmp_path_factory):
+    """`ladder replan` of the live run with a tight deadline, applied: option 2 (shorten) submitted
+    through the controller (real Ray, real MLflow) as a continuation from its checkpoint. RUN_ID is
+    the spec id, resolved through the ledger. Returns (plan JSON, parent spec, parent dir)."""
+    spec, run_dir, root = live_run
+    tmp = tmp_path_factory.mktemp("shorten")
+    deadline = time.time() + 90  # at 512 tokens/s (one step a second) ~90 more steps fit
+    r = ladder("replan", spec.id, "--root", root, "--spec", run_dir / "spec.yaml", "--deadline", iso(deadline),
+               "--tokens-per-s", TOKENS_PER_STEP, "--out", tmp / "plan", "--json", "--apply", 2, cwd=tmp)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout), spec, run_dir
+
+
+@pytest.mark.slow
+def test_tight_deadline_shortens_the_horizon_and_the_continuation_follows_the_new_schedule_exactly(shortened):
+    plan, spec, run_dir = shortened
+    keep, short = plan["options"][0], plan["options"][1]
+    assert short["kind"] == "shorten" and short["allowed"] and short["meets_deadline"]
+    assert keep["meets_deadline"] is False and plan["recommended"] == 2
+    new = load_spec(short["spec_path"])
+    assert new.id != spec.id and new.lineage.parent_id == spec.id and new.lineage.resume_step == 80
+    assert "deadline" in new.lineage.reason
+    assert 80 + 75 <= new.total_steps <= 80 + 91 < spec.total_steps
+
+    child = Path(plan["applied"]["run_dir"])
+    assert plan["applied"]["ok"] and json.loads((child / "status.json").read_text())["state"] == "finished"
+    recs = read_metrics(child)
+    steps = np.array([m["step"] for m in recs])
+    assert steps.tolist() == list(range(new.total_steps))
+    # the LR of every step, the parent's before the join and the continuation's after, is the new schedule's
+    np.testing.assert_allclose([m["lr"] for m in recs], lr_at(new, steps), rtol=1e-12, atol=0)
+    assert [m["loss"] for m in recs[:80]] == [m["loss"] for m in read_metrics(run_dir)[:80]]
+
+
+@pytest.mark.slow
+def test_the_continuation_final_loss_lands_in_the_replan_forecast_interval(shortened):
+    pytest.importorskip("analysis.curves", reason="the curve model (analysis/curves.py) gives the forecast")
+    plan, _, _ = shortened
+    short = plan["options"][1]
+    recs = read_metrics(plan["applied"]["run_dir"])
+    final = float(np.mean([m["loss"] for m in recs[-5:]]))  # what the forecast is of: the last 5 steps' mean
+    assert short["forecast_lo"] <= final <= short["forecast_hi"], (final, short)
+    # an interval that says something: narrower than the loss fell over the run so far
+    assert short["forecast_hi"] - short["forecast_lo"] < recs[0]["loss"] - final
+
+
+@pytest.mark.slow
+def test_injected_lr_spike_is_flagged_within_steps_and_the_rewind_resumes_before_it(live_run, tmp_path):
+    parent, parent_dir, _ = live_run
+    fault_step = 70
+    # The fault: from checkpoint 70 the peak LR jumps 30x with z-loss off.
+    faulty = parent.replace(**{"optim.peak_lr": 0.1, "optim.z_loss": 0.0, "lineage.parent_id": parent.id,
+                               "lineage.resume_step": fault_step, "lineage.reason": "injected fault"})
+    run_dir = tmp_path / "faulty"
+    init_from_checkpoint(run_dir, parent_dir / "checkpoints" / step_dir_name(fault_step), metrics_from=parent_dir)
+    save_spec(faulty, run_dir / "spec.yaml")
+    train(faulty, run_dir, stop_after=fault_step + 25)
+
+    report = monitor(read_metrics_frame(run_dir), faulty)
+    first = min(f.first_step for f in report.flags if f.severity in ("warning", "critical"))
+    assert fault_step <= first <= fault_step + 3, [(f.kind, f.first_step) for f in report.flags]
+    assert report.critical
+
+    r = ladder("compare", run_dir, cwd=tmp_path)
+    assert r.returncode == 3, r.stdout + r.stderr
+
+    r = ladder("replan", run_dir, "--spec", run_dir / "spec.yaml", "--out", tmp_path / "plan", "--json", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    plan = json.loads(r.stdout)
+    rewinds = [o for o in plan["options"] if o["kind"].startswith("rewind_")]
+    assert {o["kind"] for o in rewinds} == {"rewind_zloss", "rewind_lower_lr", "rewind_redraw"}
+    for o in rewinds:
+        s = load_spec(o["spec_path"])
+        assert s.lineage.parent_id == faulty.id
+        assert s.lineage.resume_step == o["resume_step"] <= fault_step < first + 1
+        assert (run_dir / "checkpoints" / step_dir_name(s.lineage.resume_step)).exists()
+    assert load_spec(next(o for o in rewinds if o["kind"] == "rewind_zloss")["spec_path"]).optim.z_loss == 1e-4
+    assert "rewind_zloss" in plan["recommendation"]  # z-loss was off
+
+
+# ---- bad input: a clear error and nothing written -------------------------------------------
+
+
+def test_bad_inputs_are_clear_errors_and_write_nothing(live_run, tmp_path):
+    spec, run_dir, _ = live_run
+    out = tmp_path / "plan"
+    other = proxy_spec(**{"optim.peak_lr": 1e-3})
+    save_spec(other, tmp_path / "other.yaml")
+    (tmp_path / "noloss.csv").write_text("step,tokens\n0,512\n1,1024\n")
+    cases = [
+        (("replan", "feedfacecafebeef", "--spec", run_dir / "spec.yaml", "--root", tmp_path / "ledger"),
+         "unknown run id 'feedfacecafebeef'"),
+        (("replan", "--metrics", tmp_path / "noloss.csv", "--spec", run_dir / "spec.yaml"), "no loss column"),
+        (("replan", run_dir, "--spec", run_dir / "spec.yaml", "--deadline", "2020-01-01"), "in the past"),
+        (("replan", run_dir, "--spec", tmp_path / "other.yaml"), "is not the run's"),
+        (("replan", "--metrics", run_dir / "metrics.jsonl", "--spec", tmp_path / "other.yaml"), "is not the run's"),
+    ]
+    for args, msg in cases:
+        rc, err = ladder_in_process(*args, "--out", out)
+        assert rc == 2 and msg in err, (args, err)
+        assert not out.exists()
+    assert not (run_dir / "replans").exists()
+
+
+# ---- the options, on hand-made states -------------------------------------------------------
+
+
+def state_of(spec, upto: int, tokens_per_s=512.0, now=1.9e9, **cols) -> RunState:
+    steps = np.arange(upto + 1)
+    df = pd.DataFrame({"step": steps, "tokens": (steps + 1) * spec.data.tokens_per_step,
+                       "loss": 2.5 + 3 * np.exp(-steps / 30.0), "grad_norm": np.full(len(steps), 0.8),
+                       "lr": lr_at(spec, steps), **cols})
+    return RunState.build(df, spec, None, tokens_per_s=tokens_per_s, now=now)
+
+
+@pytest.mark.parametrize("decay", ["linear", "cosine", "wsd", "constant"])
+def test_a_shortened_horizon_keeps_the_past_schedule_and_reaches_the_minimum_at_the_new_end(decay):
+    spec = proxy_spec(steps=1000, **{"schedule.decay": decay})
+    new = shorten_spec(spec, join=200, new_total=600, keep_fraction=True, kind="shorten", reason="test")
+    before = np.arange(200)
+    np.testing.assert_array_equal(lr_at(new, before), lr_at(spec, before))
+    assert lr_at(new, [200])[0] == pytest.approx(lr_at(spec, [200])[0], rel=1e-12)
+    want_end = spec.optim.peak_lr * (1.0 if decay == "constant" else spec.schedule.min_lr_ratio)
+    assert lr_at(new, [600])[0] == pytest.approx(want_end, rel=1e-9)
+    assert np.all(np.diff(lr_at(new, np.arange(200, 600))) <= 1e-15)  # never re-warms
+
+
+def test_the_mix_option_keeps_the_80_20_split_of_the_new_budget():
+    phases = [{"name": "midtrain", "start_frac": 0.8, "weights": {"code": 0.2, "docs": 0.8}}]
+    spec = proxy_spec(steps=1000, **{"data.phases": phases})
+    st = state_of(spec, upto=199)  # 20% of the budget
+    plan = make_replan(st, deadline=st.now + 400 * TOKENS_PER_STEP / 512.0, forecaster=None)
+    by = {o.kind: o for o in plan.options}
+    assert by["shorten"].spec.total_steps == by["shorten_mix"].spec.total_steps == 600
+    # plain shorten: midtrain stays at its planned token position, past the new end -> cut
+    assert by["shorten"].spec.data.phases == ()
+    mix = by["shorten_mix"].spec
+    assert int(mix.data.phases[0].start_frac * mix.total_steps) == 480  # 80% of 600
+    assert plan.recommended == plan.options.index(by["shorten_mix"])
+
+
+def test_past_the_first_quarter_shortening_needs_force():
+    spec = proxy_spec(steps=1000)
+    st = state_of(spec, upto=299)  # 30% of the budget
+    due = st.now + 300.0
+    short = next(o for o in make_replan(st, due, forecaster=None).options if o.kind == "shorten")
+    assert not short.allowed and "--force" in short.note
+    forced = next(o for o in make_replan(st, due, force=True, forecaster=None).options if o.kind == "shorten")
+    assert forced.allowed and forced.spec.total_steps == 300 + 300
+
+
+def test_drops_over_budget_offer_capacity_dropless_and_sequence_balancing_priced_in_memory():
+    spec = proxy_spec(steps=1000, **{"model.dispatch": "capacity"})
+    st = state_of(spec, upto=99, drop_frac_send=np.full(100, 0.05), drop_frac_recv=np.full(100, 0.05))
+    opts = {o.kind: o for o in make_replan(st, forecaster=None).options}
+    assert {"capacity", "dropless", "sequence_balance"} <= set(opts)
+    cap = opts["capacity"].spec.model
+    assert cap.capacity_factor_send > 1.25 and cap.capacity_factor_recv > 1.25
+    assert opts["capacity"].allowed and opts["capacity"].memory_gb > 0
+    assert opts["sequence_balance"].spec.model.balance_scope == "sequence"
+    tiny_hbm = spec.replace(**{"hardware.hbm_gb": 1e-4})
+    st = state_of(tiny_hbm, upto=99, drop_frac_send=np.full(100, 0.05), drop_frac_recv=np.full(100, 0.05))
+    capped = next(o for o in make_replan(st, forecaster=None).options if o.kind == "capacity")
+    assert not capped.allowed and "refused" in capped.note
+
+
+def test_the_context_gate_follows_the_measured_drop_fraction():
+    stages = [{"start_frac": 0.5, "seq_len": 128, "gated": True, "gate": "drop_frac <= 0.07"}]
+    spec = proxy_spec(steps=1000, **{"data.context_stages": stages})
+    ok = make_replan(state_of(spec, 99, drop_frac_send=np.full(100, 0.03)), forecaster=None)
+    assert ok.context_gate["allowed"] and ok.context_gate["measured"] == pytest.approx(0.03)
+    enable = next(o for o in ok.options if o.kind == "enable_context")
+    assert enable.spec.data.context_stages[0].gated is False
+    no = make_replan(state_of(spec, 99, drop_frac_send=np.full(100, 0.09)), forecaster=None)
+    assert not no.context_gate["allowed"] and all(o.kind != "enable_context" for o in no.options)
