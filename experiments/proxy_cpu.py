@@ -4,16 +4,16 @@ Same rules as experiments/marin_535b.py (ladder.rules.moe_model): routed experts
 latent of d/2 with 2 shared experts, capacity factors 1.15 over 3 waves on emulated EP shards,
 sliding-window attention, z-loss 1e-4, 1% warmup then linear decay to 5% of peak, a fixed
 tokens-per-active-parameter budget, peak LR falling as 1/sqrt(width). Byte-level tokens of the
-Python installation's own source code and prose, mixed 70/30. The rungs span 43x in compute and
-the hero proxy is 6x the largest rung.
+Python installation's own source code and prose, mixed 70/30. The rungs span 82x in compute and
+the hero proxy is 4.9x the largest rung.
 """
 
 from ladder.costs import param_counts
 from ladder.experiment import Experiment
 from ladder.rules import moe_model, run_spec
 
-SEQ, BATCH = 128, 16
-TOKENS_PER_ACTIVE = 6
+SEQ, BATCH = 128, 8
+TOKENS_PER_ACTIVE = 20
 SOURCES = [{"name": "code", "builtin": "python_code", "weight": 0.7},
            {"name": "docs", "builtin": "python_docs", "weight": 0.3}]
 
@@ -25,10 +25,10 @@ def proxy(d: int, layers: int, role: str = "rung", cpus: int = 1):
     hardware = {"system": "cpu", "peak_flops": 5e10, "expected_mfu": 0.15, "task_cpus": cpus}
     return run_spec(f"{'hero-' if role == 'hero' else ''}d{d}", model, batch_size=BATCH, steps=steps, seq_len=SEQ,
                     sources=SOURCES, peak_lr=0.02 / d**0.5, role=role, hardware=hardware,
-                    run={"checkpoint_every": 50, "eval_every": 25, "eval_batches": 4})
+                    run={"checkpoint_every": 100, "eval_every": 50, "eval_batches": 8})
 
 
-RUNGS = (proxy(24, 2), proxy(40, 2), proxy(48, 3), proxy(64, 3))
-HERO = proxy(80, 5, role="hero", cpus=2)
+RUNGS = (proxy(16, 2), proxy(24, 2), proxy(40, 2), proxy(48, 3))
+HERO = proxy(64, 4, role="hero", cpus=2)
 
 EXPERIMENT = Experiment(name="proxy_cpu", rungs=RUNGS, hero=HERO)
