@@ -94,9 +94,10 @@ def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype) -> ja
     order_A = jnp.argsort(e_A, stable=True)
     sizes_E = jnp.bincount(e_A, length=E).astype(jnp.int32)
     x_AL = x_TL[order_A // K].astype(dtype)
-    g_AF = mgpu_gmm(x_AL, wg_ELF.astype(dtype), sizes_E).astype(jnp.float32)
-    u_AF = mgpu_gmm(x_AL, wu_ELF.astype(dtype), sizes_E).astype(jnp.float32)
-    h_AF = (jax.nn.silu(g_AF) * u_AF).astype(dtype)
+    F = wg_ELF.shape[-1]
+    # gate and up as one [E, L, 2F] matmul: wider tiles, one dx matmul in the backward
+    gu_A2F = mgpu_gmm(x_AL, jnp.concatenate([wg_ELF, wu_ELF], -1).astype(dtype), sizes_E).astype(jnp.float32)
+    h_AF = (jax.nn.silu(gu_A2F[:, :F]) * gu_A2F[:, F:]).astype(dtype)
     y_sorted_AL = mgpu_gmm(h_AF, wd_EFL.astype(dtype), sizes_E)
     inv_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
     y_AL = y_sorted_AL[inv_A].astype(jnp.float32)
