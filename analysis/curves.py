@@ -1,0 +1,722 @@
+"""Schedule-aware models of a whole loss curve: L(t) given the learning-rate schedule up to step t,
+fitted to one or several curves (optionally of several model sizes) and used to predict the curve
+under a schedule, or at a model size, that the fit never saw.
+
+Models
+------
+"mpl": the Multi-Power Law (Luo et al. 2025, "A Multi-Power Law for Loss Curve Prediction Across
+Learning Rate Schedules"), in the form of their reference code:
+
+    L(t)  = L0 + A * S1(t)^-alpha - LD(t)
+    S1(t) = sum_{tau<=t} eta_tau                      (the warmup's area included: S1 + S_W)
+    LD(t) = B * sum_{k=1..t} (eta_{k-1} - eta_k) * G(eta_k^-gamma * S_k(t)),  S_k(t) = sum_{tau=k..t} eta_tau
+    G(x)  = 1 - (C x + 1)^-beta
+
+Every LR change counts in LD, the warmup's increases too (as in the published fits): after warmup
+their share settles to a constant and a slowly fading term that the fit absorbs.
+
+"lra": the baseline of Tissue et al. 2024 ("Scaling Law with Learning Rate Annealing"):
+
+    L(t) = L0 + A * S1(t)^-alpha - C * S2(t),  S2(t) = sum_{i<=t} m_i,  m_i = lam * m_{i-1} + (eta_{i-1} - eta_i)
+
+with their momentum lam = 0.999 (fixed) and only post-warmup LR changes in S2.
+
+Fitting (the published protocol): a Huber loss (delta 1e-3) on log(loss) - log(pred), summed over
+every point of every curve, minimised by L-BFGS-B with analytic gradients from a linearised start
+(G = 1, fitted from a small grid) and a few starts for C, beta, gamma. gamma is kept in [0.01, 1]:
+the recovery clock after an LR drop runs between LR area (gamma = 0) and step count (gamma = 1).
+
+Speed: LD over all logged steps is O(T x n) exactly (19M terms for a 72k-step cosine logged every
+128 steps). Here the LR changes far behind an evaluated step are lumped: changes within DENSE_STEPS
+steps of t enter one by one, older ones in blocks whose width grows geometrically with the distance
+(ratio BLOCK_RATIO), each block a single change at its |change|-weighted mean log-LR and position.
+G is smooth there, so the error is < 1e-5 of the loss (tests compare with the exact sum) while a
+72k-step curve costs ~180 terms per evaluated step; a fit takes about a second.
+
+Model size: curves may carry `params` (N, the model's parameter count). With several sizes the
+per-curve parameters scale with N: L0(N) = E + a (N/N_ref)^-p (p fixed at CHINCHILLA_ALPHA with two
+sizes, fitted with three or more), log A, log alpha and log B linear in log N, C, beta, gamma shared.
+With ONE size there is nothing to learn the scaling from, so predicting another size uses a prior
+(stated here, reported by `CurveFit.to_dict`): Chinchilla's L(N) = E + A_N/N^0.34 (Hoffmann et al.
+2022: E 1.69, A_N 406.4, alpha 0.34), rescaled to pass through the fitted L0 at the fitted size, gives
+L0(N); A, alpha, B, C, beta, gamma are kept (in Chinchilla's additive form the data term does not
+depend on N).
+
+Learning rates: `lr` is either one value per logged step (sampled schedule: linear between samples,
+before the first sample a linear warmup from 0 at step 0) or a dense per-step array (lr[s] is the
+LR of step s, len > last step), e.g. ladder.schedule.lr_at(spec, np.arange(spec.total_steps)).
+
+Shape legend: n evaluated steps, T steps of a dense schedule, b lumped LR-change blocks per step,
+P model parameters (7 mpl / 4 lra), Z fitted coordinates (P plus the size-law terms), K bootstrap draws.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import numpy as np
+from scipy.optimize import minimize
+from scipy.signal import lfilter
+
+__all__ = [
+    "Curve",
+    "CurveError",
+    "CurveFit",
+    "CurveFitError",
+    "MODELS",
+    "fit_curves",
+    "lr_per_step_from_samples",
+    "relative_errors",
+]
+
+MODELS = ("mpl", "lra")
+HUBER_DELTA = 1e-3
+DENSE_STEPS = 64  # LR changes this close to an evaluated step enter LD one by one
+BLOCK_RATIO = 1.0 / 16  # farther ones in blocks of width ~ distance * BLOCK_RATIO
+LRA_MOMENTUM = 0.999  # Tissue et al.'s lambda
+GAMMA_MAX = 1.0
+
+# One-size prior for predicting another model size (see the module docstring).
+CHINCHILLA_E, CHINCHILLA_A, CHINCHILLA_ALPHA = 1.69, 406.4, 0.34
+
+_EVAL_CHUNK = 1 << 21  # (evaluated steps x blocks) per chunk when predicting long dense curves
+
+
+class CurveError(ValueError):
+    """Curves or schedules that cannot be used as given; the message names the problem."""
+
+
+class CurveFitError(CurveError):
+    """A fit that did not converge or cannot describe the curves; it says so instead of numbers."""
+
+
+# ---- learning rates --------------------------------------------------------------------------------
+
+
+def lr_per_step_from_samples(step, lr, total_steps: int | None = None) -> np.ndarray:
+    """Dense per-step LR from samples at logged steps: linear between samples, before the first
+    sample a linear warmup from 0 at step 0, after the last one flat. Length total_steps (default
+    last step + 1)."""
+    step_n = np.asarray(step, dtype=np.float64)
+    lr_n = np.asarray(lr, dtype=np.float64)
+    if step_n.ndim != 1 or lr_n.shape != step_n.shape or len(step_n) == 0:
+        raise CurveError(f"lr samples: need one LR per step, got {lr_n.shape} LRs for {step_n.shape} steps")
+    T = int(step_n[-1]) + 1 if total_steps is None else int(total_steps)
+    if step_n[0] > 0:
+        step_n, lr_n = np.r_[0.0, step_n], np.r_[0.0, lr_n]
+    return np.interp(np.arange(T, dtype=np.float64), step_n, lr_n)
+
+
+def _dense_lr(steps_n: np.ndarray, lr, what: str) -> np.ndarray:
+    """Either a dense per-step array (len > last step) or one sample per step (densified)."""
+    lr = np.asarray(lr, dtype=np.float64)
+    if lr.ndim != 1:
+        raise CurveError(f"{what}: lr must be one-dimensional, got shape {lr.shape}")
+    if not np.all(np.isfinite(lr)):
+        raise CurveError(f"{what}: lr has NaN or infinite values")
+    if np.any(lr < 0):
+        raise CurveError(f"{what}: lr has negative values")
+    last = int(steps_n[-1])
+    if len(lr) > last:
+        return lr
+    if len(lr) == len(steps_n):
+        return lr_per_step_from_samples(steps_n, lr)
+    raise CurveError(
+        f"{what}: lr has {len(lr)} values: give one per logged step ({len(steps_n)}) "
+        f"or a per-step schedule covering step {last} (at least {last + 1} values)"
+    )
+
+
+def _check_steps(step, what: str) -> np.ndarray:
+    s = np.asarray(step)
+    if s.ndim != 1 or len(s) == 0:
+        raise CurveError(f"{what}: need a non-empty 1-D array of steps")
+    sf = np.asarray(s, dtype=np.float64)
+    if not np.all(np.isfinite(sf)):
+        raise CurveError(f"{what}: steps have NaN or infinite values")
+    if np.any(sf < 0) or np.any(sf != np.round(sf)):
+        raise CurveError(f"{what}: steps must be non-negative integers")
+    if np.any(np.diff(sf) <= 0):
+        i = int(np.flatnonzero(np.diff(sf) <= 0)[0]) + 1
+        raise CurveError(f"{what}: steps must be strictly increasing; step {sf[i]:g} follows {sf[i - 1]:g}")
+    return sf.astype(np.int64)
+
+
+@dataclass
+class Curve:
+    """One loss curve: logged `step`s, the schedule (`lr`: one value per logged step, or a dense
+    per-step array), `loss` at those steps (None for a curve only to be predicted) and optionally
+    the model's parameter count `params`."""
+
+    step: Any
+    lr: Any
+    loss: Any = None
+    params: float | None = None
+    name: str = ""
+
+    def __post_init__(self):
+        what = f"curve {self.name!r}" if self.name else "curve"
+        self.step = _check_steps(self.step, what)
+        self.lr_per_step = _dense_lr(self.step, self.lr, what)
+        self.lr = np.asarray(self.lr, dtype=np.float64)
+        if self.loss is not None:
+            y = np.asarray(self.loss, dtype=np.float64)
+            if y.shape != self.step.shape:
+                raise CurveError(f"{what}: {len(y)} losses for {len(self.step)} steps")
+            if not np.all(np.isfinite(y)):
+                raise CurveError(f"{what}: loss has NaN or infinite values")
+            if np.any(y <= 0):
+                raise CurveError(f"{what}: loss must be positive (the fit is on log loss)")
+            self.loss = y
+        if self.params is not None:
+            p = float(self.params)
+            if not math.isfinite(p) or p <= 0:
+                raise CurveError(f"{what}: params must be a positive parameter count, got {self.params!r}")
+            self.params = p
+        if self.lr_per_step[self.step].max() <= 0:
+            raise CurveError(f"{what}: the learning rate is zero at every logged step")
+
+    @classmethod
+    def from_schedule(cls, step, lr_per_step, loss=None, params=None, name: str = "") -> "Curve":
+        """A curve whose schedule is a dense per-step LR array (lr_per_step[s] for step s)."""
+        step = _check_steps(step, f"curve {name!r}")
+        lr_per_step = np.asarray(lr_per_step, dtype=np.float64)
+        if len(lr_per_step) <= step[-1]:
+            raise CurveError(f"curve {name!r}: lr_per_step has {len(lr_per_step)} values, steps reach {step[-1]}")
+        return cls(step=step, lr=lr_per_step, loss=loss, params=params, name=name)
+
+
+# ---- per-curve design: everything that does not depend on the model's parameters --------------------
+
+
+def _block_distances(T: int) -> np.ndarray:
+    d = list(range(DENSE_STEPS + 1))
+    x = float(DENSE_STEPS)
+    while d[-1] < T:
+        x = max(x * (1.0 + BLOCK_RATIO), d[-1] + 1.0)
+        d.append(int(math.ceil(x)))
+    return np.asarray(d, dtype=np.int64)
+
+
+def _lumped_changes(steps_n: np.ndarray, eta_T: np.ndarray, exact: bool = False):
+    """LR changes d_k = eta_{k-1} - eta_k (k >= 1) seen from each evaluated step t, lumped into
+    blocks: returns D_nb (summed change), le_nb (mean log eta_k), lS_nb (log S_k(t)), zero D where a
+    block is empty. exact=True gives one block per change (the O(T x n) reference)."""
+    P_T = np.cumsum(eta_T)
+    d_T = np.zeros_like(eta_T)
+    d_T[1:] = eta_T[:-1] - eta_T[1:]
+    ev = np.flatnonzero(d_T)
+    n = len(steps_n)
+    if len(ev) == 0:
+        z = np.zeros((n, 0))
+        return z, z, z
+    dE, aE, lE, PE = d_T[ev], np.abs(d_T[ev]), np.log(eta_T[ev]), P_T[ev - 1]
+    if exact:
+        dist = np.arange(int(steps_n[-1]) + 2)
+    else:
+        dist = _block_distances(int(steps_n[-1]) + 1)
+    t_n1 = steps_n[:, None]
+    # block j of step t holds the changes at k in (t - dist[j+1], t - dist[j]]
+    hi_nb = np.searchsorted(ev, t_n1 - dist[None, :-1], side="right")
+    lo_nb = np.searchsorted(ev, t_n1 - dist[None, 1:], side="right")
+    keep_nb = hi_nb > lo_nb
+    cols = keep_nb.any(0)
+    hi_nb, lo_nb, keep_nb = hi_nb[:, cols], lo_nb[:, cols], keep_nb[:, cols]
+
+    def block_sum(v_e: np.ndarray) -> np.ndarray:
+        # exact per-block sums (differences of cumulative sums lose small blocks to rounding)
+        v = np.append(v_e, 0.0)
+        idx = np.minimum(np.stack([lo_nb, hi_nb], -1).reshape(-1), len(v_e))
+        out = np.add.reduceat(v, idx)[::2].reshape(hi_nb.shape)
+        return np.where(keep_nb, out, 0.0)
+
+    A_nb = np.where(keep_nb, block_sum(aE), 1.0)
+    D_nb = block_sum(dE)
+    le_nb = block_sum(aE * lE) / A_nb
+    Pk_nb = block_sum(aE * PE) / A_nb
+    S_nb = np.where(keep_nb, P_T[steps_n][:, None] - Pk_nb, 1.0)
+    S_nb = np.maximum(S_nb, eta_T[eta_T > 0].min() * 1e-6)
+    return D_nb, np.where(keep_nb, le_nb, 0.0), np.log(S_nb)
+
+
+class _Design:
+    """Schedule features of one curve at its evaluated steps, for one model."""
+
+    def __init__(self, model: str, steps_n: np.ndarray, lr_T: np.ndarray, exact: bool = False):
+        if len(lr_T) <= steps_n[-1]:
+            raise CurveError(f"the schedule has {len(lr_T)} steps, the curve reaches step {steps_n[-1]}")
+        eta_T = np.asarray(lr_T[: int(steps_n[-1]) + 1], dtype=np.float64)
+        peak = float(eta_T.max())
+        if peak <= 0:
+            raise CurveError("the learning rate is zero everywhere")
+        eta_T = np.maximum(eta_T, peak * 1e-12)  # LR 0 (warmup start, decay to 0) -> G = 1 there
+        S1_n = np.cumsum(eta_T)[steps_n]
+        self.model = model
+        self.n = len(steps_n)
+        self.logS1_n = np.log(np.maximum(S1_n, peak * 1e-12))
+        self.eta_n = eta_T[steps_n]
+        if model == "mpl":
+            self.D_nb, self.le_nb, self.lS_nb = _lumped_changes(steps_n, eta_T, exact)
+        else:
+            d_T = np.zeros_like(eta_T)
+            d_T[1:] = eta_T[:-1] - eta_T[1:]
+            inc = np.flatnonzero(d_T[1:] > 0)  # warmup = the initial non-decreasing run
+            d_T[: inc[0] + 1 if len(inc) else len(d_T)] = 0.0
+            m_T = lfilter([1.0], [1.0, -LRA_MOMENTUM], d_T)
+            self.S2_n = np.cumsum(m_T)[steps_n]
+
+    def predict(self, th: np.ndarray, grad: bool = False):
+        """pred_n (and dpred/dtheta, n x P) for natural-coordinate theta (see _MODEL_PARAMS)."""
+        if self.model == "mpl":
+            L0, lA, lal, lB, lC, lbe, lga = th
+            A, al, B, be, ga = np.exp([lA, lal, lB, lbe, lga])
+            pw_n = np.exp(lA - al * self.logS1_n)
+            if self.D_nb.shape[1] == 0:
+                LD_n = np.zeros(self.n)
+                dC_n = dbe_n = dga_n = LD_n
+            else:
+                a_nb = lC - ga * self.le_nb + self.lS_nb
+                logu_nb = np.logaddexp(0.0, a_nb)
+                omG_nb = np.exp(-be * logu_nb)
+                LD_n = (self.D_nb * (1.0 - omG_nb)).sum(1)
+                if grad:
+                    w_nb = be * omG_nb * np.exp(a_nb - logu_nb) * self.D_nb  # dG/dlogC, weighted
+                    dC_n = w_nb.sum(1)
+                    dga_n = -(w_nb * self.le_nb).sum(1) * ga
+                    dbe_n = (self.D_nb * omG_nb * logu_nb).sum(1) * be
+            pred = L0 + pw_n - B * LD_n
+            if not grad:
+                return pred
+            J = np.stack(
+                [np.ones(self.n), pw_n, -pw_n * self.logS1_n * al, -B * LD_n, -B * dC_n, -B * dbe_n, -B * dga_n], 1
+            )
+            return pred, J
+        L0, lA, lal, lC = th
+        al, C = math.exp(lal), math.exp(lC)
+        pw_n = np.exp(lA - al * self.logS1_n)
+        pred = L0 + pw_n - C * self.S2_n
+        if not grad:
+            return pred
+        J = np.stack([np.ones(self.n), pw_n, -pw_n * self.logS1_n * al, -C * self.S2_n], 1)
+        return pred, J
+
+
+# Natural coordinates: L0 and the logs of the positive parameters.
+_MODEL_PARAMS = {
+    "mpl": ("L0", "A", "alpha", "B", "C", "beta", "gamma"),
+    "lra": ("L0", "A", "alpha", "C"),
+}
+_LOG_BOUNDS = {  # bounds on log(parameter): keep exp() finite and the fit physical
+    "A": (-12.0, 8.0),
+    "alpha": (math.log(0.01), math.log(3.0)),
+    "B": (-12.0, 16.0),
+    "C": (-25.0, 12.0),
+    "beta": (math.log(0.01), math.log(20.0)),
+    "gamma": (math.log(0.01), math.log(GAMMA_MAX)),
+}
+_SCALED = ("A", "alpha", "B")  # parameters whose log is linear in log N across sizes
+
+
+# ---- size law: fitted coordinates z -> per-curve natural coordinates theta ----------------------------
+
+
+@dataclass
+class _SizeLaw:
+    """Maps the fitted vector z to each curve's theta. kind: 'none' (one size), 'two' (L0 = E +
+    a (N/N_ref)^-p with p fixed, logs of A, alpha, B linear in log N) or 'many' (p fitted too)."""
+
+    model: str
+    kind: str
+    log_nref: float = 0.0
+
+    @property
+    def names(self) -> list[str]:
+        base = list(_MODEL_PARAMS[self.model])
+        if self.kind == "none":
+            return base
+        out = ["E", "a"] + (["p"] if self.kind == "many" else []) + base[1:]
+        out += [f"s_{k}" for k in _SCALED if k in base]
+        return out
+
+    def theta(self, z: np.ndarray, log_n: float | None) -> tuple[np.ndarray, np.ndarray]:
+        """theta (P,) and dtheta/dz (P x Z) for a curve of log-size log_n."""
+        names = _MODEL_PARAMS[self.model]
+        P, Z = len(names), len(z)
+        J = np.zeros((P, Z))
+        if self.kind == "none":
+            return z.copy(), np.eye(P)
+        x = (log_n - self.log_nref) if log_n is not None else 0.0
+        E, la = z[0], z[1]
+        off = 2
+        if self.kind == "many":
+            p = math.exp(z[2])
+            off = 3
+        else:
+            p = CHINCHILLA_ALPHA
+        th = np.zeros(P)
+        term = math.exp(la - p * x)
+        th[0] = E + term
+        J[0, 0], J[0, 1] = 1.0, term
+        if self.kind == "many":
+            J[0, 2] = -term * x * p
+        for i in range(1, P):
+            th[i] = z[off + i - 1]
+            J[i, off + i - 1] = 1.0
+        s0 = off + P - 1
+        for j, k in enumerate([k for k in _SCALED if k in names]):
+            i = names.index(k)
+            th[i] += z[s0 + j] * x
+            J[i, s0 + j] = x
+        return th, J
+
+
+# ---- the fit ---------------------------------------------------------------------------------------------
+
+
+def _huber(r: np.ndarray, delta: float):
+    a = np.abs(r)
+    quad = a < delta
+    return np.where(quad, 0.5 * r * r, delta * (a - 0.5 * delta)), np.where(quad, r, delta * np.sign(r))
+
+
+def _objective(z, designs, ys, log_ns, law: _SizeLaw, weights):
+    f = 0.0
+    g = np.zeros(len(z))
+    for des, y, log_n, w in zip(designs, ys, log_ns, weights):
+        th, Jz = law.theta(z, log_n)
+        pred, J = des.predict(th, grad=True)
+        ok = pred > 1e-9
+        r = np.log(y) - np.log(np.where(ok, pred, 1e-9))
+        h, dh = _huber(r, HUBER_DELTA)
+        wh = h if w is None else w * h
+        f += float(wh.sum())
+        dpred = np.where(ok, -(dh if w is None else w * dh) / np.where(ok, pred, 1.0), 0.0)
+        g += (dpred @ J) @ Jz
+    if not math.isfinite(f):
+        return 1e30, np.zeros(len(z))
+    return f, g
+
+
+def _bounds(law: _SizeLaw, y_min: float) -> list[tuple[float | None, float | None]]:
+    out = []
+    for name in law.names:
+        if name in ("L0", "E"):
+            out.append((0.0, y_min))
+        elif name == "a":
+            out.append((-12.0, 3.0))
+        elif name == "p":
+            out.append((math.log(0.05), math.log(1.5)))
+        elif name.startswith("s_"):
+            out.append((-1.5, 1.5))
+        else:
+            out.append(_LOG_BOUNDS[name])
+    return out
+
+
+def _lbfgs(z0, args, bounds, maxiter=4000):
+    return minimize(
+        _objective, z0, args=args, jac=True, method="L-BFGS-B", bounds=bounds,
+        options={"maxiter": maxiter, "maxfun": 3 * maxiter, "ftol": 1e-13, "gtol": 1e-9},
+    )
+
+
+def _linearised_start(designs, ys, model: str) -> np.ndarray:
+    """L0, log A, log alpha and the LR-coefficient of the 'instant' model L0 + A S1^-alpha + B eta_t
+    (every LR change fully felt at once, G = 1), fitted from a small grid (as the published fit starts)."""
+    y_min = min(float(y.min()) for y in ys)
+    logS1 = np.concatenate([d.logS1_n for d in designs])
+    eta = np.concatenate([d.eta_n for d in designs])
+    y = np.concatenate(ys)
+    eta_ref = float(eta.max())
+
+    def obj(v):
+        L0, lA, lal, b = v
+        al = math.exp(lal)
+        pw = np.exp(lA - al * logS1)
+        pred = L0 + pw + b * eta / eta_ref
+        ok = pred > 1e-9
+        r = np.log(y) - np.log(np.where(ok, pred, 1e-9))
+        h, dh = _huber(r, HUBER_DELTA)
+        dp = np.where(ok, -dh / np.where(ok, pred, 1.0), 0.0)
+        return float(h.sum()), np.array([dp.sum(), (dp * pw).sum(), -(dp * pw * logS1).sum() * al, (dp * eta).sum() / eta_ref])
+
+    best = None
+    bnds = [(0.0, y_min), (-12.0, 8.0), _LOG_BOUNDS["alpha"], (0.0, y_min)]
+    for frac in (0.5, 0.8, 0.95):
+        for al in (0.3, 0.6):
+            L0 = frac * y_min
+            lA = math.log(max(float(np.median(y)) - L0, 1e-3)) + al * float(np.median(logS1))
+            r = minimize(obj, [L0, lA, math.log(al), 0.01 * y_min], jac=True, method="L-BFGS-B", bounds=bnds,
+                         options={"maxiter": 2000})
+            if best is None or r.fun < best.fun:
+                best = r
+    return best.x
+
+
+def _starts(model: str, lin: np.ndarray, eta_ref: float) -> list[np.ndarray]:
+    L0, lA, lal, b = lin
+    if model == "lra":
+        # C * S2 ~ b eta / eta_ref after a long decay, and S2 ~ drop / (1 - lambda)
+        lC = math.log(max(b, 1e-4) / eta_ref * (1.0 - LRA_MOMENTUM))
+        return [np.array([L0, lA, lal, lC + k]) for k in (0.0, -1.5, 1.5)]
+    lB = math.log(max(b, 1e-4) / eta_ref)
+    out = []
+    # x = C eta^-gamma S: start with C eta_ref^(1-gamma) ~ 1/(few hundred steps) .. 1/(few steps)
+    for c_steps, be, ga in ((30.0, 0.5, 0.5), (300.0, 1.0, 0.8), (3.0, 0.4, 0.3), (100.0, 1.5, 0.6)):
+        lC = -math.log(c_steps) - (1.0 - ga) * math.log(eta_ref)
+        out.append(np.array([L0, lA, lal, lB, lC, math.log(be), math.log(ga)]))
+    return out
+
+
+def _to_sized(z_plain: np.ndarray, law: _SizeLaw) -> np.ndarray:
+    """A one-size solution as the start of a size-law fit (L0 split as E + a, no scaling)."""
+    L0 = z_plain[0]
+    E = 0.7 * L0
+    head = [E, math.log(L0 - E)] + ([math.log(CHINCHILLA_ALPHA)] if law.kind == "many" else [])
+    n_s = len([k for k in _SCALED if k in _MODEL_PARAMS[law.model]])
+    return np.r_[head, z_plain[1:], np.zeros(n_s)]
+
+
+@dataclass
+class CurveFit:
+    """A fitted curve model. `predict(steps, lr, params=None)` gives the loss at `steps` under
+    schedule `lr` (dense per step, or one value per step) for a model of `params` parameters."""
+
+    model: str
+    names: list[str]
+    z: np.ndarray
+    law_kind: str = "none"
+    log_nref: float = 0.0
+    size_n: float | None = None  # the single training size (law 'none'), when known
+    boot_z: np.ndarray | None = None  # K x Z bootstrap refits
+    resid_rel_std: float = 0.0  # robust std of the relative training residuals
+    info: dict = field(default_factory=dict)
+
+    @property
+    def _law(self) -> _SizeLaw:
+        return _SizeLaw(self.model, self.law_kind, self.log_nref)
+
+    @property
+    def params(self) -> dict[str, float]:
+        """Fitted values in natural units (positive parameters exponentiated)."""
+        out = {}
+        for k, v in zip(self.names, self.z):
+            out[k] = float(math.exp(v)) if k in _LOG_BOUNDS or k in ("a", "p") else float(v)
+        return out
+
+    def curve_params(self, params: float | None = None) -> dict[str, float]:
+        """The curve parameters (L0, A, alpha, ...) at model size `params`."""
+        th = self._theta(self.z, params)
+        names = _MODEL_PARAMS[self.model]
+        return {k: float(v if k == "L0" else math.exp(v)) for k, v in zip(names, th)}
+
+    def _theta(self, z: np.ndarray, params: float | None) -> np.ndarray:
+        law = self._law
+        if law.kind != "none":
+            if params is None:
+                raise CurveError("this fit depends on model size (curves of several sizes): pass params=N")
+            return law.theta(z, math.log(float(params)))[0]
+        th = z.copy()
+        if params is not None and self.size_n is not None and float(params) != self.size_n:
+            th[0] = _prior_l0(th[0], self.size_n, float(params))
+        return th
+
+    def predict(self, steps, lr, params: float | None = None, _z: np.ndarray | None = None) -> np.ndarray:
+        steps_n = _check_steps(steps, "predict")
+        lr_T = _dense_lr(steps_n, lr, "predict")
+        th = self._theta(self.z if _z is None else _z, params)
+        out = np.empty(len(steps_n))
+        n_blocks = len(_block_distances(int(steps_n[-1]) + 1))
+        chunk = max(1, _EVAL_CHUNK // max(n_blocks, 1))
+        for i in range(0, len(steps_n), chunk):
+            out[i : i + chunk] = _Design(self.model, steps_n[i : i + chunk], lr_T).predict(th)
+        return out
+
+    def predict_curve(self, curve: Curve) -> np.ndarray:
+        return self.predict(curve.step, curve.lr_per_step, params=curve.params)
+
+    def band(self, steps, lr, params: float | None = None, level: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
+        """(lo, hi) around predict(): the bootstrap refits' spread (when fitted with n_boot) and the
+        training residuals' relative scatter, added in quadrature; normal quantiles at `level`."""
+        from scipy.stats import norm
+
+        pred = self.predict(steps, lr, params)
+        zq = float(norm.ppf(0.5 + level / 2))
+        var = (self.resid_rel_std * pred) ** 2
+        if self.boot_z is not None and len(self.boot_z) >= 2:
+            draws = np.stack([self.predict(steps, lr, params, _z=zb) for zb in self.boot_z])
+            var = var + draws.var(0, ddof=1)
+        half = zq * np.sqrt(var)
+        return pred - half, pred + half
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {
+            "model": self.model,
+            "names": list(self.names),
+            "z": [float(v) for v in self.z],
+            "params": self.params,
+            "law_kind": self.law_kind,
+            "log_nref": self.log_nref,
+            "size_n": self.size_n,
+            "resid_rel_std": self.resid_rel_std,
+            "boot_z": None if self.boot_z is None else [[float(v) for v in row] for row in self.boot_z],
+            "info": self.info,
+        }
+        if self.law_kind == "none":
+            d["size_prior"] = (
+                f"one training size: another size N gets L0(N) = E + (L0 - E) (N/N_fit)^-{CHINCHILLA_ALPHA} with "
+                f"E/L0 from Chinchilla's L(N) = {CHINCHILLA_E} + {CHINCHILLA_A}/N^{CHINCHILLA_ALPHA} at N_fit; "
+                "the other parameters are kept"
+            )
+        else:
+            d["size_law"] = (
+                "L0(N) = E + a (N/N_ref)^-p, log A, log alpha, log B linear in log(N/N_ref) (slopes s_*), "
+                f"N_ref = {math.exp(self.log_nref):.4g}"
+                + ("" if self.law_kind == "many" else f", p fixed at {CHINCHILLA_ALPHA} (two sizes)")
+            )
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "CurveFit":
+        try:
+            boot = d.get("boot_z")
+            return cls(
+                model=d["model"],
+                names=list(d["names"]),
+                z=np.asarray(d["z"], dtype=np.float64),
+                law_kind=d.get("law_kind", "none"),
+                log_nref=float(d.get("log_nref", 0.0)),
+                size_n=d.get("size_n"),
+                boot_z=None if boot is None else np.asarray(boot, dtype=np.float64),
+                resid_rel_std=float(d.get("resid_rel_std", 0.0)),
+                info=dict(d.get("info", {})),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise CurveError(f"not a curve fit: {e}") from None
+
+
+def _prior_l0(L0: float, n_fit: float, n_new: float) -> float:
+    """Chinchilla-shaped L0(N) through (n_fit, L0): E + (L0 - E) (n_new/n_fit)^-alpha, E/L0 as in
+    Chinchilla's L(N) at n_fit."""
+    red = CHINCHILLA_A * n_fit ** -CHINCHILLA_ALPHA
+    E = L0 * CHINCHILLA_E / (CHINCHILLA_E + red)
+    return E + (L0 - E) * (n_new / n_fit) ** -CHINCHILLA_ALPHA
+
+
+def relative_errors(pred, loss) -> dict[str, float]:
+    e = np.abs(np.asarray(pred, dtype=np.float64) - np.asarray(loss, dtype=np.float64)) / np.asarray(loss, dtype=np.float64)
+    return {"mean_rel_err": float(e.mean()), "max_rel_err": float(e.max()), "n": int(len(e))}
+
+
+def _block_weights(n: int, rng: np.random.Generator, block: int = 8) -> np.ndarray:
+    nb = -(-n // block)
+    counts = rng.multinomial(nb, np.full(nb, 1.0 / nb))
+    return np.repeat(counts, block)[:n].astype(np.float64)
+
+
+def fit_curves(
+    curves: Sequence[Curve],
+    model: str = "mpl",
+    *,
+    n_boot: int = 0,
+    seed: int = 0,
+    exact: bool = False,
+) -> CurveFit:
+    """Fit `model` ("mpl" or "lra") to `curves` with shared parameters (a size law across sizes when
+    the curves carry several `params` values). n_boot > 0 adds block-bootstrap refits for bands.
+    Raises CurveError for unusable input, CurveFitError when the fit does not converge."""
+    t0 = time.perf_counter()
+    if model not in MODELS:
+        raise CurveError(f"unknown curve model {model!r}; choose one of {', '.join(MODELS)}")
+    curves = list(curves)
+    if not curves:
+        raise CurveError("no curves to fit")
+    for i, c in enumerate(curves):
+        if not isinstance(c, Curve):
+            raise CurveError(f"curve {i}: expected a Curve, got {type(c).__name__}")
+        if c.loss is None:
+            raise CurveError(f"curve {c.name or i}: has no loss to fit")
+    has_n = [c.params is not None for c in curves]
+    if any(has_n) and not all(has_n):
+        missing = [c.name or str(i) for i, c in enumerate(curves) if c.params is None]
+        raise CurveError(f"params (model size) given for some curves but not for {', '.join(missing)}")
+    sizes = sorted({c.params for c in curves}) if all(has_n) else []
+    kind = "none" if len(sizes) <= 1 else ("two" if len(sizes) == 2 else "many")
+    log_nref = float(np.mean(np.log(sizes))) if sizes else 0.0
+    law = _SizeLaw(model, kind, log_nref)
+    n_points = sum(len(c.step) for c in curves)
+    n_free = len(law.names)
+    if n_points <= n_free:
+        raise CurveError(f"{n_points} points in all, but the {model} fit has {n_free} parameters: need more points")
+
+    designs = [_Design(model, c.step, c.lr_per_step, exact=exact) for c in curves]
+    ys = [c.loss for c in curves]
+    log_ns = [math.log(c.params) if c.params is not None else None for c in curves]
+    y_min = min(float(y.min()) for y in ys)
+    eta_ref = max(float(c.lr_per_step[: c.step[-1] + 1].max()) for c in curves)
+
+    # one-size fit first (all curves pooled); with several sizes it seeds the size-law fit
+    plain = _SizeLaw(model, "none")
+    lin = _linearised_start(designs, ys, model)
+    pb = _bounds(plain, y_min)
+    results = []
+    for z0 in _starts(model, lin, eta_ref):
+        z0 = np.clip(z0, [b[0] if b[0] is not None else -np.inf for b in pb], [b[1] if b[1] is not None else np.inf for b in pb])
+        results.append(_lbfgs(z0, (designs, ys, log_ns, plain, [None] * len(ys)), pb))
+    best = min(results, key=lambda r: r.fun if np.isfinite(r.fun) else np.inf)
+    if kind != "none":
+        sb = _bounds(law, y_min)
+        z0 = np.clip(_to_sized(best.x, law), [b[0] for b in sb], [b[1] for b in sb])
+        results = [_lbfgs(z0, (designs, ys, log_ns, law, [None] * len(ys)), sb)]
+        best = results[0]
+        bounds = sb
+    else:
+        bounds = pb
+    if not np.all(np.isfinite(best.x)) or not np.isfinite(best.fun) or best.fun >= 1e29:
+        raise CurveFitError(f"the {model} curve fit did not converge (no finite solution)")
+    converged = any(r.success for r in results if abs(r.fun - best.fun) <= 1e-6 * max(abs(best.fun), 1e-12))
+    if not converged:
+        raise CurveFitError(f"the {model} curve fit did not converge: {best.message}")
+
+    fit = CurveFit(model=model, names=law.names, z=best.x, law_kind=kind, log_nref=log_nref,
+                   size_n=sizes[0] if len(sizes) == 1 else None)
+    rel = []
+    per_curve = []
+    for c, des, log_n in zip(curves, designs, log_ns):
+        pred = des.predict(law.theta(best.x, log_n)[0])
+        if not np.all(np.isfinite(pred)) or np.any(pred <= 0):
+            raise CurveFitError(f"the {model} curve fit did not converge: non-finite or non-positive predictions")
+        rel.append((c.loss - pred) / c.loss)
+        per_curve.append({"name": c.name, **relative_errors(pred, c.loss)})
+    rel_all = np.concatenate(rel)
+    fit.resid_rel_std = float(1.4826 * np.median(np.abs(rel_all - np.median(rel_all))))
+    mean_err = float(np.mean(np.abs(rel_all)))
+    if mean_err > 0.1:
+        raise CurveFitError(
+            f"the {model} curve fit cannot describe these curves (mean relative training error {100 * mean_err:.1f}%)"
+        )
+
+    if n_boot > 0:
+        rng = np.random.default_rng(seed)
+        boots = []
+        for _ in range(n_boot):
+            w = [_block_weights(len(y), rng) for y in ys]
+            r = _lbfgs(best.x, (designs, ys, log_ns, law, w), bounds, maxiter=1000)
+            if np.all(np.isfinite(r.x)):
+                boots.append(r.x)
+        fit.boot_z = np.asarray(boots) if boots else None
+
+    fit.info = {
+        "objective": float(best.fun),
+        "n_points": n_points,
+        "n_curves": len(curves),
+        "sizes": sizes,
+        "iterations": int(best.nit),
+        "converged": True,
+        "train": per_curve,
+        "seconds": round(time.perf_counter() - t0, 3),
+    }
+    return fit
