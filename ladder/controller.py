@@ -120,7 +120,8 @@ class ClaimLost(RuntimeError):
 
 
 def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
-    """Runs on a Ray worker: claim, train with resume, mirror to MLflow, release."""
+    """Runs on a Ray worker: claim, train with resume, release. (The controller mirrors the
+    run dir into MLflow; the worker only trains.)"""
     from engines.base import DivergedError, read_status, write_status
     from engines.registry import get_engine
     from ladder.progress import Reporter
@@ -134,22 +135,16 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
     if claim is None:
         return {**base, "outcome": "busy", "holder": ledger.live_claim(ctx["root"], spec.id)}
     report = Reporter(ctx.get("sink"), spec.id)
-    tracker = None
-    state, note, last, engine_s = "failed", "", None, 0.0
+    state, note, last, engine_s, first_step = "failed", "", None, 0.0, 0
     try:
         if ledger.is_finished(rd, spec):
             return {**base, "outcome": "skipped", "note": "finished by another submission"}
         _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time()})
-        if ctx.get("tracking_uri"):
-            from ladder import tracking
-
-            tracking.bounded_http_retries()
-            tracker = tracking.RunTracker(
-                ctx["tracking_uri"], ctx["experiment"], spec, rd, ctx.get("parent_run_id"), ctx.get("experiment_file", ""), reopen=True
-            ).start(ctx.get("tracking_every_s", 2.0))
         report({**base, "step": 0}, force=True)
         t0 = time.perf_counter()
         for m in get_engine(spec.engine).train(spec, rd, resume=True):
+            if last is None:
+                first_step = m.step
             last = m
             if claim.lost:
                 raise ClaimLost("another submission judged this worker dead and took the spec over")
@@ -170,7 +165,6 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
         if read_status(rd).get("state") in ("running", "pending"):
             write_status(rd, "failed", error=note, traceback=traceback.format_exc()[-4000:])
     finally:
-        synced = tracker.stop(state) if tracker is not None else None
         claim.release()
     report({**base, "step": (last.step + 1) if last else 0, "loss": last.loss if last else None, "state": state}, force=True)
     return {
@@ -180,8 +174,7 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
         "step": None if last is None else last.step,
         "loss": None if last is None else last.loss,
         "engine_s": engine_s,
-        "tracking_synced": synced,
-        "tracking_error": None if tracker is None else tracker.error,
+        "steps_run": 0 if last is None else last.step + 1 - first_step,
     }
 
 
@@ -213,6 +206,8 @@ class SubmitResult:
     tracking_uri: str | None = None
     wall_s: float = 0.0
     interrupted: bool = False
+    tracking_s: float = 0.0  # the controller's time in MLflow calls (a background thread)
+    tracking_open_s: float = 0.0  # of which opening child runs (create, params, spec.yaml)
 
     @property
     def ok(self) -> bool:
@@ -282,9 +277,12 @@ def submit(
     for p in planned:
         if p.action == "skip-diverged":
             console.print(f"{p.spec.name}: diverged earlier, not rerun (change the spec to train it again)", highlight=False)
+    backlog = _untracked(root, tracking_uri, planned) if tracking else []
     if not todo:
         n_done = sum(p.action == "skip-finished" for p in planned)
         console.print(f"{exp.name}: all {n_done} selected specs already finished; nothing to train.", highlight=False)
+        if backlog:
+            _catch_up(console, root, tracking_uri, exp, backlog)
         result.wall_s = time.perf_counter() - t_start
         return result
 
@@ -296,20 +294,12 @@ def submit(
         for p in todo:
             ledger.write_spec_file(p.run_dir, p.spec)
         owner = uuid.uuid4().hex
-        ctx: dict[str, Any] = {
-            "root": str(root),
-            "owner": owner,
-            "experiment": exp.name,
-            "experiment_file": exp.path,
-            "tracking_uri": None,
-        }
-        sub = None
-        if tracking:
-            sub = _open_tracking(console, root, tracking_uri, exp, [p.spec for p in todo], owner)
-            ctx["tracking_uri"] = tracking_uri_resolved = _resolved_uri(tracking_uri, root)
-            result.tracking_uri = tracking_uri_resolved
-            if sub is not None:
-                ctx["parent_run_id"] = result.parent_run_id = sub.run_id
+        ctx: dict[str, Any] = {"root": str(root), "owner": owner}
+        mirror = _Mirror(console, root, tracking_uri, exp, [p.spec for p in todo], owner) if tracking else None
+        if mirror is not None:
+            result.tracking_uri, result.parent_run_id = mirror.uri, mirror.parent_run_id
+            for p in backlog:  # finished while MLflow was away, or its controller died first
+                mirror.ended(p, "finished")
         from ladder.progress import SweepDisplay, progress_sink
 
         ctx["sink"] = progress_sink()
@@ -319,17 +309,19 @@ def submit(
         display = SweepDisplay([(p.spec.id, p.spec.name, p.spec.total_steps) for p in todo], console, show_progress)
         try:
             with display:
-                _dispatch(todo, ctx, result, display, max_concurrent, retries)
+                _dispatch(todo, ctx, result, display, max_concurrent, retries, mirror)
         except KeyboardInterrupt:
             result.interrupted = True
-            _close_tracking(sub, "KILLED")
+            if mirror is not None:
+                mirror.close(result, "KILLED", timeout_s=20)
             console.print(
                 f"interrupted: runs stopped at their last checkpoint. Resume with:\n  "
                 f"{resume_hint(exp, only, engine, address, include_hero, tracking_uri, root)}",
                 highlight=False,
             )
             raise
-        _close_tracking(sub, "FINISHED" if result.ok else "FAILED")
+        if mirror is not None:
+            mirror.close(result, "FINISHED" if result.ok else "FAILED")
         result.wall_s = time.perf_counter() - t_start
         console.print(summary_table(exp, result), highlight=False)
         behind = [o["name"] for o in result.outcomes.values() if o.get("tracking_synced") is False]
@@ -345,38 +337,88 @@ def submit(
             ray.shutdown()
 
 
-def _resolved_uri(uri: str | None, root: Path) -> str:
+def _untracked(root: Path, tracking_uri: str | None, planned: list[Planned]) -> list[Planned]:
+    """Finished runs the tracking store is not known to hold in full (cheap: tracking.json)."""
     from ladder.tracking import resolve_tracking_uri
 
-    return resolve_tracking_uri(uri, root)
+    uri = resolve_tracking_uri(tracking_uri, root)
+    return [p for p in planned if p.action == "skip-finished" and not ledger.tracking_complete(p.run_dir, uri, p.spec)]
 
 
-def _open_tracking(console, root, uri, exp, specs, owner):
+def _catch_up(console: Console, root: Path, tracking_uri: str | None, exp: Experiment, backlog: list[Planned]) -> None:
     from ladder import tracking
 
-    uri = tracking.resolve_tracking_uri(uri, root)
+    uri = tracking.resolve_tracking_uri(tracking_uri, root)
     tracking.bounded_http_retries()
     try:
         tracking.prepare_store(uri)
-        return tracking.start_submission(uri, exp, specs, {"owner": owner, "host": socket.gethostname(), "argv": shlex.join(sys.argv)[:490]})
+        parent = tracking.latest_parent_run(uri, exp.name)
+        sent = 0
+        for p in backlog:
+            t = tracking.RunTracker(uri, exp.name, p.spec, p.run_dir, parent, exp.path)
+            sent += t.upload()
+            t.set_final("finished")
+        console.print(f"uploaded {sent} missing metric values of {len(backlog)} finished run(s) to MLflow", highlight=False)
     except Exception as err:
         console.print(
-            f"warning: MLflow at {uri} is unreachable ({type(err).__name__}); training goes on, metrics.jsonl keeps "
-            "everything, and `ladder sync` uploads it later",
+            f"warning: {len(backlog)} finished run(s) are not fully in MLflow at {uri} ({type(err).__name__}); "
+            f"`ladder sync {exp.name}` uploads them when it is reachable",
             highlight=False,
         )
-        return None
 
 
-def _close_tracking(sub, status: str) -> None:
-    if sub is None:
-        return
-    from ladder import tracking
+class _Mirror:
+    """The submission's MLflow side: its parent run, and a pump that mirrors each run dir into
+    the run's child run from the moment a worker starts training it."""
 
-    try:
-        tracking.end_submission(sub, status)
-    except Exception:
-        pass  # the parent run's status is cosmetic; the runs themselves are in the run dirs
+    def __init__(self, console: Console, root: Path, uri: str | None, exp: Experiment, specs: list[Spec], owner: str):
+        from ladder import tracking
+
+        self.uri = tracking.resolve_tracking_uri(uri, root)
+        self.exp = exp
+        self.sub = None
+        tracking.bounded_http_retries()  # the controller must not hang for minutes on a dead server
+        try:
+            tracking.prepare_store(self.uri)
+            self.sub = tracking.start_submission(
+                self.uri, exp, specs, {"owner": owner, "host": socket.gethostname(), "argv": shlex.join(sys.argv)[:490]}
+            )
+        except Exception as err:
+            console.print(
+                f"warning: MLflow at {self.uri} is unreachable ({type(err).__name__}); training goes on, metrics.jsonl "
+                "keeps everything, and `ladder sync` uploads it later",
+                highlight=False,
+            )
+        self.parent_run_id = None if self.sub is None else self.sub.run_id
+        self.pump = tracking.TrackingPump()
+
+    def started(self, p: Planned) -> None:
+        from ladder import tracking
+
+        if not self.pump.watching(p.spec.id):
+            self.pump.watch(
+                p.spec.id,
+                tracking.RunTracker(self.uri, self.exp.name, p.spec, p.run_dir, self.parent_run_id, self.exp.path, reopen=True),
+            )
+
+    def ended(self, p: Planned, state: str) -> None:
+        self.started(p)
+        self.pump.finish(p.spec.id, state)
+
+    def close(self, result: SubmitResult, status: str, timeout_s: float = 60.0) -> None:
+        from ladder import tracking
+
+        synced = self.pump.close(timeout_s)
+        result.tracking_s, result.tracking_open_s = self.pump.busy_s, self.pump.open_s
+        for sid, out in result.outcomes.items():
+            if sid in synced:
+                out["tracking_synced"] = synced[sid]
+                out["tracking_error"] = self.pump.trackers[sid].error
+        if self.sub is not None:
+            try:
+                tracking.end_submission(self.sub, status)
+            except Exception:
+                pass  # the parent run's status is cosmetic; the runs themselves are in the run dirs
 
 
 _REMOTE = None
@@ -399,9 +441,12 @@ def _launch(p: Planned, ctx: dict, retries: int):
     ).remote(p.spec.model_dump_json(), str(p.run_dir), ctx)
 
 
-def _dispatch(todo: list[Planned], ctx: dict, result: SubmitResult, display, max_concurrent: int | None, retries: int) -> None:
+def _dispatch(
+    todo: list[Planned], ctx: dict, result: SubmitResult, display, max_concurrent: int | None, retries: int, mirror
+) -> None:
     import ray
 
+    by_id = {p.spec.id: p for p in todo}
     queue = list(todo)
     inflight: dict[Any, Planned] = {}
     deferred: dict[str, Planned] = {}
@@ -430,8 +475,12 @@ def _dispatch(todo: list[Planned], ctx: dict, result: SubmitResult, display, max
                     display.waiting(p.spec.id, f"held by another submission ({h.get('host')} pid {h.get('pid')}); waiting")
                     continue
                 result.outcomes[p.spec.id] = out
+                if mirror is not None and out["outcome"] != "skipped":
+                    mirror.ended(p, out["outcome"])
                 display.done(p.spec.id, out["outcome"], _note(out))
             for key, upd in ray.get(ctx["sink"].drain.remote()).items():
+                if mirror is not None and key in by_id and "state" not in upd:
+                    mirror.started(by_id[key])  # a worker holds the spec and trains it
                 display.update(key, upd)
             if deferred and time.monotonic() - last_poll > DEFER_POLL_S:
                 last_poll = time.monotonic()
@@ -446,6 +495,10 @@ def _dispatch(todo: list[Planned], ctx: dict, result: SubmitResult, display, max
                         queue.append(p)
     except KeyboardInterrupt:
         _cancel(inflight)
+        for ref, p in inflight.items():
+            out = _outcome(ref, p) if ray.wait([ref], timeout=0)[0] else {"outcome": "interrupted"}
+            if mirror is not None and mirror.pump.watching(p.spec.id):
+                mirror.ended(p, out.get("outcome", "interrupted"))
         raise
 
 

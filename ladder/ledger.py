@@ -262,6 +262,12 @@ def read_tracking(run_dir: str | Path) -> dict[str, dict[str, Any]]:
 _tracking_lock = threading.Lock()
 
 
+def tracking_complete(run_dir: str | Path, uri: str, spec: "Spec") -> bool:
+    """Whether the MLflow store at uri is known to hold all of a finished run (by tracking.json)."""
+    t = read_tracking(run_dir).get(uri, {})
+    return t.get("final_state") == "finished" and int(t.get("synced_step", -1)) >= final_step(spec)
+
+
 def update_tracking(run_dir: str | Path, uri: str, **fields: Any) -> None:
     with _tracking_lock:
         data = read_tracking(run_dir)

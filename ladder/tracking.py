@@ -5,8 +5,9 @@ is interrupted and resumed, even by a later submission, keeps logging into the s
 moves under the submission that continues it), so a run's curve is never split or repeated.
 
 Metrics come from the run dir's metrics.jsonl, the source of truth, in batches of whole steps
-(`MlflowClient.log_batch`, at most 1,000 values a call) from a background thread of the worker,
-so a slow or absent tracking server never stalls training. What is in MLflow is always decided by
+(`MlflowClient.log_batch`, at most 1,000 values a call) from one background thread of the
+controller (TrackingPump), so a slow or absent tracking server never stalls training and a
+training process never spends time on MLflow. What is in MLflow is always decided by
 asking MLflow: every record carries every key with the `loss` key in all of them, a batch holds
 whole steps in order and is committed atomically, so the largest logged step of `loss` is exactly
 where the upload stopped. After any failure the uploader asks again before sending, and
@@ -285,17 +286,27 @@ class RunTracker:
         self.run_id: str | None = None
         self.synced_step: int | None = None  # None: ask MLflow before the next upload
         self.uploaded = 0
+        self.busy_s = 0.0  # wall time spent talking to MLflow (the price of tracking)
+        self.open_s = 0.0  # of which opening the run (create, params, spec artifact): once a run
         self.error: str | None = None
         self._tail = MetricsTail(self.run_dir / METRICS_FILE)
         self._pending: dict[int, dict] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._final_state: str | None = None
+        self._recorded_step: int | None = None
 
     # -- the MLflow side ------------------------------------------------------------------------
     def ensure_run(self) -> str:
         if self.run_id is not None:
             return self.run_id
+        t0 = time.perf_counter()
+        try:
+            return self._open()
+        finally:
+            self.open_s += time.perf_counter() - t0
+
+    def _open(self) -> str:
         c = client(self.uri)
         exp_id = experiment_id(self.uri, self.experiment_name)
         run_id = self._find_run(c, exp_id)
@@ -383,11 +394,11 @@ class RunTracker:
             try:
                 client(self.uri).log_batch(run_id, metrics=batch)
             except Exception:
-                self.synced_step = None  # it may or may not have landed: ask before resending
+                self._record_synced()  # what earlier batches of this call did land
+                self.synced_step = None  # this one may or may not have: ask before resending
                 raise
             self.synced_step = batch_last
             sent += len(batch)
-            ledger.update_tracking(self.run_dir, self.uri, synced_step=batch_last)
             batch = []
 
         for s in steps:
@@ -403,7 +414,15 @@ class RunTracker:
         for s in steps:
             self._pending.pop(s, None)
         self.uploaded += sent
+        self._record_synced()
         return sent
+
+    def _record_synced(self) -> None:
+        """tracking.json's synced_step: what MLflow is known to hold (a hint for cheap checks;
+        uploads themselves always ask MLflow)."""
+        if self.synced_step is not None and self.synced_step != self._recorded_step:
+            ledger.update_tracking(self.run_dir, self.uri, synced_step=self.synced_step)
+            self._recorded_step = self.synced_step
 
     def set_final(self, state: str) -> None:
         """Close the MLflow run with the run dir's final state."""
@@ -420,6 +439,7 @@ class RunTracker:
         return self
 
     def _attempt(self, final: bool) -> bool:
+        t0 = time.perf_counter()
         try:
             self.upload()
             if final and self._final_state is not None:
@@ -438,6 +458,8 @@ class RunTracker:
             self.error = f"{type(err).__name__}: {str(err)[:200]}"
             self.synced_step = None
             return False
+        finally:
+            self.busy_s += time.perf_counter() - t0
 
     def _loop(self, every_s: float) -> None:
         wait = 0.0  # open the MLflow run at once, so it shows while the engine starts
@@ -458,6 +480,76 @@ class RunTracker:
         else:
             self._attempt(final=True)
         return self.error is None
+
+
+# ---- the controller's uploader ------------------------------------------------------------------
+class TrackingPump:
+    """One thread in the controller mirrors every run of a submission into MLflow.
+
+    The uploads live in the driver, not in the workers: training processes never pay for
+    MLflow (its SQL store spends about a millisecond of Python per value, which would land on a
+    small model's step), the embedded SQLite store has a single writer (no "database is locked",
+    no SQLite over NFS from other nodes), and workers need not import MLflow at all.
+    """
+
+    def __init__(self, every_s: float = 2.0):
+        self.every_s = every_s
+        self.trackers: dict[str, RunTracker] = {}
+        self._final: dict[str, str] = {}
+        self._done: dict[str, bool] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True, name="ladder-tracking-pump")
+        self._thread.start()
+
+    def watch(self, key: str, tracker: RunTracker) -> None:
+        with self._lock:
+            self.trackers.setdefault(key, tracker)
+        self._wake.set()
+
+    def watching(self, key: str) -> bool:
+        return key in self.trackers
+
+    def finish(self, key: str, state: str) -> None:
+        """The run ended in `state`: upload the rest and close its MLflow run."""
+        with self._lock:
+            self._final[key] = state
+        self._wake.set()
+
+    def _loop(self) -> None:
+        backoff = self.every_s
+        while True:
+            self._wake.wait(backoff)
+            self._wake.clear()
+            stopping = self._stop.is_set()
+            with self._lock:
+                work = [(k, t, self._final.get(k)) for k, t in self.trackers.items() if not self._done.get(k)]
+            ok_all = True
+            for key, tracker, final in work:
+                tracker._final_state = final
+                ok = tracker._attempt(final=final is not None)
+                ok_all &= ok
+                if ok and final is not None:
+                    self._done[key] = True
+            if stopping:
+                return
+            backoff = self.every_s if ok_all else min(backoff * 2, 30.0)
+
+    def close(self, timeout_s: float = 60.0) -> dict[str, bool]:
+        """Flush everything (one last round); {key: True if MLflow has all of that run}."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout_s)
+        return {k: bool(self._done.get(k)) for k in self.trackers}
+
+    @property
+    def busy_s(self) -> float:
+        return sum(t.busy_s for t in self.trackers.values())
+
+    @property
+    def open_s(self) -> float:
+        return sum(t.open_s for t in self.trackers.values())
 
 
 # ---- sync ----------------------------------------------------------------------------------------

@@ -79,11 +79,11 @@ def assert_complete_and_unique(uri: str, run_id: str, run_dir: Path) -> None:
         assert sorted(got[k]) == want, f"{k}: {len(got[k])} points in MLflow, {len(want)} in metrics.jsonl"
 
 
-def test_an_outage_mid_run_is_caught_up_by_the_worker_with_nothing_lost_or_doubled(server, tmp_path, monkeypatch):
+def test_an_outage_mid_run_is_caught_up_by_the_uploader_with_nothing_lost_or_doubled(server, tmp_path, monkeypatch):
     from engines.registry import get_engine
 
     for var, value in (("MAX_RETRIES", "1"), ("BACKOFF_FACTOR", "1"), ("TIMEOUT", "10")):
-        monkeypatch.setenv(f"MLFLOW_HTTP_REQUEST_{var}", value)  # what a worker sets
+        monkeypatch.setenv(f"MLFLOW_HTTP_REQUEST_{var}", value)  # what the controller sets
     spec = tiny_spec("outage", steps=40)
     run_dir = tmp_path / "run"
     ledger.write_spec_file(run_dir, spec)
