@@ -134,6 +134,20 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[
     return traj, fit.to_dict(), rung_fits
 
 
+def scaled_rung_trajectory(rungs: list[RungRun], hero: Spec, final: dict, n: int = 200) -> dict:
+    """Fallback trajectory when the curve model cannot be fitted: the largest rung's loss over the
+    fraction of training, scaled to end on the hero's final-loss forecast (and its interval)."""
+    big = max(rungs, key=lambda r: r.flops)
+    df = big.metrics.dropna(subset=["loss"])
+    frac = (df["step"].to_numpy() + 1) / big.spec.total_steps
+    smooth = pd.Series(df["loss"].to_numpy()).rolling(9, min_periods=1, center=True).mean().to_numpy()
+    steps = np.unique(np.linspace(0, hero.total_steps - 1, n).round().astype(int))
+    curve = np.interp((steps + 1) / hero.total_steps, frac, smooth) * (final["mean"] / smooth[-1])
+    scale_lo, scale_hi = final["lo"] / final["mean"], final["hi"] / final["mean"]
+    return {"step": steps.tolist(), "tokens": (steps * hero.data.tokens_per_step).tolist(), "loss": curve.tolist(),
+            "lo": (curve * scale_lo).tolist(), "hi": (curve * scale_hi).tolist(), "method": f"scaled {big.spec.name}"}
+
+
 def grad_norm_envelope(rungs: list[RungRun], hero: Spec, n_bins: int = 50) -> dict:
     bins = np.linspace(0, 1, n_bins + 1)
     shapes, levels, sizes = [], [], []
@@ -193,7 +207,8 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> dict:
     try:
         traj, curve_model, rung_fits = trajectory_forecast(rungs, hero, final)
         out["trajectory"], out["curve_model"], out["rung_fits"] = traj, curve_model, rung_fits
-    except Exception as e:  # the final-loss forecast stands on its own; say why the curve is missing
-        out["trajectory"], out["curve_model_error"] = None, f"{type(e).__name__}: {e}"
+    except Exception as e:  # the final-loss forecast stands on its own; say why the curve model is missing
+        out["curve_model_error"] = f"{type(e).__name__}: {e}"
+        out["trajectory"] = scaled_rung_trajectory(rungs, hero, final)
     out["grad_norm"] = grad_norm_envelope(rungs, hero)
     return out
