@@ -1,0 +1,468 @@
+"""Expert parallel across processes for the PyTorch engine (torch.distributed, one process per
+device: NCCL on GPUs, gloo on CPUs).
+
+Rank r of ep = model.ep_size ranks holds
+- the tokens of source shard r: the step's batch split into ep contiguous equal parts (whole
+  sequences, so attention stays local; needs batch % ep == 0), which is exactly the source shard
+  of engines/dispatch_ref.py for the row-major flattened tokens;
+- the routed experts of shard r, [r * E/ep, (r+1) * E/ep), resident (never gathered in a step);
+- a replica of every other parameter (embeddings, attention, norms, router, latent, shared
+  experts, head), whose gradients are summed over the ranks after the backward (DDP-style).
+
+Capacity dispatch is the pooled-wave transport of engines/dispatch_ref.py over real ranks: per
+wave one fixed-shape send buffer [ep, C_send, L + 1] (the destination-local expert id in the last
+column, -1 in unused rows) goes through dist.all_to_all_single; the receiver ranks its arrivals
+per local expert in (wave, source, row) order, keeps at most C_recv, runs its experts on a fixed
+[E/ep, C_recv, L] buffer, and the outputs go back the same way. Drops are counted where they
+happen (send drops at the source, receive drops at the destination) and summed over ranks. The
+same rules as the emulated shards of engines/torch/model.py, so the same drops by construction.
+
+Dropless dispatch with ep > 1 uses a ragged all-to-all: counts per (destination, local expert)
+first, then the rows with variable split sizes (one host sync per layer for the sizes).
+
+Objective. Each rank's backward seeds its share of the global objective, sum_r total_r = total,
+so summed dense gradients and the experts' gradients (which arrive through the all-to-all's
+backward from every rank) are the single-device gradients: CE, output z-loss and router z-loss
+are local means / ep; the batch-scope balancing loss E * sum_e f_e p_e is linear in p, so rank r
+contributes E * sum_e f_e * (sum of its tokens' p_e) / T with f_e from the loads summed over
+ranks (one all-reduce after the forward); sequence scope is per sequence, so local mean / ep.
+
+Shape legend as in model.py, plus: t tokens of this rank, e experts of this rank, P ranks (ep),
+W waves, C sender rows per pool, X arrivals at this rank (W * P * C), R receiver rows per expert.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from engines.dispatch_ref import capacities
+from engines.torch.fast import (
+    OPTIONS,
+    _sdpa_backend,
+    attention_residual,
+    head_losses,
+    moe_combine,
+    moe_route,
+)
+from engines.torch.model import Experts, MoETransformer, attention_mask, group_counts, rope_tables
+from ladder.spec import ModelSpec
+
+EXPERT_MARK = ".moe.experts."
+
+
+class EPError(ValueError):
+    """A run that cannot be laid out over the ranks; the message says what and how to fix it."""
+
+
+@dataclass
+class EPContext:
+    """This process's place in the expert-parallel group."""
+
+    rank: int
+    size: int
+    device: torch.device
+    group: dist.ProcessGroup | None = None
+
+    def experts(self, m: ModelSpec) -> tuple[int, int]:
+        """[first, last) routed expert held by this rank."""
+        e = m.n_routed_experts // self.size
+        return self.rank * e, (self.rank + 1) * e
+
+
+def is_expert_param(name: str) -> bool:
+    return EXPERT_MARK in name
+
+
+def check_layout(m: ModelSpec, world_size: int, batch_size: int) -> None:
+    if m.ep_size != world_size:
+        raise EPError(
+            f"model.ep_size is {m.ep_size} but {world_size} process(es) were started: launch "
+            f"`torchrun --nproc_per_node {m.ep_size} -m engines.torch.ep_train ...` (or use `ladder train` "
+            f"to emulate the {m.ep_size} shards on one device)")
+    if batch_size % world_size:
+        raise EPError(f"data.batch_size ({batch_size}) must be a multiple of model.ep_size ({world_size}): "
+                      "each rank holds whole sequences of its source shard")
+
+
+# ---- the per-rank model ---------------------------------------------------------------------------
+
+
+def build_local_model(m: ModelSpec, ctx: EPContext) -> MoETransformer:
+    """The model of the spec with only this rank's routed experts (same parameter names; the
+    expert stacks have E/ep rows). Built on the meta device, so no rank ever allocates all the
+    experts; load weights with load_local() before use."""
+    with torch.device("meta"):
+        model = MoETransformer(m)
+        for blk in model.blocks:
+            blk.moe.experts = Experts(m.n_routed_experts // ctx.size, m.expert_dim, m.expert_hidden)
+    return model.to_empty(device=ctx.device)
+
+
+def local_slice(arrays: dict[str, np.ndarray], m: ModelSpec, ctx: EPContext) -> dict[str, np.ndarray]:
+    """This rank's view of full (engine-neutral) arrays, parameters or AdamW moments ("m/<name>"):
+    expert stacks sliced to its experts, the rest as it is."""
+    lo, hi = ctx.experts(m)
+    return {k: (a[lo:hi] if is_expert_param(k) and np.ndim(a) >= 1 else a) for k, a in arrays.items()}
+
+
+def load_local(model: MoETransformer, arrays: dict[str, np.ndarray], ctx: EPContext) -> None:
+    model.load_numpy(local_slice(arrays, model.m, ctx))
+
+
+def gather_experts(arrays: dict[str, np.ndarray], ctx: EPContext) -> dict[str, np.ndarray] | None:
+    """Full arrays on rank 0 (None elsewhere): every key naming an expert stack is gathered over
+    the ranks and concatenated in rank order; the rest is taken as it is (replicated)."""
+    out = {}
+    for k in sorted(arrays):
+        a = arrays[k]
+        if is_expert_param(k) and np.ndim(a) >= 1:
+            t = torch.from_numpy(np.ascontiguousarray(a)).to(ctx.device)
+            parts = [torch.empty_like(t) for _ in range(ctx.size)]
+            dist.all_gather(parts, t, group=ctx.group)
+            if ctx.rank == 0:
+                out[k] = np.concatenate([p.cpu().numpy() for p in parts], 0)
+        elif ctx.rank == 0:
+            out[k] = a
+    return out if ctx.rank == 0 else None
+
+
+# ---- collectives with autograd ------------------------------------------------------------------
+
+
+class Counters:
+    """Collective calls made by this process (the run summary reports them)."""
+
+    all_to_all = 0
+    all_reduce = 0
+
+
+def _a2a_waves(x_WRL: torch.Tensor, group) -> torch.Tensor:
+    """One all_to_all_single per wave, every wave the same shape (all in flight at once)."""
+    x_WRL = x_WRL.contiguous()
+    out = torch.empty_like(x_WRL)
+    works = [dist.all_to_all_single(out[w], x_WRL[w], group=group, async_op=True) for w in range(x_WRL.shape[0])]
+    for h in works:
+        h.wait()
+    Counters.all_to_all += len(works)
+    return out
+
+
+class _WaveExchange(torch.autograd.Function):
+    """Fixed-split all-to-all per wave; with equal splits its transpose is itself, so the
+    backward sends the gradients back the same way."""
+
+    @staticmethod
+    def forward(ctx, x_WRL, group):
+        ctx.group = group
+        return _a2a_waves(x_WRL, group)
+
+    @staticmethod
+    def backward(ctx, g_WRL):
+        return _a2a_waves(g_WRL, ctx.group), None
+
+
+def _a2a_ragged(x_NL: torch.Tensor, out_rows: list[int], in_rows: list[int], group) -> torch.Tensor:
+    out = x_NL.new_empty((sum(out_rows), x_NL.shape[-1]))
+    dist.all_to_all_single(out, x_NL.contiguous(), output_split_sizes=out_rows, input_split_sizes=in_rows,
+                           group=group)
+    Counters.all_to_all += 1
+    return out
+
+
+class _RaggedExchange(torch.autograd.Function):
+    """All-to-all with variable split sizes; the backward swaps input and output sizes."""
+
+    @staticmethod
+    def forward(ctx, x_NL, send_rows, recv_rows, group):
+        ctx.sizes, ctx.group = (send_rows, recv_rows), group
+        return _a2a_ragged(x_NL, recv_rows, send_rows, group)
+
+    @staticmethod
+    def backward(ctx, g_ML):
+        send_rows, recv_rows = ctx.sizes
+        return _a2a_ragged(g_ML, send_rows, recv_rows, ctx.group), None, None, None
+
+
+def all_reduce_sum(t: torch.Tensor, ctx: EPContext) -> torch.Tensor:
+    if ctx.size > 1:
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=ctx.group)
+        Counters.all_reduce += 1
+    return t
+
+
+# ---- dispatch -----------------------------------------------------------------------------------
+
+
+def _rank_within(group_N: torch.Tensor, n_groups: int) -> torch.Tensor:
+    """How many earlier rows (in the given order) share each row's group; on the device."""
+    order_N = torch.argsort(group_N, stable=True)
+    counts_G = group_counts(group_N, n_groups)
+    starts_G = torch.cumsum(counts_G, 0) - counts_G
+    rank_sorted = torch.arange(group_N.shape[0], device=group_N.device) - starts_G[group_N[order_N]]
+    return torch.empty_like(rank_sorted).scatter_(0, order_N, rank_sorted)
+
+
+def _swiglu_padded(experts: Experts, buf_eRL: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
+    if buf_eRL.is_cuda:  # gate and up as one [e, L, 2F] batched matmul
+        Fh = experts.w_gate.shape[-1]
+        gu_eR2F = torch.bmm(buf_eRL, torch.cat([experts.w_gate, experts.w_up], -1).to(cdt))
+        h_eRF = F.silu(gu_eR2F[..., :Fh]) * gu_eR2F[..., Fh:]
+    else:
+        h_eRF = F.silu(torch.bmm(buf_eRL, experts.w_gate.to(cdt))) * torch.bmm(buf_eRL, experts.w_up.to(cdt))
+    return torch.bmm(h_eRF, experts.w_down.to(cdt))
+
+
+def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.Tensor, m: ModelSpec,
+                        n_tokens: int, ctx: EPContext, cdt: torch.dtype):
+    """Capacity dispatch of this rank's tokens over the ranks. n_tokens: tokens of the whole
+    step (all ranks), which sets C_recv. Returns (y_tKL in (token, slot) order, zero rows for
+    dropped assignments; send drops made here; receive drops made here) as float tensors."""
+    t, K = expert_tK.shape
+    L = x_tL.shape[-1]
+    P, W = ctx.size, m.n_waves
+    e_loc = m.n_routed_experts // P
+    c_send, c_recv = capacities(n_tokens, K, m.n_routed_experts, P, W, m.capacity_factor_send,
+                                m.capacity_factor_recv)
+    dev = x_tL.device
+    # bf16 holds every integer up to 256 exactly: larger local expert ids ride in fp32 rows
+    wire = cdt if (cdt == torch.float32 or e_loc <= 256) else torch.float32
+    # sender: assignments in priority order (slot-major, then token), one pool per destination and wave
+    e_A = expert_tK.t().reshape(-1)
+    tok_A = torch.arange(t, device=dev).repeat(K)
+    dst_A = e_A // e_loc
+    pos_A = _rank_within(dst_A, P)
+    sent_A = pos_A < W * c_send
+    n_slots = W * P * c_send
+    # flat index of each sent assignment in the [W, P, C] buffer; n_slots (an empty row) if dropped
+    at_A = torch.where(sent_A, ((pos_A // c_send) * P + dst_A) * c_send + pos_A % c_send,
+                       torch.full_like(pos_A, n_slots))
+    A = e_A.shape[0]
+    filler_S = torch.full((n_slots + 1,), A, dtype=torch.long, device=dev)
+    filler_S.scatter_(0, at_A, torch.arange(A, device=dev))  # send-dropped ones all land on n_slots
+    payload_AL1 = torch.cat([x_tL.to(wire)[tok_A], (e_A - dst_A * e_loc).to(wire).unsqueeze(-1)], -1)
+    empty_1L1 = torch.cat([x_tL.new_zeros(1, L, dtype=wire), x_tL.new_full((1, 1), -1.0, dtype=wire)], -1)
+    send_WRL1 = torch.cat([payload_AL1, empty_1L1], 0)[filler_S[:n_slots]].view(W, P * c_send, L + 1)
+    recv_WRL1 = _WaveExchange.apply(send_WRL1, ctx.group)
+    # receiver: arrivals in (wave, source, row) order, ranked per local expert
+    arr_XL1 = recv_WRL1.reshape(n_slots, L + 1)
+    le_X = arr_XL1[:, L].detach().round().long()
+    valid_X = le_X >= 0
+    rank_X = _rank_within(torch.where(valid_X, le_X, e_loc), e_loc + 1)
+    kept_X = valid_X & (rank_X < c_recv)
+    n_buf = e_loc * c_recv
+    slot_X = torch.where(kept_X, le_X * c_recv + rank_X, torch.full_like(rank_X, n_buf))
+    filler_B = torch.full((n_buf + 1,), n_slots, dtype=torch.long, device=dev)
+    filler_B.scatter_(0, slot_X, torch.arange(n_slots, device=dev))
+    arr_X1L = torch.cat([arr_XL1[:, :L], arr_XL1.new_zeros(1, L)], 0).to(cdt)
+    buf_eRL = arr_X1L[filler_B[:n_buf]].view(e_loc, c_recv, L)
+    out_eRL = _swiglu_padded(experts, buf_eRL, cdt)
+    out_B1L = torch.cat([out_eRL.reshape(n_buf, L), out_eRL.new_zeros(1, L)], 0).to(wire)
+    y_WRL = out_B1L[slot_X].view(W, P * c_send, L)  # unkept and empty rows carry zeros back
+    back_WRL = _WaveExchange.apply(y_WRL, ctx.group)
+    # back at the source: each assignment reads its row (the zero row if dropped anywhere)
+    back_S1L = torch.cat([back_WRL.reshape(n_slots, L), back_WRL.new_zeros(1, L)], 0)
+    y_tKL = back_S1L[at_A].view(K, t, L).transpose(0, 1)
+    n_send = (~sent_A).sum().float()
+    n_recv = (valid_X & ~kept_X).sum().float()
+    return y_tKL, n_send, n_recv
+
+
+def ragged_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.Tensor, m: ModelSpec,
+                   ctx: EPContext, cdt: torch.dtype) -> torch.Tensor:
+    """Dropless dispatch over the ranks: every assignment reaches its expert (variable-size
+    all-to-all). Returns y_tKL in (token, slot) order."""
+    from engines.torch.fast import _grouped_swiglu
+
+    t, K = expert_tK.shape
+    P = ctx.size
+    e_loc = m.n_routed_experts // P
+    e_A = expert_tK.reshape(-1)  # token-major: a = token * K + slot
+    order_A = torch.argsort(e_A, stable=True)  # by global expert = by (destination, local expert)
+    counts_E = group_counts(e_A, m.n_routed_experts)
+    recv_counts_E = torch.empty_like(counts_E)  # [P sources, e local experts] once reshaped
+    dist.all_to_all_single(recv_counts_E, counts_E, group=ctx.group)
+    Counters.all_to_all += 1
+    both = torch.stack([counts_E.view(P, e_loc).sum(1), recv_counts_E.view(P, e_loc).sum(1)]).tolist()
+    send_rows, recv_rows = both
+    x_AL = x_tL.to(cdt)[order_A // K]
+    x_NL = _RaggedExchange.apply(x_AL, send_rows, recv_rows, ctx.group)  # (source, local expert) order
+    le_N = torch.repeat_interleave(torch.arange(e_loc, device=x_tL.device).repeat(P), recv_counts_E)
+    order_N = torch.argsort(le_N, stable=True)
+    y_sorted_NL = _grouped_swiglu(x_NL[order_N], group_counts(le_N, e_loc), experts, cdt)
+    y_NL = torch.empty_like(y_sorted_NL).index_copy(0, order_N, y_sorted_NL)
+    y_sorted_AL = _RaggedExchange.apply(y_NL, recv_rows, send_rows, ctx.group)
+    y_AL = torch.empty_like(y_sorted_AL).index_copy(0, order_A, y_sorted_AL)
+    return y_AL.view(t, K, -1)
+
+
+# ---- the per-rank objective ------------------------------------------------------------------------
+
+
+def _router_probs(moe, h_TD: torch.Tensor) -> torch.Tensor:
+    """The router's probabilities over experts (the balancing loss's p; sigmoid scores
+    normalised per token), as in MoE.route."""
+    logits_TE = h_TD.float() @ moe.router.float()
+    if moe.m.router_kind == "softmax":
+        return torch.softmax(logits_TE, -1)
+    scores_TE = torch.sigmoid(logits_TE)
+    return scores_TE / scores_TE.sum(-1, keepdim=True)
+
+
+FORWARD_KEYS = ("loss", "z_loss", "router_z_loss", "router_entropy", "drop_send", "drop_recv")
+
+
+class EPLoss:
+    """This rank's share of the step objective and the step's global forward metrics.
+
+    __call__(model, tokens_bS1, optim, n_tokens) -> (total_r, out): total_r is this rank's share
+    (sum over ranks = the single-device objective); out["metrics"] holds the global metrics of
+    model.loss_terms (already summed over ranks) and out["load_LE"] the global expert loads."""
+
+    def __init__(self, model: MoETransformer, ctx: EPContext):
+        self.ctx = ctx
+        cuda = ctx.device.type == "cuda"
+        self.cdt = torch.bfloat16 if cuda else torch.float32
+        compile_dense = cuda and OPTIONS.compile != "none"
+        # the dense parts compiled on a GPU, the dispatch (collectives, host sizes) eager
+        self._attn = torch.compile(attention_residual, dynamic=False) if compile_dense else attention_residual
+        self._route = torch.compile(moe_route, dynamic=False) if compile_dense else moe_route
+        self._head = torch.compile(head_losses, dynamic=False) if compile_dense else head_losses
+        self._backend = OPTIONS.attn_backend if cuda else None
+        self._tables: dict = {}
+
+    def __call__(self, model: MoETransformer, tokens_bS1: torch.Tensor, optim, n_tokens: int):
+        m, ctx, cdt = model.m, self.ctx, self.cdt
+        P = ctx.size
+        inputs_bS, targets_bS = tokens_bS1[:, :-1], tokens_bS1[:, 1:]
+        S = inputs_bS.shape[1]
+        if S not in self._tables:
+            cos, sin = rope_tables(S, m.head_dim, m.rope_theta, ctx.device)
+            self._tables[S] = (cos, sin, attention_mask(S, m.attention_window, ctx.device))
+        cos, sin, mask_SS = self._tables[S]
+        probs_sum, loads, seq_aux, router_z, entropy, n_send, n_recv = [], [], [], [], [], [], []
+        with torch.autocast(ctx.device.type, enabled=False), _sdpa_backend(self._backend):
+            x_bSD = model.embed.weight[inputs_bS]
+            for block in model.blocks:
+                moe = block.moe
+                x_bSD = self._attn(block, x_bSD, cos, sin, mask_SS, cdt)
+                h_TD, expert_TK, gate_TK, st = self._route(block, x_bSD)
+                x_TL = (h_TD.to(cdt) @ moe.latent_down.to(cdt)) if m.latent_dim is not None else h_TD.to(cdt)
+                if m.dispatch == "capacity":
+                    y_TKL, ns, nr = pooled_wave_experts(moe.experts, x_TL, expert_TK, m, n_tokens, ctx, cdt)
+                else:
+                    y_TKL = ragged_experts(moe.experts, x_TL, expert_TK, m, ctx, cdt)
+                    ns = nr = torch.zeros((), device=ctx.device)
+                x_bSD = moe_combine(block, x_bSD, h_TD, y_TKL, gate_TK, cdt)
+                if m.balance_scope == "batch":
+                    probs_sum.append(_router_probs(moe, h_TD).sum(0))
+                else:
+                    seq_aux.append(st["aux"])
+                loads.append(st["load"])
+                router_z.append(st["router_z"])
+                entropy.append(st["entropy"])
+                n_send.append(ns)
+                n_recv.append(nr)
+            ce, z = self._head(x_bSD, model.final_norm, model.lm_head, targets_bS, cdt)
+        n_layers, K, E = len(model.blocks), m.top_k, m.n_routed_experts
+        router_z_mean = torch.stack(router_z).mean()
+        # one all-reduce of everything the forward measured: global loads set the balancing loss
+        fwd = torch.cat([
+            torch.stack([ce.detach() / P, z.detach() / P, router_z_mean.detach() / P,
+                         torch.stack(entropy).mean().detach() / P,
+                         torch.stack(n_send).sum() / (n_tokens * K * n_layers),
+                         torch.stack(n_recv).sum() / (n_tokens * K * n_layers)]).float(),
+            torch.stack(loads).float().reshape(-1)])
+        fwd = all_reduce_sum(fwd, ctx)
+        g = dict(zip(FORWARD_KEYS, fwd[: len(FORWARD_KEYS)]))
+        load_LE = fwd[len(FORWARD_KEYS):].view(n_layers, E)
+        if m.balance_scope == "batch":
+            f_LE = load_LE / (n_tokens * K)
+            aux_r = (E * (f_LE * torch.stack(probs_sum)).sum(-1) / n_tokens).mean()
+        else:
+            aux_r = torch.stack(seq_aux).mean() / P
+        total_r = (ce + optim.z_loss * z + optim.router_z_loss * router_z_mean) / P + optim.aux_loss * aux_r
+        return total_r, {"global": g, "aux_r": aux_r.detach(), "total_r": total_r.detach(), "load_LE": load_LE}
+
+
+def step_metrics(out: dict, aux: torch.Tensor, total: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metrics of model.loss_terms (global) from EPLoss's output and the summed aux/total."""
+    g, load_LE = out["global"], out["load_LE"]
+    return {
+        "loss": g["loss"],
+        "z_loss": g["z_loss"],
+        "aux_loss": aux,
+        "router_z_loss": g["router_z_loss"],
+        "drop_frac_send": g["drop_send"],
+        "drop_frac_recv": g["drop_recv"],
+        "expert_load_max": (load_LE.max(-1).values / load_LE.mean(-1)).max(),
+        "router_entropy": g["router_entropy"],
+        "total_loss": total,
+    }
+
+
+# ---- gradients --------------------------------------------------------------------------------------
+
+
+def reduce_and_clip(model: MoETransformer, ctx: EPContext, max_norm: float, extra: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sum the dense gradients over the ranks (one flat all-reduce, which also sums `extra`, a
+    small vector riding along), then clip every gradient by the global norm (dense once + every
+    rank's experts), as torch.nn.utils.clip_grad_norm_ does on one device.
+    Returns (the global grad norm before clipping, extra summed over ranks)."""
+    dense, expert = [], []
+    for name, p in model.named_parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        (expert if is_expert_param(name) else dense).append(p.grad)
+    expert_sq = torch.stack([g.float().pow(2).sum() for g in expert]).sum() if expert else torch.zeros((), device=ctx.device)
+    flat = torch.cat([g.reshape(-1) for g in dense] + [expert_sq.view(1).to(dense[0].dtype), extra.to(dense[0].dtype)])
+    flat = all_reduce_sum(flat, ctx)
+    n_dense = flat.shape[0] - 1 - extra.shape[0]
+    offset = 0
+    for g in dense:
+        g.copy_(flat[offset: offset + g.numel()].view_as(g))
+        offset += g.numel()
+    dense_sq = flat[:n_dense].float().pow(2).sum()
+    total_norm = (dense_sq + flat[n_dense].float()).sqrt()
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0)
+    torch._foreach_mul_(dense + expert, clip_coef)
+    return total_norm, flat[n_dense + 1:]
+
+
+def setup_from_env(device: str | None = None) -> EPContext:
+    """Join (or start) the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
+    MASTER_ADDR/PORT); a plain process is a group of one. NCCL on CUDA, gloo on the CPU."""
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (the machines' setting)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if torch.cuda.device_count() <= local:
+            raise EPError(f"local rank {local} has no GPU ({torch.cuda.device_count()} visible)")
+        dev = torch.device("cuda", local)
+        torch.cuda.set_device(dev)
+    else:
+        dev = torch.device(device)
+    if not dist.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        if world == 1:
+            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+    return EPContext(rank=dist.get_rank(), size=dist.get_world_size(), device=dev, group=None)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
