@@ -405,6 +405,13 @@ class _Mirror:
         self.started(p)
         self.pump.finish(p.spec.id, state)
 
+    def adopt(self, p: Planned) -> None:
+        """A run another submission finished: upload what MLflow lacks if that submission's
+        controller died before it could (a second uploader is harmless: re-sent points are exact
+        duplicates, which the store drops)."""
+        if not ledger.tracking_complete(p.run_dir, self.uri, p.spec):
+            self.ended(p, "finished")
+
     def close(self, result: SubmitResult, status: str, timeout_s: float = 60.0) -> None:
         from ladder import tracking
 
@@ -477,6 +484,8 @@ def _dispatch(
                 result.outcomes[p.spec.id] = out
                 if mirror is not None and out["outcome"] != "skipped":
                     mirror.ended(p, out["outcome"])
+                elif mirror is not None:
+                    mirror.adopt(p)
                 display.done(p.spec.id, out["outcome"], _note(out))
             for key, upd in ray.get(ctx["sink"].drain.remote()).items():
                 if mirror is not None and key in by_id and "state" not in upd:
@@ -491,6 +500,8 @@ def _dispatch(
                     if ledger.is_finished(p.run_dir, p.spec):
                         result.outcomes[sid] = {"spec_id": sid, "name": p.spec.name, "outcome": "skipped", "note": "finished by another submission"}
                         display.done(sid, "skipped", "finished by another submission")
+                        if mirror is not None:
+                            mirror.adopt(p)
                     else:
                         queue.append(p)
     except KeyboardInterrupt:

@@ -135,7 +135,7 @@ def test_a_killed_submission_rerun_trains_every_spec_exactly_once(story):
     uri = tracking.default_tracking_uri(root)
     children = tracking.child_runs(uri, "intr")
     assert sorted(c.data.tags["spec_id"] for c in children) == sorted(s.id for s in exp.rungs), r["stderr"][-3000:]
-    assert {c.info.status for c in children} == {"FINISHED"}
+    assert {c.info.status for c in children} == {"FINISHED"}, r["stderr"][-3000:]
     assert sorted(p.name for p in (root / "runs" / "intr").iterdir()) == sorted(d.name for d in dirs.values())
     for spec in exp.rungs:
         d = dirs[spec.name]
