@@ -18,6 +18,7 @@ stderr), 3 diverged.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import sys
 import time
@@ -204,7 +205,7 @@ def train_ep(spec: Spec, run_dir: str | Path, ctx: EPContext, resume: bool = Tru
     finally:
         if writer is not None:
             writer.close()
-    write_summary(run_dir, model, ctx, steps=end - start)
+    write_summary(run_dir, model, ctx, first_step=start, steps=end - start)
     if lead:
         if end == total:
             write_status(run_dir, "finished", step=total, engine=ENGINE_NAME, spec_id=spec.id, tokens=tokens,
@@ -215,8 +216,8 @@ def train_ep(spec: Spec, run_dir: str | Path, ctx: EPContext, resume: bool = Tru
                          ep_world_size=n_dev)
 
 
-def write_summary(run_dir: Path, model, ctx: EPContext, steps: int) -> None:
-    """run_dir/ep.json: what each rank held and did (rank 0 writes it)."""
+def write_summary(run_dir: Path, model, ctx: EPContext, first_step: int, steps: int) -> None:
+    """run_dir/ep.json: what each rank held and did in this launch (rank 0 writes it)."""
     lo, hi = ctx.experts(model.m)
     me = {
         "rank": ctx.rank,
@@ -233,7 +234,8 @@ def write_summary(run_dir: Path, model, ctx: EPContext, steps: int) -> None:
     dist.all_gather_object(ranks, me, group=ctx.group)
     if ctx.rank == 0:
         atomic_write_json(run_dir / SUMMARY_FILE, {
-            "world_size": ctx.size, "backend": dist.get_backend(ctx.group), "steps": steps, "ranks": ranks})
+            "world_size": ctx.size, "backend": dist.get_backend(ctx.group), "first_step": first_step, "steps": steps,
+            "ranks": ranks})
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -263,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: --steps must be >= 1 (got {args.steps})", file=sys.stderr)
         return 2
     try:
+        # the layout first: a wrong process count is reported before any rendezvous
+        check_layout(spec.model, int(os.environ.get("WORLD_SIZE", "1")), spec.data.batch_size)
         ctx = setup_from_env(args.device)
     except EPError as err:
         print(f"error: {err}", file=sys.stderr)

@@ -1,0 +1,190 @@
+"""Expert parallel over real processes (gloo on the CPU) against the single-process engine,
+which emulates the same EP shards on one device: the same losses, gradient norms and drop
+counts at every step, and the same weights at the end.
+
+The 2-rank run starts under torchrun (the documented command) and stops half-way; the other
+runs (its continuation, 4 ranks, dropless over 2 ranks) are forked from one driver process,
+which saves the torch import per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines.base import read_metrics, read_status
+from engines.checkpoint import latest_checkpoint, load_checkpoint
+from engines.torch.engine import TorchEngine
+from ladder.presets import micro_spec
+from ladder.spec import save_spec
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+TORCHRUN = str(Path(PY).parent / "torchrun")
+
+COMMON = {"model.n_waves": 2, "model.capacity_factor_send": 1.0, "model.capacity_factor_recv": 1.0,
+          "data.total_tokens": 6 * 64 * 8, "run.eval_every": 3, "run.checkpoint_every": 3}
+SPECS = {
+    # softmax router, batch-scope balancing and the balancing bias (updated from global loads)
+    "ep2": micro_spec("ep2", **COMMON, **{"model.ep_size": 2, "model.dispatch": "capacity",
+                                           "model.router_bias_balancing": True, "model.router_bias_rate": 0.01}),
+    # sigmoid router, sequence-scope balancing, no latent, 4 ranks of 2 experts each
+    "ep4": micro_spec("ep4", **COMMON, **{"model.ep_size": 4, "model.dispatch": "capacity",
+                                           "model.router_kind": "sigmoid", "model.balance_scope": "sequence",
+                                           "model.latent_dim": None}),
+    "dropless2": micro_spec("dropless2", **COMMON, **{"model.ep_size": 2, "model.dispatch": "dropless"}),
+}
+
+DRIVER = textwrap.dedent(
+    """
+    import json, multiprocessing as mp, os, socket, sys
+    import torch._dynamo  # AdamW imports it lazily (seconds); once here, not once per rank
+    from engines.torch import ep_train
+
+    def worker(rank, world, port, argv):
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os._exit(ep_train.main(argv))
+
+    codes = []
+    for world, argv in json.loads(sys.argv[1]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [mp.get_context("fork").Process(target=worker, args=(r, world, port, argv)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(120)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        codes.append([p.exitcode for p in procs])
+    print("CODES " + json.dumps(codes))
+    """
+)
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def _train_args(spec_path: Path, run_dir: Path, *extra: str) -> list[str]:
+    return [str(spec_path), "--run-dir", str(run_dir), "--device", "cpu", *extra]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ep")
+    out = {}
+    for name, spec in SPECS.items():
+        save_spec(spec, root / f"{name}.yaml")
+        list(TorchEngine("cpu").train(spec, root / f"{name}-single"))  # also fills the token cache
+    # 2 ranks under torchrun, stopped after step 3 ...
+    proc = subprocess.run(
+        [TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "engines.torch.ep_train",
+         *_train_args(root / "ep2.yaml", root / "ep2-ranks", "--steps", "3")],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    out["ep2_status_at_stop"] = read_status(root / "ep2-ranks")
+    # ... then continued from its checkpoint; 4 ranks; dropless over 2 ranks
+    jobs = [[2, _train_args(root / "ep2.yaml", root / "ep2-ranks")],
+            [4, _train_args(root / "ep4.yaml", root / "ep4-ranks")],
+            [2, _train_args(root / "dropless2.yaml", root / "dropless2-ranks")]]
+    proc = subprocess.run([PY, "-c", DRIVER, json.dumps(jobs)], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    codes = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("CODES "))[6:])
+    assert codes == [[0, 0], [0, 0, 0, 0], [0, 0]], proc.stderr[-4000:]
+    out["root"] = root
+    return out
+
+
+def _curves(root: Path, name: str):
+    return read_metrics(root / f"{name}-single"), read_metrics(root / f"{name}-ranks")
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_ranks_give_the_single_process_losses_and_gradient_norms(runs, name):
+    single, ranks = _curves(runs["root"], name)
+    assert [r["step"] for r in ranks] == list(range(6))
+    for key in ("loss", "grad_norm", "aux_loss", "z_loss", "router_entropy", "expert_load_max"):
+        np.testing.assert_allclose([r[key] for r in ranks], [r[key] for r in single], rtol=2e-5, err_msg=key)
+    for key in ("router_z_loss", "total_loss"):
+        np.testing.assert_allclose([r["extra"][key] for r in ranks], [r["extra"][key] for r in single],
+                                   rtol=2e-5, err_msg=key)
+    np.testing.assert_allclose([r["eval_loss"] for r in ranks if r["eval_loss"] is not None],
+                               [r["eval_loss"] for r in single if r["eval_loss"] is not None], rtol=2e-5)
+
+
+@pytest.mark.parametrize("name", ["ep2", "ep4"])
+def test_ranks_drop_exactly_what_the_emulated_shards_drop(runs, name):
+    single, ranks = _curves(runs["root"], name)
+    for key in ("drop_frac_send", "drop_frac_recv"):
+        assert [r[key] for r in ranks] == [r[key] for r in single], key
+        # capacity factors of 1: both bounds bite, so the equality is not vacuous
+        assert all(r[key] > 0 for r in single), key
+
+
+def test_dropless_over_ranks_drops_nothing(runs):
+    _, ranks = _curves(runs["root"], "dropless2")
+    assert all(r["drop_frac_send"] == 0 and r["drop_frac_recv"] == 0 for r in ranks)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_the_gathered_checkpoint_holds_the_single_process_weights(runs, name):
+    root = runs["root"]
+    ref_path, ep_path = latest_checkpoint(root / f"{name}-single"), latest_checkpoint(root / f"{name}-ranks")
+    assert ref_path.name == ep_path.name == "step_00000006"
+    ref, ref_opt, _ = load_checkpoint(ref_path)
+    got, got_opt, info = load_checkpoint(ep_path)
+    assert info["ep_world_size"] == SPECS[name].model.ep_size
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=2e-6, err_msg=k)
+    for k in ("m/blocks.1.moe.experts.w_up", "v/blocks.0.moe.router"):
+        np.testing.assert_allclose(got_opt[k], ref_opt[k], rtol=1e-3, atol=1e-9, err_msg=k)
+
+
+@pytest.mark.parametrize("name", sorted(SPECS))
+def test_each_rank_holds_only_its_experts_and_exchanges_rows(runs, name):
+    spec = SPECS[name]
+    m = spec.model
+    summary = json.loads((runs["root"] / f"{name}-ranks" / "ep.json").read_text())
+    assert summary["world_size"] == m.ep_size and summary["backend"] == "gloo"
+    per = m.n_routed_experts // m.ep_size
+    assert [r["experts"] for r in summary["ranks"]] == [[i * per, (i + 1) * per] for i in range(m.ep_size)]
+    assert all(set(r["expert_rows"].values()) == {per} for r in summary["ranks"])
+    # per layer and forward or backward: one all-to-all per wave each way (capacity), or the
+    # counts plus two ragged exchanges forward and two backward (dropless)
+    first, steps = summary["first_step"], summary["steps"]
+    evals = spec.run.eval_batches * sum(1 for done in range(first + 1, first + steps + 1)
+                                        if done % spec.run.eval_every == 0 or done == spec.total_steps)
+    per_layer = (2 * m.n_waves * (2 * steps + evals) if m.dispatch == "capacity" else 5 * steps + 3 * evals)
+    assert all(r["all_to_all_calls"] == per_layer * m.n_layers for r in summary["ranks"])
+
+
+def test_a_run_stopped_early_is_left_resumable_and_the_continuation_finishes(runs):
+    stopped = runs["ep2_status_at_stop"]
+    assert stopped["state"] == "running" and stopped["stopped_at"] == 3
+    assert stopped["last_checkpoint"].endswith("step_00000003")
+    assert read_status(runs["root"] / "ep2-ranks")["state"] == "finished"
+
+
+def test_a_process_count_other_than_ep_size_is_a_clear_error(runs, tmp_path):
+    proc = subprocess.run([PY, "-m", "engines.torch.ep_train",
+                           *_train_args(runs["root"] / "ep2.yaml", tmp_path / "run")],
+                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert "model.ep_size is 2 but 1 process(es) were started" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
