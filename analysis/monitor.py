@@ -11,8 +11,10 @@ evidence holds a sentence ("text") and the numbers behind it. The kinds:
 - `loss_above_band` (warning) / `loss_below_band` (info): the (optionally smoothed) loss lies above
   the forecast band's upper edge (or below its lower edge) for `band_k` consecutive points.
 - `loss_jump` (warning; critical past `loss_jump_crit`): the loss, smoothed by a rolling median of
-  `loss_jump_smooth` points, rises more than `loss_jump_warn` (relative) above its running minimum.
-  This is the divergence alarm: a healthy run's smoothed loss does not climb back up.
+  `loss_jump_smooth` points, rises more than `loss_jump_warn` (relative) above its running minimum,
+  and by more than `loss_jump_sigma` times the smoothed loss's own noise (robust scatter of the
+  step-to-step differences): a small run's batch-to-batch noise alone moves its smoothed loss by
+  10%, a divergence moves it by tens of sigmas. This is the divergence alarm.
 - `loss_spike` / `grad_norm_spike` (warning): a point more than `spike_sigma` standard deviations
   above the linear trend of the previous `spike_local_window` points. The evidence also reports the
   spike score as OLMo 2 defines it: the share of points more than 7 sigma from the rolling mean of
@@ -76,6 +78,7 @@ class MonitorSettings(BaseModel):
     loss_jump_smooth: int = Field(5, ge=1, description="rolling-median points of the loss-jump test")
     loss_jump_warn: float = Field(0.10, gt=0, description="relative rise over the running minimum: warning")
     loss_jump_crit: float = Field(0.25, gt=0, description="relative rise over the running minimum: critical")
+    loss_jump_sigma: float = Field(8.0, ge=0, description="rise needed in units of the smoothed loss's noise")
     grad_norm_warn: float = Field(2.0, gt=0, description="grad norm warning threshold (Marin ladder)")
     grad_norm_crit: float = Field(4.0, gt=0, description="grad norm critical threshold (Marin ladder)")
     grad_norm_k: int = Field(3, ge=1, description="rolling-median points of the grad-norm threshold test")
@@ -84,7 +87,7 @@ class MonitorSettings(BaseModel):
     )
     grad_trend_window_frac: float = Field(0.5, gt=0, le=1, description="trailing share of points in the trend fit")
     grad_trend_min_points: int = Field(8, ge=3, description="fewest points in the trend fit")
-    grad_trend_ratio: float = Field(1.5, gt=1, description="growth over the window, relative to the envelope's")
+    grad_trend_ratio: float = Field(2.0, gt=1, description="growth over the window, relative to the envelope's")
     grad_trend_min_t: float = Field(3.0, gt=0, description="slope t-statistic needed for a growth flag")
     drop_budget: float = Field(0.07, ge=0, le=1, description="token-drop fraction (send + recv) alert")
     drop_crit: float = Field(0.20, ge=0, le=1, description="token-drop fraction that is critical")
@@ -446,16 +449,23 @@ def monitor(
     if np.isfinite(sm).any():
         runmin = pd.Series(sm).cummin().to_numpy()
         rel = sm / runmin - 1.0
-        warn = np.flatnonzero(np.nan_to_num(rel, nan=-1) > cfg.loss_jump_warn)
+        fin = finite_loss[np.isfinite(finite_loss)]
+        d = np.diff(fin)
+        noise = 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2) if len(d) >= 2 else 0.0
+        # a median of k points scatters ~1.25 sigma / sqrt(k)
+        gate = cfg.loss_jump_sigma * 1.2533 * noise / math.sqrt(cfg.loss_jump_smooth)
+        rise = np.nan_to_num(sm - runmin, nan=-1)
+        warn = np.flatnonzero((np.nan_to_num(rel, nan=-1) > cfg.loss_jump_warn) & (rise > gate))
         if len(warn):
             i = int(warn[0])
-            crit = np.flatnonzero(np.nan_to_num(rel, nan=-1) > cfg.loss_jump_crit)
+            crit = np.flatnonzero((np.nan_to_num(rel, nan=-1) > cfg.loss_jump_crit) & (rise > gate))
             peak = int(np.nanargmax(rel))
             flags.append(Flag("loss_jump", "critical" if len(crit) else "warning", int(steps[i]), {
                 "text": f"smoothed loss rose {rel[i]:.1%} above its running minimum {runmin[i]:.4f} at step {steps[i]}"
-                        + (f", {rel[crit[0]]:.1%} by step {steps[crit[0]]}" if len(crit) else "")
+                        + (f", {rel[crit[0]]:.1%} by step {steps[crit[0]]}" if len(crit) and crit[0] != i else "")
                         + f"; peak rise {rel[peak]:.1%} at step {steps[peak]}",
                 "rise": _f(rel[i]), "running_min": _f(runmin[i]), "peak_rise": _f(rel[peak]),
+                "noise_sd": _f(noise), "rise_in_sd": _f((sm[i] - runmin[i]) / max(gate / max(cfg.loss_jump_sigma, 1e-12), 1e-12)),
                 "peak_step": int(steps[peak]), "critical_step": int(steps[crit[0]]) if len(crit) else None}))
 
     # -- spikes

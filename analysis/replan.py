@@ -27,9 +27,10 @@ Options (Marin's contingency plan, DESIGN.md):
 - Token drops over budget (monitor flag `token_drops`): `capacity` raises both capacity factors
   (memory per GPU from ladder.costs; refused when it no longer fits hardware.hbm_gb), `dropless`
   switches to ragged dispatch, `sequence_balance` balances the router per sequence.
-- Divergence (NaN, loss jump or spike, grad norm over its threshold, growing or above its
-  envelope; a lone grad-norm spike is not enough): rewind to the last kept checkpoint before the
-  onset (the first such flag, or a spike shortly before it) and continue with `rewind_zloss` (logit z-loss raised
+- Divergence (NaN or inf, the run's status "diverged", a loss jump, grad norm past its critical
+  threshold; spikes and grad-norm growth alone are not enough): rewind to the last kept checkpoint
+  before the onset (the first trigger, or a spike / grad-norm warning shortly before it) and
+  continue with `rewind_zloss` (logit z-loss raised
   to 1e-4, or x10 when already there), `rewind_lower_lr` (peak LR x `lr_factor`; note the new
   spec's schedule then describes the steps before the rewind at the lower peak too: those steps
   come from the parent checkpoint) or `rewind_redraw`. The data pipeline cannot skip batches (a
@@ -59,28 +60,38 @@ from analysis.monitor import Forecast, MonitorReport, MonitorSettings, measured_
 from ladder.schedule import lr_at
 from ladder.spec import Rejoin, Spec
 
-# Flags that call for a rewind. A lone grad-norm spike the loss shrugs off is routine in small runs
-# and calls for nothing; it only moves the onset earlier when it comes just before one of these.
-DIVERGENCE_KINDS = ("non_finite", "run_diverged", "loss_jump", "loss_spike", "grad_norm_high",
-                    "grad_norm_growth", "grad_norm_above_envelope")
-SPIKE_KINDS = ("loss_spike", "grad_norm_spike")
+# Flags that call for a rewind: NaN/inf, the run's own "diverged", a loss jump, or grad norm past the
+# critical threshold. Spikes, grad-norm growth and grad norm over the warning threshold are routine
+# in small noisy runs and call for nothing by themselves; when one comes shortly before a trigger,
+# the trouble began there, and the rewind goes back before it.
+TRIGGER_KINDS = ("non_finite", "run_diverged", "loss_jump")
+PRECURSOR_KINDS = ("loss_spike", "grad_norm_spike", "grad_norm_high", "grad_norm_growth", "grad_norm_above_envelope")
+
+
+def _is_trigger(f) -> bool:
+    return f.kind in TRIGGER_KINDS or (f.kind == "grad_norm_high" and f.severity == "critical")
 
 
 def divergence_onset(report: MonitorReport, total_steps: int) -> tuple[int, Any] | None:
     """(first step of the trouble, the flag that calls for a rewind), or None. The onset is the
-    earliest such flag, moved back to any spike within the lookback (max(10 steps, 5% of the run))
-    before it: the spike is where the trouble began."""
-    trig = report.first(*DIVERGENCE_KINDS)
-    if trig is None:
+    earliest trigger, moved back to any precursor within the lookback (max(10 steps, 5% of the
+    run)) before it."""
+    triggers = [f for f in report.flags if _is_trigger(f)]
+    if not triggers:
         return None
-    start = int(trig.evidence.get("window_start_step", trig.first_step)) if trig.kind == "grad_norm_growth" else trig.first_step
+    trig = min(triggers, key=lambda f: f.first_step)
+    start = trig.first_step
     lookback = max(10, int(0.05 * total_steps))
     for f in report.flags:
-        if f.kind in SPIKE_KINDS:
-            near = [s for s in f.evidence.get("spike_steps", [f.first_step]) if start - lookback <= s <= start]
-            if near:
-                start = min(start, min(near))
+        if f.kind not in PRECURSOR_KINDS:
+            continue
+        cands = [f.first_step] + [int(x) for x in f.evidence.get("spike_steps", [])]
+        near = [x for x in cands if start - lookback <= x <= start]
+        if near:
+            start = min(start, min(near))
     return start, trig
+
+
 FIRST_QUARTER = 0.25
 INTERVAL_LEVEL = 0.9
 
@@ -176,77 +187,81 @@ def curve_forecaster(state: RunState) -> Forecaster | None:
 
 
 FINAL_POINTS = 5  # the forecast final loss is the mean training loss over the last 5 steps
-Z90 = 1.6448536269514722
+N_BOOT = 8  # bootstrap refits behind the curve model's band
 
 
 def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
-    """The curve model fitted to the run's healthy points; its final-loss interval adds, in
-    quadrature, the noise of a FINAL_POINTS-step mean (from the late residuals) and the model's
-    extrapolation error, measured by backtests on the run itself (fit on the first 50/60/70% of the
-    observed steps, error of the mean over the last 20%) and scaled by how much further the option
-    extrapolates than those backtests did."""
+    """The curve model (analysis.curves) fitted to the run's healthy points after warmup. Which
+    model ("mpl", the Multi-Power Law, or "lra", the simpler annealing law) is chosen on the run
+    itself: each is fitted to the first 75% of those points and the one whose prediction of the
+    last 25% has the smaller mean error wins (a short, noisy curve can leave the seven-parameter
+    MPL loose). The chosen model is refitted to all points with bootstrap refits. The interval of
+    an option's final loss is the curve model's band (bootstrap spread and per-point scatter), with
+    the per-point scatter reduced to that of a FINAL_POINTS-step mean."""
+    from scipy.stats import norm
+
+    from analysis.monitor import spec_warmup_steps
+
     spec = state.spec
     df = state.df
     steps = df["step"].to_numpy()
     loss = df["loss"].to_numpy(dtype=np.float64)
-    ok = np.isfinite(loss)
+    ok = np.isfinite(loss) & (loss > 0)
     onset = divergence_onset(state.report, spec.total_steps)
     if onset is not None:
         ok &= steps < onset[0]  # a replan forecasts a healthy run
     # The curve laws describe training after warmup (the published fits start there too).
-    from analysis.monitor import spec_warmup_steps
-
     ok &= steps >= spec_warmup_steps(spec)
     s_obs, l_obs = steps[ok], loss[ok]
-    if len(s_obs) < 12:
+    if len(s_obs) < 16:
         return None
     lr_run = lr_at(spec, np.arange(spec.total_steps))
 
-    def fit_on(mask):
-        return curves.fit_curves([curves.Curve(step=s_obs[mask], lr=lr_run[s_obs[mask]], loss=l_obs[mask])])
+    def fit_on(mask, model, n_boot=0):
+        c = curves.Curve.from_schedule(s_obs[mask], lr_run, l_obs[mask], name=spec.name)
+        return curves.fit_curves([c], model=model, n_boot=n_boot)
 
-    def predict(fit, upto: int, lr_T: np.ndarray) -> np.ndarray:
-        return np.asarray(fit.predict(np.arange(upto), lr_T[:upto]), dtype=np.float64)
-
-    try:
-        fit = fit_on(np.ones(len(s_obs), bool))
-        resid = l_obs - predict(fit, int(s_obs[-1]) + 1, lr_run)[s_obs]
-        sigma = float(np.std(resid[len(resid) // 2 :], ddof=1))
-        span = float(s_obs[-1] - s_obs[0])
-        tail = s_obs >= s_obs[0] + 0.8 * span
-        rel_errs = []
-        for frac in (0.5, 0.6, 0.7):
-            cut = s_obs[0] + frac * span
-            m = s_obs < cut
-            if m.sum() < 8:
-                continue
-            bt = fit_on(m)
-            err = float(np.mean(predict(bt, int(s_obs[-1]) + 1, lr_run)[s_obs[tail]] - l_obs[tail]))
-            rel_errs.append(abs(err) / max(float(np.mean(s_obs[tail])) - cut, 1.0))  # per step extrapolated
-    except Exception:
+    head = np.arange(len(s_obs)) < int(0.75 * len(s_obs))
+    holdout: dict[str, float] = {}
+    for model in curves.MODELS:
+        try:
+            f = fit_on(head, model)
+            pred = f.predict(s_obs[~head], lr_run)
+            holdout[model] = float(abs(np.mean(pred - l_obs[~head])))
+        except (curves.CurveError, ValueError, FloatingPointError):
+            continue
+    fit = None
+    for model in sorted(holdout, key=holdout.get):
+        try:
+            fit = fit_on(np.ones(len(s_obs), bool), model, n_boot=N_BOOT)
+            break
+        except (curves.CurveError, ValueError, FloatingPointError):
+            continue
+    if fit is None:
         return None
-    if not np.isfinite(sigma) or not rel_errs:
-        return None
-    err_per_step = float(np.sqrt(np.mean(np.square(rel_errs))))
-    noise = sigma / math.sqrt(FINAL_POINTS)
-    last_obs = int(s_obs[-1])
+    zq = float(norm.ppf(0.5 + INTERVAL_LEVEL / 2))
 
     def forecast(st: RunState, option: Spec, resume_step: int) -> dict | None:
         total = option.total_steps
         lr_T = lr_at(option, np.arange(total))
         lr_T[:resume_step] = lr_run[:resume_step]  # the steps before the resume are the parent's
+        last = np.arange(max(total - FINAL_POINTS, 0), total)
         try:
-            pred = predict(fit, total, lr_T)
-        except Exception:
+            pred = fit.predict(last, lr_T)
+            lo, hi = fit.band(last, lr_T, level=INTERVAL_LEVEL)
+        except (curves.CurveError, ValueError, FloatingPointError):
             return None
-        mean = float(np.mean(pred[-FINAL_POINTS:]))
-        if not math.isfinite(mean):
+        mean = float(np.mean(pred))
+        point_sd = fit.resid_rel_std * mean
+        band_sd = float(np.mean(hi - lo)) / (2 * zq)
+        model_sd = math.sqrt(max(band_sd**2 - point_sd**2, 0.0))
+        half = zq * math.sqrt(model_sd**2 + point_sd**2 / len(last))
+        if not (math.isfinite(mean) and math.isfinite(half)):
             return None
-        model = err_per_step * max(total - 1 - last_obs, 0)
-        half = Z90 * math.sqrt(noise**2 + model**2)
         return {"mean": mean, "lo": mean - half, "hi": mean + half, "level": INTERVAL_LEVEL,
-                "noise_sd": noise, "model_sd": model, "fitted_points": int(len(s_obs)),
-                "what": f"mean training loss over the last {FINAL_POINTS} steps"}
+                "model": fit.model, "model_sd": model_sd, "noise_sd": point_sd / math.sqrt(len(last)),
+                "holdout_err": holdout, "fitted_points": int(len(s_obs)),
+                "what": f"mean training loss over the last {len(last)} steps"}
 
     return forecast
 

@@ -151,7 +151,7 @@ def test_grad_norm_is_not_judged_during_warmup():
 
 def test_grad_norm_growth_is_judged_against_the_forecast_envelope(tmp_path):
     df = synthetic()
-    grow = np.exp(np.linspace(0, math.log(3.0), 300))
+    grow = np.exp(np.linspace(0, math.log(5.0), 300))  # 2.2x over the trailing half
     df["grad_norm"] = 0.5 * grow * (1 + 0.02 * np.random.default_rng(1).standard_normal(300))
     steps = df["step"].to_numpy()
     assert "grad_norm_growth" in kinds(monitor(df))  # no envelope: grad norm should stay flat
@@ -317,3 +317,15 @@ def test_compare_follow_rereads_the_growing_run_until_its_status_says_done(tmp_p
     doc = json.loads(out)
     assert doc["summary"]["step"] == 79
     assert {"non_finite", "run_diverged"} <= {f["kind"] for f in doc["flags"]}
+
+
+def test_loss_jump_is_judged_against_the_runs_own_noise():
+    """Batch-to-batch noise of a small run moves its smoothed loss 10% off its running minimum;
+    that is not a jump. The same run climbing 60% is."""
+    rng = np.random.default_rng(3)
+    steps = np.arange(400)
+    loss = 2.7 + 0.5 * np.exp(-steps / 80) + 0.17 * rng.standard_normal(400)
+    assert "loss_jump" not in kinds(monitor(pd.DataFrame({"step": steps, "loss": loss})))
+    loss[300:] += np.linspace(0, 1.6, 100)
+    f = flag(monitor(pd.DataFrame({"step": steps, "loss": loss})), "loss_jump")
+    assert f.severity == "critical" and 300 <= f.first_step <= 360
