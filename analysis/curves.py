@@ -74,8 +74,8 @@ __all__ = [
 
 MODELS = ("mpl", "lra")
 HUBER_DELTA = 1e-3
-DENSE_STEPS = 64  # LR changes this close to an evaluated step enter LD one by one
-BLOCK_RATIO = 1.0 / 16  # farther ones in blocks of width ~ distance * BLOCK_RATIO
+DENSE_STEPS = 32  # LR changes this close to an evaluated step enter LD one by one
+BLOCK_RATIO = 1.0 / 8  # farther ones in blocks of width ~ distance * BLOCK_RATIO
 LRA_MOMENTUM = 0.999  # Tissue et al.'s lambda
 GAMMA_MAX = 1.0
 
@@ -423,13 +423,15 @@ def _lbfgs(z0, args, bounds, maxiter=4000):
     )
 
 
-def _linearised_start(designs, ys, model: str) -> np.ndarray:
-    """L0, log A, log alpha and the LR-coefficient of the 'instant' model L0 + A S1^-alpha + B eta_t
-    (every LR change fully felt at once, G = 1), fitted from a small grid (as the published fit starts)."""
+def _linearised_start(designs, ys, weights=None) -> np.ndarray:
+    """(L0, log A, log alpha, b) of the 'instant' model L0 + A S1^-alpha + b eta_t / eta_max, the
+    Multi-Power Law with every LR change fully felt at once (G = 1), from a small grid of starts
+    (the published fit starts from the same linearised model). b / eta_max estimates B."""
     y_min = min(float(y.min()) for y in ys)
     logS1 = np.concatenate([d.logS1_n for d in designs])
     eta = np.concatenate([d.eta_n for d in designs])
     y = np.concatenate(ys)
+    w = None if weights is None else np.concatenate(weights)
     eta_ref = float(eta.max())
 
     def obj(v):
@@ -440,6 +442,8 @@ def _linearised_start(designs, ys, model: str) -> np.ndarray:
         ok = pred > 1e-9
         r = np.log(y) - np.log(np.where(ok, pred, 1e-9))
         h, dh = _huber(r, HUBER_DELTA)
+        if w is not None:
+            h, dh = w * h, w * dh
         dp = np.where(ok, -dh / np.where(ok, pred, 1.0), 0.0)
         return float(h.sum()), np.array([dp.sum(), (dp * pw).sum(), -(dp * pw * logS1).sum() * al, (dp * eta).sum() / eta_ref])
 
@@ -462,7 +466,7 @@ def _starts(model: str, lin: np.ndarray, eta_ref: float) -> list[np.ndarray]:
         # C * S2 ~ b eta / eta_ref after a long decay, and S2 ~ drop / (1 - lambda)
         lC = math.log(max(b, 1e-4) / eta_ref * (1.0 - LRA_MOMENTUM))
         return [np.array([L0, lA, lal, lC + k]) for k in (0.0, -1.5, 1.5)]
-    lB = math.log(max(b, 1e-4) / eta_ref)
+    lB = math.log(max(b, 1e-6) / eta_ref)
     out = []
     # x = C eta^-gamma S: start with C eta_ref^(1-gamma) ~ 1/(few hundred steps) .. 1/(few steps)
     for c_steps, be, ga in ((30.0, 0.5, 0.5), (300.0, 1.0, 0.8), (3.0, 0.4, 0.3), (100.0, 1.5, 0.6)):
@@ -471,13 +475,58 @@ def _starts(model: str, lin: np.ndarray, eta_ref: float) -> list[np.ndarray]:
     return out
 
 
-def _to_sized(z_plain: np.ndarray, law: _SizeLaw) -> np.ndarray:
-    """A one-size solution as the start of a size-law fit (L0 split as E + a, no scaling)."""
-    L0 = z_plain[0]
-    E = 0.7 * L0
-    head = [E, math.log(L0 - E)] + ([math.log(CHINCHILLA_ALPHA)] if law.kind == "many" else [])
-    n_s = len([k for k in _SCALED if k in _MODEL_PARAMS[law.model]])
-    return np.r_[head, z_plain[1:], np.zeros(n_s)]
+def _clip(z: np.ndarray, bounds) -> np.ndarray:
+    lo = np.array([-np.inf if b[0] is None else b[0] for b in bounds])
+    hi = np.array([np.inf if b[1] is None else b[1] for b in bounds])
+    return np.clip(z, lo, hi)
+
+
+def _fix(bounds, i: int, v: float):
+    out = list(bounds)
+    out[i] = (v, v)
+    return out
+
+
+def _fit_one_size(model, designs, ys, weights, eta_ref, y_min, lin=None):
+    """Fit of curves of one size: for the Multi-Power Law in two stages, B from the instant model
+    (stage 1), then L0, A, alpha, C, beta, gamma with B held (stage 2). B and the slow tail of G
+    trade off (a larger B with a slower-saturating G fits a few thousand steps after a drop as well
+    as a smaller B with a quick one); anchoring B to the settled response estimated by the instant
+    model is what extrapolates to longer horizons. Returns the best scipy result and the bounds."""
+    law = _SizeLaw(model, "none")
+    bounds = _bounds(law, y_min)
+    if lin is None:
+        lin = _linearised_start(designs, ys, weights)
+    starts = _starts(model, lin, eta_ref)
+    if model == "mpl":
+        lB = float(np.clip(starts[0][3], *_LOG_BOUNDS["B"]))
+        bounds = _fix(bounds, 3, lB)
+    args = (designs, ys, [None] * len(ys), law, weights or [None] * len(ys))
+    results = [_lbfgs(_clip(z0, bounds), args, bounds) for z0 in starts]
+    best = min(results, key=lambda r: r.fun if np.isfinite(r.fun) else np.inf)
+    return best, results, bounds
+
+
+def _sized_start(thetas: list[np.ndarray], log_ns: list[float], law: _SizeLaw) -> np.ndarray:
+    """Start of a size-law fit from per-size fits: L0 = E + a (N/N_ref)^-p solved for E, a at the
+    start's p; slopes of log A, log alpha, log B in log N by least squares; C, beta, gamma averaged."""
+    th = np.asarray(thetas)
+    x = np.asarray(log_ns) - law.log_nref
+    p = CHINCHILLA_ALPHA
+    M = np.stack([np.ones_like(x), np.exp(-p * x)], 1)
+    (E, a), *_ = np.linalg.lstsq(M, th[:, 0], rcond=None)
+    if not (a > 0 and E > 0):
+        E, a = 0.7 * float(th[:, 0].mean()), 0.3 * float(th[:, 0].mean())
+    head = [E, math.log(a)] + ([math.log(p)] if law.kind == "many" else [])
+    names = _MODEL_PARAMS[law.model]
+    base = th[:, 1:].mean(0)
+    slopes = []
+    for k in [k for k in _SCALED if k in names]:
+        i = names.index(k)
+        s_, c_ = np.polyfit(x, th[:, i], 1)
+        base[i - 1] = c_
+        slopes.append(s_)
+    return np.r_[head, base, slopes]
 
 
 @dataclass
@@ -648,7 +697,9 @@ def fit_curves(
     log_nref = float(np.mean(np.log(sizes))) if sizes else 0.0
     law = _SizeLaw(model, kind, log_nref)
     n_points = sum(len(c.step) for c in curves)
-    n_free = len(law.names)
+    n_free = len(law.names) - (1 if model == "mpl" else 0)  # B comes from the instant model
+    if kind != "none" and model == "mpl":
+        n_free -= 1  # and so does its slope in log N
     if n_points <= n_free:
         raise CurveError(f"{n_points} points in all, but the {model} fit has {n_free} parameters: need more points")
 
@@ -658,23 +709,28 @@ def fit_curves(
     y_min = min(float(y.min()) for y in ys)
     eta_ref = max(float(c.lr_per_step[: c.step[-1] + 1].max()) for c in curves)
 
-    # one-size fit first (all curves pooled); with several sizes it seeds the size-law fit
-    plain = _SizeLaw(model, "none")
-    lin = _linearised_start(designs, ys, model)
-    pb = _bounds(plain, y_min)
-    results = []
-    for z0 in _starts(model, lin, eta_ref):
-        z0 = np.clip(z0, [b[0] if b[0] is not None else -np.inf for b in pb], [b[1] if b[1] is not None else np.inf for b in pb])
-        results.append(_lbfgs(z0, (designs, ys, log_ns, plain, [None] * len(ys)), pb))
-    best = min(results, key=lambda r: r.fun if np.isfinite(r.fun) else np.inf)
-    if kind != "none":
-        sb = _bounds(law, y_min)
-        z0 = np.clip(_to_sized(best.x, law), [b[0] for b in sb], [b[1] for b in sb])
-        results = [_lbfgs(z0, (designs, ys, log_ns, law, [None] * len(ys)), sb)]
-        best = results[0]
-        bounds = sb
+    if kind == "none":
+        best, results, bounds = _fit_one_size(model, designs, ys, None, eta_ref, y_min)
+        fixed = {}
     else:
-        bounds = pb
+        # one fit per size seeds the size law; B and its slope in log N come from those fits
+        thetas = []
+        for n in sizes:
+            idx = [i for i, c in enumerate(curves) if c.params == n]
+            r, _, _ = _fit_one_size(model, [designs[i] for i in idx], [ys[i] for i in idx], None, eta_ref,
+                                    min(float(ys[i].min()) for i in idx))
+            thetas.append(r.x)
+        z0 = _sized_start(thetas, [math.log(n) for n in sizes], law)
+        bounds = _bounds(law, y_min)
+        fixed = {}
+        if model == "mpl":
+            for name in ("B", "s_B"):
+                i = law.names.index(name)
+                fixed[i] = float(z0[i])
+                bounds = _fix(bounds, i, float(z0[i]))
+        args = (designs, ys, log_ns, law, [None] * len(ys))
+        results = [_lbfgs(_clip(z0, bounds), args, bounds)]
+        best = results[0]
     if not np.all(np.isfinite(best.x)) or not np.isfinite(best.fun) or best.fun >= 1e29:
         raise CurveFitError(f"the {model} curve fit did not converge (no finite solution)")
     converged = any(r.success for r in results if abs(r.fun - best.fun) <= 1e-6 * max(abs(best.fun), 1e-12))
@@ -700,14 +756,7 @@ def fit_curves(
         )
 
     if n_boot > 0:
-        rng = np.random.default_rng(seed)
-        boots = []
-        for _ in range(n_boot):
-            w = [_block_weights(len(y), rng) for y in ys]
-            r = _lbfgs(best.x, (designs, ys, log_ns, law, w), bounds, maxiter=1000)
-            if np.all(np.isfinite(r.x)):
-                boots.append(r.x)
-        fit.boot_z = np.asarray(boots) if boots else None
+        fit.boot_z = _bootstrap(model, law, best.x, bounds, designs, ys, log_ns, eta_ref, n_boot, seed)
 
     fit.info = {
         "objective": float(best.fun),
@@ -720,3 +769,22 @@ def fit_curves(
         "seconds": round(time.perf_counter() - t0, 3),
     }
     return fit
+
+
+def _bootstrap(model, law, z, bounds, designs, ys, log_ns, eta_ref, n_boot, seed) -> np.ndarray | None:
+    """Refits on block-resampled points (blocks of 8 consecutive points, as residuals are correlated
+    along a curve), each started at the full-data optimum; for the one-size Multi-Power Law B is
+    re-estimated from the resampled instant model too."""
+    rng = np.random.default_rng(seed)
+    boots = []
+    for _ in range(n_boot):
+        w = [_block_weights(len(y), rng) for y in ys]
+        bnd = bounds
+        if model == "mpl" and law.kind == "none":
+            lin = _linearised_start(designs, ys, w)
+            lB = float(np.clip(math.log(max(lin[3], 1e-6) / eta_ref), *_LOG_BOUNDS["B"]))
+            bnd = _fix(bounds, 3, lB)
+        r = _lbfgs(_clip(z, bnd), (designs, ys, log_ns, law, w), bnd, maxiter=1000)
+        if np.all(np.isfinite(r.x)) and r.fun < 1e29:
+            boots.append(r.x)
+    return np.asarray(boots) if boots else None
