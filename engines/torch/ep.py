@@ -54,6 +54,7 @@ from engines.torch.model import Experts, MoETransformer, attention_mask, group_c
 from ladder.spec import ModelSpec
 
 EXPERT_MARK = ".moe.experts."
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
 class EPError(ValueError):
@@ -437,7 +438,8 @@ def reduce_and_clip(model: MoETransformer, ctx: EPContext, max_norm: float, extr
 def setup_from_env(device: str | None = None) -> EPContext:
     """Join (or start) the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR/PORT); a plain process is a group of one. NCCL on CUDA, gloo on the CPU."""
-    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")  # no NVLink multicast (the machines' setting)
+    for var, off in NO_MULTICAST.items():  # NVLink multicast stays off, as the machines set it
+        os.environ.setdefault(var, off)
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))

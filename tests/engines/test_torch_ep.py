@@ -28,7 +28,6 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 PY = sys.executable
-TORCHRUN = str(Path(PY).parent / "torchrun")
 
 COMMON = {"model.n_waves": 2, "model.capacity_factor_send": 1.0, "model.capacity_factor_recv": 1.0,
           "data.total_tokens": 6 * 64 * 8, "run.eval_every": 3, "run.checkpoint_every": 3}
@@ -91,7 +90,7 @@ def runs(tmp_path_factory):
         list(TorchEngine("cpu").train(spec, root / f"{name}-single"))  # also fills the token cache
     # 2 ranks under torchrun, stopped after step 3 ...
     proc = subprocess.run(
-        [TORCHRUN, "--standalone", "--nproc_per_node", "2", "-m", "engines.torch.ep_train",
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "engines.torch.ep_train",
          *_train_args(root / "ep2.yaml", root / "ep2-ranks", "--steps", "3")],
         cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -188,3 +187,11 @@ def test_a_process_count_other_than_ep_size_is_a_clear_error(runs, tmp_path):
     assert "model.ep_size is 2 but 1 process(es) were started" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_a_batch_that_does_not_split_into_whole_sequences_per_rank_is_refused():
+    from engines.torch.ep import EPError, check_layout
+
+    spec = micro_spec(**{"model.ep_size": 4, "data.batch_size": 6})
+    with pytest.raises(EPError, match=r"data.batch_size \(6\) must be a multiple of model.ep_size \(4\)"):
+        check_layout(spec.model, 4, spec.data.batch_size)

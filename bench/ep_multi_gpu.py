@@ -1,0 +1,344 @@
+"""Expert parallel over several GPUs of one host (PyTorch engine, one process per GPU, NCCL)
+against one GPU running the same spec with the EP shards emulated.
+
+    PYTHONPATH=. python3 bench/ep_multi_gpu.py                     # EP = 1, 2, 4, 8 as the GPUs allow
+    PYTHONPATH=. python3 bench/ep_multi_gpu.py --ep 8 --steps 40   # one EP size (runs are appended)
+    PYTHONPATH=. python3 bench/ep_multi_gpu.py --table-only        # rebuild the table from results.jsonl
+
+For each EP size k the spec's model.ep_size is k (so the capacities, and the drops, are those of
+k shards) and two runs train on the same real-text batches from step 0:
+- `ep`: `python -m torch.distributed.run --nproc_per_node k -m engines.torch.ep_train` (one
+  process per GPU, experts resident on their GPU, pooled-wave all_to_all_single per wave);
+- `single`: one GPU with the engine's own train step (engines/torch/engine.py launch_step +
+  finish_step: the fast path of engines/torch/fast.py), the k shards emulated.
+Columns: tokens/s of the step over all GPUs (steps after --warmup; compilation excluded), per
+GPU, against the single GPU; drop fractions (mean over the timed steps); peak memory per GPU
+(max over ranks of torch.cuda.max_memory_allocated); the largest relative gap of the loss curves
+(every step) and the steps whose drop counts differ. NCCL_NVLS_ENABLE=0 (and the other
+multicast switches) stay set for every process.
+
+With no GPU it runs the same thing with gloo CPU processes on a tiny model as a functional check
+and says so: those tokens/s measure nothing about GPUs.
+
+Results are appended to <out>/results.jsonl as each run finishes; <out>/table.md and
+<out>/loss_curves.png are rebuilt from all of them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
+for _k, _v in NO_MULTICAST.items():
+    os.environ.setdefault(_k, _v)
+
+SOURCES = [{"name": "code", "builtin": "python_code", "weight": 0.7},
+           {"name": "docs", "builtin": "python_docs", "weight": 0.3}]
+
+# expert-heavy, so sharding the experts shows in memory: 64 experts top-8 in a latent of d/2,
+# 12 layers of d 1024 (about 0.68B parameters, 0.6B of them routed experts)
+GPU_MODEL = {"n_layers": 12, "d_model": 1024, "n_heads": 16, "n_kv_heads": 4, "head_dim": 64, "vocab_size": 256,
+             "n_routed_experts": 64, "top_k": 8, "n_shared_experts": 2, "expert_hidden": 512, "shared_hidden": 512,
+             "latent_dim": 512, "dispatch": "capacity", "capacity_factor_send": 1.25, "capacity_factor_recv": 1.25,
+             "n_waves": 3, "attention_window": None}
+GPU_DATA = {"seq_len": 2048, "batch_size": 32}
+CPU_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "vocab_size": 256,
+             "n_routed_experts": 16, "top_k": 2, "n_shared_experts": 1, "expert_hidden": 32, "shared_hidden": 64,
+             "latent_dim": 32, "dispatch": "capacity", "capacity_factor_send": 1.0, "capacity_factor_recv": 1.0,
+             "n_waves": 2, "attention_window": None}
+CPU_DATA = {"seq_len": 128, "batch_size": 8}
+
+
+def log(*a):
+    print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
+
+
+def make_spec(ep: int, steps: int, gpu: bool):
+    from ladder.spec import Spec
+
+    model, data = (GPU_MODEL, GPU_DATA) if gpu else (CPU_MODEL, CPU_DATA)
+    tokens = data["seq_len"] * data["batch_size"] * steps
+    return Spec.model_validate({
+        "name": f"ep-bench-{'gpu' if gpu else 'cpu'}", "engine": "torch", "seed": 0,
+        "model": {**model, "ep_size": ep},
+        "data": {"sources": SOURCES, **data, "total_tokens": tokens},
+        "optim": {"peak_lr": 2e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "grad_clip": 1.0,
+                  "z_loss": 1e-4, "aux_loss": 1e-2},
+        "schedule": {"warmup_frac": 0.1, "decay": "linear", "min_lr_ratio": 0.05},
+        "hardware": {"system": "h200" if gpu else "cpu", "n_gpus": ep if gpu else 0, "peak_flops": 989e12 if gpu else 1e12},
+        "run": {"checkpoint_every": 10**9, "eval_every": 10**9, "eval_batches": 1},
+    })
+
+
+# ---- the single-device reference (run in its own process) --------------------------------------------
+
+
+def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
+    """The engine's own step on one device for every step of the spec (no checkpoints): per
+    step loss, drops, seconds; peak memory."""
+    import numpy as np
+    import torch
+
+    from engines.data import TokenStream
+    from engines.torch.engine import build_optimizer, cpu_threads, finish_step, launch_step, make_loss_fn
+    from engines.torch.model import MoETransformer, init_params
+    from ladder.schedule import lr_at
+    from ladder.spec import load_spec
+
+    spec = load_spec(spec_path)
+    device = torch.device(device_name)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(spec) or 1)
+    stream = TokenStream.from_spec(spec)
+    model = MoETransformer(spec.model).to(device)
+    model.load_numpy(init_params(spec.model, spec.seed))
+    opt = build_optimizer(model, spec)
+    loss_fn = make_loss_fn(model, device)
+    lrs = lr_at(spec, np.arange(spec.total_steps))
+    rows = []
+    t_prev = time.perf_counter()
+    for step in range(spec.total_steps):
+        batch = stream.batch(step)
+        x = torch.from_numpy(batch).to(device, dtype=torch.long)
+        for g in opt.param_groups:
+            g["lr"] = float(lrs[step])
+        vals, out = launch_step(model, loss_fn, x, spec)
+        m, finite = finish_step(model, opt, vals, out, spec)  # its host read waits for the step
+        now = time.perf_counter()
+        rows.append({"step": step, "loss": m["loss"], "drop_frac_send": m["drop_frac_send"],
+                     "drop_frac_recv": m["drop_frac_recv"], "seconds": now - t_prev,
+                     "tokens": batch.shape[0] * (batch.shape[1] - 1)})
+        t_prev = now
+        if not finite:
+            break
+    peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss_peak()
+    out_path.write_text(json.dumps({"rows": rows, "peak_memory_bytes": [int(peak)],
+                                    "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}))
+
+
+def _rss_peak() -> int:
+    import resource
+
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
+# ---- runs ------------------------------------------------------------------------------------------
+
+
+def _env(gpu: bool) -> dict:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+               PYTHONUNBUFFERED="1", **NO_MULTICAST)
+    if not gpu:
+        env.update(OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1")
+    return env
+
+
+def _summarise(kind: str, ep: int, rows: list[dict], peaks: list[int], warmup: int, device: str, wall: float) -> dict:
+    timed = rows[warmup:] or rows
+    tok = sum(r["tokens"] for r in timed)
+    sec = sum(r["seconds"] for r in timed)
+    return {
+        "kind": kind, "ep": ep, "device": device, "steps": len(rows), "timed_steps": len(timed),
+        "tokens_per_s": tok / sec if sec > 0 else 0.0,
+        "drop_frac_send": sum(r["drop_frac_send"] for r in timed) / len(timed),
+        "drop_frac_recv": sum(r["drop_frac_recv"] for r in timed) / len(timed),
+        "peak_memory_gib": max(peaks) / 2**30 if peaks else None,
+        "peak_memory_gib_per_rank": [p / 2**30 for p in peaks],
+        "losses": [r["loss"] for r in rows],
+        "drops": [[r["drop_frac_send"], r["drop_frac_recv"]] for r in rows],
+        "wall_s": wall, "time": time.time(),
+    }
+
+
+def run_ep(ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, timeout: float) -> dict:
+    import shutil
+
+    shutil.rmtree(run_dir, ignore_errors=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ep),
+           "-m", "engines.torch.ep_train", str(spec_path), "--run-dir", str(run_dir), "--no-checkpoints",
+           "--log-every", "10", "--device", "cuda" if gpu else "cpu"]
+    log("ep", ep, ":", " ".join(cmd[1:]))
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(gpu), capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"EP {ep} exited {proc.returncode}: {proc.stderr[-3000:]}")
+    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rows = [{"step": r["step"], "loss": r["loss"], "drop_frac_send": r["drop_frac_send"],
+             "drop_frac_recv": r["drop_frac_recv"], "tokens": 0, "seconds": 0.0} for r in recs]
+    prev = 0
+    for row, r in zip(rows, recs):
+        row["tokens"] = r["tokens"] - prev
+        prev = r["tokens"]
+        row["seconds"] = row["tokens"] / r["tokens_per_s"]
+    summary = json.loads((run_dir / "ep.json").read_text())
+    peaks = [r["peak_memory_bytes"] for r in summary["ranks"]]
+    out = _summarise("ep", ep, rows, peaks, warmup, summary["ranks"][0]["device"], wall)
+    out["backend"] = summary["backend"]
+    out["expert_params_per_rank"] = summary["ranks"][0]["expert_params"]
+    out["dense_params_per_rank"] = summary["ranks"][0]["dense_params"]
+    return out
+
+
+def run_single(ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, timeout: float) -> dict:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out_path = run_dir / "single.json"
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--single-run", str(spec_path), str(out_path),
+           "--device", "cuda" if gpu else "cpu"]
+    log("single, ep_size", ep, "emulated")
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_env(gpu), capture_output=True, text=True, timeout=timeout)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"single (ep_size {ep}) exited {proc.returncode}: {proc.stderr[-3000:]}")
+    res = json.loads(out_path.read_text())
+    return _summarise("single", ep, res["rows"], res["peak_memory_bytes"], warmup, res["device"], wall)
+
+
+# ---- report -----------------------------------------------------------------------------------------
+
+
+def load_results(out: Path) -> dict[tuple[str, int, str], dict]:
+    latest = {}
+    path = out / "results.jsonl"
+    if path.exists():
+        for line in path.read_text().splitlines():
+            r = json.loads(line)
+            latest[(r["kind"], r["ep"], r["device"] != "cpu")] = r
+    return latest
+
+
+def write_table(out: Path) -> str:
+    res = load_results(out)
+    lines = []
+    for gpu in (True, False):
+        eps = sorted({ep for (kind, ep, g) in res if g == gpu})
+        if not eps:
+            continue
+        any_row = next(r for (k, e, g), r in res.items() if g == gpu)
+        where = any_row["device"] if gpu else "CPU processes (gloo), tiny model: a functional check, no GPU measured"
+        unit = "GPU" if gpu else "process"
+        lines += [f"### {where}", "",
+                  f"| EP | {unit}es | tokens/s (all) | tokens/s per {unit} | vs 1 {unit} (same spec) | drop send "
+                  f"| drop recv | peak GiB per {unit} | 1-{unit} peak GiB | max rel. loss gap | steps with other drops |",
+                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+        for ep in eps:
+            e, s = res.get(("ep", ep, gpu)), res.get(("single", ep, gpu))
+            if e is None:
+                continue
+            vs = f"{e['tokens_per_s'] / s['tokens_per_s']:.2f}x" if s else "-"
+            gap = other = "-"
+            if s:
+                n = min(len(e["losses"]), len(s["losses"]))
+                gap = f"{max(abs(a - b) / abs(b) for a, b in zip(e['losses'][:n], s['losses'][:n])):.2e}"
+                other = f"{sum(1 for a, b in zip(e['drops'][:n], s['drops'][:n]) if a != b)}/{n}"
+            lines.append(
+                f"| {ep} | {ep} | {e['tokens_per_s']:,.0f} | {e['tokens_per_s'] / ep:,.0f} | {vs} "
+                f"| {e['drop_frac_send']:.4f} | {e['drop_frac_recv']:.4f} | {e['peak_memory_gib']:.2f} "
+                f"| {s['peak_memory_gib']:.2f} | {gap} | {other} |" if s else
+                f"| {ep} | {ep} | {e['tokens_per_s']:,.0f} | {e['tokens_per_s'] / ep:,.0f} | - "
+                f"| {e['drop_frac_send']:.4f} | {e['drop_frac_recv']:.4f} | {e['peak_memory_gib']:.2f} | - | - | - |")
+        lines.append("")
+        lines.append(f"One {unit}, same spec (shards emulated), tokens/s: " + ", ".join(
+            f"ep_size {ep}: {res[('single', ep, gpu)]['tokens_per_s']:,.0f}" for ep in eps if ("single", ep, gpu) in res))
+        lines.append("")
+    text = "\n".join(lines)
+    (out / "table.md").write_text(text + "\n")
+    _plot(res, out)
+    return text
+
+
+def _plot(res: dict, out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (kind, ep, gpu), r in sorted(res.items()):
+        ax.plot(r["losses"], label=f"{'GPU' if gpu else 'CPU'} {kind} ep={ep}",
+                linestyle="-" if kind == "ep" else "--")
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "loss_curves.png", dpi=120)
+    plt.close(fig)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ep", default=None, help="EP sizes, comma-separated (default 1,2,4,8 up to the GPU count)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 40 on GPUs, 8 on the CPU)")
+    p.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10 on GPUs, 2 on the CPU)")
+    p.add_argument("--out", type=Path, default=ROOT / "out" / "ep_multi_gpu")
+    p.add_argument("--no-single", action="store_true", help="skip the single-GPU reference runs")
+    p.add_argument("--cpu", action="store_true", help="the gloo CPU check even where GPUs exist")
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.add_argument("--table-only", action="store_true")
+    p.add_argument("--single-run", nargs=2, type=Path, metavar=("SPEC", "OUT_JSON"), help=argparse.SUPPRESS)
+    p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.single_run:
+        single_run(*args.single_run, args.device)
+        return 0
+    args.out.mkdir(parents=True, exist_ok=True)
+    if args.table_only:
+        print(write_table(args.out))
+        return 0
+
+    import torch
+
+    from ladder.spec import save_spec
+
+    n_gpus = 0 if args.cpu else torch.cuda.device_count()
+    gpu = n_gpus > 0
+    if not gpu:
+        log("no GPU here: running gloo CPU processes on a tiny model, a functional check that measures no GPU")
+    limit = n_gpus if gpu else max(os.cpu_count() or 1, 4)
+    wanted = [int(x) for x in args.ep.split(",")] if args.ep else ([1, 2, 4, 8] if gpu else [1, 2, 4])
+    steps = args.steps or (40 if gpu else 8)
+    warmup = args.warmup if args.warmup is not None else (10 if gpu else 2)
+    skipped = []
+    for ep in wanted:
+        if ep > limit:
+            skipped.append(ep)
+            log(f"EP {ep}: skipped, this machine has {n_gpus} GPU(s)")
+            continue
+        spec = make_spec(ep, steps, gpu)
+        spec_path = args.out / f"spec_ep{ep}_{'gpu' if gpu else 'cpu'}.yaml"
+        save_spec(spec, spec_path)
+        for kind, fn in (("ep", run_ep), ("single", run_single)):
+            if kind == "single" and args.no_single:
+                continue
+            try:
+                r = fn(ep, spec_path, args.out / f"{kind}_ep{ep}_{'gpu' if gpu else 'cpu'}", gpu, warmup, args.timeout)
+            except (RuntimeError, subprocess.TimeoutExpired) as err:
+                log(f"{kind} ep {ep} failed: {err}")
+                continue
+            with open(args.out / "results.jsonl", "a") as f:
+                f.write(json.dumps(r) + "\n")
+            log(f"{kind} ep={ep}: {r['tokens_per_s']:,.0f} tok/s, drops {r['drop_frac_send']:.4f}/"
+                f"{r['drop_frac_recv']:.4f}, peak {r['peak_memory_gib']:.2f} GiB, wall {r['wall_s']:.0f}s")
+    print(write_table(args.out))
+    if skipped:
+        print(f"not run: EP {', '.join(map(str, skipped))} (needs that many GPUs; this machine has {n_gpus})")
+    if not gpu:
+        print("no GPU measured: the rows above are gloo CPU processes on a tiny model")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
