@@ -36,6 +36,28 @@ def _private_token_cache(tmp_path_factory):
         os.environ["MOE_LADDER_CACHE"] = old
 
 
+@pytest.fixture(scope="session")
+def mlflow_template(tmp_path_factory) -> Path:
+    """An empty MLflow SQLite store, created once: creating the schema takes seconds, so tests
+    that are not about creating it start from a copy (see seeded_root)."""
+    from ladder import tracking
+
+    root = tmp_path_factory.mktemp("mlflow-template")
+    tracking.prepare_store(tracking.default_tracking_uri(root))
+    return root / "mlflow.db"
+
+
+@pytest.fixture
+def seeded_root(tmp_path, mlflow_template) -> Path:
+    """A ladder root whose MLflow store already exists (a copy of the template)."""
+    import shutil
+
+    root = tmp_path / ".ladder"
+    root.mkdir()
+    shutil.copy(mlflow_template, root / "mlflow.db")
+    return root
+
+
 @pytest.fixture
 def write_experiment(tmp_path):
     """write_experiment(name, [(rung, {changes}), ...], steps=30, checkpoint_every=10) -> the path

@@ -99,14 +99,14 @@ def test_resubmitting_a_finished_sweep_trains_nothing(sweep):
     print(f"resubmitting a finished 3-spec sweep took {elapsed:.1f}s (a CLI process, no Ray started)")
 
 
-def test_a_worker_killed_mid_run_is_retried_and_resumes_to_the_same_loss(sweep, tmp_path):
+def test_a_worker_killed_mid_run_is_retried_and_resumes_to_the_same_loss(sweep, tmp_path, seeded_root):
     """SIGKILL the worker process training a spec; Ray retries the task, the engine resumes from
     its checkpoint, and the curve equals the uninterrupted run of the same spec in the sweep."""
     path, sweep_root, _ = sweep
     ref_spec = load_experiment(path).rungs[0]
     exp_file = tmp_path / "again.py"
     exp_file.write_text(path.read_text().replace("name='sweep'", "name='again'"))
-    root = tmp_path / ".ladder"
+    root = seeded_root
     run_dir = ledger.run_dir_for(root, "again", ref_spec)
     box: dict = {}
     th = threading.Thread(target=lambda: box.setdefault("r", submit(exp_file, only="^a$", root=root, console=quiet())))
@@ -166,9 +166,9 @@ def test_an_only_pattern_that_matches_nothing_names_the_specs(write_experiment, 
         submit(path, only="^zzz$", root=tmp_path / ".ladder", console=quiet())
 
 
-def test_two_concurrent_submissions_train_each_spec_once(local_ray, write_experiment, tmp_path):
+def test_two_concurrent_submissions_train_each_spec_once(local_ray, write_experiment, seeded_root):
     path = write_experiment("twice", [("a", {"seed": 5}), ("b", {"seed": 6}), ("c", {"seed": 7})], steps=30)
-    root = tmp_path / ".ladder"
+    root = seeded_root
     results: list = []
 
     def one() -> None:

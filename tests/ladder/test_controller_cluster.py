@@ -45,11 +45,11 @@ def cluster():
     c.shutdown()
 
 
-def test_a_sweep_spreads_over_both_nodes_and_survives_losing_one(cluster, write_experiment, tmp_path):
+def test_a_sweep_spreads_over_both_nodes_and_survives_losing_one(cluster, write_experiment, seeded_root):
     c, worker = cluster
     path = write_experiment("multi", [("a", {}), ("b", {"seed": 1}), ("c", {"seed": 2}), ("d", {"seed": 3})], steps=STEPS)
     exp = load_experiment(path)
-    root = tmp_path / ".ladder"
+    root = seeded_root
     dirs = {s.name: ledger.run_dir_for(root, "multi", s) for s in exp.rungs}
     box: dict = {}
 

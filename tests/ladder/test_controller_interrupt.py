@@ -59,7 +59,9 @@ def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 240) -> N
 
 
 @pytest.fixture(scope="module")
-def story(tmp_path_factory):
+def story(tmp_path_factory, mlflow_template):
+    import shutil
+
     from tests.conftest import tiny_changes
 
     tmp = tmp_path_factory.mktemp("interrupt")
@@ -70,6 +72,8 @@ def story(tmp_path_factory):
         f"EXPERIMENT = Experiment(name='intr', rungs=tuple(micro_spec(n, **{{**BASE, **c}}) for n, c in {RUNGS!r}))\n"
     )
     root = tmp / ".ladder"
+    root.mkdir()
+    shutil.copy(mlflow_template, root / "mlflow.db")
     exp = load_experiment(path)
     dirs = {s.name: ledger.run_dir_for(root, "intr", s) for s in exp.rungs}
     out: dict = {"path": path, "root": root, "exp": exp, "dirs": dirs}

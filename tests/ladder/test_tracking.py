@@ -41,10 +41,10 @@ def _copy(src: Path, dst: Path, keep_steps: int | None = None) -> Path:
 
 
 @pytest.fixture(scope="module")
-def store(tmp_path_factory):
-    """(root, uri): one SQLite store for the module (creating its schema takes seconds); each
-    test logs to an experiment of its own."""
+def store(tmp_path_factory, mlflow_template):
+    """(root, uri): one SQLite store for the module; each test logs to an experiment of its own."""
     root = tmp_path_factory.mktemp("root")
+    shutil.copy(mlflow_template, root / "mlflow.db")
     uri = tracking.default_tracking_uri(root)
     tracking.prepare_store(uri)
     return root, uri

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -29,14 +30,14 @@ pytestmark = pytest.mark.slow
 class Server:
     """`mlflow server` with a SQLite backend in its own process group (so it can be killed whole)."""
 
-    def __init__(self, tmp: Path):
+    def __init__(self, tmp: Path, template: Path):
         self.tmp = tmp
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
         self.uri = f"http://127.0.0.1:{self.port}"
+        shutil.copy(template, tmp / "server.db")  # an existing schema: starts are quicker
         self.db = f"sqlite:///{tmp / 'server.db'}"
-        tracking.prepare_store(self.db)  # the schema once, here, rather than in every start
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> None:
@@ -62,8 +63,8 @@ class Server:
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    s = Server(tmp_path_factory.mktemp("mlflow-server"))
+def server(tmp_path_factory, mlflow_template):
+    s = Server(tmp_path_factory.mktemp("mlflow-server"), mlflow_template)
     s.start()
     yield s
     if s.proc and s.proc.poll() is None:
