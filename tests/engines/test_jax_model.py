@@ -27,7 +27,7 @@ def test_fused_attention_keeps_the_same_causal_window_as_the_mask(window):
 
 
 def test_bf16_compute_stays_close_to_fp32():
-    spec = micro_spec(**{"model.dispatch": "capacity"})
+    spec = micro_spec(**{"model.dispatch": "capacity", "model.n_layers": 1})
     cfg32 = ModelConfig.from_spec(spec.model)
     cfg16 = dataclasses.replace(cfg32, compute_dtype="bfloat16")
     params, buffers = init_params(cfg32, 0)
