@@ -9,6 +9,10 @@ With model.ep_size > 1, capacity dispatch and at least ep_size devices, the rout
 their optimizer moments) are sharded over a device mesh and the pooled-wave all-to-all runs
 between devices; the rest of the model is data-parallel over the same devices. Otherwise the
 expert shards are emulated on one device, with the same drops.
+
+Precision: fp32 on the CPU with full-precision matmuls (parity with the torch engine); on a GPU
+the weights, gradients and AdamW state stay fp32 and the matmuls take bf16 inputs with fp32
+accumulation (routing, norms, softmaxes and losses in fp32), as the torch engine's autocast does.
 """
 
 from __future__ import annotations
