@@ -188,6 +188,7 @@ def curve_forecaster(state: RunState) -> Forecaster | None:
 
 FINAL_POINTS = 5  # the forecast final loss is the mean training loss over the last 5 steps
 N_BOOT = 8  # bootstrap refits behind the curve model's band
+MAX_FIT_POINTS = 1000  # longer runs are fitted on bin means
 
 
 def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
@@ -196,8 +197,9 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
     itself: each is fitted to the first 75% of those points and the one whose prediction of the
     last 25% has the smaller mean error wins (a short, noisy curve can leave the seven-parameter
     MPL loose). The chosen model is refitted to all points with bootstrap refits. The interval of
-    an option's final loss is the curve model's band (bootstrap spread and per-point scatter), with
-    the per-point scatter reduced to that of a FINAL_POINTS-step mean."""
+    an option's final loss adds, in quadrature, the model's own uncertainty (its band less the
+    per-point scatter: the bootstrap spread) and the noise of a FINAL_POINTS-step mean (from the
+    run's step-to-step scatter). Runs longer than MAX_FIT_POINTS points are fitted on bin means."""
     from scipy.stats import norm
 
     from analysis.monitor import spec_warmup_steps
@@ -215,6 +217,14 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
     s_obs, l_obs = steps[ok], loss[ok]
     if len(s_obs) < 16:
         return None
+    d = np.diff(l_obs)
+    point_noise = 1.4826 * float(np.median(np.abs(d - np.median(d)))) / math.sqrt(2)  # one step's scatter
+    if len(s_obs) > MAX_FIT_POINTS:
+        # A long run: fit bin means (as published curves log 128-step averages); the fit's cost
+        # grows with the points, its information hardly.
+        edges = np.linspace(0, len(s_obs), MAX_FIT_POINTS + 1).astype(int)
+        s_obs = np.array([int(round(s_obs[a:b].mean())) for a, b in zip(edges[:-1], edges[1:])])
+        l_obs = np.array([l_obs[a:b].mean() for a, b in zip(edges[:-1], edges[1:])])
     lr_run = lr_at(spec, np.arange(spec.total_steps))
 
     def fit_on(mask, model, n_boot=0):
@@ -247,19 +257,18 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
         lr_T[:resume_step] = lr_run[:resume_step]  # the steps before the resume are the parent's
         last = np.arange(max(total - FINAL_POINTS, 0), total)
         try:
-            pred = fit.predict(last, lr_T)
-            lo, hi = fit.band(last, lr_T, level=INTERVAL_LEVEL)
+            lo, hi = fit.band(last, lr_T, level=INTERVAL_LEVEL)  # symmetric around predict()
         except (curves.CurveError, ValueError, FloatingPointError):
             return None
-        mean = float(np.mean(pred))
-        point_sd = fit.resid_rel_std * mean
+        mean = float(np.mean((lo + hi) / 2))
         band_sd = float(np.mean(hi - lo)) / (2 * zq)
-        model_sd = math.sqrt(max(band_sd**2 - point_sd**2, 0.0))
-        half = zq * math.sqrt(model_sd**2 + point_sd**2 / len(last))
+        model_sd = math.sqrt(max(band_sd**2 - (fit.resid_rel_std * mean) ** 2, 0.0))  # the band less its scatter
+        noise_sd = point_noise / math.sqrt(len(last))
+        half = zq * math.sqrt(model_sd**2 + noise_sd**2)
         if not (math.isfinite(mean) and math.isfinite(half)):
             return None
         return {"mean": mean, "lo": mean - half, "hi": mean + half, "level": INTERVAL_LEVEL,
-                "model": fit.model, "model_sd": model_sd, "noise_sd": point_sd / math.sqrt(len(last)),
+                "model": fit.model, "model_sd": model_sd, "noise_sd": noise_sd,
                 "holdout_err": holdout, "fitted_points": int(len(s_obs)),
                 "what": f"mean training loss over the last {len(last)} steps"}
 
