@@ -55,7 +55,7 @@ GPU_DATA = {"seq_len": 2048, "batch_size": 32}
 CPU_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 2, "head_dim": 16, "vocab_size": 256,
              "n_routed_experts": 16, "top_k": 2, "n_shared_experts": 1, "expert_hidden": 32, "shared_hidden": 64,
              "latent_dim": 32, "dispatch": "capacity", "capacity_factor_send": 1.0, "capacity_factor_recv": 1.0,
-             "n_waves": 2, "attention_window": None}
+             "n_waves": 2, "attention_window": None, "init_std": 0.3}  # routed outputs big enough to move the loss
 CPU_DATA = {"seq_len": 128, "batch_size": 8}
 
 
