@@ -116,6 +116,7 @@ class RunState:
     now: float
     ref: RunRef | None = None
     run_dir: Path | None = None
+    forecast: Forecast | None = None
 
     @property
     def done_steps(self) -> int:
@@ -167,7 +168,7 @@ class RunState:
             every = spec.run.checkpoint_every
             ckpts = list(range(every, step + 2, every))
             assumed = True
-        return cls(spec, df, report, step, tps, src, ckpts, assumed, now, ref, ref.run_dir if ref else None)
+        return cls(spec, df, report, step, tps, src, ckpts, assumed, now, ref, ref.run_dir if ref else None, forecast)
 
 
 # ---- the curve model's forecast ----------------------------------------------------------------
@@ -189,17 +190,41 @@ def curve_forecaster(state: RunState) -> Forecaster | None:
 FINAL_POINTS = 5  # the forecast final loss is the mean training loss over the last 5 steps
 N_BOOT = 8  # bootstrap refits behind the curve model's band
 MAX_FIT_POINTS = 1000  # longer runs are fitted on bin means
+LADDER = "ladder"
+
+
+@dataclass
+class _Candidate:
+    """A curve model for this run: predict(steps, lr) = fit.predict(..., params) + shift."""
+
+    name: str
+    fit: Any
+    params: float | None = None
+    shift: float = 0.0
+    shift_sd: float = 0.0  # uncertainty of the level matched to the run
+
+    def predict(self, steps, lr_T):
+        return np.asarray(self.fit.predict(steps, lr_T, params=self.params), dtype=np.float64) + self.shift
+
+    def band(self, steps, lr_T):
+        lo, hi = self.fit.band(steps, lr_T, params=self.params, level=INTERVAL_LEVEL)
+        return np.asarray(lo) + self.shift, np.asarray(hi) + self.shift
 
 
 def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
-    """The curve model (analysis.curves) fitted to the run's healthy points after warmup. Which
-    model ("mpl", the Multi-Power Law, or "lra", the simpler annealing law) is chosen on the run
-    itself: each is fitted to the first 75% of those points and the one whose prediction of the
-    last 25% has the smaller mean error wins (a short, noisy curve can leave the seven-parameter
-    MPL loose). The chosen model is refitted to all points with bootstrap refits. The interval of
-    an option's final loss adds, in quadrature, the model's own uncertainty (its band less the
-    per-point scatter: the bootstrap spread) and the noise of a FINAL_POINTS-step mean (from the
-    run's step-to-step scatter). Runs longer than MAX_FIT_POINTS points are fitted on bin means."""
+    """The curve model for the run's healthy points after warmup. Candidates: the run's own fits
+    ("mpl", the Multi-Power Law, and "lra", the simpler annealing law) and, given a forecast.json
+    with a curve model ("ladder": fitted on the ladder's rungs, at the forecast hero's size), that
+    model with its level matched to the run (a constant shift). Each candidate is fitted (or matched)
+    on the first 75% of the points; the one whose prediction of the last 25% has the smallest mean
+    error wins, and is refitted on all of them (own fits with bootstrap refits for the band). A
+    short, noisy curve can leave the seven-parameter MPL loose; a ladder model knows the curve's
+    shape from whole rungs.
+
+    The interval of an option's final loss adds, in quadrature, the model's own uncertainty (its
+    band less the per-point scatter: the bootstrap spread, plus the matched level's standard error)
+    and the noise of a FINAL_POINTS-step mean (from the run's step-to-step scatter). Runs longer
+    than MAX_FIT_POINTS points are fitted on bin means."""
     from scipy.stats import norm
 
     from analysis.monitor import spec_warmup_steps
@@ -226,28 +251,44 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
         s_obs = np.array([int(round(s_obs[a:b].mean())) for a, b in zip(edges[:-1], edges[1:])])
         l_obs = np.array([l_obs[a:b].mean() for a, b in zip(edges[:-1], edges[1:])])
     lr_run = lr_at(spec, np.arange(spec.total_steps))
+    errors = (curves.CurveError, ValueError, FloatingPointError, ZeroDivisionError)
 
-    def fit_on(mask, model, n_boot=0):
+    ladder_fit, ladder_n = None, None
+    fc = state.forecast
+    if fc is not None and fc.curve_model:
+        try:
+            ladder_fit = curves.CurveFit.from_dict(fc.curve_model)
+            ladder_n = (fc.hero or {}).get("active_params")
+        except errors:
+            ladder_fit = None
+
+    def build(name: str, mask, n_boot: int = 0) -> _Candidate:
+        if name == LADDER:
+            base = _Candidate(LADDER, ladder_fit, ladder_n)
+            r = l_obs[mask] - base.predict(s_obs[mask], lr_run)
+            base.shift = float(np.mean(r))
+            base.shift_sd = float(np.std(r, ddof=1) / math.sqrt(len(r))) if len(r) > 1 else 0.0
+            return base
         c = curves.Curve.from_schedule(s_obs[mask], lr_run, l_obs[mask], name=spec.name)
-        return curves.fit_curves([c], model=model, n_boot=n_boot)
+        return _Candidate(name, curves.fit_curves([c], model=name, n_boot=n_boot))
 
     head = np.arange(len(s_obs)) < int(0.75 * len(s_obs))
+    names = ([LADDER] if ladder_fit is not None else []) + list(curves.MODELS)
     holdout: dict[str, float] = {}
-    for model in curves.MODELS:
+    for name in names:
         try:
-            f = fit_on(head, model)
-            pred = f.predict(s_obs[~head], lr_run)
-            holdout[model] = float(abs(np.mean(pred - l_obs[~head])))
-        except (curves.CurveError, ValueError, FloatingPointError):
+            cand = build(name, head)
+            holdout[name] = float(abs(np.mean(cand.predict(s_obs[~head], lr_run) - l_obs[~head])))
+        except errors:
             continue
-    fit = None
-    for model in sorted(holdout, key=holdout.get):
+    chosen = None
+    for name in sorted(holdout, key=holdout.get):
         try:
-            fit = fit_on(np.ones(len(s_obs), bool), model, n_boot=N_BOOT)
+            chosen = build(name, np.ones(len(s_obs), bool), n_boot=N_BOOT)
             break
-        except (curves.CurveError, ValueError, FloatingPointError):
+        except errors:
             continue
-    if fit is None:
+    if chosen is None:
         return None
     zq = float(norm.ppf(0.5 + INTERVAL_LEVEL / 2))
 
@@ -257,18 +298,19 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
         lr_T[:resume_step] = lr_run[:resume_step]  # the steps before the resume are the parent's
         last = np.arange(max(total - FINAL_POINTS, 0), total)
         try:
-            lo, hi = fit.band(last, lr_T, level=INTERVAL_LEVEL)  # symmetric around predict()
-        except (curves.CurveError, ValueError, FloatingPointError):
+            lo, hi = chosen.band(last, lr_T)  # symmetric around predict()
+        except errors:
             return None
         mean = float(np.mean((lo + hi) / 2))
         band_sd = float(np.mean(hi - lo)) / (2 * zq)
-        model_sd = math.sqrt(max(band_sd**2 - (fit.resid_rel_std * mean) ** 2, 0.0))  # the band less its scatter
+        scatter = chosen.fit.resid_rel_std * (mean - chosen.shift)
+        model_sd = math.sqrt(max(band_sd**2 - scatter**2, 0.0) + chosen.shift_sd**2)  # the band less its scatter
         noise_sd = point_noise / math.sqrt(len(last))
         half = zq * math.sqrt(model_sd**2 + noise_sd**2)
         if not (math.isfinite(mean) and math.isfinite(half)):
             return None
         return {"mean": mean, "lo": mean - half, "hi": mean + half, "level": INTERVAL_LEVEL,
-                "model": fit.model, "model_sd": model_sd, "noise_sd": noise_sd,
+                "model": chosen.name, "model_sd": model_sd, "noise_sd": noise_sd,
                 "holdout_err": holdout, "fitted_points": int(len(s_obs)),
                 "what": f"mean training loss over the last {len(last)} steps"}
 

@@ -261,3 +261,31 @@ def test_the_context_gate_follows_the_measured_drop_fraction():
     assert enable.spec.data.context_stages[0].gated is False
     no = make_replan(state_of(spec, 99, drop_frac_send=np.full(100, 0.09)), forecaster=None)
     assert not no.context_gate["allowed"] and all(o.kind != "enable_context" for o in no.options)
+
+
+def test_a_forecast_files_ladder_curve_model_is_matched_to_the_run_and_used_when_it_predicts_best(tmp_path):
+    """The ladder's curve model (forecast.json's curve_model) knows the curve's shape; matched to the
+    run's level it forecasts the final loss of a shortened horizon that the run's own 200 noisy
+    points could only extrapolate."""
+    from analysis import curves
+    from analysis.monitor import load_forecast
+    from analysis.replan import curve_forecaster
+
+    spec = proxy_spec(steps=1000)
+    lr_T = lr_at(spec, np.arange(1000))
+    st = np.arange(10, 1000)
+    rung = curves.fit_curves([curves.Curve.from_schedule(st, lr_T, 2.2 + 2.0 * (1 + st / 50.0) ** -0.5)], model="lra",
+                             n_boot=4)
+    steps = np.arange(200)
+    run_truth = rung.predict(steps, lr_T) + 0.05  # this run sits 0.05 above the ladder's curve
+    df = pd.DataFrame({"step": steps, "tokens": (steps + 1) * 512.0, "lr": lr_T[steps],
+                       "loss": run_truth + 0.05 * np.random.default_rng(0).standard_normal(200)})
+    doc = {"trajectory": {"step": [0, 999], "loss": [5, 2], "lo": [4, 1], "hi": [6, 3]},
+           "hero": {"spec_id": spec.id}, "curve_model": rung.to_dict()}
+    (tmp_path / "forecast.json").write_text(json.dumps(doc))
+    state = RunState.build(df, spec, None, tokens_per_s=512.0, now=0.0, forecast=load_forecast(tmp_path / "forecast.json"))
+    new = shorten_spec(spec, 200, 600, True, "shorten", "test")
+    fc = curve_forecaster(state)(state, new, 200)
+    truth = float(np.mean(rung.predict(np.arange(595, 600), lr_at(new, np.arange(600))))) + 0.05
+    assert fc["model"] == "ladder" and set(fc["holdout_err"]) == {"ladder", "mpl", "lra"}
+    assert fc["lo"] <= truth <= fc["hi"] and fc["hi"] - fc["lo"] < 0.15
