@@ -559,7 +559,11 @@ def make_replan(
     options: list[Option] = []
 
     # keep
-    keep = Option("keep", "keep the plan", spec, None, "no change", note="the run goes on as planned")
+    state_now = (st.ref.status().get("state") if st.ref else None) or "running"
+    keep_note = {"running": "the run goes on as planned", "pending": "the run goes on as planned",
+                 "finished": "the run has finished"}.get(
+        state_now, f"the run has stopped ({state_now}): keeping the plan means resuming it as it is")
+    keep = Option("keep", "keep the plan", spec, None, "no change", note=keep_note)
     _timing(keep, st, st.done_steps, deadline)
     if forecaster:
         keep.forecast = forecaster(st, spec, st.done_steps)

@@ -100,9 +100,19 @@ def register(app: typer.Typer) -> None:
             raise ValueError(f"--tokens-per-s must be positive (got {tokens_per_s})")
         if interval <= 0:
             raise ValueError(f"--interval must be positive (got {interval})")
-        ref, df, spec = load_inputs(run, metrics, spec_path, root, loss_col)
         console = Console(stderr=as_json) if sys.stdout.isatty() or as_json else Console(width=160)
         start = time.monotonic()
+        while True:
+            try:
+                ref, df, spec = load_inputs(run, metrics, spec_path, root, loss_col)
+                break
+            except ValueError as e:
+                # --follow on a run that has not logged yet: wait for its first records
+                waiting = follow and ("no metrics.jsonl" in str(e) or "no metric records" in str(e))
+                if not waiting or (max_wait is not None and time.monotonic() - start >= max_wait):
+                    raise
+                console.print(f"[dim]waiting for the run's first metrics ({e})[/]", highlight=False)
+                time.sleep(interval)
         seen: set[tuple[str, int]] = set()
         while True:
             report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=ref.status())
