@@ -487,7 +487,7 @@ def _dispatch(
                 elif mirror is not None:
                     mirror.adopt(p)
                 display.done(p.spec.id, out["outcome"], _note(out))
-            for key, upd in ray.get(ctx["sink"].drain.remote()).items():
+            for key, upd in _drain(ctx["sink"]).items():
                 if mirror is not None and key in by_id and "state" not in upd:
                     mirror.started(by_id[key])  # a worker holds the spec and trains it
                 display.update(key, upd)
@@ -511,6 +511,17 @@ def _dispatch(
             if mirror is not None and mirror.pump.watching(p.spec.id):
                 mirror.ended(p, out.get("outcome", "interrupted"))
         raise
+
+
+def _drain(sink) -> dict:
+    """Progress reports since the last call; none while the sink restarts (its node was lost):
+    progress is cosmetic, outcomes come from the tasks themselves."""
+    import ray
+
+    try:
+        return ray.get(sink.drain.remote(), timeout=10)
+    except (ray.exceptions.RayError, TimeoutError):
+        return {}
 
 
 def _outcome(ref, p: Planned) -> dict:

@@ -113,8 +113,8 @@ class SweepDisplay:
 
     def update(self, key: str, upd: dict) -> None:
         row = self.rows.get(key)
-        if row is None:
-            return
+        if row is None or row.state not in ("queued", "running"):
+            return  # a late report of a run already done
         if row.state == "queued":
             row.state = "running"
             if not self.live:

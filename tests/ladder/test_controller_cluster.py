@@ -75,6 +75,7 @@ def test_a_sweep_spreads_over_both_nodes_and_survives_losing_one(cluster, write_
     assert victim is not None, f"no run reached mid-way on the worker node: {box}"
     c.remove_node(worker)
     th.join(400)
+    assert "r" in box, box.get("error")
     result = box["r"]
     assert result.ok, result.outcomes
 
