@@ -162,7 +162,7 @@ def run_hf(spec, batches, warmup):
     return [float(v) for v in losses], dt, t_warm, info
 
 
-def run_torch(spec, batches, warmup, options: dict | None = None):
+def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None):
     import torch
 
     from engines.torch import fast
@@ -170,8 +170,10 @@ def run_torch(spec, batches, warmup, options: dict | None = None):
     from engines.torch.model import MoETransformer, init_params
 
     saved = fast.OPTIONS
+    saved_env = {k: os.environ.get(k) for k in env or {}}
     if options:
         fast.OPTIONS = fast.FastOptions(**{**vars(saved), **options})
+    os.environ.update(env or {})  # switches the engine reads at each step
     try:
         torch._dynamo.reset()
         device = torch.device(DEVICE)
@@ -192,12 +194,17 @@ def run_torch(spec, batches, warmup, options: dict | None = None):
             return m["loss"], m["drop_frac_send"], m["drop_frac_recv"]
 
         out, dt, t_warm = timed_loop(step, batches, warmup, sync)
-        info = {"options": vars(fast.OPTIONS), "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
+        info = {"options": vars(fast.OPTIONS), "env": dict(env or {}), "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
                 "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]]))}
         del model, opt, loss_fn
         return [o[0] for o in out], dt, t_warm, info
     finally:
         fast.OPTIONS = saved
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         torch._dynamo.reset()  # compiled graphs can hold the model's tensors; JAX runs next
         gc.collect()
         if DEVICE == "cuda":
@@ -268,7 +275,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn")
+                         "torch_cudnn, torch_fusedclip")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--budget-s", type=float, default=560.0, help="skip what would start after this")
@@ -373,6 +380,8 @@ def main(argv=None) -> int:
         "torch_dense": (run_torch, {"options": {"compile": "dense"}}),
         "torch_cudnn": (run_torch, {"options": {"attn_backend": "cudnn"}}),
         "torch_nmajor": (run_torch, {"options": {"grouped_mm_weights": "nmajor"}}),
+        # clipping folded into the fused AdamW step (engines/torch/fast.py, off by default)
+        "torch_fusedclip": (run_torch, {"env": {"MOE_LADDER_TORCH_FUSED_CLIP": "1"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
     }
 

@@ -111,9 +111,15 @@ def launch_step(model: MoETransformer, loss_fn, x: torch.Tensor, spec: Spec) -> 
     """Forward, backward and clipping of one step, queued on the device without waiting for it:
     (the step's metrics and grad norm stacked in METRIC_KEYS + ("grad_norm",) order, loss_fn's
     outputs)."""
+    from engines.torch import fast
+
     total_loss, out = loss_fn(model, x, spec.optim)
     total_loss.backward()
-    grad_norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), spec.optim.grad_clip)
+    params = list(model.parameters())
+    if fast.fused_clip_enabled(x.device):  # clipping happens inside the optimizer step
+        grad_norm, out["grad_scale"] = fast.clip_scale(params, spec.optim.grad_clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optim.grad_clip)
     return torch.stack([out["metrics"][k].float() for k in METRIC_KEYS] + [grad_norm.float()]), out
 
 
@@ -124,7 +130,12 @@ def finish_step(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.T
     m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))
     finite = all(np.isfinite(m[k]) for k in ("loss", "total_loss", "grad_norm"))
     if finite:
-        opt.step()
+        if out.get("grad_scale") is None:
+            opt.step()
+        else:
+            from engines.torch.fast import step_with_grad_scale
+
+            step_with_grad_scale(opt, out["grad_scale"])
         if spec.model.router_bias_balancing:
             with torch.no_grad():
                 load_LE = out["load_LE"]

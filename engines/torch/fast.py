@@ -56,6 +56,37 @@ def fast_path_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("MOE_LADDER_TORCH_FAST", "1") != "0"
 
 
+def fused_clip_enabled(device: torch.device) -> bool:
+    """$MOE_LADDER_TORCH_FUSED_CLIP=1 on CUDA: gradient clipping folded into the fused AdamW step
+    (clip_scale + step_with_grad_scale) instead of clip_grad_norm_'s in-place pass over every
+    gradient. Off by default: it has not yet been timed or checked on a GPU."""
+    return device.type == "cuda" and os.environ.get("MOE_LADDER_TORCH_FUSED_CLIP", "0") == "1"
+
+
+def clip_scale(params, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(grad norm, divisor) with grad / divisor == what clip_grad_norm_(params, max_norm) leaves,
+    computed on the device without touching the gradients."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads, 2.0, foreach=True)
+    return norm, 1.0 / torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+
+
+def step_with_grad_scale(opt: torch.optim.Optimizer, grad_scale: torch.Tensor) -> None:
+    """opt.step() on gradients divided by grad_scale. A fused Adam(W) divides inside its kernel
+    (its AMP-unscale input), which saves a read and a write of every fp32 gradient; any other
+    optimizer gets one foreach division first."""
+    if all(g.get("fused") for g in opt.param_groups):
+        opt.grad_scale = grad_scale.float()
+        try:
+            opt.step()
+        finally:
+            del opt.grad_scale
+        return
+    grads = [p.grad for g in opt.param_groups for p in g["params"] if p.grad is not None]
+    torch._foreach_div_(grads, grad_scale)
+    opt.step()
+
+
 # ---- permutations with gather backwards ----------------------------------------------------------
 
 
