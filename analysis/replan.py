@@ -35,8 +35,9 @@ Options (Marin's contingency plan, DESIGN.md):
   spec's schedule then describes the steps before the rewind at the lower peak too: those steps
   come from the parent checkpoint) or `rewind_redraw`. The data pipeline cannot skip batches (a
   step's batch is a function of (seed, step, mixture) and the spec has no offset), so the offending
-  batches are not skipped: `rewind_redraw` re-draws every batch from the resume step on with a new
-  data seed (the seed also keys the initial weights, which the checkpoint replaces).
+  batches are not skipped and no skip option is offered (the replan says so): `rewind_redraw`
+  re-draws every batch from the resume step on with a new data seed instead (the seed also keys the
+  initial weights, which the checkpoint replaces, and the held-out eval batches).
 - `enable_context`: the next gated stage of data.context_stages, when its gate (e.g.
   "drop_frac <= 0.07") holds on the measured drop fraction (mean of the last 20 points).
 """
@@ -661,7 +662,10 @@ def make_replan(
         options.append(_rewind_option(
             st, "rewind_redraw", f"rewind to {join}, re-draw the data from there (seed {spec.seed} -> {spec.seed + 1})",
             why, join, deadline, forecaster, {"seed": spec.seed + 1},
-            note="the pipeline cannot skip batches; a new data seed replaces every batch from the resume step"))
+            note="a new data seed replaces every batch from the resume step (and the held-out eval batches)"))
+        notes.append("skipping the offending batches is not possible: the data pipeline has no offset (a step's "
+                     "batch is a function of seed, step and mixture), so no skip option is offered; "
+                     "rewind_redraw draws other batches instead")
         if st.checkpoints and join == 0 and st.checkpoints[0] > 0:
             notes.append(f"kept checkpoints {st.checkpoints} all follow the first flag at step {fault}: "
                          "the rewind restarts from step 0")

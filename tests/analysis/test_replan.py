@@ -164,6 +164,7 @@ def test_injected_lr_spike_is_flagged_within_steps_and_the_rewind_resumes_before
         assert (run_dir / "checkpoints" / step_dir_name(s.lineage.resume_step)).exists()
     assert load_spec(next(o for o in rewinds if o["kind"] == "rewind_zloss")["spec_path"]).optim.z_loss == 1e-4
     assert "rewind_zloss" in plan["recommendation"]  # z-loss was off
+    assert any("skipping the offending batches is not possible" in n for n in plan["notes"])
 
 
 # ---- bad input: a clear error and nothing written -------------------------------------------
