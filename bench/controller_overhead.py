@@ -92,6 +92,17 @@ def main() -> None:
               f"(0 ms in the training process); {upload / o['engine_s'] * 100:.1f}% of this tiny model's step, "
               f"< 2% of any step longer than {upload / o['steps_run'] * 50 * 1e3:.0f} ms")
 
+        # the same, untracked: does tracking slow the training process down?
+        from rich.console import Console
+
+        from ladder.controller import submit
+
+        bare = submit(write_experiment(tmp / "bare.py", "bare", 1, args.long_steps), root=tmp / ".ladder",
+                      tracking=False, console=Console(file=io.StringIO()))
+        ob = next(iter(bare.outcomes.values()))
+        print(f"  the same spec untracked: {ob['engine_s'] / ob['steps_run'] * 1e3:.1f} ms a step "
+              f"(tracked: {per_step * 1e3:.1f} ms; the difference is noise plus CPU the pump takes on a busy machine)")
+
         # a finished sweep of many specs, then resubmit it as a user would
         path, result, wall100 = sweep(tmp, "hundred", args.resubmit_specs, args.resubmit_steps)
         ray.shutdown()

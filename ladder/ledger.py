@@ -32,7 +32,7 @@ import secrets
 import socket
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -130,7 +130,6 @@ class RunRecord:
     mlflow_run_id: str | None = None
     detail: str = ""
     holder: str = ""
-    extra: dict = field(default_factory=dict)
 
 
 def run_record(root: Path, experiment: str, spec: "Spec", run_dir: Path, tracking_uri: str | None = None) -> RunRecord:
@@ -191,7 +190,7 @@ def records(
     from ladder.spec import load_spec
 
     root = ladder_root(root)
-    exp_obj = _as_experiment(experiment)
+    exp_obj = as_experiment(experiment)
     name = exp_obj.name if exp_obj is not None else (str(experiment) if experiment else None)
     out: list[RunRecord] = []
     seen: set[Path] = set()
@@ -226,13 +225,11 @@ def runs_frame(
     import pandas as pd
 
     rows = [dataclasses.asdict(r) for r in records(root, experiment, tracking_uri)]
-    for r in rows:
-        r.pop("extra")
-    cols = [f.name for f in dataclasses.fields(RunRecord) if f.name != "extra"]
+    cols = [f.name for f in dataclasses.fields(RunRecord)]
     return pd.DataFrame(rows, columns=cols)
 
 
-def _as_experiment(experiment) -> "Experiment | None":
+def as_experiment(experiment) -> "Experiment | None":
     """An Experiment from an Experiment, an experiment file or a module name; None for a bare name."""
     from ladder.experiment import Experiment, load_experiment
     from ladder.spec import SpecError

@@ -13,9 +13,9 @@ def experiment_name(experiment: str | None) -> str | None:
     """A name as given, or the name an experiment file declares."""
     if experiment is None:
         return None
-    from ladder.ledger import _as_experiment
+    from ladder.ledger import as_experiment
 
-    exp = _as_experiment(experiment)
+    exp = as_experiment(experiment)
     return exp.name if exp is not None else experiment
 
 
@@ -36,23 +36,28 @@ def register(app: typer.Typer) -> None:
         r = ladder_root(root)
         recs = records(r, experiment, resolve_tracking_uri(tracking_uri, r))
         colour = {"finished": "green", "running": "cyan", "failed": "red", "diverged": "magenta", "pending": "dim"}
+        many_exps = len({x.experiment for x in recs}) > 1
+        roles = any(x.role != "rung" for x in recs)
         t = Table(title=f"ladder runs under {r}")
-        for col in ("experiment", "spec", "role", "id", "state", "step", "loss", "tok/s", "mlflow run", "note"):
-            t.add_column(col)
+        cols = [*(["experiment"] if many_exps else []), "spec", *(["role"] if roles else []), "id", "state", "step", "loss",
+                "tok/s", "mlflow run", "note"]
+        for col in cols:
+            t.add_column(col, no_wrap=col in ("id", "state", "step", "spec"))
         for x in recs:
-            step = "-" if x.step is None else f"{x.step + 1}/{x.total_steps}"
-            t.add_row(
-                x.experiment,
+            step = f"0/{x.total_steps}" if x.step is None else f"{x.step + 1}/{x.total_steps}"
+            row = [
+                *([x.experiment] if many_exps else []),
                 x.name,
-                x.role,
+                *([x.role] if roles else []),
                 x.spec_id,
                 f"[{colour.get(x.state, 'white')}]{x.state}[/]",
-                step if x.step is not None else f"0/{x.total_steps}",
+                step,
                 "-" if x.loss is None else f"{x.loss:.4f}",
                 "-" if x.tokens_per_s is None else f"{x.tokens_per_s:,.0f}",
-                (x.mlflow_run_id or "-")[:12],
+                (x.mlflow_run_id or "-")[:8],
                 x.detail or (f"held by {x.holder}" if x.holder else ""),
-            )
+            ]
+            t.add_row(*row)
         Console().print(t if recs else f"no runs under {r}")
 
     @app.command("runs")
@@ -70,8 +75,6 @@ def register(app: typer.Typer) -> None:
 
         r = ladder_root(root)
         rows = [dataclasses.asdict(x) for x in records(r, experiment, resolve_tracking_uri(tracking_uri, r))]
-        for row in rows:
-            row.pop("extra", None)
         if as_json:
             typer.echo(json.dumps(rows, indent=1, default=float))
             return
