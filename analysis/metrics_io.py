@@ -19,7 +19,6 @@ ValueError: the CLI prints it as a one-line error, exit 2).
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping

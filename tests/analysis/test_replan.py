@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.metrics_io import read_metrics_frame, resolve_run
+from analysis.metrics_io import read_metrics_frame
 from analysis.monitor import monitor
 from analysis.replan import RunState, make_replan, shorten_spec
 from engines.base import read_metrics
