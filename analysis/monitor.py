@@ -9,7 +9,8 @@ evidence holds a sentence ("text") and the numbers behind it. The kinds:
 - `non_finite` (critical): a NaN or inf loss or grad norm.
 - `run_diverged` / `run_failed` (critical): the run's status.json says so.
 - `loss_above_band` (warning) / `loss_below_band` (info): the (optionally smoothed) loss lies above
-  the forecast band's upper edge (or below its lower edge) for `band_k` consecutive points.
+  the forecast band's upper edge (or below its lower edge) for `band_k` consecutive points. Matched
+  by step, or by tokens when the run's tokens per step differ from the forecast hero's.
 - `loss_jump` (warning; critical past `loss_jump_crit`): the loss, smoothed by a rolling median of
   `loss_jump_smooth` points, rises more than `loss_jump_warn` (relative) above its running minimum,
   and by more than `loss_jump_sigma` times the smoothed loss's own noise (robust scatter of the
@@ -413,8 +414,15 @@ def monitor(
     # -- forecast band (by tokens when both sides have them, else by step)
     band_summary: dict[str, Any] = {}
     if forecast is not None:
+        from analysis.metrics_io import frame_tokens_per_step
+
         tok = _col(df, "tokens")
-        if forecast.traj_tokens is not None and tok is not None and np.all(np.isfinite(forecast.traj_tokens)):
+        fc_tps = (forecast.hero or {}).get("tokens_per_step")
+        run_tps = spec.data.tokens_per_step if spec is not None else frame_tokens_per_step(df)
+        same_steps = fc_tps is not None and run_tps is not None and abs(float(fc_tps) - float(run_tps)) < 1e-9 * float(fc_tps)
+        if (not same_steps and forecast.traj_tokens is not None and tok is not None
+                and np.all(np.isfinite(forecast.traj_tokens))):
+            # another batch size than the forecast's hero: compare at equal tokens
             xq, xp, axis = tok, forecast.traj_tokens, "tokens"
         else:
             xq, xp, axis = steps.astype(np.float64), forecast.traj_step, "step"
