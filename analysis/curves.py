@@ -240,11 +240,14 @@ def _lumped_changes(steps_n: np.ndarray, eta_T: np.ndarray, exact: bool = False)
     cols = keep_nb.any(0)
     hi_nb, lo_nb, keep_nb = hi_nb[:, cols], lo_nb[:, cols], keep_nb[:, cols]
 
+    single_nb = (hi_nb - lo_nb) == 1
+    first_nb = np.minimum(lo_nb, len(ev) - 1)
+
     def block_sum(v_e: np.ndarray) -> np.ndarray:
-        # exact per-block sums (differences of cumulative sums lose small blocks to rounding)
-        v = np.append(v_e, 0.0)
-        idx = np.minimum(np.stack([lo_nb, hi_nb], -1).reshape(-1), len(v_e))
-        out = np.add.reduceat(v, idx)[::2].reshape(hi_nb.shape)
+        # O(1) per block from cumulative sums; a block of one change takes its value directly, so
+        # the near blocks (and tiny changes after large sums) keep full precision
+        c_e = np.concatenate([[0.0], np.cumsum(v_e)])
+        out = np.where(single_nb, v_e[first_nb], c_e[hi_nb] - c_e[lo_nb])
         return np.where(keep_nb, out, 0.0)
 
     A_nb = np.where(keep_nb, block_sum(aE), 1.0)
