@@ -559,6 +559,8 @@ class CurveFit:
     size_n: float | None = None  # the single training size (law 'none'), when known
     boot_z: np.ndarray | None = None  # K x Z bootstrap refits
     resid_rel_std: float = 0.0  # robust std of the relative training residuals
+    extrap_rel: float = 0.0  # backtested relative error per e-fold of LR area beyond the training curves
+    s1_max: float | None = None  # largest LR area (S1 + S_W) a training curve reached
     info: dict = field(default_factory=dict)
 
     @property
@@ -605,13 +607,22 @@ class CurveFit:
         return self.predict(curve.step, curve.lr_per_step, params=curve.params)
 
     def band(self, steps, lr, params: float | None = None, level: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
-        """(lo, hi) around predict(): the bootstrap refits' spread (when fitted with n_boot) and the
-        training residuals' relative scatter, added in quadrature; normal quantiles at `level`."""
+        """(lo, hi) around predict(), normal quantiles at `level` of three parts added in quadrature:
+        the training residuals' relative scatter; the bootstrap refits' spread and an extrapolation
+        term (both when fitted with n_boot > 0): extrap_rel x log(S1(t) / s1_max) beyond the largest
+        LR area of the training curves, extrap_rel backtested on the curves themselves (fit on each
+        curve's first half of LR area, error on the second half). Extrapolation to another model
+        size is not in the band."""
         from scipy.stats import norm
 
         pred = self.predict(steps, lr, params)
         zq = float(norm.ppf(0.5 + level / 2))
         var = (self.resid_rel_std * pred) ** 2
+        if self.extrap_rel > 0 and self.s1_max:
+            steps_n = _check_steps(steps, "band")
+            s1_n = np.cumsum(_dense_lr(steps_n, lr, "band"))[steps_n]
+            rho_n = np.maximum(np.log(np.maximum(s1_n, 1e-300) / self.s1_max), 0.0)
+            var = var + (self.extrap_rel * rho_n * pred) ** 2
         if self.boot_z is not None and len(self.boot_z) >= 2:
             draws = np.stack([self.predict(steps, lr, params, _z=zb) for zb in self.boot_z])
             var = var + draws.var(0, ddof=1)
@@ -628,6 +639,8 @@ class CurveFit:
             "log_nref": self.log_nref,
             "size_n": self.size_n,
             "resid_rel_std": self.resid_rel_std,
+            "extrap_rel": self.extrap_rel,
+            "s1_max": self.s1_max,
             "boot_z": None if self.boot_z is None else [[float(v) for v in row] for row in self.boot_z],
             "info": self.info,
         }
@@ -658,6 +671,8 @@ class CurveFit:
                 size_n=d.get("size_n"),
                 boot_z=None if boot is None else np.asarray(boot, dtype=np.float64),
                 resid_rel_std=float(d.get("resid_rel_std", 0.0)),
+                extrap_rel=float(d.get("extrap_rel", 0.0)),
+                s1_max=d.get("s1_max"),
                 info=dict(d.get("info", {})),
             )
         except (KeyError, TypeError, ValueError) as e:
@@ -784,8 +799,10 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
             f"the {model} curve fit cannot describe these curves (mean relative training error {100 * mean_err:.1f}%)"
         )
 
+    fit.s1_max = float(max(math.exp(d.logS1_n[-1]) for d in designs))
     if n_boot > 0:
         fit.boot_z = _bootstrap(model, law, best.x, bounds, designs, ys, log_ns, eta_ref, n_boot, seed, joint)
+        fit.extrap_rel = _backtest_extrapolation(curves, designs, model, joint)
 
     fit.info = {
         "objective": float(best.fun),
@@ -798,6 +815,30 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
         "seconds": round(time.perf_counter() - t0, 3),
     }
     return fit
+
+
+def _backtest_extrapolation(curves, designs, model, joint) -> float:
+    """Relative error per e-fold of LR area when extrapolating: refit on each curve's points up to
+    half its final LR area, predict the rest; least squares of |error| against log(S1 / S1_cut)."""
+    early, late = [], []
+    for c, d in zip(curves, designs):
+        cut = d.logS1_n[-1] - math.log(2.0)
+        m = d.logS1_n <= cut
+        if m.sum() >= 6 and (~m).sum() >= 3:
+            early.append(Curve(c.step[m], c.lr_per_step, c.loss[m], params=c.params, name=c.name))
+            late.append((c, ~m, d.logS1_n[~m] - cut))
+    if not early:
+        return 0.0
+    try:
+        bt = _fit_curves(early, model, 0, 0, joint, False)
+    except CurveError:
+        return 0.0
+    num = den = 0.0
+    for c, m, rho in late:
+        e = bt.predict(c.step[m], c.lr_per_step, params=c.params) / c.loss[m] - 1.0
+        num += float(np.sum(e * e))
+        den += float(np.sum(rho * rho))
+    return math.sqrt(num / den) if den > 0 else 0.0
 
 
 def _bootstrap(model, law, z, bounds, designs, ys, log_ns, eta_ref, n_boot, seed, joint) -> np.ndarray | None:

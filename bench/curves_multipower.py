@@ -103,7 +103,7 @@ def main() -> None:
             for c in test:
                 lo, hi = f.band(c.step, c.lr_per_step)
                 cover.append(float(np.mean((c.loss >= lo) & (c.loss <= hi))))
-            print(f"  90% band ({args.boot} bootstrap refits + residual scatter, {secs:.1f} s): coverage on the "
+            print(f"  90% band ({args.boot} bootstrap refits, residual scatter, backtested extrapolation; {secs:.1f} s): coverage "
                   "test files " + ", ".join(f"{100 * v:.0f}%" for v in cover))
 
     print("\n== across sizes ==")
