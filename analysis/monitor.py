@@ -31,7 +31,7 @@ evidence holds a sentence ("text") and the numbers behind it. The kinds:
   `grad_trend_ratio` times what the forecast envelope grows over the same steps (no envelope: flat),
   with the slope at least `grad_trend_min_t` standard errors above zero.
 - `token_drops` (warning; critical past `drop_crit`): drop_frac_send + drop_frac_recv above
-  `drop_budget` (default 7%, Marin's alert) for `drop_k` consecutive points.
+  `drop_budget` (default 7%, Marin's alert) for `drop_k` consecutive points after the warmup.
 - `router_entropy_collapse` (warning): the rolling median of router entropy (nats, mean per token)
   falls below `entropy_floor_frac` x log(top_k) -- a router whose tokens put all their weight on
   fewer experts than they are routed to, so top-k degenerates toward top-1 -- or below
@@ -534,10 +534,11 @@ def monitor(
     if ds is not None or dr is not None:
         drop = np.nan_to_num(ds if ds is not None else 0.0) + np.nan_to_num(dr if dr is not None else 0.0)
         drop = np.broadcast_to(drop, steps.shape).astype(np.float64)
-        r = _first_run(drop > cfg.drop_budget, cfg.drop_k)
+        # an untrained router's drops during warmup say nothing about the run
+        r = _first_run((drop > cfg.drop_budget) & after_warm, cfg.drop_k)
         if r:
             a, b = r
-            rc = _first_run(drop > cfg.drop_crit, cfg.drop_k)
+            rc = _first_run((drop > cfg.drop_crit) & after_warm, cfg.drop_k)
             flags.append(Flag("token_drops", "critical" if rc else "warning", int(steps[a]), {
                 "text": f"token-drop fraction {drop[a]:.1%} (send + recv) over the {cfg.drop_budget:.0%} budget for "
                         f"{cfg.drop_k} consecutive points from step {steps[a]}; last {drop[-1]:.1%}, max {drop.max():.1%}",
@@ -657,8 +658,13 @@ def plot_report(df: pd.DataFrame, report: MonitorReport, forecast: Forecast | No
 
     steps = df["step"].to_numpy()
     gn = _col(df, "grad_norm")
-    fig, axes = plt.subplots(2 if gn is not None else 1, 1, figsize=(9, 6.5 if gn is not None else 4), sharex=True,
-                             squeeze=False)
+    ds, dr = _col(df, "drop_frac_send"), _col(df, "drop_frac_recv")
+    drop = None
+    if ds is not None or dr is not None:
+        drop = np.nan_to_num(ds if ds is not None else 0.0) + np.nan_to_num(dr if dr is not None else 0.0)
+        drop = np.broadcast_to(drop, steps.shape) if np.any(drop > 0) else None
+    n_panels = 1 + (gn is not None) + (drop is not None)
+    fig, axes = plt.subplots(n_panels, 1, figsize=(9, 2.2 + 2.3 * n_panels), sharex=True, squeeze=False)
     ax = axes[0, 0]
     if forecast is not None:
         ax.fill_between(forecast.traj_step, forecast.traj_lo, forecast.traj_hi, color="tab:green", alpha=0.2,
@@ -697,6 +703,12 @@ def plot_report(df: pd.DataFrame, report: MonitorReport, forecast: Forecast | No
         a2.set_yscale("log")
         a2.set_ylabel("grad norm")
         a2.legend(loc="upper right", fontsize=8)
+    if drop is not None:
+        a3 = axes[-1, 0]
+        a3.plot(steps, 100 * drop, color="tab:brown", lw=0.8, label="dropped assignments (send + recv)")
+        a3.axhline(100 * report.settings["drop_budget"], color="tab:orange", lw=0.8, ls=":", label="budget")
+        a3.set_ylabel("drops (%)")
+        a3.legend(loc="upper right", fontsize=8)
     axes[-1, 0].set_xlabel("step")
     fig.suptitle(title or f"live run vs forecast — worst flag: {report.worst or 'none'}", fontsize=10)
     fig.tight_layout()

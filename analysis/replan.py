@@ -191,6 +191,7 @@ def curve_forecaster(state: RunState) -> Forecaster | None:
 FINAL_POINTS = 5  # the forecast final loss is the mean training loss over the last 5 steps
 N_BOOT = 8  # bootstrap refits behind the curve model's band
 MAX_FIT_POINTS = 1000  # longer runs are fitted on bin means
+ANCHOR_CORRECTION_SD = 0.5  # relative uncertainty of a schedule's effect on the plan's forecast
 LADDER = "ladder"
 
 
@@ -222,10 +223,21 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
     short, noisy curve can leave the seven-parameter MPL loose; a ladder model knows the curve's
     shape from whole rungs.
 
-    The interval of an option's final loss adds, in quadrature, the model's own uncertainty (its
-    band less the per-point scatter: the bootstrap spread, plus the matched level's standard error)
-    and the noise of a FINAL_POINTS-step mean (from the run's step-to-step scatter). Runs longer
-    than MAX_FIT_POINTS points are fitted on bin means."""
+    A candidate whose curve under the plan runs to zero or below is dropped.
+
+    When forecast.json forecasts this very run (its hero spec id), a second forecast anchors on
+    its trajectory: the plan's forecast loss at the option's last steps (with its band), plus the
+    chosen model's difference between the option's schedule and the plan's at those steps (known
+    within +-50%). The narrower of the two intervals is reported: early in a long run the ladder
+    knows the level far better than the run's own first points.
+
+    The interval of an option's final loss adds, in quadrature: the model's own uncertainty (its
+    band less the per-point scatter: the bootstrap spread; plus the matched level's standard
+    error), the extrapolation error (the holdout's error per step it extrapolated, times the steps
+    from the last data point to the forecast: a curve law fitted on the start of a run can bend
+    away from it, which no bootstrap of that fit sees), and the noise of a FINAL_POINTS-step mean
+    (from the run's step-to-step scatter). Runs longer than MAX_FIT_POINTS points are fitted on
+    bin means."""
     from scipy.stats import norm
 
     from analysis.monitor import spec_warmup_steps
@@ -274,6 +286,8 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
         return _Candidate(name, curves.fit_curves([c], model=name, n_boot=n_boot))
 
     head = np.arange(len(s_obs)) < int(0.75 * len(s_obs))
+    # how far the holdout extrapolated: from the last fitted step to the middle of the held-out ones
+    holdout_reach = max(float(np.mean(s_obs[~head])) - float(s_obs[head][-1]), 1.0)
     names = ([LADDER] if ladder_fit is not None else []) + list(curves.MODELS)
     holdout: dict[str, float] = {}
     for name in names:
@@ -285,12 +299,17 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
     chosen = None
     for name in sorted(holdout, key=holdout.get):
         try:
-            chosen = build(name, np.ones(len(s_obs), bool), n_boot=N_BOOT)
-            break
+            cand = build(name, np.ones(len(s_obs), bool), n_boot=N_BOOT)
+            end = cand.predict(np.array([spec.total_steps - 1]), lr_run)[0]
         except errors:
             continue
+        if math.isfinite(end) and end > 0:  # a law that runs below zero by the plan's end is no model
+            chosen = cand
+            break
     if chosen is None:
         return None
+    err_per_step = holdout[chosen.name] / holdout_reach
+    last_obs = int(s_obs[-1])
     zq = float(norm.ppf(0.5 + INTERVAL_LEVEL / 2))
 
     def forecast(st: RunState, option: Spec, resume_step: int) -> dict | None:
@@ -305,15 +324,47 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
         mean = float(np.mean((lo + hi) / 2))
         band_sd = float(np.mean(hi - lo)) / (2 * zq)
         scatter = chosen.fit.resid_rel_std * (mean - chosen.shift)
-        model_sd = math.sqrt(max(band_sd**2 - scatter**2, 0.0) + chosen.shift_sd**2)  # the band less its scatter
+        # the band less its scatter (the fit's own spread), the matched level's error, and the
+        # holdout's error per step extrapolated times the steps this forecast reaches beyond the data
+        reach_err = err_per_step * max(float(np.mean(last)) - last_obs, 0.0)
+        model_sd = math.sqrt(max(band_sd**2 - scatter**2, 0.0) + chosen.shift_sd**2 + reach_err**2)
         noise_sd = point_noise / math.sqrt(len(last))
         half = zq * math.sqrt(model_sd**2 + noise_sd**2)
-        if not (math.isfinite(mean) and math.isfinite(half)):
+        out = {"mean": mean, "lo": mean - half, "hi": mean + half, "level": INTERVAL_LEVEL,
+               "model": chosen.name, "model_sd": model_sd, "noise_sd": noise_sd,
+               "holdout_err": holdout, "fitted_points": int(len(s_obs)),
+               "what": f"mean training loss over the last {len(last)} steps"}
+        if not (math.isfinite(mean) and math.isfinite(half)) or mean <= 0:
+            out = None
+        anchored = _anchored(last, lr_T, noise_sd)
+        if anchored is not None and (out is None or anchored["hi"] - anchored["lo"] < out["hi"] - out["lo"]):
+            out = {**anchored, "holdout_err": holdout, "fitted_points": int(len(s_obs)),
+                   "what": f"mean training loss over the last {len(last)} steps"}
+        return out
+
+    # The forecast's own trajectory of this run's plan (forecast.json, made from the ladder before
+    # the run started) anchors the level; the run's curve model only supplies how the option's
+    # schedule moves the loss from the plan's at the same step (an annealing effect, which a curve
+    # law gets far better than the level far out), taken as known within +-ANCHOR_CORRECTION_SD.
+    traj = fc if fc is not None and (fc.hero or {}).get("spec_id") == spec.id else None
+
+    def _anchored(last: np.ndarray, lr_T: np.ndarray, noise_sd: float) -> dict | None:
+        if traj is None or last[0] < traj.traj_step[0] or last[-1] > traj.traj_step[-1] or last[-1] >= len(lr_run):
+            return None
+        x = last.astype(np.float64)
+        a_mean = float(np.mean(np.interp(x, traj.traj_step, traj.traj_loss)))
+        a_half = float(np.mean(np.interp(x, traj.traj_step, traj.traj_hi) - np.interp(x, traj.traj_step, traj.traj_lo))) / 2
+        try:
+            corr = float(np.mean(chosen.predict(last, lr_T)) - np.mean(chosen.predict(last, lr_run)))
+        except errors:
+            return None
+        mean = a_mean + corr
+        half = math.sqrt(a_half**2 + (zq * ANCHOR_CORRECTION_SD * corr) ** 2 + (zq * noise_sd) ** 2)
+        if not (math.isfinite(mean) and math.isfinite(half)) or mean <= 0:
             return None
         return {"mean": mean, "lo": mean - half, "hi": mean + half, "level": INTERVAL_LEVEL,
-                "model": chosen.name, "model_sd": model_sd, "noise_sd": noise_sd,
-                "holdout_err": holdout, "fitted_points": int(len(s_obs)),
-                "what": f"mean training loss over the last {len(last)} steps"}
+                "model": f"forecast+{chosen.name}", "anchor": a_mean, "schedule_correction": corr,
+                "noise_sd": noise_sd}
 
     return forecast
 

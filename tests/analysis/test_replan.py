@@ -290,3 +290,30 @@ def test_a_forecast_files_ladder_curve_model_is_matched_to_the_run_and_used_when
     truth = float(np.mean(rung.predict(np.arange(595, 600), lr_at(new, np.arange(600))))) + 0.05
     assert fc["model"] == "ladder" and set(fc["holdout_err"]) == {"ladder", "mpl", "lra"}
     assert fc["lo"] <= truth <= fc["hi"] and fc["hi"] - fc["lo"] < 0.15
+
+
+def test_early_in_a_run_the_forecast_of_its_own_plan_anchors_the_level(tmp_path):
+    """20% into a run, forecast.json's trajectory of this very plan (a narrow band) gives the
+    level; the run's curve model only says how a shorter horizon moves it: down, by its earlier
+    decay."""
+    from analysis.monitor import load_forecast
+    from analysis.replan import curve_forecaster
+
+    spec = proxy_spec(steps=1000)
+    steps = np.arange(1000)
+    plan_curve = 2.3 + 3.0 * (1 + steps / 40.0) ** -0.6
+    doc = {"trajectory": {"step": steps.tolist(), "loss": plan_curve.tolist(), "lo": (plan_curve - 0.03).tolist(),
+                          "hi": (plan_curve + 0.03).tolist()},
+           "hero": {"spec_id": spec.id, "final_loss": {"mean": float(plan_curve[-1]), "lo": 0, "hi": 9, "level": 0.9}}}
+    (tmp_path / "forecast.json").write_text(json.dumps(doc))
+    seen = np.arange(200)
+    df = pd.DataFrame({"step": seen, "tokens": (seen + 1) * 512.0, "lr": lr_at(spec, seen),
+                       "loss": plan_curve[seen] + 0.05 * np.random.default_rng(0).standard_normal(200)})
+    state = RunState.build(df, spec, None, tokens_per_s=512.0, now=0.0, forecast=load_forecast(tmp_path / "forecast.json"))
+    forecast = curve_forecaster(state)
+    keep = forecast(state, spec, 200)
+    assert keep["model"].startswith("forecast+") and keep["schedule_correction"] == 0.0
+    assert keep["mean"] == pytest.approx(plan_curve[-5:].mean()) and keep["hi"] - keep["lo"] < 0.1
+    short = forecast(state, shorten_spec(spec, 200, 600, True, "shorten", "test"), 200)
+    assert short["model"].startswith("forecast+") and short["schedule_correction"] < 0
+    assert short["anchor"] == pytest.approx(plan_curve[595:600].mean())
