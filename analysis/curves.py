@@ -533,7 +533,9 @@ def _sized_start(thetas: list[np.ndarray], log_ns: list[float], law: _SizeLaw) -
     M = np.stack([np.ones_like(x), np.exp(-p * x)], 1)
     (E, a), *_ = np.linalg.lstsq(M, th[:, 0], rcond=None)
     if not (a > 0 and E > 0):
-        E, a = 0.7 * float(th[:, 0].mean()), 0.3 * float(th[:, 0].mean())
+        # short, noisy per-size fits can give L0 <= 0; start from a positive split instead
+        m = max(float(np.median(th[:, 0])), 1e-2)
+        E, a = 0.7 * m, 0.3 * m
     head = [E, math.log(a)] + ([math.log(p)] if law.kind == "many" else [])
     names = _MODEL_PARAMS[law.model]
     base = th[:, 1:].mean(0)
