@@ -231,12 +231,12 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
     within +-50%). The narrower of the two intervals is reported: early in a long run the ladder
     knows the level far better than the run's own first points.
 
-    The interval of an option's final loss adds, in quadrature: the model's own uncertainty (its
-    band less the per-point scatter: the bootstrap spread; plus the matched level's standard
-    error), the extrapolation error (the holdout's error per step it extrapolated, times the steps
-    from the last data point to the forecast: a curve law fitted on the start of a run can bend
-    away from it, which no bootstrap of that fit sees), and the noise of a FINAL_POINTS-step mean
-    (from the run's step-to-step scatter). Runs longer than MAX_FIT_POINTS points are fitted on
+    The interval of an option's final loss adds, in quadrature: the model's uncertainty, the
+    larger of its band less the per-point scatter (bootstrap spread and the curve model's own
+    extrapolation term) and the run's holdout error per step extrapolated times the steps from the
+    last data point to the forecast (a curve law fitted on the start of a run can bend away from
+    it); the matched level's standard error (ladder model); and the noise of a FINAL_POINTS-step
+    mean (from the run's step-to-step scatter). Runs longer than MAX_FIT_POINTS points are fitted on
     bin means."""
     from scipy.stats import norm
 
@@ -324,10 +324,12 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
         mean = float(np.mean((lo + hi) / 2))
         band_sd = float(np.mean(hi - lo)) / (2 * zq)
         scatter = chosen.fit.resid_rel_std * (mean - chosen.shift)
-        # the band less its scatter (the fit's own spread), the matched level's error, and the
-        # holdout's error per step extrapolated times the steps this forecast reaches beyond the data
+        # The band less its scatter is the fit's own uncertainty (bootstrap spread, and the curve
+        # model's own extrapolation term where it has one); the holdout's error per step extrapolated
+        # times the steps this forecast reaches beyond the data is this run's measure of the same
+        # thing: the larger of the two counts, plus the matched level's error.
         reach_err = err_per_step * max(float(np.mean(last)) - last_obs, 0.0)
-        model_sd = math.sqrt(max(band_sd**2 - scatter**2, 0.0) + chosen.shift_sd**2 + reach_err**2)
+        model_sd = math.sqrt(max(band_sd**2 - scatter**2, reach_err**2) + chosen.shift_sd**2)
         noise_sd = point_noise / math.sqrt(len(last))
         half = zq * math.sqrt(model_sd**2 + noise_sd**2)
         out = {"mean": mean, "lo": mean - half, "hi": mean + half, "level": INTERVAL_LEVEL,
