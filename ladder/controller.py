@@ -157,8 +157,10 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
         state, note = "diverged", str(err)
         if read_status(rd).get("state") != "diverged":
             write_status(rd, "diverged", reason=str(err), step=last.step if last else None)
-    except (KeyboardInterrupt, ClaimLost) as err:
-        state, note = "interrupted", type(err).__name__
+    except ClaimLost as err:
+        state, note = "interrupted", str(err)  # the run dir is the new holder's now: leave it alone
+    except KeyboardInterrupt:
+        state, note = "interrupted", "cancelled"
         write_status(rd, "failed", reason="interrupted", step=last.step if last else None)
     except Exception as err:
         state, note = "failed", f"{type(err).__name__}: {err}"
