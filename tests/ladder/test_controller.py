@@ -191,3 +191,22 @@ def test_two_concurrent_submissions_train_each_spec_once(local_ray, write_experi
         contested += outcomes == ["finished", "skipped"]
         assert_each_step_once(uri, "twice", spec, d)
     assert contested, "the two submissions never competed for a spec"
+
+
+def test_status_and_runs_json_show_the_ledger(sweep):
+    path, root, result = sweep
+    runs = subprocess.run(
+        [sys.executable, "-m", "ladder.cli", "runs", "--json", "--root", str(root)], capture_output=True, text=True, timeout=120
+    )
+    assert runs.returncode == 0, runs.stderr
+    rows = json.loads(runs.stdout)
+    assert sorted(r["name"] for r in rows) == ["a", "b", "c"]
+    assert {r["state"] for r in rows} == {"finished"} and all(r["mlflow_run_id"] for r in rows)
+    status = subprocess.run(
+        [sys.executable, "-m", "ladder.cli", "status", str(path), "--root", str(root)],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "COLUMNS": "160"},
+    )
+    assert status.returncode == 0, status.stderr
+    for spec in load_experiment(path).rungs:
+        assert spec.id in status.stdout
+    assert status.stdout.count("finished") == 3 and f"{STEPS}/{STEPS}" in status.stdout
