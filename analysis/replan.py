@@ -332,7 +332,7 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
         model_sd = math.sqrt(max(band_sd**2 - scatter**2, reach_err**2) + chosen.shift_sd**2)
         noise_sd = point_noise / math.sqrt(len(last))
         half = zq * math.sqrt(model_sd**2 + noise_sd**2)
-        out = {"mean": mean, "lo": mean - half, "hi": mean + half, "level": INTERVAL_LEVEL,
+        out = {"mean": mean, "lo": max(mean - half, 0.0), "hi": mean + half, "level": INTERVAL_LEVEL,
                "model": chosen.name, "model_sd": model_sd, "noise_sd": noise_sd,
                "holdout_err": holdout, "fitted_points": int(len(s_obs)),
                "what": f"mean training loss over the last {len(last)} steps"}
@@ -364,7 +364,7 @@ def _make_curve_forecaster(curves, state: RunState) -> Forecaster | None:
         half = math.sqrt(a_half**2 + (zq * ANCHOR_CORRECTION_SD * corr) ** 2 + (zq * noise_sd) ** 2)
         if not (math.isfinite(mean) and math.isfinite(half)) or mean <= 0:
             return None
-        return {"mean": mean, "lo": mean - half, "hi": mean + half, "level": INTERVAL_LEVEL,
+        return {"mean": mean, "lo": max(mean - half, 0.0), "hi": mean + half, "level": INTERVAL_LEVEL,
                 "model": f"forecast+{chosen.name}", "anchor": a_mean, "schedule_correction": corr,
                 "noise_sd": noise_sd}
 
