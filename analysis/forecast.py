@@ -107,8 +107,18 @@ def _curves_from_rungs(rungs: list[RungRun]):
     return out
 
 
+def train_eval_ratio(rungs: list[RungRun]) -> float:
+    """Train loss over the last 5% of steps / final eval loss, of the largest rung: the trajectory
+    forecasts the per-step train loss a run logs, the law its final eval loss."""
+    big = max(rungs, key=lambda r: r.flops)
+    df = big.metrics.dropna(subset=["loss"])
+    tail = df["loss"].iloc[-max(5, len(df) // 20):]
+    return float(tail.mean()) / big.final_loss
+
+
 def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[dict, dict, dict]:
-    """Hero loss per step from the curve model, aligned to the final-loss forecast."""
+    """Hero train loss per step from the curve model, aligned to the final-loss forecast; the band
+    holds the final interval (opening with progress) and the step-to-step noise of the rungs."""
     from analysis.curves import fit_curves
 
     fit = fit_curves(_curves_from_rungs(rungs))
@@ -116,21 +126,32 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[
     lr_T = lr_at(hero, steps_T)
     n_hero = float(costs.param_counts(hero.model)["active"])
     pred_T = np.asarray(fit.predict(steps_T, lr_T, params=n_hero), dtype=float)
-    shift = final["mean"] - pred_T[-1]
+    rho = train_eval_ratio(rungs)
+    shift = final["mean"] * rho - pred_T[-1]
     pred_T = pred_T + shift
-    # the band opens with training progress up to the final interval's width
-    frac_T = (steps_T + 1) / hero.total_steps
-    lo_T = pred_T - (final["mean"] - final["lo"]) * np.sqrt(frac_T) - 0.02 * pred_T * (1 - frac_T)
-    hi_T = pred_T + (final["hi"] - final["mean"]) * np.sqrt(frac_T) + 0.02 * pred_T * (1 - frac_T)
-    every = max(1, hero.total_steps // 400)
-    keep = np.unique(np.r_[steps_T[::every], steps_T[-1]])
-    traj = {"step": keep.tolist(), "tokens": (keep * hero.data.tokens_per_step).tolist(),
-            "loss": pred_T[keep].tolist(), "lo": lo_T[keep].tolist(), "hi": hi_T[keep].tolist(), "shift": float(shift)}
-    rung_fits = {}
+    rung_fits, noise = {}, []
     for r in rungs:
         st = r.metrics["step"].to_numpy()
         p = np.asarray(fit.predict(st, r.metrics["lr"].to_numpy(), params=r.active), dtype=float)
         rung_fits[r.spec.name] = {"tokens": (st * r.spec.data.tokens_per_step).tolist(), "pred": p.tolist()}
+        late = slice(len(st) // 2, None)
+        noise.append(float(np.nanstd(r.metrics["loss"].to_numpy()[late] - p[late])))
+    sigma = float(np.median(noise))
+    frac_T = (steps_T + 1) / hero.total_steps
+    early = 0.02 * pred_T * (1 - frac_T)
+    lo_T = pred_T - np.hypot((final["mean"] - final["lo"]) * rho * np.sqrt(frac_T), Z90 * sigma) - early
+    hi_T = pred_T + np.hypot((final["hi"] - final["mean"]) * rho * np.sqrt(frac_T), Z90 * sigma) + early
+    # the curve model describes training after warmup (its LR-area term diverges at step 0), and no
+    # loss sits above that of a uniform prediction
+    pred_T, lo_T, hi_T = (np.minimum(a, math.log(hero.model.vocab_size)) for a in (pred_T, lo_T, hi_T))
+    sched = hero.schedule
+    warm = sched.warmup_steps if sched.warmup_steps is not None else round(sched.warmup_frac * hero.total_steps)
+    start = min(max(warm, round(0.02 * hero.total_steps)), hero.total_steps - 2)
+    every = max(1, hero.total_steps // 400)
+    keep = np.unique(np.r_[steps_T[start::every], steps_T[-1]])
+    traj = {"step": keep.tolist(), "tokens": (keep * hero.data.tokens_per_step).tolist(),
+            "loss": pred_T[keep].tolist(), "lo": lo_T[keep].tolist(), "hi": hi_T[keep].tolist(), "shift": float(shift),
+            "quantity": "train loss per step", "train_eval_ratio": rho, "step_noise": sigma, "method": "curve model"}
     return traj, fit.to_dict(), rung_fits
 
 
@@ -142,7 +163,7 @@ def scaled_rung_trajectory(rungs: list[RungRun], hero: Spec, final: dict, n: int
     frac = (df["step"].to_numpy() + 1) / big.spec.total_steps
     smooth = pd.Series(df["loss"].to_numpy()).rolling(9, min_periods=1, center=True).mean().to_numpy()
     steps = np.unique(np.linspace(0, hero.total_steps - 1, n).round().astype(int))
-    curve = np.interp((steps + 1) / hero.total_steps, frac, smooth) * (final["mean"] / smooth[-1])
+    curve = np.interp((steps + 1) / hero.total_steps, frac, smooth) * (final["mean"] * train_eval_ratio(rungs) / smooth[-1])
     scale_lo, scale_hi = final["lo"] / final["mean"], final["hi"] / final["mean"]
     return {"step": steps.tolist(), "tokens": (steps * hero.data.tokens_per_step).tolist(), "loss": curve.tolist(),
             "lo": (curve * scale_lo).tolist(), "hi": (curve * scale_hi).tolist(), "method": f"scaled {big.spec.name}"}

@@ -101,10 +101,21 @@ def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: dict | None, flags
         ax.fill_between(tr["step"], tr["lo"], tr["hi"], color="C3", alpha=0.18, label="forecast band")
         ax.plot(tr["step"], tr["loss"], color="C3", lw=1.2, label="forecast")
     if hero is not None and len(hero):
-        ax.plot(hero["step"], hero["loss"], color="k", lw=0.8, label="hero (live)")
-        ymax = float(np.nanpercentile(hero["loss"], 99)) if hero["loss"].notna().any() else None
-        if ymax and tr:
-            ax.set_ylim(min(np.nanmin(tr["lo"]), np.nanmin(hero["loss"])) - 0.05, max(ymax, float(np.nanmax(tr["hi"][len(tr["hi"]) // 10:]))) + 0.1)
+        ax.plot(hero["step"], hero["loss"], color="0.6", lw=0.5, label="hero train loss (per step)")
+        ax.plot(hero["step"], hero["loss"].rolling(25, min_periods=1, center=True).mean(), color="k", lw=1.2,
+                label="hero train loss (mean of 25)")
+        if "eval_loss" in hero and hero["eval_loss"].notna().any():
+            ev = hero.dropna(subset=["eval_loss"])
+            ax.scatter(ev["step"], ev["eval_loss"], color="C0", s=14, zorder=3, label="hero eval loss")
+        if tr:
+            late = np.asarray(tr["lo"])[len(tr["lo"]) // 10:]
+            ax.set_ylim(min(float(np.nanmin(late)), float(np.nanpercentile(hero["loss"], 1))) - 0.05,
+                        float(np.nanmax(np.asarray(tr["hi"])[len(tr["hi"]) // 20:])) + 0.15)
+    fl = (forecast or {}).get("hero", {}).get("final_loss")
+    if fl and forecast.get("hero", {}).get("total_steps"):
+        x = forecast["hero"]["total_steps"]
+        ax.errorbar([x], [fl["mean"]], yerr=[[fl["mean"] - fl["lo"]], [fl["hi"] - fl["mean"]]], fmt="D", color="C3",
+                    capsize=5, label="final eval loss forecast")
     for f in flags:
         if f.get("first_step") is not None:
             ax.axvline(f["first_step"], color="C1" if f.get("severity") != "critical" else "C3", ls=":", lw=1)
