@@ -187,6 +187,8 @@ def _table(rows: list[dict], cols: list[str] | None = None) -> str:
         cells = []
         for c in cols:
             v = r.get(c, "")
+            if isinstance(v, dict):  # a flag's evidence: its sentence
+                v = v.get("text", json.dumps(v))
             if isinstance(v, float):
                 v = f"{v:.4g}" if math.isfinite(v) else str(v)
             cells.append(f"<td>{html.escape(str(v))}</td>")
@@ -194,10 +196,13 @@ def _table(rows: list[dict], cols: list[str] | None = None) -> str:
     return f"<table><thead><tr>{head}</tr></thead><tbody>{''.join(body)}</tbody></table>"
 
 
+REPLAN_COLS = ["n", "kind", "title", "allowed", "resume_step", "total_steps", "finish", "meets_deadline",
+               "device_hours", "forecast_loss", "forecast_lo", "forecast_hi"]
+
 CSS = """
 body{font-family:system-ui,sans-serif;max-width:1100px;margin:2em auto;color:#222;padding:0 1em}
 h1{margin-bottom:.2em} h2{border-bottom:1px solid #ddd;padding-bottom:.2em;margin-top:1.6em}
-table{border-collapse:collapse;font-size:13px;margin:.5em 0} td,th{border:1px solid #ddd;padding:3px 7px;text-align:right}
+table{border-collapse:collapse;font-size:13px;margin:.5em 0} td,th{border:1px solid #ddd;padding:3px 7px;text-align:right} td:last-child{text-align:left}
 th{background:#f4f4f4} img{max-width:100%;border:1px solid #eee} .verdict{font-size:16px;padding:.6em 1em;border-radius:6px}
 .ok{background:#e8f5e9} .miss{background:#fdecea} .empty{color:#888}
 """
@@ -244,7 +249,8 @@ def build_report(
         ("router", "Token drops and router entropy", f"<img src='{imgs['router']}' alt='drops and entropy'>"),
         ("flags", "Flags", _table(flags, ["severity", "kind", "first_step", "evidence"]) if flags else "<p class='empty'>no flags</p>"),
         ("replan", "Replan options",
-         (f"<p><b>Recommendation:</b> {html.escape(recommendation)}</p>" if recommendation else "") + _table(replan)),
+         (f"<p><b>Recommendation:</b> {html.escape(recommendation)}</p>" if recommendation else "")
+         + _table(replan, [c for c in REPLAN_COLS if replan and c in replan[0]] or None)),
     ]
     body = "".join(f"<section id='{sid}'><h2>{html.escape(title)}</h2>{content}</section>" for sid, title, content in sections)
     page = (f"<!doctype html><html><head><meta charset='utf-8'><title>{html.escape(experiment)} ladder report</title>"

@@ -20,8 +20,9 @@ USER_ERRORS = (LadderError, SpecError, FileNotFoundError, KeyError, ValueError)
 def run_cli(app) -> int:
     err = Console(stderr=True)
     try:
-        app(standalone_mode=False)
-        return 0
+        # without standalone mode, click hands back typer.Exit(n)'s code as the return value
+        rv = app(standalone_mode=False)
+        return rv if isinstance(rv, int) else 0
     except SystemExit as e:  # typer.Exit and friends
         return int(e.code or 0)
     except ValidationError as e:
