@@ -16,6 +16,8 @@ from ladder import ledger, tracking
 from ladder.experiment import Experiment
 from tests.conftest import tiny_spec
 
+pytestmark = pytest.mark.slow
+
 STEPS = 24
 
 
