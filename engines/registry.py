@@ -4,6 +4,7 @@ by module path, so they load from a bare checkout (a GPU box with no install).""
 
 from __future__ import annotations
 
+import functools
 import importlib
 from importlib.metadata import entry_points
 
@@ -11,6 +12,7 @@ GROUP = "moe_ladder.engines"
 BUILTIN = {"torch": "engines.torch.engine:TorchEngine", "jax": "engines.jax.engine:JaxEngine"}
 
 
+@functools.lru_cache(maxsize=1)  # entry points are read once per process (each scan costs ~25 ms)
 def _targets() -> dict[str, str]:
     targets = dict(BUILTIN)
     for ep in entry_points(group=GROUP):
@@ -24,7 +26,7 @@ def engine_names() -> set[str]:
 
 def get_engine(name: str):
     """An engine instance by name; an unknown name is a KeyError that lists the known ones."""
-    targets = _targets()
+    targets = dict(_targets())
     if name not in targets:
         raise KeyError(f"unknown engine {name!r}; registered engines: {', '.join(sorted(targets))}")
     module, _, attr = targets[name].partition(":")
