@@ -15,11 +15,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engines.params import BUFFER_SUFFIX, init_arrays, is_buffer, tensor_shapes  # noqa: F401 (re-exported)
 from ladder.spec import ModelSpec
 
 Params = dict[str, jax.Array]
 
-BUFFER_SUFFIX = ".moe.router_bias"  # balancing bias: a buffer, never trained or decayed
 
 
 @dataclass(frozen=True)
@@ -75,52 +75,17 @@ class ModelConfig:
 
 def param_shapes(cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Every tensor of the model (trainable parameters and the router-bias buffers), by name."""
-    D, V, E, F, L = cfg.d_model, cfg.vocab_size, cfg.n_experts, cfg.expert_hidden, cfg.expert_dim
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, D)}
-    for i in range(cfg.n_layers):
-        b = f"blocks.{i}"
-        shapes[f"{b}.attn_norm.weight"] = (D,)
-        shapes[f"{b}.attn.wq"] = (D, cfg.n_heads * cfg.head_dim)
-        shapes[f"{b}.attn.wk"] = (D, cfg.n_kv_heads * cfg.head_dim)
-        shapes[f"{b}.attn.wv"] = (D, cfg.n_kv_heads * cfg.head_dim)
-        shapes[f"{b}.attn.wo"] = (cfg.n_heads * cfg.head_dim, D)
-        shapes[f"{b}.moe_norm.weight"] = (D,)
-        shapes[f"{b}.moe.router"] = (D, E)
-        shapes[f"{b}.moe.router_bias"] = (E,)
-        if cfg.latent_dim is not None:
-            shapes[f"{b}.moe.latent_down"] = (D, L)
-            shapes[f"{b}.moe.latent_up"] = (L, D)
-        shapes[f"{b}.moe.experts.w_gate"] = (E, L, F)
-        shapes[f"{b}.moe.experts.w_up"] = (E, L, F)
-        shapes[f"{b}.moe.experts.w_down"] = (E, F, L)
-        if cfg.n_shared > 0:
-            N, R = cfg.n_shared, cfg.shared_hidden
-            shapes[f"{b}.moe.shared.w_gate"] = (N, D, R)
-            shapes[f"{b}.moe.shared.w_up"] = (N, D, R)
-            shapes[f"{b}.moe.shared.w_down"] = (N, R, D)
-    shapes["final_norm.weight"] = (D,)
-    shapes["lm_head"] = (D, V)
-    return shapes
-
-
-def is_buffer(name: str) -> bool:
-    return name.endswith(BUFFER_SUFFIX)
+    return tensor_shapes(
+        n_layers=cfg.n_layers, d_model=cfg.d_model, n_heads=cfg.n_heads, n_kv_heads=cfg.n_kv_heads,
+        head_dim=cfg.head_dim, vocab_size=cfg.vocab_size, n_experts=cfg.n_experts, expert_dim=cfg.expert_dim,
+        expert_hidden=cfg.expert_hidden, latent_dim=cfg.latent_dim, n_shared=cfg.n_shared, shared_hidden=cfg.shared_hidden)
 
 
 def init_params(cfg: ModelConfig, seed: int) -> tuple[Params, Params]:
-    """(trainable params, buffers). Norm weights 1, biases 0, matrices N(0, init_std) with the
-    output projections (attn.wo, experts/shared w_down) scaled by 1/sqrt(2 n_layers)."""
-    rng = np.random.default_rng(seed)
-    out_scale = 1.0 / np.sqrt(2.0 * cfg.n_layers)
-    params, buffers = {}, {}
-    for name, shape in param_shapes(cfg).items():
-        if is_buffer(name):
-            buffers[name] = jnp.zeros(shape, jnp.float32)
-        elif name.endswith("norm.weight"):
-            params[name] = jnp.ones(shape, jnp.float32)
-        else:
-            std = cfg.init_std * (out_scale if name.endswith(("attn.wo", "w_down")) else 1.0)
-            params[name] = jnp.asarray(rng.normal(0.0, std, size=shape).astype(np.float32))
+    """(trainable params, buffers), drawn as in every engine (engines.params.init_arrays)."""
+    arrays = init_arrays(param_shapes(cfg), cfg.init_std, cfg.n_layers, seed)
+    params = {k: jnp.asarray(v) for k, v in arrays.items() if not is_buffer(k)}
+    buffers = {k: jnp.asarray(v) for k, v in arrays.items() if is_buffer(k)}
     return params, buffers
 
 

@@ -31,7 +31,6 @@ experts, R shared hidden, A assignments (T*K), C receiver rows per expert.
 
 from __future__ import annotations
 
-import math
 
 import numpy as np
 import torch
@@ -39,65 +38,23 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.dispatch_ref import capacities
+from engines.params import BUFFER_SUFFIX, init_arrays, is_buffer, tensor_shapes  # noqa: F401 (re-exported)
 from ladder.spec import ModelSpec
-
-BUFFER_SUFFIX = ".moe.router_bias"
-
 
 # ---- parameters ---------------------------------------------------------------------------------
 
 
 def param_shapes(m: ModelSpec) -> dict[str, tuple[int, ...]]:
     """Every tensor of the model, by engine-neutral name, in a fixed order (the init order)."""
-    D, V, E, Fh, L = m.d_model, m.vocab_size, m.n_routed_experts, m.expert_hidden, m.expert_dim
-    shapes: dict[str, tuple[int, ...]] = {"embed.weight": (V, D)}
-    for i in range(m.n_layers):
-        b = f"blocks.{i}"
-        shapes[f"{b}.attn_norm.weight"] = (D,)
-        shapes[f"{b}.attn.wq"] = (D, m.n_heads * m.head_dim)
-        shapes[f"{b}.attn.wk"] = (D, m.n_kv_heads * m.head_dim)
-        shapes[f"{b}.attn.wv"] = (D, m.n_kv_heads * m.head_dim)
-        shapes[f"{b}.attn.wo"] = (m.n_heads * m.head_dim, D)
-        shapes[f"{b}.moe_norm.weight"] = (D,)
-        shapes[f"{b}.moe.router"] = (D, E)
-        shapes[f"{b}.moe.router_bias"] = (E,)
-        if m.latent_dim is not None:
-            shapes[f"{b}.moe.latent_down"] = (D, L)
-            shapes[f"{b}.moe.latent_up"] = (L, D)
-        shapes[f"{b}.moe.experts.w_gate"] = (E, L, Fh)
-        shapes[f"{b}.moe.experts.w_up"] = (E, L, Fh)
-        shapes[f"{b}.moe.experts.w_down"] = (E, Fh, L)
-        if m.n_shared_experts > 0:
-            N, R = m.n_shared_experts, m.shared_hidden
-            shapes[f"{b}.moe.shared.w_gate"] = (N, D, R)
-            shapes[f"{b}.moe.shared.w_up"] = (N, D, R)
-            shapes[f"{b}.moe.shared.w_down"] = (N, R, D)
-    shapes["final_norm.weight"] = (D,)
-    shapes["lm_head"] = (D, V)
-    return shapes
-
-
-def is_buffer(name: str) -> bool:
-    return name.endswith(BUFFER_SUFFIX)
+    return tensor_shapes(
+        n_layers=m.n_layers, d_model=m.d_model, n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, head_dim=m.head_dim,
+        vocab_size=m.vocab_size, n_experts=m.n_routed_experts, expert_dim=m.expert_dim, expert_hidden=m.expert_hidden,
+        latent_dim=m.latent_dim, n_shared=m.n_shared_experts, shared_hidden=m.shared_hidden)
 
 
 def init_params(m: ModelSpec, seed: int) -> dict[str, np.ndarray]:
-    """Deterministic initial weights (float32 numpy), the same in every engine: one
-    np.random.default_rng(seed) drawn in param_shapes order; norm weights 1, router biases 0 (no
-    draw for either), matrices N(0, init_std), output projections (attn.wo, w_down) scaled by
-    1/sqrt(2 n_layers)."""
-    rng = np.random.default_rng(seed)
-    out_scale = 1.0 / math.sqrt(2.0 * m.n_layers)
-    out = {}
-    for name, shape in param_shapes(m).items():
-        if is_buffer(name):
-            out[name] = np.zeros(shape, np.float32)
-        elif name.endswith("norm.weight"):
-            out[name] = np.ones(shape, np.float32)
-        else:
-            std = m.init_std * (out_scale if name.endswith(("attn.wo", "w_down")) else 1.0)
-            out[name] = rng.normal(0.0, std, size=shape).astype(np.float32)
-    return out
+    """Deterministic initial weights (float32 numpy), the same in every engine (engines.params)."""
+    return init_arrays(param_shapes(m), m.init_std, m.n_layers, seed)
 
 
 def _param(*shape: int) -> nn.Parameter:
