@@ -31,7 +31,6 @@ experts, R shared hidden, A assignments (T*K), C receiver rows per expert.
 
 from __future__ import annotations
 
-
 import numpy as np
 import torch
 import torch.nn.functional as F
