@@ -60,7 +60,7 @@ def timed(fn, *a, **k):
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[2] / "shared" / "data" / "multipower")
+    ap.add_argument("--data", type=Path, default=Path(__file__).resolve().parents[1] / "tests" / "data" / "multipower")
     ap.add_argument("--boot", type=int, default=16, help="bootstrap refits for the band coverage (0: skip)")
     args = ap.parse_args()
     data = args.data

@@ -18,9 +18,7 @@ import pytest
 from analysis import curves as cv
 from analysis.curves import Curve, CurveError, CurveFit, CurveFitError, fit_curves, lr_per_step_from_samples
 
-DATA = Path(__file__).resolve().parents[3] / "shared" / "data" / "multipower"
-if not DATA.exists():
-    DATA = Path("/work/shared/data/multipower")
+from tests.refdata import MULTIPOWER as DATA
 TRAIN = ["cosine_24000", "constant_24000", "wsdcon_9"]
 TEST = ["constant_72000", "cosine_72000", "wsd_20000_24000", "wsdld_20000_24000", "wsdcon_3", "wsdcon_18"]
 LADDER = [str(Path(sys.executable).parent / "ladder")]

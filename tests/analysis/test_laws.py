@@ -15,13 +15,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from analysis.laws import FitError, compute_optimal, fit_envelope, fit_law, fit_moe_law
+from tests.refdata import CHINCHILLA
 
 ROOT = Path(__file__).resolve().parents[2]
-CHINCHILLA = ROOT.parent / "shared" / "data" / "chinchilla" / "svg_extracted_data.csv"
 LADDER = Path(sys.executable).parent / "ladder"
 CHIN_ARGS = ["--params-col", "Model Size", "--flops-col", "Training FLOP", "--loss-col", "loss"]
 
-needs_chinchilla = pytest.mark.skipif(not CHINCHILLA.exists(), reason="shared Chinchilla data not present")
 
 
 def _chinchilla():
@@ -46,7 +45,6 @@ def _ladder(*args, tmp_path=None):
 # ---------------------------------------------------------------------------------------------- fits
 
 
-@needs_chinchilla
 def test_chinchilla_refit_matches_epoch_within_one_percent():
     fit = fit_law(*_chinchilla(), n_bootstrap=0)
     for key, epoch in {"E": 1.817, "alpha": 0.348, "beta": 0.366}.items():
@@ -56,7 +54,6 @@ def test_chinchilla_refit_matches_epoch_within_one_percent():
     assert fit.converged and fit.n_points == 240
 
 
-@needs_chinchilla
 def test_chinchilla_bootstrap_intervals_contain_the_fit_and_predictions_carry_them():
     fit = fit_law(*_chinchilla(), n_bootstrap=60, seed=1)
     assert fit.n_bootstrap + fit.n_bootstrap_failed == 60 and fit.n_bootstrap >= 55
@@ -193,7 +190,6 @@ def test_a_single_model_size_cannot_fit_alpha():
 # ---------------------------------------------------------------------------------------------- CLI
 
 
-@needs_chinchilla
 def test_cli_fits_the_chinchilla_csv_to_json():
     r = _ladder("fit", CHINCHILLA, *CHIN_ARGS, "--drop-highest", "5", "--bootstrap", "30", "--json")
     assert r.returncode == 0, r.stderr

@@ -17,9 +17,7 @@ from analysis.metrics_io import MetricsError, read_metrics_frame
 from analysis.monitor import MonitorSettings, load_forecast, monitor, olmo_spike_score
 from ladder.presets import micro_spec
 
-MULTIPOWER = Path(__file__).resolve().parents[3] / "shared" / "data" / "multipower"
-if not MULTIPOWER.exists():
-    MULTIPOWER = Path("/work/shared/data/multipower")
+from tests.refdata import MULTIPOWER
 LADDER = [sys.executable, "-m", "ladder.cli"]
 
 

@@ -19,7 +19,7 @@ SECTIONS = ["plan", "forecast", "rungs", "hero", "gradnorm", "router", "flags", 
 
 def _fake_free_inputs():
     """Report inputs from real curves: the multipower loss curves stand in for four rungs and a hero."""
-    base = Path("/work/shared/data/multipower") if Path("/work/shared/data/multipower").exists() else ROOT.parent / "shared/data/multipower"
+    from tests.refdata import MULTIPOWER as base
     runs, plan = {}, []
     for i, (size, name) in enumerate([("25M", "cosine_24000"), ("25M", "wsd_20000_24000"), ("100M", "cosine_24000"),
                                       ("100M", "wsd_20000_24000"), ("100M", "cosine_72000")]):
