@@ -122,7 +122,6 @@ def test_tight_deadline_shortens_the_horizon_and_the_continuation_follows_the_ne
 
 @pytest.mark.slow
 def test_the_continuation_final_loss_lands_in_the_replan_forecast_interval(shortened):
-    pytest.importorskip("analysis.curves", reason="the curve model (analysis/curves.py) gives the forecast")
     plan, _, _ = shortened
     short = plan["options"][1]
     recs = read_metrics(plan["applied"]["run_dir"])
