@@ -216,6 +216,18 @@ class SubmitResult:
         return not self.interrupted and all(o.get("outcome") in ("finished", "skipped") for o in self.outcomes.values())
 
 
+def _local_resources() -> dict[str, float]:
+    """What a local Ray started here would offer: every CPU, and the CUDA devices torch sees."""
+    gpus = 0
+    try:
+        import torch
+
+        gpus = torch.cuda.device_count()
+    except Exception:  # no torch, or no driver: no GPUs to offer
+        pass
+    return {"CPU": float(os.cpu_count() or 1), "GPU": float(gpus)}
+
+
 def _start_ray(address: str | None) -> bool:
     """Connect or start; True when this call started Ray (and should shut it down)."""
     import ray
@@ -290,6 +302,9 @@ def submit(
 
     import ray
 
+    if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
+        # the local Ray will have this machine's resources: refuse before paying for its start-up
+        check_feasible([p.spec for p in todo], [{"Resources": _local_resources()}])
     started = _start_ray(address)
     try:
         check_feasible([p.spec for p in todo], ray.nodes())

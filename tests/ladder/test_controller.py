@@ -210,3 +210,18 @@ def test_status_and_runs_json_show_the_ledger(sweep):
     for spec in load_experiment(path).rungs:
         assert spec.id in status.stdout
     assert status.stdout.count("finished") == 3 and f"{STEPS}/{STEPS}" in status.stdout
+
+
+def test_the_cli_refuses_a_gpu_request_before_starting_a_local_ray(write_experiment, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    path = write_experiment("gpu_cli", [("g", {"hardware.task_gpus": 1})])
+    t0 = time.perf_counter()
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(path), "--root", str(tmp_path / ".ladder")],
+                         capture_output=True, text=True, env={**__import__("os").environ, "RAY_ADDRESS": ""})
+    assert out.returncode == 2 and "spec g" in out.stderr and "no GPU" in out.stderr
+    assert "Ray" not in out.stdout  # no local Ray came up to say anything
+    assert not (tmp_path / ".ladder" / "runs").exists()
+    print(f"refused in {time.perf_counter() - t0:.1f} s")
