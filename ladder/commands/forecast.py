@@ -108,6 +108,8 @@ def register(app: typer.Typer) -> None:
         experiment: str = typer.Argument(..., help="experiment file"),
         out: str = typer.Option("report", "--out", help="output directory"),
         root: str = typer.Option(None, "--root"),
+        tracking_uri: str = typer.Option(None, "--tracking-uri"),
+        no_tracking: bool = typer.Option(False, "--no-tracking", help="do not attach the report to the MLflow parent run"),
     ) -> None:
         """A self-contained HTML report (plots as PNG files beside it)."""
         from analysis.metrics_io import read_metrics_frame
@@ -134,6 +136,14 @@ def register(app: typer.Typer) -> None:
         options = replan.get("options", []) if isinstance(replan, dict) else []
         rows = [{k: v for k, v in o.items() if not isinstance(v, (dict, list))} for o in options]
         page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.get("recommendation"))
+        if not no_tracking and forecast is not None:
+            try:
+                from ladder.tracking import log_artifact_to_parent
+
+                for f in sorted(Path(out).iterdir()):
+                    log_artifact_to_parent(exp, f, "report", tracking_uri, r)
+            except Exception as e:  # the report on disk is the record
+                Console(stderr=True).print(f"warning: could not attach the report to MLflow: {e}", style="yellow")
         summary = json.loads((Path(out) / "summary.json").read_text())
         Console().print(summary["verdict"], highlight=False)
         Console().print(f"report: {page.resolve()}")
