@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.torch.model import MoETransformer, attention_mask, capacity_plan, group_counts, rope_tables
+from engines.torch.model import MoETransformer, attention_mask, capacity_plan, group_counts, objective, rope_tables
 
 
 @dataclass
@@ -328,21 +328,7 @@ class FastLoss:
                 stats.append(st)
             ce, z = self._head(x_BSD, model.final_norm, model.lm_head, targets_BS, self.cdt)
         st = {k: torch.stack([s[k] for s in stats]) for k in stats[0]}
-        aux, router_z = st["aux"].mean(), st["router_z"].mean()
-        total = ce + optim.z_loss * z + optim.aux_loss * aux + optim.router_z_loss * router_z
-        load_LE = st["load"]
-        metrics = {
-            "loss": ce.detach(),
-            "z_loss": z.detach(),
-            "aux_loss": aux.detach(),
-            "router_z_loss": router_z.detach(),
-            "drop_frac_send": st["drop_send"].mean(),
-            "drop_frac_recv": st["drop_recv"].mean(),
-            "expert_load_max": (load_LE.max(-1).values / load_LE.mean(-1)).max(),
-            "router_entropy": st["entropy"].mean(),
-            "total_loss": total.detach(),
-        }
-        return total, {"metrics": metrics, "load_LE": load_LE}
+        return objective(ce, z, st, optim)
 
 
 def _sdpa_backend(name: str | None):

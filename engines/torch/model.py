@@ -376,6 +376,12 @@ def loss_terms(model: MoETransformer, tokens_BS1: torch.Tensor, optim) -> tuple[
     lse_BS = torch.logsumexp(logits_BSV, -1)
     ce = (lse_BS - logits_BSV.gather(-1, targets_BS.unsqueeze(-1)).squeeze(-1)).mean()
     z = lse_BS.square().mean()
+    return objective(ce, z, st, optim)
+
+
+def objective(ce: torch.Tensor, z: torch.Tensor, st: dict, optim) -> tuple[torch.Tensor, dict]:
+    """The training objective from the cross-entropy, the output z term and the per-layer router
+    statistics `st` (stacked over layers), with its metrics as 0-d tensors (no host sync)."""
     aux, router_z = st["aux"].mean(), st["router_z"].mean()
     total = ce + optim.z_loss * z + optim.aux_loss * aux + optim.router_z_loss * router_z
     load_LE = st["load"]
