@@ -57,6 +57,25 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names it and says why."""
 
 
+def warn_if_other_data(ckpt: Path, info: dict, fingerprint: str) -> None:
+    """A resumed run whose checkpoint saw other data (changed source files) is not a replay: say so."""
+    import warnings
+
+    seen = (info.get("data") or {}).get("fingerprint")
+    if seen and seen != fingerprint:
+        warnings.warn(f"{ckpt} was trained on different data ({seen} != {fingerprint}): "
+                      "the resumed run is not a replay", stacklevel=3)
+
+
+def missing_parent_checkpoint(spec, run_dir) -> CheckpointError:
+    """The error for a continuation (lineage.resume_step) whose run dir was never seeded."""
+    return CheckpointError(
+        f"spec {spec.name!r} continues run {spec.lineage.parent_id} from step {spec.lineage.resume_step} "
+        f"(lineage.resume_step) but {run_dir} has no checkpoint; seed it with "
+        f"engines.checkpoint.init_from_checkpoint(run_dir, <parent run>/checkpoints/step_N)"
+    )
+
+
 def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 

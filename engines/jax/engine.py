@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import time
-import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -35,8 +34,10 @@ from engines.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
+    missing_parent_checkpoint,
     remove_checkpoints,
     save_checkpoint,
+    warn_if_other_data,
 )
 from engines.data import TokenStream
 from engines.jax.model import ModelConfig, Params, init_params, is_buffer, param_shapes
@@ -188,16 +189,9 @@ class JaxEngine:
             except ValueError as err:
                 raise CheckpointError(str(err)) from err
             start, tokens = int(info["step"]), int(info.get("tokens", int(info["step"]) * spec.data.tokens_per_step))
-            seen = (info.get("data") or {}).get("fingerprint")
-            if seen and seen != stream.fingerprint:
-                warnings.warn(f"{ckpt} was trained on different data ({seen} != {stream.fingerprint}): "
-                              "the resumed run is not a replay", stacklevel=2)
+            warn_if_other_data(ckpt, info, stream.fingerprint)
         elif spec.lineage.resume_step is not None:
-            raise CheckpointError(
-                f"spec {spec.name!r} continues run {spec.lineage.parent_id} from step {spec.lineage.resume_step} "
-                f"(lineage.resume_step) but {run_dir} has no checkpoint; seed it with "
-                f"engines.checkpoint.init_from_checkpoint(run_dir, <parent run>/checkpoints/step_N)"
-            )
+            raise missing_parent_checkpoint(spec, run_dir)
         else:
             params, buffers = init_params(cfg, spec.seed)
             state = TrainState(params, buffers, tx.init(params))

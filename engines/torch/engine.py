@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import os
 import time
-import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -43,8 +42,10 @@ from engines.checkpoint import (
     CheckpointError,
     latest_checkpoint,
     load_checkpoint,
+    missing_parent_checkpoint,
     remove_checkpoints,
     save_checkpoint,
+    warn_if_other_data,
 )
 from engines.data import TokenStream
 from engines.torch.model import MoETransformer, init_params, loss_terms
@@ -236,16 +237,9 @@ class TorchEngine:
             optimizer_from_numpy(model, opt, opt_arrays)
             start = int(info["step"])
             tokens = int(info.get("tokens", start * spec.data.tokens_per_step))
-            seen = (info.get("data") or {}).get("fingerprint")
-            if seen and seen != stream.fingerprint:
-                warnings.warn(f"{ckpt} was trained on different data ({seen} != {stream.fingerprint}): "
-                              "the resumed run is not a replay", stacklevel=2)
+            warn_if_other_data(ckpt, info, stream.fingerprint)
         elif spec.lineage.resume_step is not None:
-            raise CheckpointError(
-                f"spec {spec.name!r} continues run {spec.lineage.parent_id} from step {spec.lineage.resume_step} "
-                f"(lineage.resume_step) but {run_dir} has no checkpoint; seed it with "
-                f"engines.checkpoint.init_from_checkpoint(run_dir, <parent run>/checkpoints/step_N)"
-            )
+            raise missing_parent_checkpoint(spec, run_dir)
         else:
             model.load_numpy(init_params(spec.model, spec.seed))
             start, tokens = 0, 0
