@@ -266,7 +266,13 @@ def _law_table(forecast: dict | None) -> str:
     if not forecast:
         return ""
     law = {k: v for k, v in forecast.get("law", {}).items() if isinstance(v, (int, float, str))}
-    return _table([law]) if law else ""
+    out = _table([law]) if law else ""
+    bt = forecast.get("backtest")
+    if bt:
+        out += (f"<p>Backtest: refitted without {html.escape(str(bt['held_out']))}, the law predicts it at "
+                f"{bt['predicted']:.4f} against an actual {bt['actual']:.4f} ({100 * bt['rel_error']:+.2f}%); the hero's "
+                "interval is widened by that error, scaled by how far beyond the ladder the hero lies.</p>")
+    return out
 
 
 def verdict_text(forecast: dict | None, actual: float | None, hero_df) -> tuple[str, bool]:
