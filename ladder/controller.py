@@ -398,7 +398,8 @@ class _Mirror:
         try:
             tracking.prepare_store(self.uri)
             self.sub = tracking.start_submission(
-                self.uri, exp, specs, {"owner": owner, "host": socket.gethostname(), "argv": shlex.join(sys.argv)[:490]}
+                self.uri, exp, specs, {"owner": owner, "host": socket.gethostname(), "pid": str(os.getpid()),
+                 "pid_start": ledger._proc_start(os.getpid()) or "", "argv": shlex.join(sys.argv)[:490]}
             )
         except Exception as err:
             console.print(

@@ -117,9 +117,28 @@ class Submission:
     run_id: str
 
 
+def close_dead_submissions(uri: str, exp_id: str) -> list[str]:
+    """Parent runs left RUNNING by a submission process that died on this host (SIGKILL, a lost
+    machine) are marked KILLED, so the MLflow UI does not show them live forever."""
+    import socket
+
+    c = client(uri)
+    host, closed = socket.gethostname(), []
+    query = "tags.`ladder.kind` = 'submission' and attributes.status = 'RUNNING'"
+    for r in c.search_runs([exp_id], query, max_results=200):
+        t = r.data.tags
+        if t.get("host") != host or not t.get("pid", "").isdigit():
+            continue
+        if not ledger._pid_alive(int(t["pid"]), t.get("pid_start") or None):
+            c.set_terminated(r.info.run_id, "KILLED")
+            closed.append(r.info.run_id)
+    return closed
+
+
 def start_submission(uri: str, experiment: "Experiment", specs: list["Spec"], tags: dict[str, str]) -> Submission:
     c = client(uri)
     exp_id = experiment_id(uri, experiment.name)
+    close_dead_submissions(uri, exp_id)
     run = c.create_run(
         exp_id,
         run_name=f"submit-{time.strftime('%Y%m%d-%H%M%S')}",

@@ -148,6 +148,10 @@ def test_a_killed_submission_rerun_trains_every_spec_exactly_once(story):
         run = next(c for c in children if c.data.tags["spec_id"] == spec.id)
         logged = tracking.iter_metric_points(uri, run.info.run_id, ["loss"])["loss"]
         assert sorted(logged) == list(range(STEPS)), f"{spec.name}: MLflow steps lost or duplicated"
+    parents = tracking.client(uri).search_runs([tracking.experiment_id(uri, "intr")], "tags.`ladder.kind` = 'submission'")
+    # the SIGKILLed submission's parent run is closed as KILLED by the rerun, not left RUNNING
+    statuses = sorted(p.info.status for p in parents)
+    assert len(statuses) == 3 and "RUNNING" not in statuses, statuses
     for name in story["finished_before_kill"]:
         # a run finished before the kill is not touched again
         assert len(attempts(dirs[name])) == story["attempts_before_rerun"][name]
