@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 
 from pydantic import ValidationError
 from rich.console import Console

@@ -36,7 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from engines.base import METRICS_FILE, STATUS_FILE, read_status
+from engines.base import METRICS_FILE, read_status
 from ladder.fsutil import atomic_write_json, atomic_write_text
 
 if TYPE_CHECKING:

@@ -40,7 +40,8 @@ from engines.checkpoint import (
     warn_if_other_data,
 )
 from engines.data import TokenStream
-from engines.jax.model import ModelConfig, Params, init_params, is_buffer, param_shapes
+from engines.jax.model import ModelConfig, init_params, param_shapes
+from engines.params import is_buffer
 from engines.jax.moe import EP_AXIS, capacities
 from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
 from ladder.costs import flops_per_token

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from engines.params import BUFFER_SUFFIX, init_arrays, is_buffer, tensor_shapes  # noqa: F401 (re-exported)
+from engines.params import init_arrays, is_buffer, tensor_shapes
 from ladder.spec import ModelSpec
 
 Params = dict[str, jax.Array]

@@ -124,6 +124,17 @@ def launch_step(model: MoETransformer, loss_fn, x: torch.Tensor, spec: Spec) -> 
     return torch.stack([out["metrics"][k].float() for k in METRIC_KEYS] + [grad_norm.float()]), out
 
 
+def step_record(step: int, tokens: int, lr: float, m: dict, tps: float, mfu: float, **extra) -> StepMetrics:
+    """A step's StepMetrics from finish_step's metric values."""
+    return StepMetrics(
+        step=step, tokens=tokens, loss=m["loss"], grad_norm=m["grad_norm"], lr=lr,
+        z_loss=m["z_loss"], aux_loss=m["aux_loss"], drop_frac_send=m["drop_frac_send"],
+        drop_frac_recv=m["drop_frac_recv"], expert_load_max=m["expert_load_max"],
+        router_entropy=m["router_entropy"], tokens_per_s=tps, mfu=mfu, time=time.time(),
+        extra={"router_z_loss": m["router_z_loss"], "total_loss": m["total_loss"], **extra},
+    )
+
+
 def finish_step(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
                 spec: Spec) -> tuple[dict[str, float], bool]:
     """The step's one host sync (its metrics), then the update unless the loss or grad norm is
@@ -284,15 +295,8 @@ class TorchEngine:
                 tokens += n_tok
                 dt = max(time.perf_counter() - t_prev, 1e-9)
                 tps = n_tok / dt
-                rec = StepMetrics(
-                    step=step, tokens=tokens, loss=m["loss"], grad_norm=m["grad_norm"], lr=lr,
-                    z_loss=m["z_loss"], aux_loss=m["aux_loss"], drop_frac_send=m["drop_frac_send"],
-                    drop_frac_recv=m["drop_frac_recv"], expert_load_max=m["expert_load_max"],
-                    router_entropy=m["router_entropy"], tokens_per_s=tps,
-                    mfu=_flops_per_token(spec, x.shape[1] - 1) * tps / spec.hardware.peak_flops,
-                    time=time.time(),
-                    extra={"router_z_loss": m["router_z_loss"], "total_loss": m["total_loss"]},
-                )
+                rec = step_record(step, tokens, lr, m, tps,
+                                  mfu=_flops_per_token(spec, x.shape[1] - 1) * tps / spec.hardware.peak_flops)
                 if not finite:
                     writer.write(rec)
                     write_status(run_dir, "diverged", step=step, engine=self.name, spec_id=spec.id,

@@ -40,6 +40,7 @@ from engines.torch.engine import (
     build_optimizer,
     cpu_threads,
     finish_step,
+    step_record,
     optimizer_from_numpy,
     optimizer_to_numpy,
 )
@@ -169,15 +170,9 @@ def train_ep(spec: Spec, run_dir: str | Path, ctx: EPContext, resume: bool = Tru
             tokens += n_tok
             dt = max(time.perf_counter() - t_prev, 1e-9)
             tps = n_tok / dt
-            rec = StepMetrics(
-                step=step, tokens=tokens, loss=mv["loss"], grad_norm=mv["grad_norm"], lr=lr,
-                z_loss=mv["z_loss"], aux_loss=mv["aux_loss"], drop_frac_send=mv["drop_frac_send"],
-                drop_frac_recv=mv["drop_frac_recv"], expert_load_max=mv["expert_load_max"],
-                router_entropy=mv["router_entropy"], tokens_per_s=tps,
-                mfu=_flops_per_token(spec, x.shape[1] - 1) * tps / (spec.hardware.peak_flops * n_dev),
-                time=time.time(),
-                extra={"router_z_loss": mv["router_z_loss"], "total_loss": mv["total_loss"], "ep_world_size": n_dev},
-            )
+            rec = step_record(step, tokens, lr, mv, tps,
+                              mfu=_flops_per_token(spec, x.shape[1] - 1) * tps / (spec.hardware.peak_flops * n_dev),
+                              ep_world_size=n_dev)
             if not finite:
                 if lead:
                     writer.write(rec)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.torch.model import MoETransformer, attention_mask, capacity_plan, group_counts, objective, rope_tables
+from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
 
 
 @dataclass
@@ -197,13 +197,9 @@ def capacity_experts(moe, x_TL, expert_TK, cdt):
     m = moe.m
     T, K = expert_TK.shape
     E, L = m.n_routed_experts, x_TL.shape[-1]
-    plan = capacity_plan(expert_TK, E, m.ep_size, m.n_waves, m.capacity_factor_send, m.capacity_factor_recv)
+    plan, slot_A, fill_R = capacity_rows(m, expert_TK)
     C = plan["c_recv"]
-    slot_A = plan["slot_TK"].reshape(-1)
-    A = T * K
-    filler = torch.full((E * C + 1,), A, dtype=torch.long, device=x_TL.device)
-    filler.scatter_(0, slot_A, torch.arange(A, device=x_TL.device))
-    src = torch.where(filler[: E * C] < A, filler[: E * C] // K, T)  # T: the zero row
+    src = torch.where(fill_R < T * K, fill_R // K, T)  # T: the zero row
     x_T1L = torch.cat([x_TL.to(cdt), x_TL.new_zeros(1, L, dtype=cdt)], 0)
     buf_ECL = x_T1L[src].view(E, C, L)
     ex = moe.experts

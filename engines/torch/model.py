@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engines.dispatch_ref import capacities
-from engines.params import BUFFER_SUFFIX, init_arrays, is_buffer, tensor_shapes  # noqa: F401 (re-exported)
+from engines.params import init_arrays, tensor_shapes
 from ladder.spec import ModelSpec
 
 # ---- parameters ---------------------------------------------------------------------------------
@@ -294,19 +294,29 @@ class MoE(nn.Module):
         m = self.m
         T, K = expert_TK.shape
         E, L = m.n_routed_experts, x_TL.shape[-1]
-        plan = capacity_plan(expert_TK, E, m.ep_size, m.n_waves, m.capacity_factor_send, m.capacity_factor_recv)
+        plan, slot_A, fill_R = capacity_rows(m, expert_TK)
         C = plan["c_recv"]
-        slot_A = plan["slot_TK"].reshape(-1)
-        # which assignment fills each buffer row (A, a zero row, for rows nobody fills)
-        A = T * K
-        filler = torch.full((E * C + 1,), A, dtype=torch.long, device=x_TL.device)
-        filler.scatter_(0, slot_A, torch.arange(A, device=x_TL.device))  # dropped ones all land on E*C
         x_A1L = torch.cat([x_TL.repeat_interleave(K, 0), x_TL.new_zeros(1, L)], 0)
-        buf_ECL = x_A1L[filler[: E * C]].view(E, C, L)
+        buf_ECL = x_A1L[fill_R].view(E, C, L)
         out_ECL = self.experts.padded(buf_ECL)
         out_flat = torch.cat([out_ECL.reshape(E * C, L), out_ECL.new_zeros(1, L)], 0)
         y_TKL = out_flat[slot_A].view(T, K, L)  # dropped assignments read the zero row
         return y_TKL, plan["send_drop_TK"].sum().float(), plan["recv_drop_TK"].sum().float()
+
+
+def capacity_rows(m: ModelSpec, expert_TK: torch.Tensor):
+    """(plan, slot_A, fill_R): the pooled-wave plan of capacity_plan, each assignment's row in the
+    [E, C] expert buffers (E*C for a dropped one), and for each of the E*C rows the assignment that
+    fills it (T*K, a zero row, for rows nobody fills)."""
+    T, K = expert_TK.shape
+    E = m.n_routed_experts
+    plan = capacity_plan(expert_TK, E, m.ep_size, m.n_waves, m.capacity_factor_send, m.capacity_factor_recv)
+    R = E * plan["c_recv"]
+    slot_A = plan["slot_TK"].reshape(-1)
+    A = T * K
+    fill = torch.full((R + 1,), A, dtype=torch.long, device=expert_TK.device)
+    fill.scatter_(0, slot_A, torch.arange(A, device=expert_TK.device))  # dropped ones all land on R
+    return plan, slot_A, fill[:R]
 
 
 class Block(nn.Module):

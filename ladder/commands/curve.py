@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import io
 import json
-import math
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import typer
@@ -24,6 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ladder.errors import LadderError
+from ladder.fsutil import json_safe
 
 _LIST_OPTIONS = ("--train", "--predict")
 
@@ -85,20 +84,6 @@ def _read_curve(path: Path, need_loss: bool):
         )
     except CurveError as e:
         raise LadderError(f"{path}: {e}") from None
-
-
-def _clean(x: Any) -> Any:
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _clean(x.tolist())
-    if isinstance(x, (float, np.floating)):
-        return float(x) if math.isfinite(x) else None
-    if isinstance(x, np.integer):
-        return int(x)
-    return x
 
 
 def register(app: typer.Typer) -> None:
@@ -194,7 +179,7 @@ def register(app: typer.Typer) -> None:
                 "max_rel_err": float(max(r["max_rel_err"] for r in with_loss)),
                 "mean_of_file_max_rel_err": float(np.mean([r["max_rel_err"] for r in with_loss])),
             }
-        doc = _clean(doc)
+        doc = json_safe(doc)
         if as_json:
             print(json.dumps(doc, indent=2))
             return

@@ -5,31 +5,15 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
-from typing import Any, List, Optional
+from typing import List, Optional
 
-import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from ladder.errors import LadderError
-
-
-def _clean(x: Any) -> Any:
-    """JSON-safe: numpy to Python, NaN/inf to null (strict JSON has no NaN)."""
-    if isinstance(x, dict):
-        return {k: _clean(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_clean(v) for v in x]
-    if isinstance(x, np.ndarray):
-        return _clean(x.tolist())
-    if isinstance(x, (np.floating, float)):
-        return float(x) if math.isfinite(x) else None
-    if isinstance(x, np.integer):
-        return int(x)
-    return x
+from ladder.fsutil import json_safe
 
 
 def _load(file: Path, cols: dict[str, str], loss_col: str, drop_highest: int, min_rows: int):
@@ -144,7 +128,7 @@ def register(app: typer.Typer) -> None:
         }
         if budget:
             d["compute_optimal"] = [{"C": c, **fit.compute_optimal(c)} for c in budget]
-        d = _clean(d)
+        d = json_safe(d)
         if as_json:
             print(json.dumps(d, indent=2))
             return
@@ -184,7 +168,7 @@ def register(app: typer.Typer) -> None:
         )
         d = fit.to_dict()
         d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": loss_col, "dropped_highest": drop_highest}
-        d = _clean(d)
+        d = json_safe(d)
         if as_json:
             print(json.dumps(d, indent=2))
             return

@@ -1,8 +1,6 @@
 """Exact resume: a `ladder train` process killed with SIGKILL mid-run, resumed, ends bit-equal to
 an uninterrupted run; a replan continues a parent's checkpoint."""
 
-import json
-import os
 import signal
 import subprocess
 import sys

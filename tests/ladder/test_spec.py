@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from pydantic import ValidationError
 
 from ladder.presets import micro_spec
-from ladder.spec import Spec, SpecError, load_spec, save_spec, spec_from_dict
+from ladder.spec import SpecError, load_spec, save_spec, spec_from_dict
 
 
 def _bad(**changes):
