@@ -281,6 +281,9 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 print(f"{spec.name}: step {last.step + 1}/{spec.total_steps} on {ctx.size} rank(s), loss {last.loss:.4f}"
                       f" -> {args.run_dir}", flush=True)
+        # every rank reaches the teardown together: a gloo rank whose peer has already closed its
+        # connections can abort in its transport thread ("terminate called without an active exception")
+        dist.barrier(group=ctx.group)
     except (EPError, CheckpointError, DataError) as err:
         if ctx.rank == 0:
             print(f"error: {err}", file=sys.stderr)
