@@ -1,0 +1,218 @@
+"""Where one torch engine step goes on the GPU: a torch.profiler trace of the engine's train step
+(launch_step + finish_step, as bench/engines_h200.py times it) at the bench's OLMoE-like shape.
+
+    PYTHONPATH=. python3 bench/profile_h200.py --out $OUT/profile
+    PYTHONPATH=. python3 bench/profile_h200.py --tiny             # a smoke run (the CPU if no GPU)
+
+Prints and writes <out>/profile.md: the wall time per profiled step, the GPU's busy time (sum of
+kernel times) and so its idle share, the kernel time per category (grouped GEMM, dense GEMM,
+attention, optimizer, Triton-generated elementwise, copies/casts, index/sort, other) and the top
+kernels by total time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+CATEGORIES = (  # first match wins; patterns are searched in lower-cased kernel names
+    ("attention", r"flash|fmha|cudnn|sdpa|attn"),
+    ("optimizer", r"fused_adam|multi_tensor|adamw|foreach|l2norm|norm_kernel"),
+    ("grouped gemm", r"grouped|_gmm|ragged"),
+    ("dense gemm", r"gemm|sm90_xmma|cutlass|cublas|nvjet|matmul"),
+    ("triton (fused elementwise/norms)", r"^triton_|triton"),
+    ("index / sort / scatter", r"index|gather|scatter|sort|radix|cub::|argsort|cumsum|scan"),
+    ("copies and casts", r"copy|cast|convert|memcpy|memset|fill"),
+    ("reductions / softmax", r"reduce|softmax|logsumexp"),
+)
+
+
+def category(name: str) -> str:
+    low = name.lower()
+    for cat, pat in CATEGORIES:
+        if re.search(pat, low):
+            return cat
+    return "other"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps")
+    ap.add_argument("--top", type=int, default=40)
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--env", default="", help="KEY=VALUE,... set before the engine runs")
+    ap.add_argument("--engine", default="torch", choices=("torch", "jax"))
+    args = ap.parse_args(argv)
+    if args.engine == "jax":
+        return profile_jax(args)
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import engines_h200 as eb
+
+    for kv in filter(None, args.env.split(",")):
+        k, v = kv.split("=", 1)
+        os.environ[k] = v
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.tiny:
+        print("bench/profile_h200.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
+        return 2
+    if args.tiny:
+        eb.BASE_MODEL = {**eb.BASE_MODEL, **eb.TINY_MODEL}
+    eb.DEVICE = "cuda" if cuda else "cpu"
+    seq, batch = (128, 2) if args.tiny else (4096, 4)
+    n = args.warmup + args.steps
+    spec = eb.make_spec(n, seq=seq, batch=batch)
+
+    from engines.data import TokenStream
+    from engines.torch.engine import build_optimizer, finish_step, launch_step, make_loss_fn
+    from engines.torch.model import MoETransformer, init_params
+
+    stream = TokenStream.from_spec(spec)
+    batches = [stream.batch(i) for i in range(n)]
+    device = torch.device(eb.DEVICE)
+    model = MoETransformer(spec.model).to(device)
+    model.load_numpy(init_params(spec.model, spec.seed))
+    opt = build_optimizer(model, spec)
+    loss_fn = make_loss_fn(model, device)
+
+    def step(b):
+        x = torch.from_numpy(b).to(device, dtype=torch.long, non_blocking=True)
+        vals, out = launch_step(model, loss_fn, x, spec)
+        return finish_step(model, opt, vals, out, spec)[0]["loss"]
+
+    for i in range(args.warmup):
+        step(batches[i])
+    eb.sync()
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=acts) as prof:
+        t0 = time.perf_counter()
+        for i in range(args.warmup, n):
+            step(batches[i])
+        eb.sync()
+        wall = time.perf_counter() - t0
+
+    kern: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    for ev in prof.events():
+        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
+            kern[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            calls[ev.name] += 1
+    busy_us = sum(kern.values())
+    per_step = 1e3 * wall / args.steps
+    lines = [f"device {torch.cuda.get_device_name(0) if cuda else 'cpu'}, torch {torch.__version__}, "
+             f"env {args.env or '-'}",
+             f"wall {per_step:.1f} ms/step; GPU kernels {busy_us / 1e3 / args.steps:.1f} ms/step "
+             f"({busy_us / 1e3 / max(wall * 1e3, 1e-9):.0%} busy)", "",
+             "| category | ms/step | share of kernel time |", "|---|---:|---:|"]
+    cats: dict[str, float] = defaultdict(float)
+    for k, v in kern.items():
+        cats[category(k)] += v
+    for c, v in sorted(cats.items(), key=lambda kv: -kv[1]):
+        lines.append(f"| {c} | {v / 1e3 / args.steps:.2f} | {v / max(busy_us, 1e-9):.1%} |")
+    lines += ["", "| kernel | category | calls/step | ms/step |", "|---|---|---:|---:|"]
+    for k, v in sorted(kern.items(), key=lambda kv: -kv[1])[: args.top]:
+        lines.append(f"| `{k[:150]}` | {category(k)} | {calls[k] / args.steps:.0f} | {v / 1e3 / args.steps:.2f} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "profile.md").write_text(text)
+    return 0
+
+
+def profile_jax(args) -> int:
+    """The JAX engine's jitted step under jax.profiler; GPU kernel times are read back from the
+    Perfetto trace it writes (events on the device's stream lines)."""
+    import glob
+    import gzip
+    import json
+
+    import engines_h200 as eb
+
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
+    import jax
+    import jax.numpy as jnp
+
+    from engines.data import TokenStream
+    from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
+    from engines.jax.model import ModelConfig, init_params
+    from engines.jax.train import TrainState
+
+    if args.tiny:
+        eb.BASE_MODEL = {**eb.BASE_MODEL, **eb.TINY_MODEL}
+    seq, batch = (128, 2) if args.tiny else (4096, 4)
+    n = args.warmup + args.steps
+    spec = eb.make_spec(n, seq=seq, batch=batch, engine="jax")
+    stream = TokenStream.from_spec(spec)
+    configure_jax()
+    import dataclasses
+
+    cfg = ModelConfig.from_spec(spec.model)
+    if jax.default_backend() == "gpu":
+        cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")
+    mesh = make_mesh(cfg)
+    train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
+    params, buffers = init_params(cfg, spec.seed)
+    state = place(TrainState(params, buffers, tx.init(params)), mesh)
+    lr = jnp.float32(spec.optim.peak_lr)
+    step_fn = train_step.lower(state, put_batch(stream.batch(0), mesh), lr).compile()
+    for i in range(args.warmup):
+        state, m = step_fn(state, put_batch(stream.batch(i), mesh), lr)
+        jax.device_get(m)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    trace_dir = out / "jax_trace"
+    with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
+        t0 = time.perf_counter()
+        for i in range(args.warmup, n):
+            state, m = step_fn(state, put_batch(stream.batch(i), mesh), lr)
+            jax.device_get(m)
+        jax.block_until_ready(state)
+        wall = time.perf_counter() - t0
+    files = glob.glob(str(trace_dir / "**" / "perfetto_trace.json.gz"), recursive=True)
+    lines = [f"jax {jax.__version__} on {jax.devices()[0].device_kind}", f"wall {1e3 * wall / args.steps:.1f} ms/step"]
+    if not files:
+        lines.append("no perfetto trace written")
+    else:
+        ev = json.load(gzip.open(files[0]))
+        ev = ev["traceEvents"] if isinstance(ev, dict) else ev
+        pname, tname = {}, {}
+        for e in ev:
+            if e.get("ph") == "M" and e.get("name") == "process_name":
+                pname[e["pid"]] = e["args"]["name"]
+            if e.get("ph") == "M" and e.get("name") == "thread_name":
+                tname[(e["pid"], e["tid"])] = e["args"]["name"]
+        by_line: dict = defaultdict(lambda: defaultdict(float))
+        for e in ev:
+            if e.get("ph") == "X" and "GPU" in pname.get(e.get("pid"), ""):
+                by_line[tname.get((e["pid"], e["tid"]), "?")][e["name"]] += float(e.get("dur", 0))
+        for line, kern in sorted(by_line.items(), key=lambda kv: -sum(kv[1].values())):
+            tot = sum(kern.values())
+            lines += ["", f"### {line}: {tot / 1e3 / args.steps:.1f} ms/step", "",
+                      "| op | category | ms/step |", "|---|---|---:|"]
+            cats: dict = defaultdict(float)
+            for k, v in kern.items():
+                cats[category(k)] += v
+            lines += [f"| (category) {c} | | {v / 1e3 / args.steps:.2f} |"
+                      for c, v in sorted(cats.items(), key=lambda kv: -kv[1])]
+            lines += [f"| `{k[:150]}` | {category(k)} | {v / 1e3 / args.steps:.2f} |"
+                      for k, v in sorted(kern.items(), key=lambda kv: -kv[1])[: args.top]]
+    text = "\n".join(lines) + "\n"
+    print(text)
+    (out / "profile_jax.md").write_text(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
