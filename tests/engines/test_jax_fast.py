@@ -61,3 +61,33 @@ def test_dropless_dispatch_equals_the_blocked_reference():
 def test_kernels_are_used_only_where_they_apply():
     assert not fast.mgpu_usable(1024, 512, jnp.float32)  # fp32: the reference path
     assert not fast.mgpu_usable(1000, 512, jnp.bfloat16)  # widths that do not tile
+
+
+def _float_scatter_adds(jaxpr) -> list:
+    """scatter-add equations on floating-point operands, nested jaxprs included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "scatter-add" and jnp.issubdtype(eqn.invars[0].aval.dtype, jnp.floating):
+            found.append(eqn)
+        for v in eqn.params.values():
+            inner = getattr(v, "jaxpr", None)
+            if inner is not None:
+                found += _float_scatter_adds(getattr(inner, "jaxpr", inner))
+    return found
+
+
+def test_dropless_backward_has_no_float_scatter_add():
+    """The dispatch and combine permutations transpose to gathers: XLA's atomic scatter-add
+    (12 ms of a 140 ms H200 step) must not appear in the gradient (the integer one of bincount,
+    which counts rows per expert, may)."""
+    T, K, E, L, F = 16, 2, 4, 8, 6
+    ks = jax.random.split(jax.random.key(2), 5)
+    x, gate = jax.random.normal(ks[0], (T, L)), jax.random.uniform(ks[1], (T, K))
+    expert = jax.random.randint(ks[2], (T, K), 0, E)
+    ws = (jax.random.normal(ks[3], (E, L, F)),) * 2 + (jax.random.normal(ks[4], (E, F, L)),)
+    loss = lambda x, *w: jnp.sum(fast.dropless_mgpu(x, expert, gate, *w, dtype=jnp.float32))  # noqa: E731
+    grad_jaxpr = jax.make_jaxpr(jax.grad(loss, (0, 1, 2, 3)))(x, *ws).jaxpr
+    assert _float_scatter_adds(grad_jaxpr) == []
+    # the plain-indexing version of the same dispatch does scatter-add: the check can fail
+    plain = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(x[jnp.argsort(expert.reshape(-1)) // K])))(x).jaxpr
+    assert _float_scatter_adds(plain)
