@@ -103,7 +103,7 @@ def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
     model = MoETransformer(spec.model).to(device)
     model.load_numpy(init_params(spec.model, spec.seed))
     opt = build_optimizer(model, spec)
-    loss_fn = make_loss_fn(model, device)
+    loss_fn = make_loss_fn(model, device, opt)
     lrs = lr_at(spec, np.arange(spec.total_steps))
     rows = []
     t_prev = time.perf_counter()
@@ -112,7 +112,7 @@ def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
         x = torch.from_numpy(batch).to(device, dtype=torch.long)
         for g in opt.param_groups:
             g["lr"] = float(lrs[step])
-        vals, out = launch_step(model, loss_fn, x, spec)
+        vals, out = launch_step(model, loss_fn, x, spec, opt)
         m, finite = finish_step(model, opt, vals, out, spec)  # its host read waits for the step
         now = time.perf_counter()
         rows.append({"step": step, "loss": m["loss"], "drop_frac_send": m["drop_frac_send"],

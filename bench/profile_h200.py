@@ -84,11 +84,11 @@ def main(argv=None) -> int:
     model = MoETransformer(spec.model).to(device)
     model.load_numpy(init_params(spec.model, spec.seed))
     opt = build_optimizer(model, spec)
-    loss_fn = make_loss_fn(model, device)
+    loss_fn = make_loss_fn(model, device, opt)
 
     def step(b):
         x = torch.from_numpy(b).to(device, dtype=torch.long, non_blocking=True)
-        vals, out = launch_step(model, loss_fn, x, spec)
+        vals, out = launch_step(model, loss_fn, x, spec, opt)
         return finish_step(model, opt, vals, out, spec)[0]["loss"]
 
     for i in range(args.warmup):

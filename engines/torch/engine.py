@@ -79,26 +79,41 @@ def cpu_threads(spec: Spec) -> int | None:
     return 1 if step_flops < 2e10 else None
 
 
-def build_optimizer(model: MoETransformer, spec: Spec) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices and expert stacks only (never norms)."""
+def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = None) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay on matrices and expert stacks only (never norms).
+
+    On the CUDA fast path (working None: decided by engines/torch/fast.working_copies_enabled) it
+    is MasterAdamW (engines/torch/master.py): the same update on the fp32 masters, also writing
+    the bf16 working copies the fast forward reads; elsewhere torch's AdamW (fused on a GPU)."""
+    from engines.torch.fast import working_copies_enabled
+    from engines.torch.master import MasterAdamW
+
     decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": spec.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     o = spec.optim
     cuda = all(p.is_cuda for p in model.parameters())
+    if working is None:
+        working = cuda and working_copies_enabled(next(model.parameters()).device)
+    if working:
+        return MasterAdamW(model, groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                           dtype=torch.bfloat16 if cuda else torch.float32)
     return torch.optim.AdamW(
-        [{"params": decay, "weight_decay": o.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-        lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
+        groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
         fused=True if cuda else None,  # one kernel per group on the GPU; the CPU keeps its default
     )
 
 
-def make_loss_fn(model: MoETransformer, device: torch.device):
-    """The step's objective: the fast path on CUDA (engines/torch/fast.py), else model.loss_terms
-    under autocast (bf16 on a GPU, which the fast path turned off then; fp32 on the CPU)."""
+def make_loss_fn(model: MoETransformer, device: torch.device, opt: torch.optim.Optimizer | None = None):
+    """The step's objective: the fast path on CUDA (engines/torch/fast.py; reading `opt`'s working
+    copies when it keeps them), else model.loss_terms under autocast (bf16 on a GPU, which the
+    fast path turned off then; fp32 on the CPU)."""
     from engines.torch.fast import FastLoss, fast_path_enabled
+    from engines.torch.master import MasterAdamW
 
-    if fast_path_enabled(device):
-        return FastLoss(model, device)
+    working = opt if isinstance(opt, MasterAdamW) else None
+    if fast_path_enabled(device) or working is not None:
+        return FastLoss(model, device, working=working)
     cuda = device.type == "cuda"
 
     def loss_fn(model, x, optim):
@@ -108,19 +123,18 @@ def make_loss_fn(model: MoETransformer, device: torch.device):
     return loss_fn
 
 
-def launch_step(model: MoETransformer, loss_fn, x: torch.Tensor, spec: Spec) -> tuple[torch.Tensor, dict]:
-    """Forward, backward and clipping of one step, queued on the device without waiting for it:
-    (the step's metrics and grad norm stacked in METRIC_KEYS + ("grad_norm",) order, loss_fn's
-    outputs)."""
-    from engines.torch import fast
-
+def launch_step(model: MoETransformer, loss_fn, x: torch.Tensor, spec: Spec,
+                opt: torch.optim.Optimizer | None = None) -> tuple[torch.Tensor, dict]:
+    """Forward, backward and the grad norm of one step, queued on the device without waiting for
+    it: (the step's metrics and grad norm stacked in METRIC_KEYS + ("grad_norm",) order, loss_fn's
+    outputs). Clipping: clip_grad_norm_ on the parameters, or, for an optimizer with
+    grad_norm_and_scale (MasterAdamW), a multiplier its step applies as it reads the gradients."""
     total_loss, out = loss_fn(model, x, spec.optim)
     total_loss.backward()
-    params = list(model.parameters())
-    if fast.fused_clip_enabled(x.device):  # clipping happens inside the optimizer step
-        grad_norm, out["grad_scale"] = fast.clip_scale(params, spec.optim.grad_clip)
+    if hasattr(opt, "grad_norm_and_scale"):
+        grad_norm, out["clip_mult"] = opt.grad_norm_and_scale(spec.optim.grad_clip)
     else:
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, spec.optim.grad_clip)
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), spec.optim.grad_clip)
     return torch.stack([out["metrics"][k].float() for k in METRIC_KEYS] + [grad_norm.float()]), out
 
 
@@ -142,12 +156,10 @@ def finish_step(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.T
     m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))
     finite = all(np.isfinite(m[k]) for k in ("loss", "total_loss", "grad_norm"))
     if finite:
-        if out.get("grad_scale") is None:
+        if out.get("clip_mult") is None:
             opt.step()
         else:
-            from engines.torch.fast import step_with_grad_scale
-
-            step_with_grad_scale(opt, out["grad_scale"])
+            opt.step(out["clip_mult"])
         if spec.model.router_bias_balancing:
             with torch.no_grad():
                 load_LE = out["load_LE"]
@@ -255,7 +267,7 @@ class TorchEngine:
             model.load_numpy(init_params(spec.model, spec.seed))
             start, tokens = 0, 0
 
-        loss_fn = make_loss_fn(model, device)
+        loss_fn = make_loss_fn(model, device, opt)
 
         def save(done: int) -> None:
             info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
@@ -288,7 +300,7 @@ class TorchEngine:
                 lr = float(lrs[step])
                 for g in opt.param_groups:
                     g["lr"] = lr
-                vals, out = launch_step(model, loss_fn, x, spec)
+                vals, out = launch_step(model, loss_fn, x, spec, opt)
                 # the next batch is read while the device works on this step
                 batch = stream.batch(step + 1) if step + 1 < total else None
                 m, finite = finish_step(model, opt, vals, out, spec)

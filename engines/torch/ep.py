@@ -46,6 +46,7 @@ from engines.torch.fast import (
     OPTIONS,
     _sdpa_backend,
     attention_residual,
+    block_weights,
     head_losses,
     moe_combine,
     moe_route,
@@ -274,10 +275,11 @@ def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.T
     return y_tKL, n_send, n_recv
 
 
-def ragged_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.Tensor, m: ModelSpec,
-                   ctx: EPContext, cdt: torch.dtype) -> torch.Tensor:
+def ragged_experts(w_gu: torch.Tensor, w_down: torch.Tensor, x_tL: torch.Tensor, expert_tK: torch.Tensor,
+                   m: ModelSpec, ctx: EPContext, cdt: torch.dtype) -> torch.Tensor:
     """Dropless dispatch over the ranks: every assignment reaches its expert (variable-size
-    all-to-all). Returns y_tKL in (token, slot) order."""
+    all-to-all); w_gu [e, L, 2F] (gate|up) and w_down [e, F, L] are this rank's experts in cdt.
+    Returns y_tKL in (token, slot) order."""
     from engines.torch.fast import _grouped_swiglu
 
     t, K = expert_tK.shape
@@ -295,7 +297,7 @@ def ragged_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.Tensor
     x_NL = _RaggedExchange.apply(x_AL, send_rows, recv_rows, ctx.group)  # (source, local expert) order
     le_N = torch.repeat_interleave(torch.arange(e_loc, device=x_tL.device).repeat(P), recv_counts_E)
     order_N = torch.argsort(le_N, stable=True)
-    y_sorted_NL = _grouped_swiglu(x_NL[order_N], group_counts(le_N, e_loc), experts, cdt)
+    y_sorted_NL = _grouped_swiglu(x_NL[order_N], group_counts(le_N, e_loc), w_gu, w_down, cdt)
     y_NL = torch.empty_like(y_sorted_NL).index_copy(0, order_N, y_sorted_NL)
     y_sorted_AL = _RaggedExchange.apply(y_NL, recv_rows, send_rows, ctx.group)
     y_AL = torch.empty_like(y_sorted_AL).index_copy(0, order_A, y_sorted_AL)
@@ -351,15 +353,17 @@ class EPLoss:
             x_bSD = model.embed.weight[inputs_bS]
             for block in model.blocks:
                 moe = block.moe
-                x_bSD = self._attn(block, x_bSD, cos, sin, mask_SS, cdt)
+                w = block_weights(block, cdt)
+                x_bSD = self._attn(block, w, x_bSD, cos, sin, mask_SS, cdt)
                 h_TD, expert_TK, gate_TK, st = self._route(block, x_bSD)
                 x_TL = (h_TD.to(cdt) @ moe.latent_down.to(cdt)) if m.latent_dim is not None else h_TD.to(cdt)
                 if m.dispatch == "capacity":
                     y_TKL, ns, nr = pooled_wave_experts(moe.experts, x_TL, expert_TK, m, n_tokens, ctx, cdt)
                 else:
-                    y_TKL = ragged_experts(moe.experts, x_TL, expert_TK, m, ctx, cdt)
+                    y_TKL = ragged_experts(w["moe.experts.gate_up"], w["moe.experts.w_down"], x_TL, expert_TK,
+                                           m, ctx, cdt)
                     ns = nr = torch.zeros((), device=ctx.device)
-                x_bSD = moe_combine(block, x_bSD, h_TD, y_TKL, gate_TK, cdt)
+                x_bSD = moe_combine(block, w, x_bSD, h_TD, y_TKL, gate_TK, cdt)
                 if m.balance_scope == "batch":
                     probs_sum.append(_router_probs(moe, h_TD).sum(0))
                 else:

@@ -104,7 +104,7 @@ def train_ep(spec: Spec, run_dir: str | Path, ctx: EPContext, resume: bool = Tru
     ckpt = Path(found[0]) if found[0] else None
 
     model = build_local_model(m, ctx)
-    opt = build_optimizer(model, spec)
+    opt = build_optimizer(model, spec, working=False)  # its own sharded loss reads the fp32 masters
     if ckpt is not None:
         params, opt_arrays, info = load_checkpoint(ckpt)
         _check_same_run(spec, info, ckpt)

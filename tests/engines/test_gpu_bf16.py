@@ -50,11 +50,13 @@ def test_bf16_fast_step_matches_the_fp32_path(dispatch):
         assert abs(float(g16[name].norm()) / float(g.norm()) - 1) < 0.05, name
 
     # one optimizer step each from the same weights: the losses after it agree too
+    # (the fast step with the engine's optimizer: MasterAdamW and its bf16 working copies)
     after = []
-    for fn in (loss_terms, fast):
+    for fast_step in (False, True):
         spec, model, x = _setup(dispatch)
-        opt = build_optimizer(model, spec)
-        vals, out = launch_step(model, fn, x, spec)
+        opt = build_optimizer(model, spec, working=None if fast_step else False)
+        fn = make_loss_fn(model, x.device, opt) if fast_step else loss_terms
+        vals, out = launch_step(model, fn, x, spec, opt)
         finish_step(model, opt, vals, out, spec)
         with torch.no_grad():
             after.append(float(loss_terms(model, x, spec.optim)[0]))

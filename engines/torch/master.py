@@ -1,0 +1,192 @@
+"""AdamW over fp32 master weights that writes the 16-bit working copies of the matrices in the same
+pass: the optimizer of the torch engine's GPU fast path (engines/torch/fast.py).
+
+With plain fp32 parameters, a bf16 step pays on every matrix: a cast to bf16 in the forward, a
+bf16 -> fp32 cast of its gradient in the backward, clip_grad_norm_'s multiply over the fp32
+gradient, and then the optimizer's own pass. Here the matmuls read bf16 leaf tensors (the working
+copies, whose gradients stay bf16); the grad norm is read from those gradients; and one kernel per
+tensor reads master, gradient, moments and the clip divisor and writes master, moments and working
+copy (28 bytes a parameter).
+
+Working copies: one leaf per weight the fast forward reads (`weight_layout`): attention's q, k
+and v side by side ([D, (H + 2G) Q]), the experts' gate and up side by side ([E, L, 2F]), every
+other matrix alone. Parts are concatenated along the last dimension, so a master parameter is a
+slice of its leaf's last dimension and its gradient the same slice of the leaf's gradient.
+
+Update, state keys and state dtypes are torch.optim.AdamW's (decoupled weight decay, bias
+corrections; step, exp_avg and exp_avg_sq in fp32), so checkpoints, resumes and
+engine.optimizer_to_numpy are unchanged. Parameters without a working copy (norms, the router,
+the embedding, which stay fp32 in the forward) get the same update from their fp32 gradients.
+
+Shape legend: N... a tensor's dimensions (any rank).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engines.torch.model import MoETransformer
+
+
+def weight_layout(model: MoETransformer) -> dict[str, list[torch.nn.Parameter]]:
+    """Working-copy name -> the master parameters it holds, concatenated along the last dim.
+    Block weights are named blocks.<i>.<key> with the keys the fast forward reads."""
+    out: dict[str, list[torch.nn.Parameter]] = {}
+    for i, blk in enumerate(model.blocks):
+        a, moe = blk.attn, blk.moe
+        out[f"blocks.{i}.attn.qkv"] = [a.wq, a.wk, a.wv]
+        out[f"blocks.{i}.attn.wo"] = [a.wo]
+        out[f"blocks.{i}.moe.experts.gate_up"] = [moe.experts.w_gate, moe.experts.w_up]
+        out[f"blocks.{i}.moe.experts.w_down"] = [moe.experts.w_down]
+        if moe.m.latent_dim is not None:
+            out[f"blocks.{i}.moe.latent_down"] = [moe.latent_down]
+            out[f"blocks.{i}.moe.latent_up"] = [moe.latent_up]
+        if moe.m.n_shared_experts > 0:
+            out[f"blocks.{i}.moe.shared.gate_up"] = [moe.shared.w_gate, moe.shared.w_up]
+            out[f"blocks.{i}.moe.shared.w_down"] = [moe.shared.w_down]
+    out["lm_head"] = [model.lm_head]
+    return out
+
+
+def adamw_(p_N, g_N, m_N, v_N, w_N, s_8):
+    """One AdamW update in place; w_N (or None) receives the new master in its dtype.
+    s_8 (fp32): step size lr / (1 - b1^t), decay factor 1 - lr * wd, 1 - b1, b2, 1 - b2, eps,
+    1 / sqrt(1 - b2^t), and the clip multiplier min(clip / (norm + 1e-6), 1)."""
+    g_N = g_N.float() * s_8[7]
+    p_N.mul_(s_8[1])
+    m_N.lerp_(g_N, s_8[2])
+    v_N.mul_(s_8[3]).add_(g_N * g_N * s_8[4])
+    p_N.sub_(m_N / (v_N.sqrt() * s_8[6] + s_8[5]) * s_8[0])
+    if w_N is not None:
+        w_N.copy_(p_N)
+
+
+def adamw_group_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_8):
+    """adamw_ over a parameter group. parts[i] is None (gs[i] is the gradient, no working copy) or
+    (leaf index, start, stop): the gradient and working copy are that slice of leaf_grads[j] and
+    leaves[j]. Leaves come whole and are sliced here because the compiler cannot take several
+    mutated views of one storage as inputs. Compiled on a GPU as one graph per group: shapes,
+    strides and slices repeat every step, so it compiles once."""
+    for p, g, m, v, part in zip(ps, gs, ms, vs, parts):
+        if part is None:
+            adamw_(p, g, m, v, None, s_8)
+        else:
+            j, a, b = part
+            adamw_(p, leaf_grads[j][..., a:b], m, v, leaves[j][..., a:b], s_8)
+
+
+class MasterAdamW(torch.optim.Optimizer):
+    """AdamW on fp32 masters + working copies in `dtype` (see the module docstring).
+
+    Step protocol: forward/backward through `working()`; norm, mult = `grad_norm_and_scale(clip)`;
+    `step(mult)`; `zero_grad()`."""
+
+    def __init__(self, model: MoETransformer, param_groups, lr: float, betas: tuple[float, float],
+                 eps: float, dtype: torch.dtype = torch.bfloat16, compile: bool | None = None):
+        super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
+        self.dtype = dtype
+        self._leaves: dict[str, torch.Tensor] = {}
+        self._part: dict[torch.nn.Parameter, tuple[str, int, int]] = {}  # param -> (leaf, start, stop)
+        for name, parts in weight_layout(model).items():
+            start = 0
+            for p in parts:
+                self._part[p] = (name, start, start + p.shape[-1])
+                start += p.shape[-1]
+            shape = (*parts[0].shape[:-1], start)
+            self._leaves[name] = torch.empty(shape, dtype=dtype, device=parts[0].device, requires_grad=True)
+        self._stale = True
+        use_compile = compile if compile is not None else parts[0].is_cuda
+        # one fused kernel per tensor, one graph per parameter group
+        self._update = torch.compile(adamw_group_, dynamic=False) if use_compile else adamw_group_
+
+    # ---- working copies --------------------------------------------------------------------
+
+    def working(self) -> dict[str, torch.Tensor]:
+        """name -> working-copy leaf (refreshed from the masters first if they were loaded)."""
+        if self._stale:
+            self.refresh()
+        return self._leaves
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Copy every master into its working copy (after the masters were set from outside)."""
+        for p, (name, a, b) in self._part.items():
+            self._leaves[name].detach()[..., a:b].copy_(p)
+        self._stale = False
+
+    def load_state_dict(self, state_dict) -> None:
+        super().load_state_dict(state_dict)
+        self._stale = True
+
+    def _grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
+        part = self._part.get(p)
+        if part is None:
+            return p.grad
+        name, a, b = part
+        g = self._leaves[name].grad
+        return None if g is None else g[..., a:b]
+
+    # ---- the step -------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def grad_norm_and_scale(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global grad norm, clip multiplier) on the device, gradients untouched; the multiplier
+        is clip_grad_norm_'s min(max_norm / (norm + 1e-6), 1)."""
+        grads = [g for grp in self.param_groups for p in grp["params"] if (g := self._grad(p)) is not None]
+        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
+        total = torch.linalg.vector_norm(torch.stack(norms))
+        return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
+
+    @torch.no_grad()
+    def step(self, clip_mult: torch.Tensor | None = None, closure=None):  # noqa: D401
+        if closure is not None:
+            raise ValueError("MasterAdamW.step takes no closure")
+        if self._stale:  # a step before any forward read the copies
+            self.refresh()
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
+            ps, gs, ms, vs, parts = [], [], [], [], []
+            leaves, leaf_grads, leaf_index = [], [], {}
+            for p in group["params"]:
+                g = self._grad(p)
+                if g is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.tensor(0.0, dtype=torch.float32)
+                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                st["step"] += 1
+                ps.append(p)
+                ms.append(st["exp_avg"])
+                vs.append(st["exp_avg_sq"])
+                part = self._part.get(p)
+                if part is None:
+                    gs.append(g)
+                    parts.append(None)
+                    continue
+                name, a, b = part
+                if name not in leaf_index:
+                    leaf_index[name] = len(leaves)
+                    leaves.append(self._leaves[name].detach())
+                    leaf_grads.append(self._leaves[name].grad)
+                gs.append(None)
+                parts.append((leaf_index[name], a, b))
+            if not ps:
+                continue
+            t = int(self.state[ps[0]]["step"])  # a group's tensors are stepped together
+            host = torch.tensor([lr / (1 - b1**t), 1 - lr * wd, 1 - b1, b2, 1 - b2, eps,
+                                 1 / math.sqrt(1 - b2**t), 1.0], dtype=torch.float32)
+            s_8 = host.to(ps[0].device, non_blocking=True)
+            if clip_mult is not None:
+                s_8 = torch.cat([s_8[:7], clip_mult.reshape(1).float()])
+            self._update(ps, gs, ms, vs, leaves, leaf_grads, parts, s_8)
+        return None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none=set_to_none)
+        for leaf in self._leaves.values():
+            leaf.grad = None

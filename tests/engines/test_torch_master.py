@@ -1,0 +1,110 @@
+"""MasterAdamW (engines/torch/master.py): AdamW on fp32 masters that writes the working copies the
+fast forward reads. On the CPU, with fp32 working copies, it must train exactly like torch's AdamW
++ clip_grad_norm_ on the same forward; with bf16 copies, the copies are the masters rounded; and a
+run resumed from its state continues as if never stopped."""
+
+import numpy as np
+import pytest
+import torch
+
+from engines.data import TokenStream
+from engines.torch.engine import (
+    build_optimizer,
+    finish_step,
+    launch_step,
+    make_loss_fn,
+    optimizer_from_numpy,
+    optimizer_to_numpy,
+)
+from engines.torch.fast import FastLoss
+from engines.torch.master import MasterAdamW, weight_layout
+from engines.torch.model import MoETransformer, init_params
+from ladder.presets import micro_spec
+
+# latent + shared experts: every kind of working copy of weight_layout is exercised; a clip far
+# below the gradient norm keeps clipping active at every step
+SPEC = micro_spec(**{"optim.grad_clip": 0.05, "optim.weight_decay": 0.1})
+
+
+def _model():
+    model = MoETransformer(SPEC.model)
+    model.load_numpy(init_params(SPEC.model, SPEC.seed))
+    return model
+
+
+def _master(model, dtype=torch.float32):
+    plain = build_optimizer(model, SPEC, working=False)
+    return MasterAdamW(model, plain.param_groups, lr=SPEC.optim.peak_lr,
+                       betas=(SPEC.optim.beta1, SPEC.optim.beta2), eps=SPEC.optim.eps, dtype=dtype)
+
+
+def _train(model, opt, loss_fn, steps, start=0):
+    stream = TokenStream.from_spec(SPEC)
+    norms = []
+    for s in range(start, start + steps):
+        x = torch.from_numpy(stream.batch(s)).long()
+        vals, out = launch_step(model, loss_fn, x, SPEC, opt)
+        m, finite = finish_step(model, opt, vals, out, SPEC)
+        assert finite
+        norms.append(m["grad_norm"])
+    return norms
+
+
+def test_fp32_working_copies_train_exactly_like_adamw_with_clipping():
+    ref = _model()
+    ref_opt = build_optimizer(ref, SPEC, working=False)
+    ref_norms = _train(ref, ref_opt, FastLoss(ref, torch.device("cpu")), 5)
+    model = _model()
+    opt = _master(model)
+    norms = _train(model, opt, make_loss_fn(model, torch.device("cpu"), opt), 5)
+    assert min(ref_norms) > 10 * SPEC.optim.grad_clip  # clipping was active throughout
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        torch.testing.assert_close(p, q, rtol=2e-5, atol=1e-7, msg=name)
+    for name, leaf in opt.working().items():  # the copies hold the updated masters
+        torch.testing.assert_close(leaf.detach(), torch.cat(weight_layout(model)[name], -1).detach(),
+                                   rtol=0, atol=0, msg=name)
+
+
+def test_matmul_gradients_land_on_the_working_copies():
+    model = _model()
+    opt = _master(model)
+    total, _ = make_loss_fn(model, torch.device("cpu"), opt)(
+        model, torch.from_numpy(TokenStream.from_spec(SPEC).batch(0)).long(), SPEC.optim)
+    total.backward()
+    in_copies = {id(p) for parts in weight_layout(model).values() for p in parts}
+    for name, p in model.named_parameters():
+        assert (p.grad is None) == (id(p) in in_copies), name
+    assert all(leaf.grad is not None and float(leaf.grad.norm()) > 0 for leaf in opt.working().values())
+
+
+def test_bf16_working_copies_are_the_masters_rounded():
+    model = _model()
+    opt = _master(model, torch.bfloat16)
+    _train(model, opt, make_loss_fn(model, torch.device("cpu"), opt), 2)
+    layout = weight_layout(model)
+    for name, leaf in opt.working().items():
+        assert leaf.dtype == torch.bfloat16
+        want = torch.cat(layout[name], -1).detach().to(torch.bfloat16)
+        assert torch.equal(leaf.detach(), want), name
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+@pytest.mark.parametrize("split", [2])
+def test_resumed_from_saved_state_continues_exactly(split):
+    whole = _model()
+    whole_opt = _master(whole)
+    _train(whole, whole_opt, make_loss_fn(whole, torch.device("cpu"), whole_opt), 4)
+
+    first = _model()
+    first_opt = _master(first)
+    _train(first, first_opt, make_loss_fn(first, torch.device("cpu"), first_opt), split)
+    params, state = first.to_numpy(), optimizer_to_numpy(first, first_opt)
+
+    resumed = MoETransformer(SPEC.model)
+    opt = _master(resumed)  # built before the weights are loaded, as the engine does
+    resumed.load_numpy(params)
+    optimizer_from_numpy(resumed, opt, state)
+    _train(resumed, opt, make_loss_fn(resumed, torch.device("cpu"), opt), 4 - split, start=split)
+    for (name, p), q in zip(resumed.named_parameters(), whole.parameters()):
+        assert torch.equal(p, q), name
