@@ -151,15 +151,22 @@ def step_record(step: int, tokens: int, lr: float, m: dict, tps: float, mfu: flo
 
 def finish_step(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
                 spec: Spec) -> tuple[dict[str, float], bool]:
-    """The step's one host sync (its metrics), then the update unless the loss or grad norm is
-    not finite: (metrics by name, finite)."""
+    """The update unless the loss or grad norm is not finite, and the step's one host sync (its
+    metrics): (metrics by name, finite). An optimizer that checks finiteness on the device
+    (MasterAdamW) has its update queued before the sync, so the GPU never waits on the host
+    between backward and update; any other steps after the host has seen the values."""
+    guarded = hasattr(opt, "rewind")
+    if guarded:
+        keys = METRIC_KEYS + ("grad_norm",)
+        idx = [keys.index(k) for k in ("loss", "total_loss", "grad_norm")]
+        opt.step(out.get("clip_mult"), finite=torch.isfinite(vals[idx]).all())
     m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))
     finite = all(np.isfinite(m[k]) for k in ("loss", "total_loss", "grad_norm"))
+    if guarded and not finite:
+        opt.rewind()
     if finite:
-        if out.get("clip_mult") is None:
+        if not guarded:
             opt.step()
-        else:
-            opt.step(out["clip_mult"])
         if spec.model.router_bias_balancing:
             with torch.no_grad():
                 load_LE = out["load_LE"]

@@ -50,20 +50,25 @@ def weight_layout(model: MoETransformer) -> dict[str, list[torch.nn.Parameter]]:
     return out
 
 
-def adamw_(p_N, g_N, m_N, v_N, w_N, s_8):
+def adamw_(p_N, g_N, m_N, v_N, w_N, s_9):
     """One AdamW update in place; w_N (or None) receives the new master in its dtype.
-    s_8 (fp32): step size lr / (1 - b1^t), decay factor 1 - lr * wd, 1 - b1, b2, 1 - b2, eps,
-    1 / sqrt(1 - b2^t), and the clip multiplier min(clip / (norm + 1e-6), 1)."""
-    g_N = g_N.float() * s_8[7]
-    p_N.mul_(s_8[1])
-    m_N.lerp_(g_N, s_8[2])
-    v_N.mul_(s_8[3]).add_(g_N * g_N * s_8[4])
-    p_N.sub_(m_N / (v_N.sqrt() * s_8[6] + s_8[5]) * s_8[0])
+    s_9 (fp32): step size lr / (1 - b1^t), decay factor 1 - lr * wd, 1 - b1, b2, 1 - b2, eps,
+    1 / sqrt(1 - b2^t), the clip multiplier min(clip / (norm + 1e-6), 1), and 1 if the step's
+    loss and grad norm are finite, else 0: then nothing changes. The check on the device lets
+    the host queue the update before it reads the step's metrics (its one sync per step)."""
+    ok = s_9[8] > 0
+    g_N = g_N.float() * s_9[7]
+    m_new = torch.lerp(m_N, g_N, s_9[2])
+    v_new = v_N * s_9[3] + g_N * g_N * s_9[4]
+    p_new = p_N * s_9[1] - m_new / (v_new.sqrt() * s_9[6] + s_9[5]) * s_9[0]
+    m_N.copy_(torch.where(ok, m_new, m_N))
+    v_N.copy_(torch.where(ok, v_new, v_N))
+    p_N.copy_(torch.where(ok, p_new, p_N))
     if w_N is not None:
         w_N.copy_(p_N)
 
 
-def adamw_group_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_8):
+def adamw_group_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9):
     """adamw_ over a parameter group. parts[i] is None (gs[i] is the gradient, no working copy) or
     (leaf index, start, stop): the gradient and working copy are that slice of leaf_grads[j] and
     leaves[j]. Leaves come whole and are sliced here because the compiler cannot take several
@@ -71,17 +76,17 @@ def adamw_group_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_8):
     strides and slices repeat every step, so it compiles once."""
     for p, g, m, v, part in zip(ps, gs, ms, vs, parts):
         if part is None:
-            adamw_(p, g, m, v, None, s_8)
+            adamw_(p, g, m, v, None, s_9)
         else:
             j, a, b = part
-            adamw_(p, leaf_grads[j][..., a:b], m, v, leaves[j][..., a:b], s_8)
+            adamw_(p, leaf_grads[j][..., a:b], m, v, leaves[j][..., a:b], s_9)
 
 
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW on fp32 masters + working copies in `dtype` (see the module docstring).
 
     Step protocol: forward/backward through `working()`; norm, mult = `grad_norm_and_scale(clip)`;
-    `step(mult)`; `zero_grad()`."""
+    `step(mult, finite)`; read the metrics (rewind() if they were not finite); `zero_grad()`."""
 
     def __init__(self, model: MoETransformer, param_groups, lr: float, betas: tuple[float, float],
                  eps: float, dtype: torch.dtype = torch.bfloat16, compile: bool | None = None):
@@ -133,14 +138,25 @@ class MasterAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def grad_norm_and_scale(self, max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
         """(global grad norm, clip multiplier) on the device, gradients untouched; the multiplier
-        is clip_grad_norm_'s min(max_norm / (norm + 1e-6), 1)."""
-        grads = [g for grp in self.param_groups for p in grp["params"] if (g := self._grad(p)) is not None]
-        norms = [torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]
-        total = torch.linalg.vector_norm(torch.stack(norms))
+        is clip_grad_norm_'s min(max_norm / (norm + 1e-6), 1). Norms are read per whole leaf
+        gradient (contiguous) rather than per parameter slice."""
+        grads = [leaf.grad for leaf in self._leaves.values() if leaf.grad is not None]
+        grads += [p.grad for g in self.param_groups for p in g["params"] if p not in self._part and p.grad is not None]
+        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
         return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
+    def rewind(self) -> None:
+        """Undo the step count of a step whose finite flag was 0 (its update changed nothing)."""
+        for group in self.param_groups:
+            for p in group["params"]:
+                st = self.state.get(p)
+                if st and int(st["step"]) > 0:
+                    st["step"] -= 1
+
     @torch.no_grad()
-    def step(self, clip_mult: torch.Tensor | None = None, closure=None):  # noqa: D401
+    def step(self, clip_mult: torch.Tensor | None = None, finite: torch.Tensor | None = None, closure=None):
+        """The update of every parameter with a gradient; clip_mult multiplies the gradients and a
+        false `finite` (device bool) makes it change nothing (call rewind() once that is known)."""
         if closure is not None:
             raise ValueError("MasterAdamW.step takes no closure")
         if self._stale:  # a step before any forward read the copies
@@ -179,11 +195,12 @@ class MasterAdamW(torch.optim.Optimizer):
                 continue
             t = int(self.state[ps[0]]["step"])  # a group's tensors are stepped together
             host = torch.tensor([lr / (1 - b1**t), 1 - lr * wd, 1 - b1, b2, 1 - b2, eps,
-                                 1 / math.sqrt(1 - b2**t), 1.0], dtype=torch.float32)
-            s_8 = host.to(ps[0].device, non_blocking=True)
-            if clip_mult is not None:
-                s_8 = torch.cat([s_8[:7], clip_mult.reshape(1).float()])
-            self._update(ps, gs, ms, vs, leaves, leaf_grads, parts, s_8)
+                                 1 / math.sqrt(1 - b2**t)], dtype=torch.float32)
+            dev = ps[0].device
+            s_9 = torch.cat([host.to(dev, non_blocking=True),
+                             (clip_mult if clip_mult is not None else torch.ones((), device=dev)).reshape(1).float(),
+                             (finite if finite is not None else torch.ones((), device=dev)).reshape(1).float()])
+            self._update(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
         return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:

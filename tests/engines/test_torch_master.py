@@ -108,3 +108,24 @@ def test_resumed_from_saved_state_continues_exactly(split):
     _train(resumed, opt, make_loss_fn(resumed, torch.device("cpu"), opt), 4 - split, start=split)
     for (name, p), q in zip(resumed.named_parameters(), whole.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_a_non_finite_step_changes_nothing():
+    model = _model()
+    opt = _master(model, torch.bfloat16)
+    loss_fn = make_loss_fn(model, torch.device("cpu"), opt)
+    _train(model, opt, loss_fn, 1)
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    moments = {id(p): opt.state[p]["exp_avg"].clone() for p in model.parameters()}
+    copies = {n: t.detach().clone() for n, t in opt.working().items()}
+    x = torch.from_numpy(TokenStream.from_spec(SPEC).batch(1)).long()
+    vals, out = launch_step(model, loss_fn, x, SPEC, opt)
+    vals[0] = float("nan")  # the loss as a diverged step would report it
+    m, finite = finish_step(model, opt, vals, out, SPEC)
+    assert not finite
+    for n, p in model.named_parameters():
+        assert torch.equal(p, before[n]), n
+        assert torch.equal(opt.state[p]["exp_avg"], moments[id(p)]), n
+        assert int(opt.state[p]["step"]) == 1, n
+    for n, t in opt.working().items():
+        assert torch.equal(t.detach(), copies[n]), n
