@@ -210,7 +210,20 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
             torch.cuda.empty_cache()
 
 
-def run_jax(spec, batches, warmup):
+def run_jax(spec, batches, warmup, env: dict | None = None):
+    saved_env = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})  # switches read when the state is built
+    try:
+        return _run_jax(spec, batches, warmup)
+    finally:
+        for k, v in saved_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _run_jax(spec, batches, warmup):
     import dataclasses
 
     import jax
@@ -218,7 +231,7 @@ def run_jax(spec, batches, warmup):
 
     from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
     from engines.jax.model import ModelConfig, init_params
-    from engines.jax.train import TrainState
+    from engines.jax.train import make_state
 
     configure_jax()
     cfg = ModelConfig.from_spec(spec.model)
@@ -227,7 +240,7 @@ def run_jax(spec, batches, warmup):
     mesh = make_mesh(cfg)
     train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
     params, buffers = init_params(cfg, spec.seed)
-    state = place(TrainState(params, buffers, tx.init(params)), mesh)
+    state = place(make_state(params, buffers, tx.init(params), cfg), mesh)
     lr = jnp.float32(spec.optim.peak_lr)
     info = {}
     # compile once, ahead of the loop, and step with that executable (jit would compile again)
@@ -274,7 +287,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters")
+                         "torch_cudnn, torch_castmasters, jax_working")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--budget-s", type=float, default=560.0, help="skip what would start after this")
@@ -382,6 +395,8 @@ def main(argv=None) -> int:
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
+        # bf16 working copies of the matrices kept in the train state (engines/jax/train.py, off by default)
+        "jax_working": (run_jax, {"env": {"MOE_LADDER_JAX_WORKING": "1"}}),
     }
 
     def sweep(names, key, seq=4096, batch=4, **model):

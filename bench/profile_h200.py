@@ -147,7 +147,7 @@ def profile_jax(args) -> int:
     from engines.data import TokenStream
     from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
     from engines.jax.model import ModelConfig, init_params
-    from engines.jax.train import TrainState
+    from engines.jax.train import make_state
 
     if args.tiny:
         eb.BASE_MODEL = {**eb.BASE_MODEL, **eb.TINY_MODEL}
@@ -164,7 +164,7 @@ def profile_jax(args) -> int:
     mesh = make_mesh(cfg)
     train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
     params, buffers = init_params(cfg, spec.seed)
-    state = place(TrainState(params, buffers, tx.init(params)), mesh)
+    state = place(make_state(params, buffers, tx.init(params), cfg), mesh)
     lr = jnp.float32(spec.optim.peak_lr)
     step_fn = train_step.lower(state, put_batch(stream.batch(0), mesh), lr).compile()
     for i in range(args.warmup):

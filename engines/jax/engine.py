@@ -43,7 +43,7 @@ from engines.data import TokenStream
 from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.params import is_buffer
 from engines.jax.moe import EP_AXIS, capacities
-from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
+from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step, make_state
 from ladder.costs import flops_per_token
 from ladder.schedule import lr_at
 from ladder.spec import OptimSpec, Spec
@@ -123,7 +123,7 @@ def state_from_arrays(cfg: ModelConfig, tx: optax.GradientTransformation, model:
         nu={k: jnp.asarray(opt.get(f"v/{k}", np.zeros(shapes[k], np.float32))) for k in params},
     )
     opt_state = tuple(new_adam if s is adam else s for s in opt_state)
-    return TrainState(params, buffers, opt_state)
+    return make_state(params, buffers, opt_state, cfg)
 
 
 def place(state: TrainState, mesh: Mesh | None) -> TrainState:
@@ -195,7 +195,7 @@ class JaxEngine:
             raise missing_parent_checkpoint(spec, run_dir)
         else:
             params, buffers = init_params(cfg, spec.seed)
-            state = TrainState(params, buffers, tx.init(params))
+            state = make_state(params, buffers, tx.init(params), cfg)
             start, tokens = 0, 0
         state = place(state, mesh)
         n_devices = mesh.size if mesh is not None else 1
