@@ -60,6 +60,7 @@ def main(argv=None) -> int:
 
     import engines_h200 as eb
 
+    os.environ.setdefault("MOE_LADDER_TORCH_MASTER", "1")  # as the engine runs long runs
     for kv in filter(None, args.env.split(",")):
         k, v = kv.split("=", 1)
         os.environ[k] = v

@@ -82,10 +82,12 @@ def cpu_threads(spec: Spec) -> int | None:
 def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = None) -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay on matrices and expert stacks only (never norms).
 
-    On the CUDA fast path (working None: decided by engines/torch/fast.working_copies_enabled) it
-    is MasterAdamW (engines/torch/master.py): the same update on the fp32 masters, also writing
-    the bf16 working copies the fast forward reads; elsewhere torch's AdamW (fused on a GPU)."""
-    from engines.torch.fast import working_copies_enabled
+    On the CUDA fast path, for runs long enough to repay its compile (working None: decided by
+    engines/torch/fast.working_copies_enabled from the run's expected duration at the spec's
+    hardware), it is MasterAdamW (engines/torch/master.py): the same update on the fp32 masters,
+    also writing the bf16 working copies the fast forward reads; elsewhere torch's AdamW (fused
+    on a GPU)."""
+    from engines.torch.fast import ASSUMED_MFU, working_copies_enabled
     from engines.torch.master import MasterAdamW
 
     decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
@@ -94,7 +96,11 @@ def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = No
     o = spec.optim
     cuda = all(p.is_cuda for p in model.parameters())
     if working is None:
-        working = cuda and working_copies_enabled(next(model.parameters()).device)
+        flops = _flops_per_token(spec, spec.data.seq_len) * spec.data.total_tokens
+        hw = spec.hardware  # each of the run's GPUs does its share; the compile is paid by each
+        rate = ASSUMED_MFU * hw.peak_flops * max(hw.n_gpus, 1)
+        expected_s = flops / rate if flops > 0 and rate > 0 else None
+        working = cuda and working_copies_enabled(next(model.parameters()).device, expected_s)
     if working:
         return MasterAdamW(model, groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
                            dtype=torch.bfloat16 if cuda else torch.float32)

@@ -57,10 +57,23 @@ def fast_path_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("MOE_LADDER_TORCH_FAST", "1") != "0"
 
 
-def working_copies_enabled(device: torch.device) -> bool:
-    """The fast path keeps bf16 working copies written by the optimizer (engines/torch/master.py)
-    unless $MOE_LADDER_TORCH_MASTER=0 (then the matmuls cast the fp32 masters every step)."""
-    return fast_path_enabled(device) and os.environ.get("MOE_LADDER_TORCH_MASTER", "1") != "0"
+# MasterAdamW's compiled update costs up to about a minute of warm-up (H200, bench shape, cold
+# compile cache) for 2-3.5% faster steps: it repays that in runs of roughly half an hour or more
+WORKING_COPIES_MIN_SECONDS = 2400.0
+ASSUMED_MFU = 0.3  # what the fast path measured at the H200 bench shape (33%)
+
+
+def working_copies_enabled(device: torch.device, expected_seconds: float | None = None) -> bool:
+    """Whether the fast path keeps bf16 working copies written by the optimizer
+    (engines/torch/master.py). $MOE_LADDER_TORCH_MASTER=1 / 0 forces it on / off; otherwise on
+    when the run is expected to last at least WORKING_COPIES_MIN_SECONDS (expected_seconds None:
+    unknown, on). Off, the matmuls cast the fp32 masters every step (no extra compile)."""
+    if not fast_path_enabled(device):
+        return False
+    env = os.environ.get("MOE_LADDER_TORCH_MASTER", "")
+    if env in ("0", "1"):
+        return env == "1"
+    return expected_seconds is None or expected_seconds >= WORKING_COPIES_MIN_SECONDS
 
 
 # ---- permutations with gather backwards ----------------------------------------------------------

@@ -54,7 +54,7 @@ def test_bf16_fast_step_matches_the_fp32_path(dispatch):
     after = []
     for fast_step in (False, True):
         spec, model, x = _setup(dispatch)
-        opt = build_optimizer(model, spec, working=None if fast_step else False)
+        opt = build_optimizer(model, spec, working=fast_step)
         fn = make_loss_fn(model, x.device, opt) if fast_step else loss_terms
         vals, out = launch_step(model, fn, x, spec, opt)
         finish_step(model, opt, vals, out, spec)

@@ -129,3 +129,21 @@ def test_a_non_finite_step_changes_nothing():
         assert int(opt.state[p]["step"]) == 1, n
     for n, t in opt.working().items():
         assert torch.equal(t.detach(), copies[n]), n
+
+
+@pytest.mark.parametrize("env, seconds, on", [
+    (None, 60.0, False),      # a short run: the compile would not pay
+    (None, 3600.0, True),     # an hour: it does
+    (None, None, True),       # duration unknown
+    ("1", 60.0, True),        # forced on
+    ("0", 3600.0, False),     # forced off
+])
+def test_working_copies_are_kept_for_long_runs_unless_forced(monkeypatch, env, seconds, on):
+    from engines.torch.fast import working_copies_enabled
+
+    if env is None:
+        monkeypatch.delenv("MOE_LADDER_TORCH_MASTER", raising=False)
+    else:
+        monkeypatch.setenv("MOE_LADDER_TORCH_MASTER", env)
+    assert working_copies_enabled(torch.device("cuda"), seconds) is on
+    assert working_copies_enabled(torch.device("cpu"), seconds) is False  # a GPU-only path
