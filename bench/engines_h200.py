@@ -388,7 +388,7 @@ def main(argv=None) -> int:
 
     n_total = args.warmup + args.steps
     runners = {
-        # the engine's fast path with the working copies it keeps for runs of half an hour or
+        # the engine's fast path with the working copies it keeps for runs of 40 minutes or
         # more (a bench run is far shorter, so they are asked for)
         "ref": (run_hf, {}), "torch": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}}),
         "torch_cap": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}}),

@@ -58,7 +58,7 @@ def fast_path_enabled(device: torch.device) -> bool:
 
 
 # MasterAdamW's compiled update costs up to about a minute of warm-up (H200, bench shape, cold
-# compile cache) for 2-3.5% faster steps: it repays that in runs of roughly half an hour or more
+# compile cache) for 2-3.5% faster steps: it repays that after about 30-40 minutes of steps
 WORKING_COPIES_MIN_SECONDS = 2400.0
 ASSUMED_MFU = 0.3  # what the fast path measured at the H200 bench shape (33%)
 
