@@ -23,6 +23,7 @@ it measured) and the tables are written to <out>/table.md.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import os
@@ -161,69 +162,51 @@ def run_hf(spec, batches, warmup):
     return [float(v) for v in losses], dt, t_warm, info
 
 
-def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None):
+@contextlib.contextmanager
+def env_vars(env: dict | None):
+    """The engine switches of one variant set in the environment, and restored after it."""
+    saved = {k: os.environ.get(k) for k in env or {}}
+    os.environ.update(env or {})
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def torch_trainer(spec):
+    """The torch engine's own train step (launch_step + finish_step) on a fresh model at the peak
+    LR: step(batch) -> (loss, send drop share, receive drop share)."""
     import torch
 
-    from engines.torch import fast
     from engines.torch.engine import build_optimizer, finish_step, launch_step, make_loss_fn
     from engines.torch.model import MoETransformer, init_params
 
-    saved = fast.OPTIONS
-    saved_env = {k: os.environ.get(k) for k in env or {}}
-    if options:
-        fast.OPTIONS = fast.FastOptions(**{**vars(saved), **options})
-    os.environ.update(env or {})  # switches the engine reads at each step
-    try:
-        torch._dynamo.reset()
-        device = torch.device(DEVICE)
-        model = MoETransformer(spec.model).to(device)
-        model.load_numpy(init_params(spec.model, spec.seed))
-        opt = build_optimizer(model, spec)
-        loss_fn = make_loss_fn(model, device, opt)
-        lr = spec.optim.peak_lr
-        for g in opt.param_groups:
-            g["lr"] = lr
+    device = torch.device(DEVICE)
+    model = MoETransformer(spec.model).to(device)
+    model.load_numpy(init_params(spec.model, spec.seed))
+    opt = build_optimizer(model, spec)
+    loss_fn = make_loss_fn(model, device, opt)
+    for g in opt.param_groups:
+        g["lr"] = spec.optim.peak_lr
 
-        def step(i, b):
-            x = torch.from_numpy(b).to(device, dtype=torch.long, non_blocking=True)
-            vals, out = launch_step(model, loss_fn, x, spec, opt)
-            m, finite = finish_step(model, opt, vals, out, spec)
-            if not finite:
-                raise FloatingPointError(f"step {i}: loss {m['loss']}, grad norm {m['grad_norm']}")
-            return m["loss"], m["drop_frac_send"], m["drop_frac_recv"]
+    def step(b):
+        x = torch.from_numpy(b).to(device, dtype=torch.long, non_blocking=True)
+        vals, out = launch_step(model, loss_fn, x, spec, opt)
+        m, finite = finish_step(model, opt, vals, out, spec)
+        if not finite:
+            raise FloatingPointError(f"loss {m['loss']}, grad norm {m['grad_norm']}")
+        return m["loss"], m["drop_frac_send"], m["drop_frac_recv"]
 
-        out, dt, t_warm = timed_loop(step, batches, warmup, sync)
-        info = {"options": vars(fast.OPTIONS), "env": dict(env or {}), "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
-                "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]]))}
-        del model, opt, loss_fn
-        return [o[0] for o in out], dt, t_warm, info
-    finally:
-        fast.OPTIONS = saved
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        torch._dynamo.reset()  # compiled graphs can hold the model's tensors; JAX runs next
-        gc.collect()
-        if DEVICE == "cuda":
-            torch.cuda.empty_cache()
+    return step
 
 
-def run_jax(spec, batches, warmup, env: dict | None = None):
-    saved_env = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})  # switches read when the state is built
-    try:
-        return _run_jax(spec, batches, warmup)
-    finally:
-        for k, v in saved_env.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def _run_jax(spec, batches, warmup):
+def jax_trainer(spec, first_batch):
+    """The JAX engine's jitted train step, compiled once ahead of the loop (jit would compile
+    again), on a fresh state at the peak LR: (step(batch) -> host metrics, sync(), close(), info)."""
     import dataclasses
 
     import jax
@@ -235,17 +218,16 @@ def _run_jax(spec, batches, warmup):
 
     configure_jax()
     cfg = ModelConfig.from_spec(spec.model)
-    if jax.default_backend() == "gpu" and "compute_dtype" in {f.name for f in dataclasses.fields(cfg)}:
+    if jax.default_backend() == "gpu":
         cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # as JaxEngine.train does on a GPU
     mesh = make_mesh(cfg)
     train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
     params, buffers = init_params(cfg, spec.seed)
-    state = place(make_state(params, buffers, tx.init(params), cfg), mesh)
+    box = {"state": place(make_state(params, buffers, tx.init(params), cfg), mesh)}
     lr = jnp.float32(spec.optim.peak_lr)
     info = {}
-    # compile once, ahead of the loop, and step with that executable (jit would compile again)
     t_c = time.perf_counter()
-    step_fn = train_step.lower(state, put_batch(batches[0], mesh), lr).compile()
+    step_fn = train_step.lower(box["state"], put_batch(first_batch, mesh), lr).compile()
     info["compile_s"] = time.perf_counter() - t_c
     try:
         mem = step_fn.memory_analysis()
@@ -253,29 +235,68 @@ def _run_jax(spec, batches, warmup):
                                     + mem.output_size_in_bytes - mem.alias_size_in_bytes)
     except Exception as err:  # memory_analysis is best effort across versions
         info["planned_bytes_error"] = repr(err)[:200]
-    box = {"state": state}
-    del state, params, buffers
 
-    def step(i, b):
-        new_state, m = step_fn(box["state"], put_batch(b, mesh), lr)
-        m = jax.device_get(m)  # the engine's one host sync per step
-        box["state"] = new_state
-        return float(m["loss"]), float(m["drop_frac_send"]), float(m["drop_frac_recv"])
+    def step(b):
+        box["state"], m = step_fn(box["state"], put_batch(b, mesh), lr)
+        return jax.device_get(m)  # the engine's one host sync per step
 
     def sync():
         jax.block_until_ready(box["state"])
 
-    out, dt, t_warm = timed_loop(step, batches, warmup, sync)
+    def close():
+        box.clear()
+        jax.clear_caches()
+
+    return step, sync, close, info
+
+
+def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None):
+    import torch
+
+    from engines.torch import fast
+
+    saved = fast.OPTIONS
+    if options:
+        fast.OPTIONS = fast.FastOptions(**{**vars(saved), **options})
     try:
-        stats = jax.devices()[0].memory_stats() or {}
-        info["process_peak_bytes"] = int(stats.get("peak_bytes_in_use", 0))
-    except Exception:
-        pass
-    info["drop_frac_recv"] = float(np.mean([o[2] for o in out[warmup:]]))
-    info["drop_frac_send"] = float(np.mean([o[1] for o in out[warmup:]]))
-    box.clear()
-    jax.clear_caches()
-    return [o[0] for o in out], dt, t_warm + info["compile_s"], info
+        with env_vars(env):  # switches the engine reads as it builds and steps
+            torch._dynamo.reset()
+            step = torch_trainer(spec)
+            out, dt, t_warm = timed_loop(lambda i, b, f=step: f(b), batches, warmup, sync)
+            info = {"options": vars(fast.OPTIONS), "env": dict(env or {}),
+                    "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
+                    "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]]))}
+            del step
+            return [o[0] for o in out], dt, t_warm, info
+    finally:
+        fast.OPTIONS = saved
+        torch._dynamo.reset()  # compiled graphs can hold the model's tensors; JAX runs next
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+def run_jax(spec, batches, warmup, env: dict | None = None):
+    import jax
+
+    with env_vars(env):  # switches read when the state is built
+        step, jax_sync, close, info = jax_trainer(spec, batches[0])
+    try:
+        def host_step(i, b):
+            m = step(b)
+            return float(m["loss"]), float(m["drop_frac_send"]), float(m["drop_frac_recv"])
+
+        out, dt, t_warm = timed_loop(host_step, batches, warmup, jax_sync)
+        try:
+            stats = jax.devices()[0].memory_stats() or {}
+            info["process_peak_bytes"] = int(stats.get("peak_bytes_in_use", 0))
+        except Exception:
+            pass
+        info["drop_frac_recv"] = float(np.mean([o[2] for o in out[warmup:]]))
+        info["drop_frac_send"] = float(np.mean([o[1] for o in out[warmup:]]))
+        return [o[0] for o in out], dt, t_warm + info["compile_s"], info
+    finally:
+        close()
 
 
 # ---- driver ------------------------------------------------------------------------------------------

@@ -52,6 +52,10 @@ def main(argv=None) -> int:
     ap.add_argument("--env", default="", help="KEY=VALUE,... set before the engine runs")
     ap.add_argument("--engine", default="torch", choices=("torch", "jax"))
     args = ap.parse_args(argv)
+    os.environ.setdefault("MOE_LADDER_TORCH_MASTER", "1")  # as the torch engine runs long runs
+    for kv in filter(None, args.env.split(",")):
+        k, v = kv.split("=", 1)
+        os.environ[k] = v
     if args.engine == "jax":
         return profile_jax(args)
 
@@ -60,10 +64,6 @@ def main(argv=None) -> int:
 
     import engines_h200 as eb
 
-    os.environ.setdefault("MOE_LADDER_TORCH_MASTER", "1")  # as the engine runs long runs
-    for kv in filter(None, args.env.split(",")):
-        k, v = kv.split("=", 1)
-        os.environ[k] = v
     cuda = torch.cuda.is_available()
     if not cuda and not args.tiny:
         print("bench/profile_h200.py needs a CUDA GPU (or --tiny)", file=sys.stderr)
@@ -76,21 +76,10 @@ def main(argv=None) -> int:
     spec = eb.make_spec(n, seq=seq, batch=batch)
 
     from engines.data import TokenStream
-    from engines.torch.engine import build_optimizer, finish_step, launch_step, make_loss_fn
-    from engines.torch.model import MoETransformer, init_params
 
     stream = TokenStream.from_spec(spec)
     batches = [stream.batch(i) for i in range(n)]
-    device = torch.device(eb.DEVICE)
-    model = MoETransformer(spec.model).to(device)
-    model.load_numpy(init_params(spec.model, spec.seed))
-    opt = build_optimizer(model, spec)
-    loss_fn = make_loss_fn(model, device, opt)
-
-    def step(b):
-        x = torch.from_numpy(b).to(device, dtype=torch.long, non_blocking=True)
-        vals, out = launch_step(model, loss_fn, x, spec, opt)
-        return finish_step(model, opt, vals, out, spec)[0]["loss"]
+    step = eb.torch_trainer(spec)
 
     for i in range(args.warmup):
         step(batches[i])
@@ -143,12 +132,8 @@ def profile_jax(args) -> int:
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     import jax
-    import jax.numpy as jnp
 
     from engines.data import TokenStream
-    from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
-    from engines.jax.model import ModelConfig, init_params
-    from engines.jax.train import make_state
 
     if args.tiny:
         eb.BASE_MODEL = {**eb.BASE_MODEL, **eb.TINY_MODEL}
@@ -156,31 +141,19 @@ def profile_jax(args) -> int:
     n = args.warmup + args.steps
     spec = eb.make_spec(n, seq=seq, batch=batch, engine="jax")
     stream = TokenStream.from_spec(spec)
-    configure_jax()
-    import dataclasses
-
-    cfg = ModelConfig.from_spec(spec.model)
-    if jax.default_backend() == "gpu":
-        cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")
-    mesh = make_mesh(cfg)
-    train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
-    params, buffers = init_params(cfg, spec.seed)
-    state = place(make_state(params, buffers, tx.init(params), cfg), mesh)
-    lr = jnp.float32(spec.optim.peak_lr)
-    step_fn = train_step.lower(state, put_batch(stream.batch(0), mesh), lr).compile()
+    step, sync, close, _ = eb.jax_trainer(spec, stream.batch(0))
     for i in range(args.warmup):
-        state, m = step_fn(state, put_batch(stream.batch(i), mesh), lr)
-        jax.device_get(m)
+        step(stream.batch(i))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trace_dir = out / "jax_trace"
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         t0 = time.perf_counter()
         for i in range(args.warmup, n):
-            state, m = step_fn(state, put_batch(stream.batch(i), mesh), lr)
-            jax.device_get(m)
-        jax.block_until_ready(state)
+            step(stream.batch(i))
+        sync()
         wall = time.perf_counter() - t0
+    close()
     files = glob.glob(str(trace_dir / "**" / "perfetto_trace.json.gz"), recursive=True)
     lines = [f"jax {jax.__version__} on {jax.devices()[0].device_kind}", f"wall {1e3 * wall / args.steps:.1f} ms/step"]
     if not files:
