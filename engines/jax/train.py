@@ -9,6 +9,7 @@ clipping. The router-bias buffers move by sign balancing after the update, outsi
 
 from __future__ import annotations
 
+import os
 from functools import partial
 from typing import NamedTuple
 
@@ -44,8 +45,6 @@ def working_enabled(cfg: ModelConfig) -> bool:
     until timed on a GPU: the saving predicted is the per-step converts of the masters (about
     7 ms of a 140 ms H200 step at the bench shape). Numerics: the weight gradients are rounded
     to bf16 before the update (without copies XLA may skip that rounding)."""
-    import os
-
     return cfg.dtype != jnp.float32 and os.environ.get("MOE_LADDER_JAX_WORKING", "0") == "1"
 
 

@@ -54,6 +54,7 @@ from ladder.spec import Spec
 
 METRIC_KEYS = ("loss", "z_loss", "aux_loss", "router_z_loss", "drop_frac_send", "drop_frac_recv",
                "expert_load_max", "router_entropy", "total_loss")
+FINITE_KEYS = ("loss", "total_loss", "grad_norm")  # a step that makes any of these NaN/inf is not applied
 
 
 def default_device() -> torch.device:
@@ -161,13 +162,12 @@ def finish_step(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.T
     metrics): (metrics by name, finite). An optimizer that checks finiteness on the device
     (MasterAdamW) has its update queued before the sync, so the GPU never waits on the host
     between backward and update; any other steps after the host has seen the values."""
+    keys = METRIC_KEYS + ("grad_norm",)
     guarded = hasattr(opt, "rewind")
     if guarded:
-        keys = METRIC_KEYS + ("grad_norm",)
-        idx = [keys.index(k) for k in ("loss", "total_loss", "grad_norm")]
-        opt.step(out.get("clip_mult"), finite=torch.isfinite(vals[idx]).all())
-    m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))
-    finite = all(np.isfinite(m[k]) for k in ("loss", "total_loss", "grad_norm"))
+        opt.step(out.get("clip_mult"), finite=torch.isfinite(vals[[keys.index(k) for k in FINITE_KEYS]]).all())
+    m = dict(zip(keys, vals.tolist()))
+    finite = all(np.isfinite(m[k]) for k in FINITE_KEYS)
     if guarded and not finite:
         opt.rewind()
     if finite:

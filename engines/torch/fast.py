@@ -298,18 +298,20 @@ class FastLoss:
         elif mode != "none":
             raise ValueError(f"unknown compile mode {mode!r} (block, dense or none)")
         self._tables: dict = {}
+        self._per_block: list[dict] | None = None
 
     def _weights(self, model: MoETransformer):
         """(per-block weight dicts or Nones, the lm head in cdt or its fp32 master)."""
         if self.working is None:
             return [None] * len(model.blocks), model.lm_head
-        leaves = self.working.working()
-        per_block = [{} for _ in model.blocks]
-        for name, t in leaves.items():
-            if name.startswith("blocks."):
-                _, i, key = name.split(".", 2)
-                per_block[int(i)][key] = t
-        return per_block, leaves["lm_head"]
+        leaves = self.working.working()  # the same tensors every step, refreshed in place
+        if self._per_block is None:
+            self._per_block = [{} for _ in model.blocks]
+            for name, t in leaves.items():
+                if name.startswith("blocks."):
+                    _, i, key = name.split(".", 2)
+                    self._per_block[int(i)][key] = t
+        return self._per_block, leaves["lm_head"]
 
     def _run_block(self, block, w, x_BSD, cos, sin, mask_SS):
         if self._attn is None:

@@ -102,7 +102,7 @@ class MasterAdamW(torch.optim.Optimizer):
             shape = (*parts[0].shape[:-1], start)
             self._leaves[name] = torch.empty(shape, dtype=dtype, device=parts[0].device, requires_grad=True)
         self._stale = True
-        use_compile = compile if compile is not None else parts[0].is_cuda
+        use_compile = compile if compile is not None else next(model.parameters()).is_cuda
         # one fused kernel per tensor, one graph per parameter group
         self._update = torch.compile(adamw_group_, dynamic=False) if use_compile else adamw_group_
 
@@ -124,14 +124,6 @@ class MasterAdamW(torch.optim.Optimizer):
     def load_state_dict(self, state_dict) -> None:
         super().load_state_dict(state_dict)
         self._stale = True
-
-    def _grad(self, p: torch.nn.Parameter) -> torch.Tensor | None:
-        part = self._part.get(p)
-        if part is None:
-            return p.grad
-        name, a, b = part
-        g = self._leaves[name].grad
-        return None if g is None else g[..., a:b]
 
     # ---- the step -------------------------------------------------------------------------------
 
@@ -167,7 +159,8 @@ class MasterAdamW(torch.optim.Optimizer):
             ps, gs, ms, vs, parts = [], [], [], [], []
             leaves, leaf_grads, leaf_index = [], [], {}
             for p in group["params"]:
-                g = self._grad(p)
+                part = self._part.get(p)
+                g = p.grad if part is None else self._leaves[part[0]].grad
                 if g is None:
                     continue
                 st = self.state[p]
@@ -179,7 +172,6 @@ class MasterAdamW(torch.optim.Optimizer):
                 ps.append(p)
                 ms.append(st["exp_avg"])
                 vs.append(st["exp_avg_sq"])
-                part = self._part.get(p)
                 if part is None:
                     gs.append(g)
                     parts.append(None)
@@ -188,7 +180,7 @@ class MasterAdamW(torch.optim.Optimizer):
                 if name not in leaf_index:
                     leaf_index[name] = len(leaves)
                     leaves.append(self._leaves[name].detach())
-                    leaf_grads.append(self._leaves[name].grad)
+                    leaf_grads.append(g)
                 gs.append(None)
                 parts.append((leaf_index[name], a, b))
             if not ps:

@@ -90,8 +90,8 @@ def test_bf16_working_copies_are_the_masters_rounded():
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
 
-@pytest.mark.parametrize("split", [2])
-def test_resumed_from_saved_state_continues_exactly(split):
+def test_resumed_from_saved_state_continues_exactly():
+    split = 2
     whole = _model()
     whole_opt = _master(whole)
     _train(whole, whole_opt, make_loss_fn(whole, torch.device("cpu"), whole_opt), 4)
