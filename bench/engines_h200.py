@@ -14,7 +14,9 @@ Columns: tokens/s; model TFLOP/s = tokens/s x training FLOPs per token (ladder.c
 6 x (active params incl. router + lm head) + causal attention, cross-checked against an independent
 count below); MFU against a large bf16 matmul timed in the same process; peak memory (torch: max
 allocated; JAX: the compiled step's planned footprint, arguments + temporaries); the ratio of
-tokens/s to the Hugging Face reference; the losses over the timed steps.
+tokens/s to the Hugging Face reference; the losses over the timed steps; the engines' tokens/s
+over the same timed batches again with each step read before the next is launched (their loop
+reads a step after launching the next, engines/lookahead.py; the reference's loop here too).
 
 Results are appended to <out>/results.jsonl as each variant finishes (so a run cut short keeps what
 it measured) and the tables are written to <out>/table.md.
@@ -111,19 +113,38 @@ def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
 # ---- variants ----------------------------------------------------------------------------------------
 
 
-def timed_loop(step, batches, warmup: int, sync):
-    """Run warmup + timed steps; step(i, batch) returns the loss (device or host value)."""
-    losses = []
+def run_steps(launch, read, batches, lookahead: bool = True, marks: dict | None = None, mark_after: int = -1):
+    """read(launch(batch)) for every batch, through the engines' own loop (engines/lookahead.py):
+    with lookahead, batch i + 1 is launched before step i is read; without, each step is read
+    before the next is launched. With marks, marks["t"] is set (after a sync, see timed_loop)
+    once step mark_after has been read, with nothing launched behind it."""
+    from engines.lookahead import lookahead_steps
+
+    out = []
+    for i, r in enumerate(lookahead_steps(0, len(batches), lambda i: launch(batches[i]), lambda i, h: read(h),
+                                          lambda i: not lookahead or i == mark_after)):
+        out.append(r)
+        if marks is not None and i == mark_after:
+            marks["sync"]()
+            marks["t"] = time.perf_counter()
+    return out
+
+
+def timed_loop(launch, read, batches, warmup: int, sync, lookahead: bool = True):
+    """(results, timed seconds, warm-up seconds) of warmup + timed steps; the timed steps run
+    between two device synchronisations."""
     t_w = time.perf_counter()
-    for i in range(warmup):
-        losses.append(step(i, batches[i]))
-    sync()
-    t0 = time.perf_counter()
-    for i in range(warmup, len(batches)):
-        losses.append(step(i, batches[i]))
+    marks = {"sync": sync, "t": t_w}
+    out = run_steps(launch, read, batches, lookahead, marks, warmup - 1)
     sync()
     t1 = time.perf_counter()
-    return losses, t1 - t0, t0 - t_w
+    return out, t1 - marks["t"], marks["t"] - t_w
+
+
+def read_at_once_tps(launch, read, batches, sync) -> float:
+    """tokens/s of the same steps with each step read before the next is launched."""
+    _, dt, _ = timed_loop(launch, read, batches, 0, sync, lookahead=False)
+    return sum(b.shape[0] * (b.shape[1] - 1) for b in batches) / dt
 
 
 def run_hf(spec, batches, warmup):
@@ -148,7 +169,7 @@ def run_hf(spec, batches, warmup):
             "attn_implementation": str(getattr(model.config, "_attn_implementation", None)),
             "params": sum(p.numel() for p in model.parameters())}
 
-    def step(i, b):
+    def launch(b):
         x = torch.from_numpy(b).to(DEVICE, dtype=torch.long, non_blocking=True)
         loss = model(input_ids=x, labels=x).loss
         loss.backward()
@@ -157,9 +178,8 @@ def run_hf(spec, batches, warmup):
         opt.zero_grad(set_to_none=True)
         return loss.detach()
 
-    losses, dt, t_warm = timed_loop(step, batches, warmup, sync)
-    del model, opt
-    return [float(v) for v in losses], dt, t_warm, info
+    losses, dt, t_warm = timed_loop(launch, float, batches, warmup, sync)
+    return losses, dt, t_warm, info
 
 
 @contextlib.contextmanager
@@ -178,11 +198,12 @@ def env_vars(env: dict | None):
 
 
 def torch_trainer(spec):
-    """The torch engine's own train step (launch_step + finish_step) on a fresh model at the peak
-    LR: step(batch) -> (loss, send drop share, receive drop share)."""
+    """The torch engine's own step on a fresh model at the peak LR: (launch(batch) -> handle,
+    read(handle) -> (loss, send drop share, receive drop share)); launch queues the forward,
+    backward and update (engine.launch_step + queue_update), read is the step's host sync."""
     import torch
 
-    from engines.torch.engine import build_optimizer, finish_step, launch_step, make_loss_fn
+    from engines.torch.engine import build_optimizer, launch_step, make_loss_fn, queue_update, read_step
     from engines.torch.model import MoETransformer, init_params
 
     device = torch.device(DEVICE)
@@ -193,20 +214,25 @@ def torch_trainer(spec):
     for g in opt.param_groups:
         g["lr"] = spec.optim.peak_lr
 
-    def step(b):
+    def launch(b):
         x = torch.from_numpy(b).to(device, dtype=torch.long, non_blocking=True)
         vals, out = launch_step(model, loss_fn, x, spec, opt)
-        m, finite = finish_step(model, opt, vals, out, spec)
+        queue_update(model, opt, vals, out, spec)
+        return vals
+
+    def read(vals):
+        m, finite = read_step(opt, vals)
         if not finite:
             raise FloatingPointError(f"loss {m['loss']}, grad norm {m['grad_norm']}")
         return m["loss"], m["drop_frac_send"], m["drop_frac_recv"]
 
-    return step
+    return launch, read
 
 
 def jax_trainer(spec, first_batch):
     """The JAX engine's jitted train step, compiled once ahead of the loop (jit would compile
-    again), on a fresh state at the peak LR: (step(batch) -> host metrics, sync(), close(), info)."""
+    again), on a fresh state at the peak LR: (launch(batch) -> device metrics, read(metrics) ->
+    (loss, send drop share, receive drop share), sync(), close(), info)."""
     import dataclasses
 
     import jax
@@ -236,9 +262,13 @@ def jax_trainer(spec, first_batch):
     except Exception as err:  # memory_analysis is best effort across versions
         info["planned_bytes_error"] = repr(err)[:200]
 
-    def step(b):
+    def launch(b):
         box["state"], m = step_fn(box["state"], put_batch(b, mesh), lr)
-        return jax.device_get(m)  # the engine's one host sync per step
+        return m
+
+    def read(m):
+        m = jax.device_get(m)  # the engine's one host sync per step
+        return float(m["loss"]), float(m["drop_frac_send"]), float(m["drop_frac_recv"])
 
     def sync():
         jax.block_until_ready(box["state"])
@@ -247,7 +277,7 @@ def jax_trainer(spec, first_batch):
         box.clear()
         jax.clear_caches()
 
-    return step, sync, close, info
+    return launch, read, sync, close, info
 
 
 def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None):
@@ -261,12 +291,13 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
     try:
         with env_vars(env):  # switches the engine reads as it builds and steps
             torch._dynamo.reset()
-            step = torch_trainer(spec)
-            out, dt, t_warm = timed_loop(lambda i, b, f=step: f(b), batches, warmup, sync)
+            launch, read = torch_trainer(spec)
+            out, dt, t_warm = timed_loop(launch, read, batches, warmup, sync)
             info = {"options": vars(fast.OPTIONS), "env": dict(env or {}),
                     "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
-                    "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]]))}
-            del step
+                    "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]])),
+                    "tokens_per_s_read_at_once": read_at_once_tps(launch, read, batches[warmup:], sync)}
+            del launch, read
             return [o[0] for o in out], dt, t_warm, info
     finally:
         fast.OPTIONS = saved
@@ -280,13 +311,10 @@ def run_jax(spec, batches, warmup, env: dict | None = None):
     import jax
 
     with env_vars(env):  # switches read when the state is built
-        step, jax_sync, close, info = jax_trainer(spec, batches[0])
+        launch, read, jax_sync, close, info = jax_trainer(spec, batches[0])
     try:
-        def host_step(i, b):
-            m = step(b)
-            return float(m["loss"]), float(m["drop_frac_send"]), float(m["drop_frac_recv"])
-
-        out, dt, t_warm = timed_loop(host_step, batches, warmup, jax_sync)
+        out, dt, t_warm = timed_loop(launch, read, batches, warmup, jax_sync)
+        info["tokens_per_s_read_at_once"] = read_at_once_tps(launch, read, batches[warmup:], jax_sync)
         try:
             stats = jax.devices()[0].memory_stats() or {}
             info["process_peak_bytes"] = int(stats.get("peak_bytes_in_use", 0))
@@ -462,17 +490,19 @@ def format_tables(rows, ceiling, env, args) -> str:
     lines = [f"GPU {env['gpu']}; torch {env['torch']}, transformers {env['transformers']}, jax {env.get('jax')}; "
              f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s; {args.warmup} warm-up + {args.steps} timed steps.", ""]
     lines.append("| shape | variant | tokens/s | model TFLOP/s | MFU | peak GiB | vs reference | warm-up s | "
-                 "loss first -> last timed |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|")
+                 "loss first -> last timed | tokens/s, each step read at once |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:
         shape = f"{r['key'][0]} seq {r['key'][1]}"
         if "error" in r:
-            lines.append(f"| {shape} | {r['variant']} | failed: {r['error'][:120]} | | | | | | |")
+            lines.append(f"| {shape} | {r['variant']} | failed: {r['error'][:120]} | | | | | | | |")
             continue
         vs = f"{r['vs_ref']:.2f}x" if r.get("vs_ref") else "-"
         tl = r["timed_losses"]
+        once = r["info"].get("tokens_per_s_read_at_once")
+        at_once = f"{once:,.0f}" if once else "-"
         lines.append(f"| {shape} | {r['variant']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {r['mfu']:.1%} | "
-                     f"{r['peak_gib']:.1f} | {vs} | {r['warmup_s']:.0f} | {tl[0]:.3f} -> {tl[-1]:.3f} |")
+                     f"{r['peak_gib']:.1f} | {vs} | {r['warmup_s']:.0f} | {tl[0]:.3f} -> {tl[-1]:.3f} | {at_once} |")
     ok = [r for r in rows if "tokens_per_s" in r]
     keys = sorted({tuple(r["key"]) for r in ok}, key=lambda k: (k[1], int(k[0][1:])))
     if len(keys) > 1:

@@ -1,5 +1,6 @@
 """Where one torch engine step goes on the GPU: a torch.profiler trace of the engine's train step
-(launch_step + finish_step, as bench/engines_h200.py times it) at the bench's OLMoE-like shape.
+(launch_step + queue_update, each step read after the next was launched, as the engine's loop
+and bench/engines_h200.py run it) at the bench's OLMoE-like shape.
 
     PYTHONPATH=. python3 bench/profile_h200.py --out $OUT/profile
     PYTHONPATH=. python3 bench/profile_h200.py --tiny             # a smoke run (the CPU if no GPU)
@@ -79,16 +80,14 @@ def main(argv=None) -> int:
 
     stream = TokenStream.from_spec(spec)
     batches = [stream.batch(i) for i in range(n)]
-    step = eb.torch_trainer(spec)
+    launch, read = eb.torch_trainer(spec)
 
-    for i in range(args.warmup):
-        step(batches[i])
+    eb.run_steps(launch, read, batches[: args.warmup])
     eb.sync()
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        for i in range(args.warmup, n):
-            step(batches[i])
+        eb.run_steps(launch, read, batches[args.warmup:])
         eb.sync()
         wall = time.perf_counter() - t0
 
@@ -141,16 +140,15 @@ def profile_jax(args) -> int:
     n = args.warmup + args.steps
     spec = eb.make_spec(n, seq=seq, batch=batch, engine="jax")
     stream = TokenStream.from_spec(spec)
-    step, sync, close, _ = eb.jax_trainer(spec, stream.batch(0))
-    for i in range(args.warmup):
-        step(stream.batch(i))
+    launch, read, sync, close, _ = eb.jax_trainer(spec, stream.batch(0))
+    batches = [stream.batch(i) for i in range(n)]
+    eb.run_steps(launch, read, batches[: args.warmup])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     trace_dir = out / "jax_trace"
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         t0 = time.perf_counter()
-        for i in range(args.warmup, n):
-            step(stream.batch(i))
+        eb.run_steps(launch, read, batches[args.warmup:])
         sync()
         wall = time.perf_counter() - t0
     close()

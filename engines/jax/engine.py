@@ -3,7 +3,9 @@ checkpoints, resumes exactly from the newest checkpoint.
 
 Nothing in a step is random (no dropout; the data stream is counter-based), so a checkpoint's
 parameters, router-bias buffers, AdamW moments and step are the whole training state: a resumed
-run replays the same batches and reaches the same weights.
+run replays the same batches and reaches the same weights. Each step's metrics are read after the
+next step was launched (engines/lookahead.py), except where an eval, a checkpoint or the end
+needs the state at once.
 
 With model.ep_size > 1, capacity dispatch and at least ep_size devices, the routed experts (and
 their optimizer moments) are sharded over a device mesh and the pooled-wave all-to-all runs
@@ -40,6 +42,7 @@ from engines.checkpoint import (
     warn_if_other_data,
 )
 from engines.data import TokenStream
+from engines.lookahead import lookahead_steps
 from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.params import is_buffer
 from engines.jax.moe import EP_AXIS, capacities
@@ -200,60 +203,74 @@ class JaxEngine:
         state = place(state, mesh)
         n_devices = mesh.size if mesh is not None else 1
 
-        def save(step: int, tokens: int) -> None:
+        def save(state: TrainState, step: int, tokens: int) -> None:
             model, opt = state_to_arrays(state)
             info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
                     "data": stream.state(step)}
             save_checkpoint(run_dir, step, model, opt, info, keep=spec.run.keep_checkpoints)
 
-        def evaluate() -> float:
+        def evaluate(state: TrainState) -> float:
             losses = [float(eval_step(state.params, state.buffers, put_batch(stream.eval_batch(i), mesh)))
                       for i in range(spec.run.eval_batches)]
             return float(np.mean(losses))
 
         write_status(run_dir, "running", step=start, engine=self.name, spec_id=spec.id)
         if ckpt is None:
-            save(0, 0)  # the initial weights: another engine (or a replan) can start from them
+            save(state, 0, 0)  # the initial weights: another engine (or a replan) can start from them
         writer = MetricsWriter(run_dir, start)
         total = spec.total_steps
         lrs = lr_at(spec, np.arange(total))
-        try:
-            for step in range(start, total):
-                t0 = time.perf_counter()  # the step's time includes reading its batch
-                batch = stream.batch(step)
-                n_tok = batch.shape[0] * (batch.shape[1] - 1)
-                new_state, m = train_step(state, put_batch(batch, mesh), jnp.float32(lrs[step]))
-                m = jax.device_get(m)  # the step's one host sync
-                dt = max(time.perf_counter() - t0, 1e-9)
-                tokens += n_tok
-                tps = n_tok / dt
-                rec = StepMetrics(
-                    step=step, tokens=tokens, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
-                    lr=float(lrs[step]), z_loss=float(m["z_loss"]), aux_loss=float(m["aux_loss"]),
-                    drop_frac_send=float(m["drop_frac_send"]), drop_frac_recv=float(m["drop_frac_recv"]),
-                    expert_load_max=float(m["expert_load_max"]), router_entropy=float(m["router_entropy"]),
-                    tokens_per_s=tps,
-                    mfu=flops_per_token(spec, batch.shape[1] - 1) * tps / (spec.hardware.peak_flops * n_devices),
-                    time=time.time(),
-                    extra={"router_z_loss": float(m["router_z_loss"]), "total_loss": float(m["total_loss"])},
-                )
-                if not (np.isfinite(rec.loss) and np.isfinite(m["total_loss"]) and np.isfinite(rec.grad_norm)):
-                    writer.write(rec)
-                    write_status(run_dir, "diverged", step=step, engine=self.name, spec_id=spec.id,
-                                 loss=rec.loss, grad_norm=rec.grad_norm,
-                                 last_checkpoint=str(latest_checkpoint(run_dir)))
-                    raise DivergedError(
-                        f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
-                        f"the last good checkpoint is {latest_checkpoint(run_dir)}"
-                    )
-                state = new_state  # only finite steps are kept
-                done = step + 1
-                if done % spec.run.eval_every == 0 or done == total:
-                    rec.eval_loss = evaluate()
+        box = {"state": state, "t": time.perf_counter()}
+
+        def launch(step: int):
+            batch = stream.batch(step)
+            # the state goes in donated: the step's output is the only state from here on
+            box["state"], m = train_step(box["state"], put_batch(batch, mesh), jnp.float32(lrs[step]))
+            return m, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1
+
+        def settle(step: int) -> bool:
+            done = step + 1
+            return done % spec.run.eval_every == 0 or done % spec.run.checkpoint_every == 0 or done == total
+
+        def read(step: int, handle) -> StepMetrics:
+            nonlocal tokens
+            m, n_tok, seq = handle
+            m = jax.device_get(m)  # the step's one host sync
+            now = time.perf_counter()
+            tokens += n_tok
+            tps = n_tok / max(now - box["t"], 1e-9)
+            rec = StepMetrics(
+                step=step, tokens=tokens, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
+                lr=float(lrs[step]), z_loss=float(m["z_loss"]), aux_loss=float(m["aux_loss"]),
+                drop_frac_send=float(m["drop_frac_send"]), drop_frac_recv=float(m["drop_frac_recv"]),
+                expert_load_max=float(m["expert_load_max"]), router_entropy=float(m["router_entropy"]),
+                tokens_per_s=tps,
+                mfu=flops_per_token(spec, seq) * tps / (spec.hardware.peak_flops * n_devices),
+                time=time.time(),
+                extra={"router_z_loss": float(m["router_z_loss"]), "total_loss": float(m["total_loss"])},
+            )
+            if not (np.isfinite(rec.loss) and np.isfinite(m["total_loss"]) and np.isfinite(rec.grad_norm)):
                 writer.write(rec)
-                if done % spec.run.checkpoint_every == 0 or done == total:
-                    save(done, tokens)
-                yield rec
+                write_status(run_dir, "diverged", step=step, engine=self.name, spec_id=spec.id,
+                             loss=rec.loss, grad_norm=rec.grad_norm,
+                             last_checkpoint=str(latest_checkpoint(run_dir)))
+                raise DivergedError(
+                    f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
+                    f"the last good checkpoint is {latest_checkpoint(run_dir)}"
+                )
+            done = step + 1
+            if done % spec.run.eval_every == 0 or done == total:
+                rec.eval_loss = evaluate(box["state"])
+            writer.write(rec)
+            if done % spec.run.checkpoint_every == 0 or done == total:
+                save(box["state"], done, tokens)
+            box["t"] = time.perf_counter()
+            return rec
+
+        try:
+            # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite
+            # step ends the run at its record, and no state after it is ever saved
+            yield from lookahead_steps(start, total, launch, read, settle)
         except DivergedError:
             raise
         except BaseException as err:

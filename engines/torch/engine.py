@@ -17,9 +17,10 @@ z-loss (both before their coefficients, mean over layers); extra.total_loss the 
 drop fractions are shares of the step's T*K expert assignments (all layers); expert_load_max is
 the worst layer's max/mean expert load; router_entropy the mean per-token entropy (nats).
 
-A NaN or inf loss or grad norm stops the run before the optimizer touches the weights:
-status.json becomes "diverged" and DivergedError is raised; the checkpoints on disk are the
-last good ones.
+A NaN or inf loss or grad norm stops the run: the optimizer skips that step's update on the
+device, status.json becomes "diverged" and DivergedError is raised; the checkpoints on disk are
+the last good ones. Each step's metrics are read after the next step was launched
+(engines/lookahead.py), except where an eval, a checkpoint or the end needs the state at once.
 
 Replans: a spec with lineage.resume_step continues its parent's run. Seed the child's run dir
 first with engines.checkpoint.init_from_checkpoint(run_dir, <parent run>/checkpoints/step_N,
@@ -48,6 +49,7 @@ from engines.checkpoint import (
     warn_if_other_data,
 )
 from engines.data import TokenStream
+from engines.lookahead import lookahead_steps
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.schedule import lr_at
 from ladder.spec import Spec
@@ -81,15 +83,16 @@ def cpu_threads(spec: Spec) -> int | None:
 
 
 def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = None) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay on matrices and expert stacks only (never norms).
+    """AdamW with decoupled weight decay on matrices and expert stacks only (never norms), whose
+    update is skipped on the device when the step is not finite (the loop reads the step later).
 
     On the CUDA fast path, for runs long enough to repay its compile (working None: decided by
     engines/torch/fast.working_copies_enabled from the run's expected duration at the spec's
     hardware), it is MasterAdamW (engines/torch/master.py): the same update on the fp32 masters,
-    also writing the bf16 working copies the fast forward reads; elsewhere torch's AdamW (fused
-    on a GPU)."""
+    also writing the bf16 working copies the fast forward reads; elsewhere torch's fused AdamW
+    (GuardedAdamW)."""
     from engines.torch.fast import ASSUMED_MFU, working_copies_enabled
-    from engines.torch.master import MasterAdamW
+    from engines.torch.master import GuardedAdamW, MasterAdamW
 
     decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
@@ -105,10 +108,7 @@ def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = No
     if working:
         return MasterAdamW(model, groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
                            dtype=torch.bfloat16 if cuda else torch.float32)
-    return torch.optim.AdamW(
-        groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
-        fused=True if cuda else None,  # one kernel per group on the GPU; the CPU keeps its default
-    )
+    return GuardedAdamW(groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
 def make_loss_fn(model: MoETransformer, device: torch.device, opt: torch.optim.Optimizer | None = None):
@@ -156,31 +156,38 @@ def step_record(step: int, tokens: int, lr: float, m: dict, tps: float, mfu: flo
     )
 
 
+def queue_update(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
+                 spec: Spec) -> None:
+    """The step's update and router-bias move, queued on the device without waiting for it; both
+    change nothing when the step's loss or grad norm is not finite (checked on the device)."""
+    keys = METRIC_KEYS + ("grad_norm",)
+    finite = torch.isfinite(vals[[keys.index(k) for k in FINITE_KEYS]]).all()
+    opt.step(out.get("clip_mult"), finite=finite)
+    if spec.model.router_bias_balancing:
+        with torch.no_grad():
+            load_LE = out["load_LE"]
+            upd_LE = spec.model.router_bias_rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
+            upd_LE = torch.where(finite, upd_LE, 0.0)  # (a NaN load would survive a multiply by 0)
+            for i, blk in enumerate(model.blocks):
+                blk.moe.router_bias.add_(upd_LE[i])
+    opt.zero_grad(set_to_none=True)
+
+
+def read_step(opt: torch.optim.Optimizer, vals: torch.Tensor) -> tuple[dict[str, float], bool]:
+    """The step's one host sync: (metrics by name, finite). A non-finite step's update was
+    skipped on the device; MasterAdamW's host-side step count is taken back here."""
+    m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))
+    finite = all(np.isfinite(m[k]) for k in FINITE_KEYS)
+    if not finite and hasattr(opt, "rewind"):
+        opt.rewind()
+    return m, finite
+
+
 def finish_step(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
                 spec: Spec) -> tuple[dict[str, float], bool]:
-    """The update unless the loss or grad norm is not finite, and the step's one host sync (its
-    metrics): (metrics by name, finite). An optimizer that checks finiteness on the device
-    (MasterAdamW) has its update queued before the sync, so the GPU never waits on the host
-    between backward and update; any other steps after the host has seen the values."""
-    keys = METRIC_KEYS + ("grad_norm",)
-    guarded = hasattr(opt, "rewind")
-    if guarded:
-        opt.step(out.get("clip_mult"), finite=torch.isfinite(vals[[keys.index(k) for k in FINITE_KEYS]]).all())
-    m = dict(zip(keys, vals.tolist()))
-    finite = all(np.isfinite(m[k]) for k in FINITE_KEYS)
-    if guarded and not finite:
-        opt.rewind()
-    if finite:
-        if not guarded:
-            opt.step()
-        if spec.model.router_bias_balancing:
-            with torch.no_grad():
-                load_LE = out["load_LE"]
-                upd_LE = spec.model.router_bias_rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
-                for i, blk in enumerate(model.blocks):
-                    blk.moe.router_bias.add_(upd_LE[i])
-    opt.zero_grad(set_to_none=True)
-    return m, finite
+    """queue_update then read_step: a step finished before anything else is launched."""
+    queue_update(model, opt, vals, out, spec)
+    return read_step(opt, vals)
 
 
 def optimizer_to_numpy(model: MoETransformer, opt: torch.optim.AdamW) -> dict[str, np.ndarray]:
@@ -304,41 +311,52 @@ class TorchEngine:
         if ckpt is None:
             save(0)
         writer = MetricsWriter(run_dir, start)
-        try:
-            t_prev = time.perf_counter()
-            batch = stream.batch(start) if start < total else None
-            for step in range(start, total):
-                n_tok = batch.shape[0] * (batch.shape[1] - 1)
-                x = torch.from_numpy(batch).to(device, dtype=torch.long, non_blocking=True)
-                lr = float(lrs[step])
-                for g in opt.param_groups:
-                    g["lr"] = lr
-                vals, out = launch_step(model, loss_fn, x, spec, opt)
-                # the next batch is read while the device works on this step
-                batch = stream.batch(step + 1) if step + 1 < total else None
-                m, finite = finish_step(model, opt, vals, out, spec)
-                tokens += n_tok
-                dt = max(time.perf_counter() - t_prev, 1e-9)
-                tps = n_tok / dt
-                rec = step_record(step, tokens, lr, m, tps,
-                                  mfu=_flops_per_token(spec, x.shape[1] - 1) * tps / spec.hardware.peak_flops)
-                if not finite:
-                    writer.write(rec)
-                    write_status(run_dir, "diverged", step=step, engine=self.name, spec_id=spec.id,
-                                 loss=rec.loss, grad_norm=rec.grad_norm,
-                                 last_checkpoint=str(latest_checkpoint(run_dir)))
-                    raise DivergedError(
-                        f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
-                        f"the last good checkpoint is {latest_checkpoint(run_dir)}"
-                    )
-                done = step + 1
-                if done % spec.run.eval_every == 0 or done == total:
-                    rec.eval_loss = evaluate()
+        clock = {"t": time.perf_counter()}
+
+        def launch(step: int):
+            batch = stream.batch(step)
+            x = torch.from_numpy(batch).to(device, dtype=torch.long, non_blocking=True)
+            lr = float(lrs[step])
+            for g in opt.param_groups:
+                g["lr"] = lr
+            vals, out = launch_step(model, loss_fn, x, spec, opt)
+            queue_update(model, opt, vals, out, spec)
+            return vals, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1
+
+        def settle(step: int) -> bool:
+            done = step + 1
+            return done % spec.run.eval_every == 0 or done % spec.run.checkpoint_every == 0 or done == total
+
+        def read(step: int, handle) -> StepMetrics:
+            nonlocal tokens
+            vals, lr, n_tok, seq = handle
+            m, finite = read_step(opt, vals)
+            tokens += n_tok
+            now = time.perf_counter()
+            tps = n_tok / max(now - clock["t"], 1e-9)
+            rec = step_record(step, tokens, lr, m, tps,
+                              mfu=_flops_per_token(spec, seq) * tps / spec.hardware.peak_flops)
+            if not finite:
                 writer.write(rec)
-                if done % spec.run.checkpoint_every == 0 or done == total:
-                    save(done)
-                t_prev = time.perf_counter()
-                yield rec
+                write_status(run_dir, "diverged", step=step, engine=self.name, spec_id=spec.id,
+                             loss=rec.loss, grad_norm=rec.grad_norm,
+                             last_checkpoint=str(latest_checkpoint(run_dir)))
+                raise DivergedError(
+                    f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
+                    f"the last good checkpoint is {latest_checkpoint(run_dir)}"
+                )
+            done = step + 1
+            if done % spec.run.eval_every == 0 or done == total:
+                rec.eval_loss = evaluate()
+            writer.write(rec)
+            if done % spec.run.checkpoint_every == 0 or done == total:
+                save(done)
+            clock["t"] = time.perf_counter()
+            return rec
+
+        try:
+            # step s + 1 is launched before step s is read (engines/lookahead.py)
+            yield from lookahead_steps(start, total, launch, read, settle)
         except DivergedError:
             raise
         except BaseException as err:

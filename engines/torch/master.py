@@ -86,7 +86,9 @@ class MasterAdamW(torch.optim.Optimizer):
     """AdamW on fp32 masters + working copies in `dtype` (see the module docstring).
 
     Step protocol: forward/backward through `working()`; norm, mult = `grad_norm_and_scale(clip)`;
-    `step(mult, finite)`; read the metrics (rewind() if they were not finite); `zero_grad()`."""
+    `step(mult, finite)`; `zero_grad()`; read the metrics (rewind() if they were not finite)."""
+
+    guards_on_device = True
 
     def __init__(self, model: MoETransformer, param_groups, lr: float, betas: tuple[float, float],
                  eps: float, dtype: torch.dtype = torch.bfloat16, compile: bool | None = None):
@@ -199,3 +201,26 @@ class MasterAdamW(torch.optim.Optimizer):
         super().zero_grad(set_to_none=set_to_none)
         for leaf in self._leaves.values():
             leaf.grad = None
+
+
+class GuardedAdamW(torch.optim.AdamW):
+    """torch's fused AdamW with MasterAdamW's step protocol: step(clip_mult, finite) with the
+    step's finiteness on the device, so the update is queued before the host has read the step
+    (engines/lookahead.py). A false `finite` goes to the fused kernel as its found_inf: it skips
+    the update and takes back the step count, on the device. Clipping stays clip_grad_norm_'s
+    (clip_mult is accepted and must be None)."""
+
+    guards_on_device = True
+
+    def __init__(self, params, **kw):
+        super().__init__(params, fused=True, **kw)
+
+    @torch.no_grad()
+    def step(self, clip_mult: torch.Tensor | None = None, finite: torch.Tensor | None = None, closure=None):
+        if clip_mult is not None or closure is not None:
+            raise ValueError("GuardedAdamW.step takes no clip multiplier or closure (clip the gradients first)")
+        self.found_inf = None if finite is None else (~finite).float()
+        try:
+            return super().step()
+        finally:
+            self.found_inf = None

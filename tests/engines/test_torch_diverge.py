@@ -26,3 +26,17 @@ def test_nan_loss_stops_with_status_diverged_and_a_good_checkpoint(tmp_path):
     assert state["step"] == bad_step
     assert all(np.isfinite(v).all() for v in params.values())
     assert all(np.isfinite(v).all() for v in opt.values())
+
+
+def test_a_step_launched_behind_a_diverging_one_is_neither_recorded_nor_saved(tmp_path):
+    # checkpoints and evals only at the end: every step is read after the next was launched
+    spec = micro_spec(**{"optim.peak_lr": 1e6, "optim.grad_clip": 1e9, "run.checkpoint_every": 1000,
+                         "run.eval_every": 1000})
+    with pytest.raises(DivergedError):
+        for _ in TorchEngine().train(spec, tmp_path):
+            pass
+    bad_step = read_status(tmp_path)["step"]
+    assert [r["step"] for r in read_metrics(tmp_path)] == list(range(bad_step + 1))
+    params, opt, state = load_checkpoint(latest_checkpoint(tmp_path))
+    assert state["step"] == 0  # only the initial weights were ever saved
+    assert all(np.isfinite(v).all() for v in params.values())

@@ -46,3 +46,25 @@ def test_update_from_a_saved_state_is_the_adamw_formula():
         want = p * (1 - lr * wd) - lr * (m / (1 - o.beta1**t)) / (np.sqrt(v / (1 - o.beta2**t)) + o.eps)
         np.testing.assert_allclose(after[k], want, rtol=1e-5, atol=1e-7, err_msg=k)
     assert int(optimizer_to_numpy(fresh, opt2)["step"]) == 4
+
+
+def test_a_non_finite_step_changes_neither_weights_moments_step_count_nor_router_biases():
+    from engines.torch.engine import finish_step, launch_step, make_loss_fn
+
+    spec = micro_spec(**{"model.router_bias_balancing": True, "model.router_bias_rate": 0.01})
+    stream = TokenStream.from_spec(spec)
+    model = MoETransformer(spec.model)
+    model.load_numpy(init_params(spec.model, 0))
+    opt = build_optimizer(model, spec)
+    loss_fn = make_loss_fn(model, torch.device("cpu"), opt)
+    x = torch.from_numpy(stream.batch(0)).long()
+    assert finish_step(model, opt, *launch_step(model, loss_fn, x, spec, opt), spec)[1]
+    before = {k: v.copy() for k, v in {**model.to_numpy(), **optimizer_to_numpy(model, opt)}.items()}
+    vals, out = launch_step(model, loss_fn, torch.from_numpy(stream.batch(1)).long(), spec, opt)
+    vals[0] = float("nan")  # the loss as a diverged step reports it
+    out["load_LE"] = out["load_LE"] * float("nan")
+    assert not finish_step(model, opt, vals, out, spec)[1]
+    after = {**model.to_numpy(), **optimizer_to_numpy(model, opt)}
+    assert int(after["step"]) == 1
+    for k, v in before.items():
+        np.testing.assert_array_equal(after[k], v, err_msg=k)
