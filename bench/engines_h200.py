@@ -229,7 +229,7 @@ def torch_trainer(spec):
     return launch, read
 
 
-def jax_trainer(spec, first_batch):
+def jax_trainer(spec, first_batch, compiler_options: dict | None = None):
     """The JAX engine's jitted train step, compiled once ahead of the loop (jit would compile
     again), on a fresh state at the peak LR: (launch(batch) -> device metrics, read(metrics) ->
     (loss, send drop share, receive drop share), sync(), close(), info)."""
@@ -253,7 +253,7 @@ def jax_trainer(spec, first_batch):
     lr = jnp.float32(spec.optim.peak_lr)
     info = {}
     t_c = time.perf_counter()
-    step_fn = train_step.lower(box["state"], put_batch(first_batch, mesh), lr).compile()
+    step_fn = train_step.lower(box["state"], put_batch(first_batch, mesh), lr).compile(compiler_options)
     info["compile_s"] = time.perf_counter() - t_c
     try:
         mem = step_fn.memory_analysis()
@@ -307,11 +307,11 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
             torch.cuda.empty_cache()
 
 
-def run_jax(spec, batches, warmup, env: dict | None = None):
+def run_jax(spec, batches, warmup, env: dict | None = None, compiler_options: dict | None = None):
     import jax
 
     with env_vars(env):  # switches read when the state is built
-        launch, read, jax_sync, close, info = jax_trainer(spec, batches[0])
+        launch, read, jax_sync, close, info = jax_trainer(spec, batches[0], compiler_options)
     try:
         out, dt, t_warm = timed_loop(launch, read, batches, warmup, jax_sync)
         info["tokens_per_s_read_at_once"] = read_at_once_tps(launch, read, batches[warmup:], jax_sync)
@@ -336,9 +336,10 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, jax_working")
+                         "torch_cudnn, torch_castmasters, jax_working, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
+    ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
     ap.add_argument("--budget-s", type=float, default=560.0, help="skip what would start after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--tiny", action="store_true", help="a tiny model (a smoke run; the CPU if no GPU)")
@@ -450,6 +451,8 @@ def main(argv=None) -> int:
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
         # bf16 working copies of the matrices kept in the train state (engines/jax/train.py, off by default)
         "jax_working": (run_jax, {"env": {"MOE_LADDER_JAX_WORKING": "1"}}),
+        # XLA's own GEMM choice without its Triton GEMM fusions (cuBLAS for every matmul)
+        "jax_cublas": (run_jax, {"compiler_options": {"xla_gpu_enable_triton_gemm": False}}),
     }
 
     def sweep(names, key, seq=4096, batch=4, **model):
@@ -475,9 +478,11 @@ def main(argv=None) -> int:
     sweep(main_names, (f"E{E}", seq), seq=seq, batch=batch)
     if args.scaling:  # engine by engine, so a cut-off run has whole scaling rows of the first ones
         for name in [n for n in args.scaling_engines.split(",") if n]:
-            for key, s2, b2, model in (((f"E{E // 8}", seq), seq, batch, {"n_routed_experts": E // 8}),
-                                       ((f"E{2 * E}", seq), seq, batch, {"n_routed_experts": 2 * E}),
-                                       ((f"E{E}", 2 * seq), 2 * seq, batch // 2, {})):
+            shapes = {"E/8": ((f"E{E // 8}", seq), seq, batch, {"n_routed_experts": E // 8}),
+                      "2E": ((f"E{2 * E}", seq), seq, batch, {"n_routed_experts": 2 * E}),
+                      "2S": ((f"E{E}", 2 * seq), 2 * seq, batch // 2, {})}
+            for shape in args.scaling_shapes.split(","):
+                key, s2, b2, model = shapes[shape]
                 sweep([name], key, seq=s2, batch=b2, **model)
 
     table = format_tables(rows, ceiling, env, args)
