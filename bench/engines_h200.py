@@ -240,7 +240,7 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None):
 
     from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
     from engines.jax.model import ModelConfig, init_params
-    from engines.jax.train import make_state
+    from engines.jax.train import TrainState
 
     configure_jax()
     cfg = ModelConfig.from_spec(spec.model)
@@ -249,7 +249,7 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None):
     mesh = make_mesh(cfg)
     train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
     params, buffers = init_params(cfg, spec.seed)
-    box = {"state": place(make_state(params, buffers, tx.init(params), cfg), mesh)}
+    box = {"state": place(TrainState(params, buffers, tx.init(params)), mesh)}
     lr = jnp.float32(spec.optim.peak_lr)
     info = {}
     t_c = time.perf_counter()
@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, jax_working, jax_cublas")
+                         "torch_cudnn, torch_castmasters, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -449,8 +449,6 @@ def main(argv=None) -> int:
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
-        # bf16 working copies of the matrices kept in the train state (engines/jax/train.py, off by default)
-        "jax_working": (run_jax, {"env": {"MOE_LADDER_JAX_WORKING": "1"}}),
         # XLA's own GEMM choice without its Triton GEMM fusions (cuBLAS for every matmul)
         "jax_cublas": (run_jax, {"compiler_options": {"xla_gpu_enable_triton_gemm": False}}),
     }

@@ -46,7 +46,7 @@ from engines.lookahead import lookahead_steps
 from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.params import is_buffer
 from engines.jax.moe import EP_AXIS, capacities
-from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step, make_state
+from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
 from ladder.costs import flops_per_token
 from ladder.schedule import lr_at
 from ladder.spec import OptimSpec, Spec
@@ -126,7 +126,7 @@ def state_from_arrays(cfg: ModelConfig, tx: optax.GradientTransformation, model:
         nu={k: jnp.asarray(opt.get(f"v/{k}", np.zeros(shapes[k], np.float32))) for k in params},
     )
     opt_state = tuple(new_adam if s is adam else s for s in opt_state)
-    return make_state(params, buffers, opt_state, cfg)
+    return TrainState(params, buffers, opt_state)
 
 
 def place(state: TrainState, mesh: Mesh | None) -> TrainState:
@@ -198,7 +198,7 @@ class JaxEngine:
             raise missing_parent_checkpoint(spec, run_dir)
         else:
             params, buffers = init_params(cfg, spec.seed)
-            state = make_state(params, buffers, tx.init(params), cfg)
+            state = TrainState(params, buffers, tx.init(params))
             start, tokens = 0, 0
         state = place(state, mesh)
         n_devices = mesh.size if mesh is not None else 1

@@ -9,7 +9,6 @@ clipping. The router-bias buffers move by sign balancing after the update, outsi
 
 from __future__ import annotations
 
-import os
 from functools import partial
 from typing import NamedTuple
 
@@ -24,39 +23,9 @@ from ladder.spec import OptimSpec
 
 
 class TrainState(NamedTuple):
-    """params: fp32 masters; working: 16-bit copies of the matrices the matmuls read (empty or
-    None: the matmuls cast the masters at each use)."""
-
-    params: Params
+    params: Params  # fp32 masters (the matmuls cast them to the compute dtype where they read them)
     buffers: Params
     opt_state: optax.OptState
-    working: Params | None = None
-
-
-# the matrices read only through mm / einsum in the compute dtype (never the router, the
-# embedding or norms, which stay fp32)
-WORKING_SUFFIXES = (".attn.wq", ".attn.wk", ".attn.wv", ".attn.wo", ".moe.experts.w_gate", ".moe.experts.w_up",
-                    ".moe.experts.w_down", ".moe.latent_down", ".moe.latent_up", ".moe.shared.w_gate",
-                    ".moe.shared.w_up", ".moe.shared.w_down")
-
-
-def working_enabled(cfg: ModelConfig) -> bool:
-    """Working copies in a 16-bit compute dtype when $MOE_LADDER_JAX_WORKING=1. Off by default
-    until timed on a GPU: the saving predicted is the per-step converts of the masters (about
-    7 ms of a 140 ms H200 step at the bench shape). Numerics: the weight gradients are rounded
-    to bf16 before the update (without copies XLA may skip that rounding)."""
-    return cfg.dtype != jnp.float32 and os.environ.get("MOE_LADDER_JAX_WORKING", "0") == "1"
-
-
-def working_copies(params: Params, cfg: ModelConfig) -> Params:
-    """The working copies of `params` (empty when working_enabled(cfg) is false)."""
-    if not working_enabled(cfg):
-        return {}
-    return {k: v.astype(cfg.dtype) for k, v in params.items() if k == "lm_head" or k.endswith(WORKING_SUFFIXES)}
-
-
-def make_state(params: Params, buffers: Params, opt_state: optax.OptState, cfg: ModelConfig) -> TrainState:
-    return TrainState(params, buffers, opt_state, working_copies(params, cfg))
 
 
 def decay_mask(params: Params) -> Params:
@@ -119,18 +88,13 @@ def make_train_step(cfg: ModelConfig, optim: OptimSpec, tx: optax.GradientTransf
     grad_fn = jax.value_and_grad(partial(loss_and_stats, cfg=cfg, optim=optim, mesh=mesh), has_aux=True)
 
     def step(state: TrainState, tokens_BS1: jax.Array, lr: jax.Array):
-        # with working copies the gradient is taken with respect to them (16-bit gradients, no
-        # converts of the masters in the forward); the optimizer reads them upcast in its fusion
-        read = {**state.params, **state.working} if state.working else state.params
-        (total, (stats, load_LE)), grads = grad_fn(read, state.buffers, tokens_BS1)
-        grads = {k: g.astype(jnp.float32) for k, g in grads.items()}
+        (total, (stats, load_LE)), grads = grad_fn(state.params, state.buffers, tokens_BS1)
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
         buffers = balance_biases(state.buffers, load_LE, bias_rate) if cfg.bias_balancing else state.buffers
         stats = dict(stats, grad_norm=grad_norm, total_loss=total)
-        working = {k: params[k].astype(w.dtype) for k, w in state.working.items()} if state.working else state.working
-        return TrainState(params, buffers, opt_state, working), stats
+        return TrainState(params, buffers, opt_state), stats
 
     return jax.jit(step, donate_argnums=(0,))
 
