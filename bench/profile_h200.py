@@ -7,8 +7,9 @@ and bench/engines_h200.py run it) at the bench's OLMoE-like shape.
 
 Prints and writes <out>/profile.md: the wall time per profiled step, the GPU's busy time (sum of
 kernel times) and so its idle share, the kernel time per category (grouped GEMM, dense GEMM,
-attention, optimizer, Triton-generated elementwise, copies/casts, index/sort, other) and the top
-kernels by total time.
+attention, optimizer, Triton-generated elementwise, copies/casts, index/sort, other), the top
+kernels by total time, and the longest stretches with the GPU idle with what the host was doing
+at their end.
 """
 
 from __future__ import annotations
@@ -41,6 +42,29 @@ def category(name: str) -> str:
         if re.search(pat, low):
             return cat
     return "other"
+
+
+def gap_table(events, device_type, steps: int, top: int, min_us: float = 50.0) -> list[str]:
+    """The longest stretches with no kernel running on the GPU (longer than min_us), each with the
+    kernels before and after it and the outermost host ops running when it ended (what the host
+    was doing while the GPU waited)."""
+    kernels = sorted((e for e in events if e.device_type == device_type), key=lambda e: e.time_range.start)
+    if not kernels:
+        return ["No device events: no GPU gaps to list."]
+    host = [e for e in events if e.device_type != device_type and e.cpu_parent is None]
+    gaps, busy_until, prev = [], kernels[0].time_range.end, kernels[0]
+    for k in kernels[1:]:
+        if k.time_range.start - busy_until > min_us:
+            gaps.append((k.time_range.start - busy_until, busy_until, prev.name, k.name, k.time_range.start))
+        if k.time_range.end > busy_until:
+            busy_until, prev = k.time_range.end, k
+    total = sum(g[0] for g in gaps)
+    lines = [f"GPU idle in gaps over {min_us:.0f} us: {total / 1e3 / steps:.2f} ms/step in {len(gaps) / steps:.0f} gaps",
+             "", "| gap ms | kernel before | kernel after | host ops at the gap's end |", "|---:|---|---|---|"]
+    for dur, _, before, after, end in sorted(gaps, reverse=True)[:top]:
+        ops = sorted({e.name for e in host if e.time_range.start <= end <= e.time_range.end})
+        lines.append(f"| {dur / 1e3:.2f} | `{before[:60]}` | `{after[:60]}` | {', '.join(o[:50] for o in ops[:4])} |")
+    return lines
 
 
 def main(argv=None) -> int:
@@ -112,6 +136,7 @@ def main(argv=None) -> int:
     lines += ["", "| kernel | category | calls/step | ms/step |", "|---|---|---:|---:|"]
     for k, v in sorted(kern.items(), key=lambda kv: -kv[1])[: args.top]:
         lines.append(f"| `{k[:150]}` | {category(k)} | {calls[k] / args.steps:.0f} | {v / 1e3 / args.steps:.2f} |")
+    lines += ["", *gap_table(prof.events(), torch.autograd.DeviceType.CUDA, args.steps, args.top)]
     text = "\n".join(lines) + "\n"
     print(text)
     out = Path(args.out)
