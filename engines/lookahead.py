@@ -40,3 +40,34 @@ def lookahead_steps(start: int, total: int, launch: Callable[[int], Any], read: 
             pending = (step, handle)
     if pending is not None:
         yield read(*pending)
+
+
+def settles(spec, step: int) -> bool:
+    """Whether something needs the state right after `step` (0-based): an eval, a checkpoint or
+    the end of the run."""
+    done = step + 1
+    return done % spec.run.eval_every == 0 or done % spec.run.checkpoint_every == 0 or done == spec.total_steps
+
+
+def close_step(rec, finite: bool, spec, run_dir, engine: str, writer, evaluate: Callable[[], float],
+               save: Callable[[int], None]):
+    """What follows reading a step, in either engine: a non-finite step is recorded, marks the run
+    "diverged" and raises DivergedError; otherwise the eval where due, the record, and the
+    checkpoint where due (in that order: a checkpoint never precedes its step's record)."""
+    from engines.base import DivergedError, write_status
+    from engines.checkpoint import latest_checkpoint
+
+    if not finite:
+        writer.write(rec)
+        last = latest_checkpoint(run_dir)
+        write_status(run_dir, "diverged", step=rec.step, engine=engine, spec_id=spec.id, loss=rec.loss,
+                     grad_norm=rec.grad_norm, last_checkpoint=str(last))
+        raise DivergedError(f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {rec.step}; "
+                            f"the last good checkpoint is {last}")
+    done = rec.step + 1
+    if done % spec.run.eval_every == 0 or done == spec.total_steps:
+        rec.eval_loss = evaluate()
+    writer.write(rec)
+    if done % spec.run.checkpoint_every == 0 or done == spec.total_steps:
+        save(done)
+    return rec

@@ -42,7 +42,7 @@ from engines.checkpoint import (
     warn_if_other_data,
 )
 from engines.data import TokenStream
-from engines.lookahead import lookahead_steps
+from engines.lookahead import close_step, lookahead_steps, settles
 from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.params import is_buffer
 from engines.jax.moe import EP_AXIS, capacities
@@ -228,10 +228,6 @@ class JaxEngine:
             box["state"], m = train_step(box["state"], put_batch(batch, mesh), jnp.float32(lrs[step]))
             return m, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1
 
-        def settle(step: int) -> bool:
-            done = step + 1
-            return done % spec.run.eval_every == 0 or done % spec.run.checkpoint_every == 0 or done == total
-
         def read(step: int, handle) -> StepMetrics:
             nonlocal tokens
             m, n_tok, seq = handle
@@ -249,28 +245,16 @@ class JaxEngine:
                 time=time.time(),
                 extra={"router_z_loss": float(m["router_z_loss"]), "total_loss": float(m["total_loss"])},
             )
-            if not (np.isfinite(rec.loss) and np.isfinite(m["total_loss"]) and np.isfinite(rec.grad_norm)):
-                writer.write(rec)
-                write_status(run_dir, "diverged", step=step, engine=self.name, spec_id=spec.id,
-                             loss=rec.loss, grad_norm=rec.grad_norm,
-                             last_checkpoint=str(latest_checkpoint(run_dir)))
-                raise DivergedError(
-                    f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
-                    f"the last good checkpoint is {latest_checkpoint(run_dir)}"
-                )
-            done = step + 1
-            if done % spec.run.eval_every == 0 or done == total:
-                rec.eval_loss = evaluate(box["state"])
-            writer.write(rec)
-            if done % spec.run.checkpoint_every == 0 or done == total:
-                save(box["state"], done, tokens)
+            finite = bool(np.isfinite(rec.loss) and np.isfinite(m["total_loss"]) and np.isfinite(rec.grad_norm))
+            close_step(rec, finite, spec, run_dir, self.name, writer, lambda: evaluate(box["state"]),
+                       lambda done: save(box["state"], done, tokens))
             box["t"] = time.perf_counter()
             return rec
 
         try:
             # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite
             # step ends the run at its record, and no state after it is ever saved
-            yield from lookahead_steps(start, total, launch, read, settle)
+            yield from lookahead_steps(start, total, launch, read, lambda s: settles(spec, s))
         except DivergedError:
             raise
         except BaseException as err:

@@ -49,7 +49,7 @@ from engines.checkpoint import (
     warn_if_other_data,
 )
 from engines.data import TokenStream
-from engines.lookahead import lookahead_steps
+from engines.lookahead import close_step, lookahead_steps, settles
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.schedule import lr_at
 from ladder.spec import Spec
@@ -323,10 +323,6 @@ class TorchEngine:
             queue_update(model, opt, vals, out, spec)
             return vals, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1
 
-        def settle(step: int) -> bool:
-            done = step + 1
-            return done % spec.run.eval_every == 0 or done % spec.run.checkpoint_every == 0 or done == total
-
         def read(step: int, handle) -> StepMetrics:
             nonlocal tokens
             vals, lr, n_tok, seq = handle
@@ -336,27 +332,13 @@ class TorchEngine:
             tps = n_tok / max(now - clock["t"], 1e-9)
             rec = step_record(step, tokens, lr, m, tps,
                               mfu=_flops_per_token(spec, seq) * tps / spec.hardware.peak_flops)
-            if not finite:
-                writer.write(rec)
-                write_status(run_dir, "diverged", step=step, engine=self.name, spec_id=spec.id,
-                             loss=rec.loss, grad_norm=rec.grad_norm,
-                             last_checkpoint=str(latest_checkpoint(run_dir)))
-                raise DivergedError(
-                    f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
-                    f"the last good checkpoint is {latest_checkpoint(run_dir)}"
-                )
-            done = step + 1
-            if done % spec.run.eval_every == 0 or done == total:
-                rec.eval_loss = evaluate()
-            writer.write(rec)
-            if done % spec.run.checkpoint_every == 0 or done == total:
-                save(done)
+            close_step(rec, finite, spec, run_dir, self.name, writer, evaluate, save)
             clock["t"] = time.perf_counter()
             return rec
 
         try:
             # step s + 1 is launched before step s is read (engines/lookahead.py)
-            yield from lookahead_steps(start, total, launch, read, settle)
+            yield from lookahead_steps(start, total, launch, read, lambda s: settles(spec, s))
         except DivergedError:
             raise
         except BaseException as err:
