@@ -71,3 +71,23 @@ def close_step(rec, finite: bool, spec, run_dir, engine: str, writer, evaluate: 
     if done % spec.run.checkpoint_every == 0 or done == spec.total_steps:
         save(done)
     return rec
+
+
+def train_loop(spec, run_dir, engine: str, start: int, launch, read, writer,
+               tokens: Callable[[], int]) -> Iterator:
+    """lookahead_steps from `start` to the end of the spec, with the run's status kept: "failed"
+    (with the error) if anything but a divergence or the consumer's close stops it, "finished"
+    (with the tokens seen) at the end; the metrics writer is closed either way."""
+    from engines.base import DivergedError, write_status
+
+    try:
+        yield from lookahead_steps(start, spec.total_steps, launch, read, lambda s: settles(spec, s))
+    except DivergedError:
+        raise
+    except BaseException as err:
+        if not isinstance(err, GeneratorExit):
+            write_status(run_dir, "failed", engine=engine, spec_id=spec.id, error=f"{type(err).__name__}: {err}")
+        raise
+    finally:
+        writer.close()
+    write_status(run_dir, "finished", step=spec.total_steps, engine=engine, spec_id=spec.id, tokens=tokens())

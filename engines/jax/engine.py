@@ -31,7 +31,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from engines.base import DivergedError, MetricsWriter, StepMetrics, write_status
+from engines.base import MetricsWriter, StepMetrics, write_status
 from engines.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -42,7 +42,7 @@ from engines.checkpoint import (
     warn_if_other_data,
 )
 from engines.data import TokenStream
-from engines.lookahead import close_step, lookahead_steps, settles
+from engines.lookahead import close_step, train_loop
 from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.params import is_buffer
 from engines.jax.moe import EP_AXIS, capacities
@@ -251,16 +251,6 @@ class JaxEngine:
             box["t"] = time.perf_counter()
             return rec
 
-        try:
-            # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite
-            # step ends the run at its record, and no state after it is ever saved
-            yield from lookahead_steps(start, total, launch, read, lambda s: settles(spec, s))
-        except DivergedError:
-            raise
-        except BaseException as err:
-            if not isinstance(err, GeneratorExit):
-                write_status(run_dir, "failed", engine=self.name, spec_id=spec.id, error=f"{type(err).__name__}: {err}")
-            raise
-        finally:
-            writer.close()
-        write_status(run_dir, "finished", step=total, engine=self.name, spec_id=spec.id, tokens=tokens)
+        # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite step
+        # ends the run at its record, and no state after it is ever saved
+        yield from train_loop(spec, run_dir, self.name, start, launch, read, writer, lambda: tokens)

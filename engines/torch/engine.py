@@ -38,7 +38,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from engines.base import DivergedError, MetricsWriter, StepMetrics, write_status
+from engines.base import MetricsWriter, StepMetrics, write_status
 from engines.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -49,7 +49,7 @@ from engines.checkpoint import (
     warn_if_other_data,
 )
 from engines.data import TokenStream
-from engines.lookahead import close_step, lookahead_steps, settles
+from engines.lookahead import close_step, train_loop
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.schedule import lr_at
 from ladder.spec import Spec
@@ -336,16 +336,6 @@ class TorchEngine:
             clock["t"] = time.perf_counter()
             return rec
 
-        try:
-            # step s + 1 is launched before step s is read (engines/lookahead.py)
-            yield from lookahead_steps(start, total, launch, read, lambda s: settles(spec, s))
-        except DivergedError:
-            raise
-        except BaseException as err:
-            if not isinstance(err, GeneratorExit):
-                write_status(run_dir, "failed", engine=self.name, spec_id=spec.id,
-                             error=f"{type(err).__name__}: {err}")
-            raise
-        finally:
-            writer.close()
-        write_status(run_dir, "finished", step=total, engine=self.name, spec_id=spec.id, tokens=tokens)
+        # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite step
+        # ends the run at its record, and no state after it is ever saved
+        yield from train_loop(spec, run_dir, self.name, start, launch, read, writer, lambda: tokens)
