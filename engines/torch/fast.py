@@ -11,7 +11,8 @@ What changes against the reference forward (model.loss_terms under autocast), an
 - dropless dispatch stays on the device: counts and group offsets by scatter-add (CUDA's
   bincount reads its maximum back to the host), one torch._grouped_mm per expert weight over
   the rows sorted by expert; dispatch and combine are row permutations whose backward is the
-  inverse permutation (a gather: no atomics);
+  inverse permutation (a gather: no atomics); $MOE_LADDER_TORCH_GATHER=triton runs the
+  combine's and the dispatch backward's gather-and-sum as Triton kernels (engines/torch/gather.py);
 - capacity dispatch reuses model.capacity_plan (device-side) with fixed [E, C, L] buffers;
 - every block and the output head go through torch.compile (regional: one compiled graph
   serves all blocks, so compiling costs one block, not the depth).
@@ -32,6 +33,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from engines.torch.gather import Combine, gather_sum
 from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
 
 
@@ -47,9 +49,13 @@ class FastOptions:
     # weights as _grouped_mm reads them: "nmajor" [E, K, N] as stored, or "kmajor" (a transposed
     # copy); as stored ran 1.3x faster forward + backward on an H200 (bench/kernels_h200.py)
     grouped_mm_weights: str = "nmajor"
+    # dropless combine and dispatch backward: "inductor" (gather + sum fused by the compiler) or
+    # "triton" (engines/torch/gather.py kernels, a GPU with Triton only; untimed, so not default)
+    gather: str = "inductor"
 
 
-OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"))
+OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"),
+                      gather=os.environ.get("MOE_LADDER_TORCH_GATHER", "inductor"))
 
 
 def fast_path_enabled(device: torch.device) -> bool:
@@ -81,19 +87,22 @@ def working_copies_enabled(device: torch.device, expected_seconds: float | None 
 
 class _Dispatch(torch.autograd.Function):
     """x_TL rows src_A (= token of each sorted assignment) -> x_AL; the backward gathers the
-    gradient back to (token, slot) order with the inverse permutation and sums the K slots."""
+    gradient back to (token, slot) order with the inverse permutation and sums the K slots
+    (with kernels: engines/torch/gather.py's gather-and-sum in one pass)."""
 
     @staticmethod
-    def forward(ctx, x_TL, src_A, inv_A, K: int):
+    def forward(ctx, x_TL, src_A, inv_A, K: int, kernels: bool = False):
         ctx.save_for_backward(inv_A)
-        ctx.K = K
+        ctx.K, ctx.kernels = K, kernels
         return x_TL.index_select(0, src_A)
 
     @staticmethod
     def backward(ctx, g_AL):
         (inv_A,) = ctx.saved_tensors
         T = inv_A.shape[0] // ctx.K
-        return g_AL.index_select(0, inv_A).view(T, ctx.K, -1).sum(1), None, None, None
+        if ctx.kernels:
+            return gather_sum(g_AL, inv_A.view(T, ctx.K), None, g_AL.dtype), None, None, None, None
+        return g_AL.index_select(0, inv_A).view(T, ctx.K, -1).sum(1), None, None, None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -182,15 +191,20 @@ def _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype) -> torch.Ten
     return torch.cat(outs, 0)
 
 
-def dropless_experts(moe, w, x_TL, expert_TK, cdt):
-    """y_TKL: every assignment's expert output, in (token, slot) order."""
+def dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt):
+    """y_TKL, every assignment's expert output in (token, slot) order; with OPTIONS.gather
+    "triton", y_TL, the outputs already summed with their gates (by the kernels on a GPU with
+    Triton, by their torch forms elsewhere)."""
     T, K = expert_TK.shape
     e_A = expert_TK.reshape(-1)  # token-major: a = t * K + j
     order_A = torch.argsort(e_A, stable=True)
     inv_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(e_A.shape[0], device=e_A.device))
     counts_E = group_counts(e_A, moe.m.n_routed_experts)
-    x_AL = _Dispatch.apply(x_TL.to(cdt), order_A // K, inv_A, K)
+    kernels = OPTIONS.gather == "triton"
+    x_AL = _Dispatch.apply(x_TL.to(cdt), order_A // K, inv_A, K, kernels)
     y_sorted_AL = _grouped_swiglu(x_AL, counts_E, w["moe.experts.gate_up"], w["moe.experts.w_down"], cdt)
+    if kernels:
+        return Combine.apply(y_sorted_AL, gate_TK, inv_A, order_A, True)
     return _Permute.apply(y_sorted_AL, inv_A, order_A).view(T, K, -1)
 
 
@@ -221,9 +235,11 @@ def moe_route(block, x_BSD):
     return h_TD, expert_TK, gate_TK, stats
 
 
-def moe_combine(block, w, x_BSD, h_TD, y_TKL, gate_TK, cdt):
+def moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt):
+    """x + the MoE output; y: y_TKL (each assignment's output, summed with the gates here) or
+    y_TL (already summed)."""
     m = block.moe.m
-    y_TL = (y_TKL.float() * gate_TK.unsqueeze(-1)).sum(1)
+    y_TL = (y.float() * gate_TK.unsqueeze(-1)).sum(1) if y.dim() == 3 else y
     y_TD = (y_TL.to(cdt) @ w["moe.latent_up"]).float() if m.latent_dim is not None else y_TL
     if m.n_shared_experts > 0:
         hc, R = h_TD.to(cdt), w["moe.shared.w_down"].shape[1]
@@ -233,24 +249,24 @@ def moe_combine(block, w, x_BSD, h_TD, y_TKL, gate_TK, cdt):
     return x_BSD + y_TD.view(x_BSD.shape)
 
 
-def moe_experts(block, w, x_BSD, h_TD, expert_TK, cdt):
-    """(y_TKL, send drops, receive drops) of a block's routed experts."""
+def moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt):
+    """(y_TKL or y_TL (see dropless_experts), send drops, receive drops) of a block's routed experts."""
     moe, m = block.moe, block.moe.m
     x_TL = (h_TD.to(cdt) @ w["moe.latent_down"]) if m.latent_dim is not None else h_TD
     if m.dispatch == "capacity":
         return capacity_experts(moe, w, x_TL, expert_TK, cdt)
     zero = torch.zeros((), device=x_BSD.device)
-    return dropless_experts(moe, w, x_TL, expert_TK, cdt), zero, zero
+    return dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt), zero, zero
 
 
 def moe_residual(block, w, x_BSD, cdt):
     """x + moe(moe_norm(x)) and the block's MoE statistics."""
     T, K = x_BSD.shape[0] * x_BSD.shape[1], block.moe.m.top_k
     h_TD, expert_TK, gate_TK, stats = moe_route(block, x_BSD)
-    y_TKL, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, cdt)
+    y, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt)
     stats["drop_send"] = n_send / (T * K)
     stats["drop_recv"] = n_recv / (T * K)
-    return moe_combine(block, w, x_BSD, h_TD, y_TKL, gate_TK, cdt), stats
+    return moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt), stats
 
 
 def block_forward(block, w, x_BSD, cos, sin, mask_SS, cdt):
@@ -320,10 +336,10 @@ class FastLoss:
         x_BSD = self._attn(block, w, x_BSD, cos, sin, mask_SS, self.cdt)
         T, K = x_BSD.shape[0] * x_BSD.shape[1], block.moe.m.top_k
         h_TD, expert_TK, gate_TK, stats = self._moe_route(block, x_BSD)
-        y_TKL, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, self.cdt)
+        y, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, self.cdt)
         stats["drop_send"] = n_send / (T * K)
         stats["drop_recv"] = n_recv / (T * K)
-        return moe_combine(block, w, x_BSD, h_TD, y_TKL, gate_TK, self.cdt), stats
+        return moe_combine(block, w, x_BSD, h_TD, y, gate_TK, self.cdt), stats
 
     def tables(self, S: int, m, device):
         key = (S, device)

@@ -1,0 +1,89 @@
+"""engines/torch/gather.py: the combine's gather-and-sum with hand-written backward, and its
+Triton kernels. On the CPU: the Combine function's gradients equal autograd's through the plain
+gather + sum, the fast loss with gather="triton" (the torch forms here) equals the reference
+model, and, where Triton is installed, the kernels run in Triton's interpreter and equal the torch
+forms."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.data import TokenStream
+from engines.torch import fast
+from engines.torch.gather import Combine
+from engines.torch.model import MoETransformer, init_params, loss_terms
+from ladder.presets import micro_spec
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _case(T=6, K=3, L=5, dtype=torch.float64):
+    g = torch.Generator().manual_seed(0)
+    order_A = torch.randperm(T * K, generator=g)  # the (token-major) assignment of each sorted row
+    inv_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(T * K))
+    y_AL = torch.randn(T * K, L, dtype=dtype, generator=g, requires_grad=True)
+    gate_TK = torch.rand(T, K, dtype=dtype, generator=g, requires_grad=True)
+    return y_AL, gate_TK, inv_A, order_A
+
+
+def test_combine_gradients_equal_autograd_through_gather_and_sum():
+    y_AL, gate_TK, inv_A, order_A = _case()
+    T, K = gate_TK.shape
+    want = (y_AL[inv_A].view(T, K, -1) * gate_TK.unsqueeze(-1)).sum(1)
+    got = Combine.apply(y_AL, gate_TK, inv_A, order_A, False)
+    torch.testing.assert_close(got, want.float())
+    g_TL = torch.randn_like(want)
+    want_grads = torch.autograd.grad(want, (y_AL, gate_TK), g_TL)
+    got_grads = torch.autograd.grad(Combine.apply(y_AL, gate_TK, inv_A, order_A, False), (y_AL, gate_TK), g_TL.float())
+    for a, b in zip(got_grads, want_grads):
+        torch.testing.assert_close(a.double(), b, rtol=1e-6, atol=1e-6)
+
+
+def test_fast_loss_with_the_gather_ops_matches_the_reference(monkeypatch):
+    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(gather="triton"))
+    spec = micro_spec(**{"model.dispatch": "dropless"})
+    model = MoETransformer(spec.model)
+    model.load_numpy(init_params(spec.model, spec.seed))
+    x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long()
+    grads = []
+    for fn in (loss_terms, fast.FastLoss(model, torch.device("cpu"))):
+        model.zero_grad(set_to_none=True)
+        total, _ = fn(model, x, spec.optim)
+        total.backward()
+        grads.append((total.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    (t_ref, g_ref), (t_fast, g_fast) = grads
+    assert torch.allclose(t_fast, t_ref, rtol=1e-6, atol=1e-6)
+    for name, g in g_ref.items():
+        assert torch.allclose(g_fast[name], g, rtol=1e-4, atol=1e-6), name
+
+
+_INTERPRETED = """
+import torch
+from engines.torch import gather as G
+torch.manual_seed(0)
+T, K, L = 7, 4, 300  # L not a power of two: the column masks are exercised
+for dtype in (torch.float32, torch.float16):
+    src = torch.randn(T * K, L).to(dtype)
+    idx = torch.randperm(T * K).view(T, K)
+    w = torch.rand(T, K)
+    g = torch.randn(T, L)
+    for weights in (w, None):
+        out = torch.empty(T, L)
+        G.launch_gather_sum(src, idx, weights, out)
+        torch.testing.assert_close(out, G.gather_sum_torch(src, idx, weights, torch.float32), rtol=1e-5, atol=1e-5)
+    dots = torch.empty(T, K)
+    G.launch_gather_dot(src, idx, g, dots)
+    torch.testing.assert_close(dots, G.gather_dot_torch(src, idx, g), rtol=1e-4, atol=1e-4)
+print("ok")
+"""
+
+
+def test_triton_kernels_equal_the_torch_forms_in_the_interpreter():
+    pytest.importorskip("triton")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
