@@ -53,13 +53,19 @@ def gap_table(events, device_type, steps: int, top: int, min_us: float = 50.0) -
         return ["No device events: no GPU gaps to list."]
     host = [e for e in events if e.device_type != device_type and e.cpu_parent is None]
     gaps, busy_until, prev = [], kernels[0].time_range.end, kernels[0]
+    small, n_small = 0.0, 0  # kernel-to-kernel gaps up to min_us: launch latency, not host stalls
     for k in kernels[1:]:
-        if k.time_range.start - busy_until > min_us:
-            gaps.append((k.time_range.start - busy_until, busy_until, prev.name, k.name, k.time_range.start))
+        gap = k.time_range.start - busy_until
+        if gap > min_us:
+            gaps.append((gap, busy_until, prev.name, k.name, k.time_range.start))
+        elif gap > 0:
+            small, n_small = small + gap, n_small + 1
         if k.time_range.end > busy_until:
             busy_until, prev = k.time_range.end, k
     total = sum(g[0] for g in gaps)
-    lines = [f"GPU idle in gaps over {min_us:.0f} us: {total / 1e3 / steps:.2f} ms/step in {len(gaps) / steps:.0f} gaps",
+    lines = [f"{len(kernels) / steps:.0f} kernels/step; GPU idle in gaps over {min_us:.0f} us: "
+             f"{total / 1e3 / steps:.2f} ms/step in {len(gaps) / steps:.0f} gaps; in shorter gaps between "
+             f"kernels: {small / 1e3 / steps:.2f} ms/step in {n_small / steps:.0f}",
              "", "| gap ms | kernel before | kernel after | host ops at the gap's end |", "|---:|---|---|---|"]
     for dur, _, before, after, end in sorted(gaps, reverse=True)[:top]:
         ops = sorted({e.name for e in host if e.time_range.start <= end <= e.time_range.end})
