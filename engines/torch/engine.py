@@ -312,8 +312,12 @@ class TorchEngine:
             save(0)
         writer = MetricsWriter(run_dir, start)
         clock = {"t": time.perf_counter()}
+        # CPU ops run as they are launched, so a step's time there is its launch and read; on a
+        # GPU the host learns when a step ended only at its read, so it is the time between reads
+        synchronous = device.type == "cpu"
 
         def launch(step: int):
+            t0 = time.perf_counter()
             batch = stream.batch(step)
             x = torch.from_numpy(batch).to(device, dtype=torch.long, non_blocking=True)
             lr = float(lrs[step])
@@ -321,15 +325,16 @@ class TorchEngine:
                 g["lr"] = lr
             vals, out = launch_step(model, loss_fn, x, spec, opt)
             queue_update(model, opt, vals, out, spec)
-            return vals, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1
+            return vals, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
 
         def read(step: int, handle) -> StepMetrics:
             nonlocal tokens
-            vals, lr, n_tok, seq = handle
+            vals, lr, n_tok, seq, launch_s = handle
+            t_read = time.perf_counter()
             m, finite = read_step(opt, vals)
             tokens += n_tok
             now = time.perf_counter()
-            tps = n_tok / max(now - clock["t"], 1e-9)
+            tps = n_tok / max(launch_s + now - t_read if synchronous else now - clock["t"], 1e-9)
             rec = step_record(step, tokens, lr, m, tps,
                               mfu=_flops_per_token(spec, seq) * tps / spec.hardware.peak_flops)
             close_step(rec, finite, spec, run_dir, self.name, writer, evaluate, save)

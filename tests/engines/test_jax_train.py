@@ -86,3 +86,10 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
     params, _, state = load_checkpoint(latest_checkpoint(tmp_path))
     assert state["step"] == 1
     assert all(np.isfinite(v).all() for v in params.values())
+
+
+def test_every_step_reports_its_own_throughput(run):
+    # steps are read one late: each record's time must still be its own step's (the first,
+    # which compiles, aside)
+    tps = np.array([r.tokens_per_s for r in run[1][1:]])
+    assert np.all(tps < 20 * np.median(tps)) and np.all(tps > np.median(tps) / 20)

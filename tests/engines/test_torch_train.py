@@ -81,3 +81,10 @@ def test_a_different_spec_refuses_the_run_dir(dropless_run):
     run_dir, _ = dropless_run
     with pytest.raises(ValueError, match="belongs to spec"):
         next(TorchEngine().train(SPEC.replace(**{"optim.peak_lr": 2e-2}), run_dir))
+
+
+def test_every_step_reports_its_own_throughput(dropless_run):
+    # steps are read one late: each record's time must still be its own step's (no record, such
+    # as one read at an eval, credited with a fraction or a multiple of a step's time)
+    tps = np.array([r.tokens_per_s for r in dropless_run[1][1:]])
+    assert np.all(tps < 20 * np.median(tps)) and np.all(tps > np.median(tps) / 20)
