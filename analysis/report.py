@@ -116,10 +116,10 @@ def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: dict | None, flags
         x = forecast["hero"]["total_steps"]
         ax.errorbar([x], [fl["mean"]], yerr=[[fl["mean"] - fl["lo"]], [fl["hi"] - fl["mean"]]], fmt="D", color="C3",
                     capsize=5, label="final eval loss forecast")
-    for f in flags:
-        if f.get("first_step") is not None:
-            ax.axvline(f["first_step"], color="C1" if f.get("severity") != "critical" else "C3", ls=":", lw=1)
-            ax.text(f["first_step"], ax.get_ylim()[1], f.get("kind", ""), rotation=90, va="top", fontsize=7)
+    # monitor flags as legend entries: several early flags drawn as rotated labels overlap
+    for i, f in enumerate(f for f in flags if f.get("first_step") is not None):
+        ax.axvline(f["first_step"], color="C3" if f.get("severity") == "critical" else "C1",
+                   ls=(":", "--", "-.")[i % 3], lw=1, label=f"{f.get('kind', 'flag')} from step {f['first_step']}")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.set_title("Hero proxy against its forecast")
