@@ -2,7 +2,7 @@
 Triton kernels. On the CPU: the Combine function's gradients equal autograd's through the plain
 gather + sum, the fast loss with gather="triton" (the torch forms here) equals the reference
 model, and, where Triton is installed, the kernels run in Triton's interpreter and equal the torch
-forms."""
+forms, directly and through the registered ops."""
 
 import os
 import subprocess
@@ -78,6 +78,12 @@ for dtype in (torch.float32, torch.float16):
     dots = torch.empty(T, K)
     G.launch_gather_dot(src, idx, g, dots)
     torch.testing.assert_close(dots, G.gather_dot_torch(src, idx, g), rtol=1e-4, atol=1e-4)
+    # the same through the registered ops (torch.library.triton_op + wrap_triton), as compiled code calls them
+    assert G._OPS
+    torch.testing.assert_close(torch.ops.moe_ladder.gather_sum(src, idx, w, torch.float32),
+                               G.gather_sum_torch(src, idx, w, torch.float32), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.ops.moe_ladder.gather_dot(src, idx, g), G.gather_dot_torch(src, idx, g),
+                               rtol=1e-4, atol=1e-4)
 print("ok")
 """
 
