@@ -336,7 +336,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_gather, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_gather, torch_cudagraphs, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -447,6 +447,9 @@ def main(argv=None) -> int:
         "torch_cudnn": (run_torch, {"options": {"attn_backend": "cudnn"}}),
         "torch_nmajor": (run_torch, {"options": {"grouped_mm_weights": "nmajor"}}),
         # the combine's and dispatch backward's gather-and-sum as Triton kernels (engines/torch/gather.py)
+        # the compiled blocks and head replayed as CUDA graphs (no kernel-to-kernel launch gaps)
+        "torch_cudagraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+                                         "options": {"compile": "block-cudagraphs"}}),
         "torch_gather": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"gather": "triton"}}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),

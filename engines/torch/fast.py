@@ -41,8 +41,8 @@ from engines.torch.model import MoETransformer, attention_mask, capacity_rows, g
 class FastOptions:
     """Knobs of the fast path (the bench flips them to compare; the engine keeps the defaults)."""
 
-    compile: str = "block"  # "block": blocks + head compiled; "dense": all but the expert
-    # dispatch; "none": eager
+    compile: str = "block"  # "block": blocks + head compiled; "block-cudagraphs": the same
+    # replayed as CUDA graphs (untimed); "dense": all but the expert dispatch; "none": eager
     # SDPA kernels in order of preference ("cudnn": cuDNN, then flash, efficient, math); None:
     # SDPA's own order. cuDNN's causal attention ran 1.6x flash's forward + backward on an H200
     attn_backend: str | None = "cudnn"
@@ -304,15 +304,22 @@ class FastLoss:
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         mode = self.options.compile if device.type == "cuda" else "none"
         self._block, self._attn, self._moe_route, self._head = block_forward, None, None, head_losses
-        if mode == "block":
-            self._block = torch.compile(block_forward, dynamic=False)
-            self._head = torch.compile(head_losses, dynamic=False)
+        self._cudagraphs = mode == "block-cudagraphs"
+        if mode in ("block", "block-cudagraphs"):
+            # CUDA graphs replay the step's ~1,500 kernels without kernel-to-kernel launch gaps;
+            # the working copies keep their addresses, so they are marked static (not copied in)
+            kw = {"mode": "reduce-overhead"} if self._cudagraphs else {}
+            if self._cudagraphs and working is not None:
+                for leaf in working.working().values():
+                    torch._dynamo.mark_static_address(leaf)
+            self._block = torch.compile(block_forward, dynamic=False, **kw)
+            self._head = torch.compile(head_losses, dynamic=False, **kw)
         elif mode == "dense":
             self._attn = torch.compile(attention_residual, dynamic=False)
             self._moe_route = torch.compile(moe_route, dynamic=False)
             self._head = torch.compile(head_losses, dynamic=False)
         elif mode != "none":
-            raise ValueError(f"unknown compile mode {mode!r} (block, dense or none)")
+            raise ValueError(f"unknown compile mode {mode!r} (block, block-cudagraphs, dense or none)")
         self._tables: dict = {}
         self._per_block: list[dict] | None = None
 
@@ -353,6 +360,8 @@ class FastLoss:
         S = inputs_BS.shape[1]
         cos, sin, mask_SS = self.tables(S, model.m, tokens_BS1.device)
         per_block, lm_head = self._weights(model)
+        if self._cudagraphs:
+            torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are done with
         ctx = _sdpa_backend(self.options.attn_backend if tokens_BS1.is_cuda else None)
         with torch.autocast(tokens_BS1.device.type, enabled=False), ctx:
             # F.embedding: its backward is a sorted segment sum; indexing's (index_put with
