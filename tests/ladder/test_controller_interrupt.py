@@ -151,7 +151,8 @@ def test_a_killed_submission_rerun_trains_every_spec_exactly_once(story):
     parents = tracking.client(uri).search_runs([tracking.experiment_id(uri, "intr")], "tags.`ladder.kind` = 'submission'")
     # the SIGKILLed submission's parent run is closed as KILLED by the rerun, not left RUNNING
     statuses = sorted(p.info.status for p in parents)
-    assert len(statuses) == 3 and "RUNNING" not in statuses, statuses
+    seen = [(p.info.status, p.data.tags.get("pid"), p.info.run_name) for p in parents]
+    assert len(statuses) == 3 and "RUNNING" not in statuses, (seen, story["sigint"]["stderr"][-1500:], r["stderr"][-3000:])
     for name in story["finished_before_kill"]:
         # a run finished before the kill is not touched again
         assert len(attempts(dirs[name])) == story["attempts_before_rerun"][name]
