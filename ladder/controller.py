@@ -369,6 +369,9 @@ def _catch_up(console: Console, root: Path, tracking_uri: str | None, exp: Exper
     tracking.bounded_http_retries()
     try:
         tracking.prepare_store(uri)
+        # a submission killed on this host leaves its parent RUNNING; with nothing to train no
+        # parent of this one's start_submission would close it
+        tracking.close_dead_submissions(uri, tracking.experiment_id(uri, exp.name))
         parent = tracking.latest_parent_run(uri, exp.name)
         sent = 0
         for p in backlog:

@@ -225,3 +225,22 @@ def test_the_cli_refuses_a_gpu_request_before_starting_a_local_ray(write_experim
     assert "Ray" not in out.stdout  # no local Ray came up to say anything
     assert not (tmp_path / ".ladder" / "runs").exists()
     print(f"refused in {time.perf_counter() - t0:.1f} s")
+
+
+def test_catching_up_with_nothing_to_train_closes_a_dead_submissions_parent_run(sweep, tmp_path):
+    import shutil
+    import socket
+
+    path, root, _ = sweep
+    copy = tmp_path / ".ladder"
+    shutil.copytree(root, copy)  # another store: every finished run is a backlog to catch up
+    uri = tracking.default_tracking_uri(copy)
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    c = tracking.client(uri)
+    dead = c.create_run(tracking.experiment_id(uri, "sweep"), tags={
+        "ladder.kind": "submission", "host": socket.gethostname(), "pid": gone.stdout.strip()})
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(path), "--root", str(copy)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "nothing to train" in out.stderr, out.stderr
+    assert "uploaded" in out.stderr  # the catch-up ran
+    assert c.get_run(dead.info.run_id).info.status == "KILLED"

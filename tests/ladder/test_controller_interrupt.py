@@ -149,10 +149,13 @@ def test_a_killed_submission_rerun_trains_every_spec_exactly_once(story):
         logged = tracking.iter_metric_points(uri, run.info.run_id, ["loss"])["loss"]
         assert sorted(logged) == list(range(STEPS)), f"{spec.name}: MLflow steps lost or duplicated"
     parents = tracking.client(uri).search_runs([tracking.experiment_id(uri, "intr")], "tags.`ladder.kind` = 'submission'")
-    # the SIGKILLed submission's parent run is closed as KILLED by the rerun, not left RUNNING
+    # the SIGKILLed submission's parent run is closed as KILLED by the rerun, not left RUNNING.
+    # The killed driver's Ray worker may finish its run before Ray reaps it: then the rerun has
+    # nothing to train, opens no parent of its own, and only catches MLflow up
     statuses = sorted(p.info.status for p in parents)
     seen = [(p.info.status, p.data.tags.get("pid"), p.info.run_name) for p in parents]
-    assert len(statuses) == 3 and "RUNNING" not in statuses, (seen, story["sigint"]["stderr"][-1500:], r["stderr"][-3000:])
+    n_parents = 2 if "nothing to train" in r["stderr"] else 3
+    assert len(statuses) == n_parents and "RUNNING" not in statuses, (seen, r["stderr"][-3000:])
     for name in story["finished_before_kill"]:
         # a run finished before the kill is not touched again
         assert len(attempts(dirs[name])) == story["attempts_before_rerun"][name]
