@@ -113,20 +113,19 @@ def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
 # ---- variants ----------------------------------------------------------------------------------------
 
 
-def run_steps(launch, read, batches, lookahead: bool = True, marks: dict | None = None, mark_after: int = -1):
+def run_steps(launch, read, batches, lookahead: bool = True, settle_at: int = -1, on_settle=None):
     """read(launch(batch)) for every batch, through the engines' own loop (engines/lookahead.py):
     with lookahead, batch i + 1 is launched before step i is read; without, each step is read
-    before the next is launched. With marks, marks["t"] is set (after a sync, see timed_loop)
-    once step mark_after has been read, with nothing launched behind it."""
+    before the next is launched. Step settle_at is read with nothing launched behind it, and
+    on_settle() is called right after."""
     from engines.lookahead import lookahead_steps
 
     out = []
     for i, r in enumerate(lookahead_steps(0, len(batches), lambda i: launch(batches[i]), lambda i, h: read(h),
-                                          lambda i: not lookahead or i == mark_after)):
+                                          lambda i: not lookahead or i == settle_at)):
         out.append(r)
-        if marks is not None and i == mark_after:
-            marks["sync"]()
-            marks["t"] = time.perf_counter()
+        if i == settle_at and on_settle is not None:
+            on_settle()
     return out
 
 
@@ -134,11 +133,16 @@ def timed_loop(launch, read, batches, warmup: int, sync, lookahead: bool = True)
     """(results, timed seconds, warm-up seconds) of warmup + timed steps; the timed steps run
     between two device synchronisations."""
     t_w = time.perf_counter()
-    marks = {"sync": sync, "t": t_w}
-    out = run_steps(launch, read, batches, lookahead, marks, warmup - 1)
+    t0 = [t_w]
+
+    def start_clock():
+        sync()
+        t0[0] = time.perf_counter()
+
+    out = run_steps(launch, read, batches, lookahead, warmup - 1, start_clock)
     sync()
     t1 = time.perf_counter()
-    return out, t1 - marks["t"], marks["t"] - t_w
+    return out, t1 - t0[0], t0[0] - t_w
 
 
 def read_at_once_tps(launch, read, batches, sync) -> float:

@@ -42,11 +42,18 @@ def lookahead_steps(start: int, total: int, launch: Callable[[int], Any], read: 
         yield read(*pending)
 
 
+def _eval_due(spec, done: int) -> bool:
+    return done % spec.run.eval_every == 0 or done == spec.total_steps
+
+
+def _save_due(spec, done: int) -> bool:
+    return done % spec.run.checkpoint_every == 0 or done == spec.total_steps
+
+
 def settles(spec, step: int) -> bool:
     """Whether something needs the state right after `step` (0-based): an eval, a checkpoint or
     the end of the run."""
-    done = step + 1
-    return done % spec.run.eval_every == 0 or done % spec.run.checkpoint_every == 0 or done == spec.total_steps
+    return _eval_due(spec, step + 1) or _save_due(spec, step + 1)
 
 
 def close_step(rec, finite: bool, spec, run_dir, engine: str, writer, evaluate: Callable[[], float],
@@ -65,10 +72,10 @@ def close_step(rec, finite: bool, spec, run_dir, engine: str, writer, evaluate: 
         raise DivergedError(f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {rec.step}; "
                             f"the last good checkpoint is {last}")
     done = rec.step + 1
-    if done % spec.run.eval_every == 0 or done == spec.total_steps:
+    if _eval_due(spec, done):
         rec.eval_loss = evaluate()
     writer.write(rec)
-    if done % spec.run.checkpoint_every == 0 or done == spec.total_steps:
+    if _save_due(spec, done):
         save(done)
     return rec
 

@@ -88,8 +88,6 @@ class MasterAdamW(torch.optim.Optimizer):
     Step protocol: forward/backward through `working()`; norm, mult = `grad_norm_and_scale(clip)`;
     `step(mult, finite)`; `zero_grad()`; read the metrics (rewind() if they were not finite)."""
 
-    guards_on_device = True
-
     def __init__(self, model: MoETransformer, param_groups, lr: float, betas: tuple[float, float],
                  eps: float, dtype: torch.dtype = torch.bfloat16, compile: bool | None = None):
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
@@ -209,8 +207,6 @@ class GuardedAdamW(torch.optim.AdamW):
     (engines/lookahead.py). A false `finite` goes to the fused kernel as its found_inf: it skips
     the update and takes back the step count, on the device. Clipping stays clip_grad_norm_'s
     (clip_mult is accepted and must be None)."""
-
-    guards_on_device = True
 
     def __init__(self, params, **kw):
         super().__init__(params, fused=True, **kw)
