@@ -44,11 +44,17 @@ def category(name: str) -> str:
     return "other"
 
 
+def is_kernel(ev, device_type) -> bool:
+    """A device event that is work on the GPU: not a user annotation (record_function ranges such as
+    Optimizer.step#... are mirrored onto the GPU timeline and span the kernels they launched)."""
+    return ev.device_type == device_type and not getattr(ev, "is_user_annotation", False)
+
+
 def gap_table(events, device_type, steps: int, top: int, min_us: float = 50.0) -> list[str]:
     """The longest stretches with no kernel running on the GPU (longer than min_us), each with the
     kernels before and after it and the outermost host ops running when it ended (what the host
     was doing while the GPU waited)."""
-    kernels = sorted((e for e in events if e.device_type == device_type), key=lambda e: e.time_range.start)
+    kernels = sorted((e for e in events if is_kernel(e, device_type)), key=lambda e: e.time_range.start)
     if not kernels:
         return ["No device events: no GPU gaps to list."]
     host = [e for e in events if e.device_type != device_type and e.cpu_parent is None]
@@ -124,7 +130,7 @@ def main(argv=None) -> int:
     kern: dict[str, float] = defaultdict(float)
     calls: dict[str, int] = defaultdict(int)
     for ev in prof.events():
-        if cuda and ev.device_type == torch.autograd.DeviceType.CUDA:
+        if cuda and is_kernel(ev, torch.autograd.DeviceType.CUDA):
             kern[ev.name] += ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
             calls[ev.name] += 1
     busy_us = sum(kern.values())

@@ -156,12 +156,50 @@ def step_record(step: int, tokens: int, lr: float, m: dict, tps: float, mfu: flo
     )
 
 
+def to_device(batch: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A token batch as int64 on the device without a stream sync: a copy from pageable host
+    memory first waits for everything queued on the stream (CUDA's rule for pageable
+    host-to-device copies), which would stop the host from launching a step while the previous one
+    runs; from pinned memory the copy is queued like a kernel."""
+    x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.int64))
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's copy on its way to the host, queued where it is made. Reading it waits for
+    the kernels queued before the copy only: a plain .tolist() later would queue its copy behind
+    every kernel launched since (the next step's included) and wait for all of them."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+_FINITE_AT = tuple((METRIC_KEYS + ("grad_norm",)).index(k) for k in FINITE_KEYS)
+
+
 def queue_update(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
-                 spec: Spec) -> None:
-    """The step's update and router-bias move, queued on the device without waiting for it; both
-    change nothing when the step's loss or grad norm is not finite (checked on the device)."""
-    keys = METRIC_KEYS + ("grad_norm",)
-    finite = torch.isfinite(vals[[keys.index(k) for k in FINITE_KEYS]]).all()
+                 spec: Spec) -> HostCopy:
+    """The step's metrics sent towards the host, then its update and router-bias move, all queued
+    on the device without waiting for them; the update and bias move change nothing when the
+    step's loss or grad norm is not finite (checked on the device). Returns the metrics' HostCopy
+    for read_step."""
+    pending = HostCopy(vals)
+    # scalar views stacked: indexing with a host list would copy the index from pageable memory
+    finite = torch.isfinite(torch.stack([vals[i] for i in _FINITE_AT])).all()
     opt.step(out.get("clip_mult"), finite=finite)
     if spec.model.router_bias_balancing:
         with torch.no_grad():
@@ -171,9 +209,10 @@ def queue_update(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.
             for i, blk in enumerate(model.blocks):
                 blk.moe.router_bias.add_(upd_LE[i])
     opt.zero_grad(set_to_none=True)
+    return pending
 
 
-def read_step(opt: torch.optim.Optimizer, vals: torch.Tensor) -> tuple[dict[str, float], bool]:
+def read_step(opt: torch.optim.Optimizer, vals: HostCopy | torch.Tensor) -> tuple[dict[str, float], bool]:
     """The step's one host sync: (metrics by name, finite). A non-finite step's update was
     skipped on the device; MasterAdamW's host-side step count is taken back here."""
     m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))
@@ -186,8 +225,7 @@ def read_step(opt: torch.optim.Optimizer, vals: torch.Tensor) -> tuple[dict[str,
 def finish_step(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
                 spec: Spec) -> tuple[dict[str, float], bool]:
     """queue_update then read_step: a step finished before anything else is launched."""
-    queue_update(model, opt, vals, out, spec)
-    return read_step(opt, vals)
+    return read_step(opt, queue_update(model, opt, vals, out, spec))
 
 
 def optimizer_to_numpy(model: MoETransformer, opt: torch.optim.AdamW) -> dict[str, np.ndarray]:
@@ -319,19 +357,19 @@ class TorchEngine:
         def launch(step: int):
             t0 = time.perf_counter()
             batch = stream.batch(step)
-            x = torch.from_numpy(batch).to(device, dtype=torch.long, non_blocking=True)
+            x = to_device(batch, device)
             lr = float(lrs[step])
             for g in opt.param_groups:
                 g["lr"] = lr
             vals, out = launch_step(model, loss_fn, x, spec, opt)
-            queue_update(model, opt, vals, out, spec)
-            return vals, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
+            pending = queue_update(model, opt, vals, out, spec)
+            return pending, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
 
         def read(step: int, handle) -> StepMetrics:
             nonlocal tokens
-            vals, lr, n_tok, seq, launch_s = handle
+            pending, lr, n_tok, seq, launch_s = handle
             t_read = time.perf_counter()
-            m, finite = read_step(opt, vals)
+            m, finite = read_step(opt, pending)
             tokens += n_tok
             now = time.perf_counter()
             tps = n_tok / max(launch_s + now - t_read if synchronous else now - clock["t"], 1e-9)

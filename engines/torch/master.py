@@ -189,6 +189,8 @@ class MasterAdamW(torch.optim.Optimizer):
             host = torch.tensor([lr / (1 - b1**t), 1 - lr * wd, 1 - b1, b2, 1 - b2, eps,
                                  1 / math.sqrt(1 - b2**t)], dtype=torch.float32)
             dev = ps[0].device
+            if dev.type == "cuda":  # a pageable upload would wait for the stream (the backward)
+                host = host.pin_memory()
             s_9 = torch.cat([host.to(dev, non_blocking=True),
                              (clip_mult if clip_mult is not None else torch.ones((), device=dev)).reshape(1).float(),
                              (finite if finite is not None else torch.ones((), device=dev)).reshape(1).float()])

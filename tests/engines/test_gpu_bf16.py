@@ -6,7 +6,16 @@ import pytest
 import torch
 
 from engines.data import TokenStream
-from engines.torch.engine import build_optimizer, finish_step, launch_step, make_loss_fn
+from engines.torch.engine import (
+    HostCopy,
+    build_optimizer,
+    finish_step,
+    launch_step,
+    make_loss_fn,
+    queue_update,
+    read_step,
+    to_device,
+)
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.presets import micro_spec
 
@@ -62,3 +71,29 @@ def test_bf16_fast_step_matches_the_fp32_path(dispatch):
             after.append(float(loss_terms(model, x, spec.optim)[0]))
     assert after[1] < loss32 and after[0] < loss32
     assert abs(after[1] - after[0]) <= 1e-2 * abs(after[0])
+
+
+def test_a_host_copy_is_read_without_waiting_for_kernels_queued_after_it():
+    t = to_device(TokenStream.from_spec(micro_spec(**SHAPE)).batch(0), torch.device("cuda"))
+    pending = HostCopy(t[:, :8] * 2)
+    torch.cuda._sleep(2_000_000_000)  # about a second of GPU time queued behind the copy
+    got = pending.tolist()
+    assert not torch.cuda.current_stream().query()  # the read came back while the sleep still ran
+    assert got == (t[:, :8] * 2).tolist()
+
+
+@pytest.mark.parametrize("working", [True, False], ids=["MasterAdamW", "GuardedAdamW"])
+def test_a_fast_step_is_queued_without_a_host_sync(working):
+    spec, model, x = _setup("dropless")
+    opt = build_optimizer(model, spec, working=working)
+    fn = make_loss_fn(model, x.device, opt)
+    stream = TokenStream.from_spec(spec)
+    assert read_step(opt, queue_update(model, opt, *launch_step(model, fn, x, spec, opt), spec))[1]  # compiles
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # any synchronizing CUDA call raises
+    try:
+        pending = queue_update(model, opt, *launch_step(model, fn, to_device(stream.batch(1), x.device), spec, opt),
+                               spec)
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    assert read_step(opt, pending)[1]
