@@ -61,21 +61,23 @@ def test_fast_loss_with_the_gather_ops_matches_the_reference(monkeypatch):
         assert torch.allclose(g_fast[name], g, rtol=1e-4, atol=1e-6), name
 
 
-_INTERPRETED = """
+_KERNELS = """
+import sys
 import torch
 from engines.torch import gather as G
+dev = sys.argv[1]
 torch.manual_seed(0)
 T, K, L = 7, 4, 300  # L not a power of two: the column masks are exercised
 for dtype in (torch.float32, torch.float16):
-    src = torch.randn(T * K, L).to(dtype)
-    idx = torch.randperm(T * K).view(T, K)
-    w = torch.rand(T, K)
-    g = torch.randn(T, L)
+    src = torch.randn(T * K, L).to(dev, dtype)
+    idx = torch.randperm(T * K).view(T, K).to(dev)
+    w = torch.rand(T, K).to(dev)
+    g = torch.randn(T, L).to(dev)
     for weights in (w, None):
-        out = torch.empty(T, L)
+        out = torch.empty(T, L, device=dev)
         G.launch_gather_sum(src, idx, weights, out)
         torch.testing.assert_close(out, G.gather_sum_torch(src, idx, weights, torch.float32), rtol=1e-5, atol=1e-5)
-    dots = torch.empty(T, K)
+    dots = torch.empty(T, K, device=dev)
     G.launch_gather_dot(src, idx, g, dots)
     torch.testing.assert_close(dots, G.gather_dot_torch(src, idx, g), rtol=1e-4, atol=1e-4)
     # the same through the registered ops (torch.library.triton_op + wrap_triton), as compiled code calls them
@@ -88,8 +90,20 @@ print("ok")
 """
 
 
+def _run_kernels(device: str, **env) -> None:
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _KERNELS, device], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+
+
 def test_triton_kernels_equal_the_torch_forms_in_the_interpreter():
     pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", _INTERPRETED], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+    # CPU tensors through the interpreter, with no GPU visible even where there is one (the
+    # registered ops dispatch on the device the process sees)
+    _run_kernels("cpu", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_triton_kernels_equal_the_torch_forms_on_the_gpu():
+    _run_kernels("cuda")
