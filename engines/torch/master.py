@@ -24,9 +24,11 @@ Shape legend: N... a tensor's dimensions (any rank).
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
+from engines.torch.adamw_kernel import adamw_launch, kernel_usable
 from engines.torch.model import MoETransformer
 
 
@@ -68,18 +70,28 @@ def adamw_(p_N, g_N, m_N, v_N, w_N, s_9):
         w_N.copy_(p_N)
 
 
-def adamw_group_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9):
-    """adamw_ over a parameter group. parts[i] is None (gs[i] is the gradient, no working copy) or
-    (leaf index, start, stop): the gradient and working copy are that slice of leaf_grads[j] and
-    leaves[j]. Leaves come whole and are sliced here because the compiler cannot take several
-    mutated views of one storage as inputs. Compiled on a GPU as one graph per group: shapes,
-    strides and slices repeat every step, so it compiles once."""
+def _each_tensor(update, ps, gs, ms, vs, leaves, leaf_grads, parts, s_9):
+    """update(p, g, m, v, w, s_9) for every tensor of a group. parts[i] is None (gs[i] is the
+    gradient, no working copy) or (leaf index, start, stop): the gradient and working copy are that
+    slice of leaf_grads[j] and leaves[j]. Leaves come whole and are sliced here because the
+    compiler cannot take several mutated views of one storage as inputs."""
     for p, g, m, v, part in zip(ps, gs, ms, vs, parts):
         if part is None:
-            adamw_(p, g, m, v, None, s_9)
+            update(p, g, m, v, None, s_9)
         else:
             j, a, b = part
-            adamw_(p, leaf_grads[j][..., a:b], m, v, leaves[j][..., a:b], s_9)
+            update(p, leaf_grads[j][..., a:b], m, v, leaves[j][..., a:b], s_9)
+
+
+def adamw_group_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9):
+    """adamw_ over a parameter group (see _each_tensor). Compiled on a GPU as one graph per group:
+    shapes, strides and slices repeat every step, so it compiles once."""
+    _each_tensor(adamw_, ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
+
+
+def adamw_group_kernels_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9):
+    """The same update with one Triton kernel per tensor (engines/torch/adamw_kernel.py)."""
+    _each_tensor(adamw_launch, ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
 
 
 class MasterAdamW(torch.optim.Optimizer):
@@ -89,7 +101,8 @@ class MasterAdamW(torch.optim.Optimizer):
     `step(mult, finite)`; `zero_grad()`; read the metrics (rewind() if they were not finite)."""
 
     def __init__(self, model: MoETransformer, param_groups, lr: float, betas: tuple[float, float],
-                 eps: float, dtype: torch.dtype = torch.bfloat16, compile: bool | None = None):
+                 eps: float, dtype: torch.dtype = torch.bfloat16, compile: bool | None = None,
+                 kernel: str | None = None):
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         self.dtype = dtype
         self._leaves: dict[str, torch.Tensor] = {}
@@ -102,9 +115,19 @@ class MasterAdamW(torch.optim.Optimizer):
             shape = (*parts[0].shape[:-1], start)
             self._leaves[name] = torch.empty(shape, dtype=dtype, device=parts[0].device, requires_grad=True)
         self._stale = True
-        use_compile = compile if compile is not None else next(model.parameters()).is_cuda
-        # one fused kernel per tensor, one graph per parameter group
-        self._update = torch.compile(adamw_group_, dynamic=False) if use_compile else adamw_group_
+        # "compile": Inductor's kernels, one graph per parameter group; "triton": one hand-written
+        # kernel per tensor where Triton runs (else the torch form)
+        self.kernel = kernel or os.environ.get("MOE_LADDER_TORCH_ADAMW", "compile")
+        if self.kernel not in ("compile", "triton"):
+            raise ValueError(f"MasterAdamW kernel {self.kernel!r}: 'compile' or 'triton'")
+        first = next(model.parameters())
+        use_compile = compile if compile is not None else first.is_cuda
+        if self.kernel == "triton" and kernel_usable(first):
+            self._update = adamw_group_kernels_
+        elif self.kernel == "compile" and use_compile:
+            self._update = torch.compile(adamw_group_, dynamic=False)
+        else:
+            self._update = adamw_group_
 
     # ---- working copies --------------------------------------------------------------------
 

@@ -1,0 +1,95 @@
+"""engines/torch/adamw_kernel.py: MasterAdamW's update as one Triton kernel per tensor trains like
+the torch form of the same update (weights, moments, working copies), and a step flagged non-finite
+changes nothing. Run in Triton's interpreter on the CPU where Triton is installed, and on a GPU
+where there is one; the stride rules are checked everywhere."""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from engines.torch.adamw_kernel import _row_stride
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_a_slice_of_a_leaf_is_read_in_rows_of_the_leaf_width():
+    leaf = torch.zeros(3, 4, 10)
+    assert _row_stride(leaf[..., 2:6], 4) == 10
+    assert _row_stride(torch.zeros(5), 5) == 5
+    with pytest.raises(ValueError, match="columns must be contiguous"):
+        _row_stride(leaf.transpose(-1, -2), 4)
+    with pytest.raises(ValueError, match="not evenly strided"):
+        _row_stride(leaf[:, :2, 2:6], 4)
+
+
+_SCRIPT = """
+import sys
+import torch
+from engines.data import TokenStream
+from engines.torch.engine import build_optimizer, launch_step, make_loss_fn, read_step, queue_update
+from engines.torch.master import MasterAdamW, adamw_group_kernels_, weight_layout
+from engines.torch.model import MoETransformer, init_params
+from ladder.presets import micro_spec
+
+dev = torch.device(sys.argv[1])
+dtype = getattr(torch, sys.argv[2])  # the working copies'
+steps = 3 if dtype == torch.float32 else 1  # (16-bit copies: one step, from equal gradients)
+spec = micro_spec(**{"optim.grad_clip": 0.05, "optim.weight_decay": 0.1})
+stream = TokenStream.from_spec(spec)
+runs = []
+for kernel in ("compile", "triton"):
+    model = MoETransformer(spec.model).to(dev)
+    model.load_numpy(init_params(spec.model, spec.seed))
+    plain = build_optimizer(model, spec, working=False)
+    opt = MasterAdamW(model, plain.param_groups, lr=spec.optim.peak_lr, betas=(spec.optim.beta1, spec.optim.beta2),
+                      eps=spec.optim.eps, dtype=dtype, compile=False, kernel=kernel)
+    assert (opt._update is adamw_group_kernels_) == (kernel == "triton")
+    fn = make_loss_fn(model, dev, opt)
+    for s in range(steps):
+        x = torch.from_numpy(stream.batch(s)).long().to(dev)
+        m, finite = read_step(opt, queue_update(model, opt, *launch_step(model, fn, x, spec, opt), spec))
+        assert finite
+    runs.append((model, opt))
+(ref, ref_opt), (got, got_opt) = runs
+for (name, p), q in zip(got.named_parameters(), ref.parameters()):
+    torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)
+    for key in ("exp_avg", "exp_avg_sq"):
+        torch.testing.assert_close(got_opt.state[p][key], ref_opt.state[q][key], rtol=1e-5, atol=1e-9, msg=name)
+for name, leaf in got_opt.working().items():  # the copies hold the new masters, rounded
+    assert torch.equal(leaf.detach(), torch.cat(weight_layout(got)[name], -1).detach().to(dtype)), name
+
+# a step flagged non-finite changes no master, moment or working copy
+x = torch.from_numpy(stream.batch(3)).long().to(dev)
+total, out = fn(got, x, spec.optim)
+total.backward()
+before = [t.clone() for p in got.parameters() for t in (p, got_opt.state[p]["exp_avg"], got_opt.state[p]["exp_avg_sq"])]
+copies = [leaf.detach().clone() for leaf in got_opt.working().values()]
+got_opt.step(torch.ones((), device=dev), finite=torch.zeros((), dtype=torch.bool, device=dev))
+after = [t for p in got.parameters() for t in (p, got_opt.state[p]["exp_avg"], got_opt.state[p]["exp_avg_sq"])]
+assert all(torch.equal(a, b) for a, b in zip(before, after))
+assert all(torch.equal(a, b.detach()) for a, b in zip(copies, got_opt.working().values()))
+print("ok")
+"""
+
+
+def _run(device: str, dtype: str = "float32", **env) -> None:
+    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", _SCRIPT, device, dtype], env=env, capture_output=True, text=True,
+                          timeout=600)
+    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
+
+
+def test_kernel_update_trains_like_the_torch_form_in_the_interpreter():
+    pytest.importorskip("triton")
+    _run("cpu", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_kernel_update_trains_like_the_torch_form_on_the_gpu(dtype):
+    _run("cuda", dtype)
