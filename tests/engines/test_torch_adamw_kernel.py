@@ -3,17 +3,11 @@ the torch form of the same update (weights, moments, working copies), and a step
 changes nothing. Run in Triton's interpreter on the CPU where Triton is installed, and on a GPU
 where there is one; the stride rules are checked everywhere."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from engines.torch.adamw_kernel import _row_stride
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engines.triton_script import INTERPRETER, run_script
 
 
 def test_a_slice_of_a_leaf_is_read_in_rows_of_the_leaf_width():
@@ -76,20 +70,13 @@ print("ok")
 """
 
 
-def _run(device: str, dtype: str = "float32", **env) -> None:
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", _SCRIPT, device, dtype], env=env, capture_output=True, text=True,
-                          timeout=600)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
-
-
 def test_kernel_update_trains_like_the_torch_form_in_the_interpreter():
     pytest.importorskip("triton")
-    _run("cpu", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    run_script(_SCRIPT, "cpu", "float32", **INTERPRETER)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_kernel_update_trains_like_the_torch_form_on_the_gpu(dtype):
-    _run("cuda", dtype)
+    run_script(_SCRIPT, "cuda", dtype)

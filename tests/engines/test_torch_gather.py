@@ -4,11 +4,6 @@ gather + sum, the fast loss with gather="triton" (the torch forms here) equals t
 model, and, where Triton is installed, the kernels run in Triton's interpreter and equal the torch
 forms, directly and through the registered ops."""
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -17,8 +12,7 @@ from engines.torch import fast
 from engines.torch.gather import Combine
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.presets import micro_spec
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.engines.triton_script import INTERPRETER, run_script
 
 
 def _case(T=6, K=3, L=5, dtype=torch.float64):
@@ -90,20 +84,12 @@ print("ok")
 """
 
 
-def _run_kernels(device: str, **env) -> None:
-    env = {**os.environ, **env, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", _KERNELS, device], env=env, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0 and "ok" in done.stdout, done.stdout[-2000:] + done.stderr[-3000:]
-
-
 def test_triton_kernels_equal_the_torch_forms_in_the_interpreter():
     pytest.importorskip("triton")
-    # CPU tensors through the interpreter, with no GPU visible even where there is one (the
-    # registered ops dispatch on the device the process sees)
-    _run_kernels("cpu", TRITON_INTERPRET="1", CUDA_VISIBLE_DEVICES="")
+    run_script(_KERNELS, "cpu", **INTERPRETER)
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 def test_triton_kernels_equal_the_torch_forms_on_the_gpu():
-    _run_kernels("cuda")
+    run_script(_KERNELS, "cuda")
