@@ -3,8 +3,10 @@
 Reading a step's metrics (for its record and its finiteness check) is the step's one host sync.
 Read right after the step was queued, it leaves the device idle from the end of that step until
 the host has launched the next one (the record, the batch, the launch overhead of the next
-forward: 7-10 ms of a 114 ms H200 step at the bench shape). Here step s + 1 is launched before
-step s is read, so the device goes from one step to the next without waiting.
+forward). Here step s + 1 is launched before step s is read, so the device goes from one step to
+the next without waiting. (The read must wait for step s alone: in torch, a copy to the host
+queued after step s + 1 would wait for all of it, hence engines/torch/engine.py's HostCopy,
+queued as step s ends.)
 
 What makes that safe:
 - the update of a step is queued with its finiteness on the device (engines/torch: MasterAdamW
