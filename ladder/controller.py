@@ -33,6 +33,7 @@ from ladder.experiment import Experiment, load_experiment
 from ladder.spec import Spec
 
 DEFER_POLL_S = 2.0
+STOP_GRACE_S = 10.0  # how long a Ctrl-C waits for workers to stop at a step before ray.cancel
 
 
 # ---- plan ----------------------------------------------------------------------------------------
@@ -119,6 +120,10 @@ class ClaimLost(RuntimeError):
     pass
 
 
+class StopRequested(Exception):
+    """The submission asked its workers to stop (ledger.request_stop): Ctrl-C on the driver."""
+
+
 def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
     """Runs on a Ray worker: claim, train with resume, release. (The controller mirrors the
     run dir into MLflow; the worker only trains.)"""
@@ -135,10 +140,13 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
     if claim is None:
         return {**base, "outcome": "busy", "holder": ledger.live_claim(ctx["root"], spec.id)}
     report = Reporter(ctx.get("sink"), spec.id)
+    stop = ledger.stop_path(ctx["root"], ctx["owner"])
     state, note, last, engine_s, first_step = "failed", "", None, 0.0, 0
     try:
         if ledger.is_finished(rd, spec):
             return {**base, "outcome": "skipped", "note": "finished by another submission"}
+        if stop.exists():
+            raise StopRequested()
         _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time()})
         report({**base, "step": 0}, force=True)
         t0 = time.perf_counter()
@@ -148,6 +156,8 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
             last = m
             if claim.lost:
                 raise ClaimLost("another submission judged this worker dead and took the spec over")
+            if stop.exists():
+                raise StopRequested()
             report({**base, "step": m.step + 1, "loss": m.loss, "tokens_per_s": m.tokens_per_s})
         engine_s = time.perf_counter() - t0
         state = "finished" if ledger.is_finished(rd, spec) else "failed"
@@ -159,7 +169,7 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
             write_status(rd, "diverged", reason=str(err), step=last.step if last else None)
     except ClaimLost as err:
         state, note = "interrupted", str(err)  # the run dir is the new holder's now: leave it alone
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, StopRequested):
         state, note = "interrupted", "cancelled"
         write_status(rd, "failed", reason="interrupted", step=last.step if last else None)
     except Exception as err:
@@ -184,6 +194,8 @@ def _node_id() -> str | None:
     try:
         import ray
 
+        if not ray.is_initialized():  # (the runtime context would start a local Ray)
+            return None
         return ray.get_runtime_context().get_node_id()
     except Exception:
         return None
@@ -526,7 +538,7 @@ def _dispatch(
                     else:
                         queue.append(p)
     except KeyboardInterrupt:
-        _cancel(inflight)
+        _cancel(inflight, ctx["root"], ctx["owner"])
         for ref, p in inflight.items():
             out = _outcome(ref, p) if ray.wait([ref], timeout=0)[0] else {"outcome": "interrupted"}
             if mirror is not None and mirror.pump.watching(p.spec.id):
@@ -570,23 +582,31 @@ def _note(out: dict) -> str:
     return "  ".join(bits)
 
 
-def _cancel(inflight: dict) -> None:
-    """Ask every running task to stop (a KeyboardInterrupt inside it: it writes its status,
-    closes its MLflow run and releases its claim), then wait a little for them."""
+def _cancel(inflight: dict, root: str, owner: str) -> None:
+    """Stop every running task and wait a little for them: first by the stop marker its workers
+    check at every step (each writes its status, releases its claim and returns), then, for a task
+    still running after STOP_GRACE_S (one in a long first step), by ray.cancel (a KeyboardInterrupt
+    inside it). Not ray.cancel first: a cancel that races a task's own completion can abort the
+    driver inside Ray (task_manager.cc: "Tried to complete task that was not pending", Ray 2.60)."""
     import ray
 
     refs = list(inflight)
-    for ref in refs:
-        try:
-            ray.cancel(ref)
-        except Exception:
-            pass
-    if refs:
-        try:
+    ledger.request_stop(root, owner)
+    try:
+        if refs:
+            _, refs = ray.wait(refs, num_returns=len(refs), timeout=STOP_GRACE_S)
+        for ref in refs:
+            try:
+                ray.cancel(ref)
+            except Exception:
+                pass
+        if refs:
             ray.wait(refs, num_returns=len(refs), timeout=15)
-        except KeyboardInterrupt:
-            for ref in refs:
-                ray.cancel(ref, force=True)
+    except KeyboardInterrupt:
+        for ref in refs:
+            ray.cancel(ref, force=True)
+    finally:
+        ledger.clear_stop(root, owner)
 
 
 # ---- tables ----------------------------------------------------------------------------------------

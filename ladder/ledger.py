@@ -284,6 +284,21 @@ def _lock_path(root: str | Path, spec_id: str) -> Path:
     return locks_dir(root) / f"{spec_id}.lock"
 
 
+def stop_path(root: str | Path, owner: str) -> Path:
+    """The marker by which a submission asks its workers to stop (checked at every step)."""
+    return locks_dir(root) / f"stop-{owner}"
+
+
+def request_stop(root: str | Path, owner: str) -> None:
+    path = stop_path(root, owner)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.touch()
+
+
+def clear_stop(root: str | Path, owner: str) -> None:
+    stop_path(root, owner).unlink(missing_ok=True)
+
+
 def _proc_start(pid: int) -> str | None:
     """The kernel's start time of pid (clock ticks since boot) and whether it is a zombie."""
     try:

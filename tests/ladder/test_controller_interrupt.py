@@ -93,19 +93,24 @@ def story(tmp_path_factory, mlflow_template):
         "steps": {n: last_step(d) for n, d in dirs.items()},
     }
 
-    # 2. SIGKILL with one run finished and another mid-way
+    # 2. SIGKILL with one run finished and another mid-way, both by this submission: what the
+    # first one left (a run stopped past step 12, maybe one finished) must not satisfy it, or the
+    # kill could come before this submission has even opened its parent run
+    first = {n: (read_status(d).get("state"), last_step(d), len(attempts(d))) for n, d in dirs.items()}
     p = start_submit(path, root)
 
     def mid_sweep() -> bool:
-        done = [n for n, d in dirs.items() if read_status(d).get("state") == "finished"]
-        mid = [n for n, d in dirs.items() if n not in done and last_step(d) >= 12 and len(attempts(d)) >= 1]
+        now = {n: (read_status(d).get("state"), last_step(d), len(attempts(d))) for n, d in dirs.items()}
+        done = [n for n, (state, _, _) in now.items() if state == "finished" and first[n][0] != "finished"]
+        mid = [n for n, (state, step, tries) in now.items()
+               if state != "finished" and tries > first[n][2] and step >= max(12, first[n][1] + 3)]
         return bool(done) and bool(mid)
 
     wait_for(mid_sweep, p, "one run finished and another mid-way")
     out["finished_before_kill"] = [n for n, d in dirs.items() if read_status(d).get("state") == "finished"]
     out["attempts_before_rerun"] = {n: len(attempts(d)) for n, d in dirs.items()}
     p.send_signal(signal.SIGKILL)  # the driver only: its local Ray goes down with it
-    p.communicate(timeout=60)
+    out["killed_stderr"] = p.communicate(timeout=60)[1]
 
     # 3. run it again to the end
     t0 = time.perf_counter()
@@ -155,7 +160,9 @@ def test_a_killed_submission_rerun_trains_every_spec_exactly_once(story):
     statuses = sorted(p.info.status for p in parents)
     seen = [(p.info.status, p.data.tags.get("pid"), p.info.run_name) for p in parents]
     n_parents = 2 if "nothing to train" in r["stderr"] else 3
-    assert len(statuses) == n_parents and "RUNNING" not in statuses, (seen, r["stderr"][-3000:])
+    assert len(statuses) == n_parents and "RUNNING" not in statuses, (
+        seen, "SIGINT:", story["sigint"]["stderr"][-3000:], "SIGKILL:", story.get("killed_stderr", "")[-3000:],
+        "rerun:", r["stderr"][-3000:])
     for name in story["finished_before_kill"]:
         # a run finished before the kill is not touched again
         assert len(attempts(dirs[name])) == story["attempts_before_rerun"][name]
