@@ -76,13 +76,15 @@ ASSUMED_MFU = 0.3  # what the fast path measured at the H200 bench shape (33%)
 def working_copies_enabled(device: torch.device, expected_seconds: float | None = None) -> bool:
     """Whether the fast path keeps bf16 working copies written by the optimizer
     (engines/torch/master.py). $MOE_LADDER_TORCH_MASTER=1 / 0 forces it on / off; otherwise on
-    when the run is expected to last at least WORKING_COPIES_MIN_SECONDS (expected_seconds None:
-    unknown, on). Off, the matmuls cast the fp32 masters every step (no extra compile)."""
+    with MasterAdamW's Triton kernel ($MOE_LADDER_TORCH_ADAMW=triton), or when the run is expected
+    to last at least WORKING_COPIES_MIN_SECONDS (expected_seconds None: unknown, on). Off, the matmuls cast the fp32 masters every step (no extra compile)."""
     if not fast_path_enabled(device):
         return False
     env = os.environ.get("MOE_LADDER_TORCH_MASTER", "")
     if env in ("0", "1"):
         return env == "1"
+    if os.environ.get("MOE_LADDER_TORCH_ADAMW") == "triton" and importlib.util.find_spec("triton"):
+        return True  # MasterAdamW's own kernel: nothing to compile, so no warm-up to repay
     return expected_seconds is None or expected_seconds >= WORKING_COPIES_MIN_SECONDS
 
 

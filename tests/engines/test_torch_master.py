@@ -141,9 +141,21 @@ def test_a_non_finite_step_changes_nothing():
 def test_working_copies_are_kept_for_long_runs_unless_forced(monkeypatch, env, seconds, on):
     from engines.torch.fast import working_copies_enabled
 
+    monkeypatch.delenv("MOE_LADDER_TORCH_ADAMW", raising=False)
     if env is None:
         monkeypatch.delenv("MOE_LADDER_TORCH_MASTER", raising=False)
     else:
         monkeypatch.setenv("MOE_LADDER_TORCH_MASTER", env)
     assert working_copies_enabled(torch.device("cuda"), seconds) is on
     assert working_copies_enabled(torch.device("cpu"), seconds) is False  # a GPU-only path
+
+
+def test_the_triton_update_keeps_working_copies_for_short_runs(monkeypatch):
+    pytest.importorskip("triton")
+    from engines.torch.fast import working_copies_enabled
+
+    monkeypatch.delenv("MOE_LADDER_TORCH_MASTER", raising=False)
+    monkeypatch.setenv("MOE_LADDER_TORCH_ADAMW", "triton")  # nothing to compile: no warm-up to repay
+    assert working_copies_enabled(torch.device("cuda"), 60.0) is True
+    monkeypatch.setenv("MOE_LADDER_TORCH_ADAMW", "compile")
+    assert working_copies_enabled(torch.device("cuda"), 60.0) is False
