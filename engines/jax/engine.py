@@ -203,38 +203,39 @@ class JaxEngine:
         state = place(state, mesh)
         n_devices = mesh.size if mesh is not None else 1
 
-        def save(state: TrainState, step: int, tokens: int) -> None:
+        def save(step: int, tokens: int) -> None:
             model, opt = state_to_arrays(state)
             info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
                     "data": stream.state(step)}
             save_checkpoint(run_dir, step, model, opt, info, keep=spec.run.keep_checkpoints)
 
-        def evaluate(state: TrainState) -> float:
+        def evaluate() -> float:
             losses = [float(eval_step(state.params, state.buffers, put_batch(stream.eval_batch(i), mesh)))
                       for i in range(spec.run.eval_batches)]
             return float(np.mean(losses))
 
         write_status(run_dir, "running", step=start, engine=self.name, spec_id=spec.id)
         if ckpt is None:
-            save(state, 0, 0)  # the initial weights: another engine (or a replan) can start from them
+            save(0, 0)  # the initial weights: another engine (or a replan) can start from them
         writer = MetricsWriter(run_dir, start)
         total = spec.total_steps
         lrs = lr_at(spec, np.arange(total))
-        box = {"state": state, "t": time.perf_counter()}
+        t_prev = time.perf_counter()
 
         def launch(step: int):
+            nonlocal state
             batch = stream.batch(step)
             # the state goes in donated: the step's output is the only state from here on
-            box["state"], m = train_step(box["state"], put_batch(batch, mesh), jnp.float32(lrs[step]))
+            state, m = train_step(state, put_batch(batch, mesh), jnp.float32(lrs[step]))
             return m, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1
 
         def read(step: int, handle) -> StepMetrics:
-            nonlocal tokens
+            nonlocal tokens, t_prev
             m, n_tok, seq = handle
             m = jax.device_get(m)  # the step's one host sync
             now = time.perf_counter()
             tokens += n_tok
-            tps = n_tok / max(now - box["t"], 1e-9)
+            tps = n_tok / max(now - t_prev, 1e-9)
             rec = StepMetrics(
                 step=step, tokens=tokens, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
                 lr=float(lrs[step]), z_loss=float(m["z_loss"]), aux_loss=float(m["aux_loss"]),
@@ -246,9 +247,8 @@ class JaxEngine:
                 extra={"router_z_loss": float(m["router_z_loss"]), "total_loss": float(m["total_loss"])},
             )
             finite = bool(np.isfinite(rec.loss) and np.isfinite(m["total_loss"]) and np.isfinite(rec.grad_norm))
-            close_step(rec, finite, spec, run_dir, self.name, writer, lambda: evaluate(box["state"]),
-                       lambda done: save(box["state"], done, tokens))
-            box["t"] = time.perf_counter()
+            close_step(rec, finite, spec, run_dir, self.name, writer, evaluate, lambda done: save(done, tokens))
+            t_prev = time.perf_counter()
             return rec
 
         # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite step

@@ -56,6 +56,7 @@ from ladder.spec import Spec
 
 METRIC_KEYS = ("loss", "z_loss", "aux_loss", "router_z_loss", "drop_frac_send", "drop_frac_recv",
                "expert_load_max", "router_entropy", "total_loss")
+VALUE_KEYS = METRIC_KEYS + ("grad_norm",)  # the order of a step's values on the device
 FINITE_KEYS = ("loss", "total_loss", "grad_norm")  # a step that makes any of these NaN/inf is not applied
 
 
@@ -133,7 +134,7 @@ def make_loss_fn(model: MoETransformer, device: torch.device, opt: torch.optim.O
 def launch_step(model: MoETransformer, loss_fn, x: torch.Tensor, spec: Spec,
                 opt: torch.optim.Optimizer | None = None) -> tuple[torch.Tensor, dict]:
     """Forward, backward and the grad norm of one step, queued on the device without waiting for
-    it: (the step's metrics and grad norm stacked in METRIC_KEYS + ("grad_norm",) order, loss_fn's
+    it: (the step's metrics and grad norm stacked in VALUE_KEYS order, loss_fn's
     outputs). Clipping: clip_grad_norm_ on the parameters, or, for an optimizer with
     grad_norm_and_scale (MasterAdamW), a multiplier its step applies as it reads the gradients."""
     total_loss, out = loss_fn(model, x, spec.optim)
@@ -188,7 +189,7 @@ class HostCopy:
         return self.host.tolist()
 
 
-_FINITE_AT = tuple((METRIC_KEYS + ("grad_norm",)).index(k) for k in FINITE_KEYS)
+_FINITE_AT = tuple(VALUE_KEYS.index(k) for k in FINITE_KEYS)
 
 
 def queue_update(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
@@ -212,10 +213,10 @@ def queue_update(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.
     return pending
 
 
-def read_step(opt: torch.optim.Optimizer, vals: HostCopy | torch.Tensor) -> tuple[dict[str, float], bool]:
+def read_step(opt: torch.optim.Optimizer, vals: HostCopy) -> tuple[dict[str, float], bool]:
     """The step's one host sync: (metrics by name, finite). A non-finite step's update was
     skipped on the device; MasterAdamW's host-side step count is taken back here."""
-    m = dict(zip(METRIC_KEYS + ("grad_norm",), vals.tolist()))
+    m = dict(zip(VALUE_KEYS, vals.tolist()))
     finite = all(np.isfinite(m[k]) for k in FINITE_KEYS)
     if not finite and hasattr(opt, "rewind"):
         opt.rewind()
@@ -349,7 +350,7 @@ class TorchEngine:
         if ckpt is None:
             save(0)
         writer = MetricsWriter(run_dir, start)
-        clock = {"t": time.perf_counter()}
+        t_prev = time.perf_counter()
         # CPU ops run as they are launched, so a step's time there is its launch and read; on a
         # GPU the host learns when a step ended only at its read, so it is the time between reads
         synchronous = device.type == "cpu"
@@ -366,17 +367,17 @@ class TorchEngine:
             return pending, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
 
         def read(step: int, handle) -> StepMetrics:
-            nonlocal tokens
+            nonlocal tokens, t_prev
             pending, lr, n_tok, seq, launch_s = handle
             t_read = time.perf_counter()
             m, finite = read_step(opt, pending)
             tokens += n_tok
             now = time.perf_counter()
-            tps = n_tok / max(launch_s + now - t_read if synchronous else now - clock["t"], 1e-9)
+            tps = n_tok / max(launch_s + now - t_read if synchronous else now - t_prev, 1e-9)
             rec = step_record(step, tokens, lr, m, tps,
                               mfu=_flops_per_token(spec, seq) * tps / spec.hardware.peak_flops)
             close_step(rec, finite, spec, run_dir, self.name, writer, evaluate, save)
-            clock["t"] = time.perf_counter()
+            t_prev = time.perf_counter()
             return rec
 
         # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite step

@@ -28,13 +28,13 @@ dim, V vocab, E routed experts, K top-k, L expert width, F expert hidden, A assi
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from engines.torch import adamw_kernel, gather
 from engines.torch.gather import Combine, gather_sum
 from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
 
@@ -59,7 +59,7 @@ class FastOptions:
 
 OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"),
                       gather=os.environ.get("MOE_LADDER_TORCH_GATHER",
-                                            "triton" if importlib.util.find_spec("triton") else "inductor"))
+                                            "triton" if gather.triton is not None else "inductor"))
 
 
 def fast_path_enabled(device: torch.device) -> bool:
@@ -83,7 +83,7 @@ def working_copies_enabled(device: torch.device, expected_seconds: float | None 
     env = os.environ.get("MOE_LADDER_TORCH_MASTER", "")
     if env in ("0", "1"):
         return env == "1"
-    if os.environ.get("MOE_LADDER_TORCH_ADAMW") == "triton" and importlib.util.find_spec("triton"):
+    if os.environ.get("MOE_LADDER_TORCH_ADAMW") == "triton" and adamw_kernel.triton is not None:
         return True  # MasterAdamW's own kernel: nothing to compile, so no warm-up to repay
     return expected_seconds is None or expected_seconds >= WORKING_COPIES_MIN_SECONDS
 
