@@ -285,12 +285,16 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None):
     return launch, read, sync, close, info
 
 
-def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None):
+def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None,
+              tf32: bool = False):
     import torch
 
     from engines.torch import fast
 
     saved = fast.OPTIONS
+    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
+    # the fast path's only fp32 matmul is the router's (logits for top-k): TF32 tensor cores there
+    torch.backends.cuda.matmul.allow_tf32 = tf32
     if options:
         fast.OPTIONS = fast.FastOptions(**{**vars(saved), **options})
     try:
@@ -306,6 +310,7 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
             return [o[0] for o in out], dt, t_warm, info
     finally:
         fast.OPTIONS = saved
+        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
         torch._dynamo.reset()  # compiled graphs can hold the model's tensors; JAX runs next
         gc.collect()
         if DEVICE == "cuda":
@@ -341,7 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_tritonadam, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_tf32router, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -458,10 +463,12 @@ def main(argv=None) -> int:
         # engines/torch/gather.py's Triton kernels (the default where Triton is installed)
         "torch_inductorgather": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                              "options": {"gather": "inductor"}}),
-        # MasterAdamW's update as one Triton kernel per tensor (engines/torch/adamw_kernel.py)
-        # instead of Inductor's graphs per parameter group
-        "torch_tritonadam": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
-                                                 "MOE_LADDER_TORCH_ADAMW": "triton"}}),
+        # MasterAdamW's update as Inductor's graphs per parameter group instead of its default,
+        # one Triton kernel per tensor (engines/torch/adamw_kernel.py)
+        "torch_compileadam": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
+                                                  "MOE_LADDER_TORCH_ADAMW": "compile"}}),
+        # the router's fp32 logits matmul on TF32 tensor cores
+        "torch_tf32router": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "tf32": True}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),

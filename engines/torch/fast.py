@@ -36,6 +36,7 @@ import torch.nn.functional as F
 
 from engines.torch import adamw_kernel, gather
 from engines.torch.gather import Combine, gather_sum
+from engines.torch.master import default_kernel
 from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
 
 
@@ -67,8 +68,9 @@ def fast_path_enabled(device: torch.device) -> bool:
     return device.type == "cuda" and os.environ.get("MOE_LADDER_TORCH_FAST", "1") != "0"
 
 
-# MasterAdamW's compiled update costs up to about a minute of warm-up (H200, bench shape, cold
-# compile cache) for 2-3.5% faster steps: it repays that after about 30-40 minutes of steps
+# MasterAdamW's compiled update ($MOE_LADDER_TORCH_ADAMW=compile, or no Triton) costs up to about a
+# minute of warm-up (H200, bench shape, cold compile cache) for 2-3.5% faster steps: it repays that
+# after about 30-40 minutes of steps. Its Triton kernel (the default) compiles nothing.
 WORKING_COPIES_MIN_SECONDS = 2400.0
 ASSUMED_MFU = 0.3  # what the fast path measured at the H200 bench shape (33%)
 
@@ -76,14 +78,15 @@ ASSUMED_MFU = 0.3  # what the fast path measured at the H200 bench shape (33%)
 def working_copies_enabled(device: torch.device, expected_seconds: float | None = None) -> bool:
     """Whether the fast path keeps bf16 working copies written by the optimizer
     (engines/torch/master.py). $MOE_LADDER_TORCH_MASTER=1 / 0 forces it on / off; otherwise on
-    with MasterAdamW's Triton kernel ($MOE_LADDER_TORCH_ADAMW=triton), or when the run is expected
-    to last at least WORKING_COPIES_MIN_SECONDS (expected_seconds None: unknown, on). Off, the matmuls cast the fp32 masters every step (no extra compile)."""
+    with MasterAdamW's Triton kernel (its default where Triton is installed), or when the run is
+    expected to last at least WORKING_COPIES_MIN_SECONDS (expected_seconds None: unknown, on).
+    Off, the matmuls cast the fp32 masters every step (no extra compile)."""
     if not fast_path_enabled(device):
         return False
     env = os.environ.get("MOE_LADDER_TORCH_MASTER", "")
     if env in ("0", "1"):
         return env == "1"
-    if os.environ.get("MOE_LADDER_TORCH_ADAMW") == "triton" and adamw_kernel.triton is not None:
+    if default_kernel() == "triton" and adamw_kernel.triton is not None:
         return True  # MasterAdamW's own kernel: nothing to compile, so no warm-up to repay
     return expected_seconds is None or expected_seconds >= WORKING_COPIES_MIN_SECONDS
 

@@ -138,10 +138,10 @@ def test_a_non_finite_step_changes_nothing():
     ("1", 60.0, True),        # forced on
     ("0", 3600.0, False),     # forced off
 ])
-def test_working_copies_are_kept_for_long_runs_unless_forced(monkeypatch, env, seconds, on):
+def test_with_the_compiled_update_working_copies_are_kept_for_long_runs_unless_forced(monkeypatch, env, seconds, on):
     from engines.torch.fast import working_copies_enabled
 
-    monkeypatch.delenv("MOE_LADDER_TORCH_ADAMW", raising=False)
+    monkeypatch.setenv("MOE_LADDER_TORCH_ADAMW", "compile")
     if env is None:
         monkeypatch.delenv("MOE_LADDER_TORCH_MASTER", raising=False)
     else:
@@ -155,6 +155,8 @@ def test_the_triton_update_keeps_working_copies_for_short_runs(monkeypatch):
     from engines.torch.fast import working_copies_enabled
 
     monkeypatch.delenv("MOE_LADDER_TORCH_MASTER", raising=False)
+    monkeypatch.delenv("MOE_LADDER_TORCH_ADAMW", raising=False)  # the default where Triton is installed
+    assert working_copies_enabled(torch.device("cuda"), 60.0) is True
     monkeypatch.setenv("MOE_LADDER_TORCH_ADAMW", "triton")  # nothing to compile: no warm-up to repay
     assert working_copies_enabled(torch.device("cuda"), 60.0) is True
     monkeypatch.setenv("MOE_LADDER_TORCH_ADAMW", "compile")
