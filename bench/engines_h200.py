@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_tf32router, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_tf32router, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -463,6 +463,10 @@ def main(argv=None) -> int:
         # engines/torch/gather.py's Triton kernels (the default where Triton is installed)
         "torch_inductorgather": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                              "options": {"gather": "inductor"}}),
+        # the expert matmuls' weight gradients by _grouped_mm's backward instead of
+        # engines/torch/grouped_dw.py's kernel
+        "torch_torchdw": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+                                      "options": {"grouped_dw": "torch"}}),
         # MasterAdamW's update as Inductor's graphs per parameter group instead of its default,
         # one Triton kernel per tensor (engines/torch/adamw_kernel.py)
         "torch_compileadam": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",

@@ -98,6 +98,59 @@ def bench_torch():
             print(f"torch sdpa {name}: {type(err).__name__}: {err}"[:400], flush=True)
 
 
+DW_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3), (128, 256, 64, 8, 3),
+              (256, 128, 64, 8, 3), (128, 128, 64, 4, 4), (128, 128, 32, 4, 5), (64, 128, 64, 4, 4)]
+
+
+def bench_grouped():
+    """torch._grouped_mm's three roles apart (forward, input gradient, weight gradient) for both
+    expert matmuls of the bench shape, against engines/torch/grouped_dw.py's weight gradient."""
+    import torch
+
+    from engines.torch.grouped_dw import launch_grouped_dw
+
+    def timeit(fn, reps=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps * 1e3
+
+    dev, bf = "cuda", torch.bfloat16
+    offs = torch.cumsum(torch.tensor(routing_sizes(), device=dev), 0, dtype=torch.int32)
+    for name, K, N in (("gate_up", L, 2 * F_), ("down", F_, L)):
+        x = torch.randn(A, K, device=dev, dtype=bf)
+        dy = torch.randn(A, N, device=dev, dtype=bf)
+        w = torch.randn(E, K, N, device=dev, dtype=bf) / K**0.5
+        fl = 2 * A * K * N
+        report(f"{name} fwd _grouped_mm", timeit(lambda: torch._grouped_mm(x, w, offs=offs)), fl)
+        report(f"{name} dx _grouped_mm", timeit(lambda: torch._grouped_mm(dy, w.transpose(-2, -1), offs=offs)), fl)
+        ref = torch._grouped_mm(x.t(), dy, offs=offs)
+        report(f"{name} dw _grouped_mm(x.t(), dy)", timeit(lambda: torch._grouped_mm(x.t(), dy, offs=offs)), fl)
+        report(f"{name} dw _grouped_mm(dy.t(), x).mT",
+               timeit(lambda: torch._grouped_mm(dy.t(), x, offs=offs)), fl)
+        xr = x.clone().requires_grad_(True)
+        wr = w.clone().requires_grad_(True)
+
+        def autograd_bwd():
+            torch.autograd.grad(torch._grouped_mm(xr, wr, offs=offs), (xr, wr), dy)
+
+        report(f"{name} fwd+bwd autograd", timeit(autograd_bwd), 3 * fl)
+        scale = ref.float().abs().max().item()
+        for cfg in DW_CONFIGS:
+            out = torch.empty(E, K, N, device=dev, dtype=bf)
+            try:
+                launch_grouped_dw(x, dy, offs, out, cfg)
+                err = (out.float() - ref.float()).abs().max().item() / scale
+                report(f"{name} dw triton {cfg} (rel err {err:.1e})",
+                       timeit(lambda: launch_grouped_dw(x, dy, offs, out, cfg)), fl)
+            except Exception as e:
+                print(f"{name} dw triton {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
+
+
 def bench_jax():
     import jax
     import jax.numpy as jnp
@@ -166,9 +219,11 @@ def bench_jax():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="torch,jax")
+    ap.add_argument("--only", default="torch,jax", help="comma list of: grouped, torch, jax")
     args = ap.parse_args(argv)
     which = set(args.only.split(","))
+    if "grouped" in which:
+        bench_grouped()
     if "torch" in which:
         bench_torch()
     if "jax" in which:

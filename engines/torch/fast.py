@@ -13,7 +13,8 @@ What changes against the reference forward (model.loss_terms under autocast), an
   the rows sorted by expert; dispatch and combine are row permutations whose backward is the
   inverse permutation (a gather: no atomics); the combine's and the dispatch backward's
   gather-and-sum run as Triton kernels (engines/torch/gather.py; $MOE_LADDER_TORCH_GATHER=inductor
-  leaves them to Inductor);
+  leaves them to Inductor); the expert matmuls' weight gradients run as one Triton kernel each
+  (engines/torch/grouped_dw.py; $MOE_LADDER_TORCH_GROUPED_DW=torch leaves them to _grouped_mm);
 - capacity dispatch reuses model.capacity_plan (device-side) with fixed [E, C, L] buffers;
 - every block and the output head go through torch.compile (regional: one compiled graph
   serves all blocks, so compiling costs one block, not the depth).
@@ -34,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.torch import adamw_kernel, gather
+from engines.torch import adamw_kernel, gather, grouped_dw
 from engines.torch.gather import Combine, gather_sum
 from engines.torch.master import default_kernel
 from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
@@ -56,11 +57,16 @@ class FastOptions:
     # with Triton only; +3% tokens/s on an H200 at the bench shape) or "inductor" (gather + sum
     # fused by the compiler)
     gather: str = "triton"
+    # expert matmuls' weight gradient: "triton" (engines/torch/grouped_dw.py, a GPU with Triton
+    # only; 17-18% faster than _grouped_mm's on an H200 alone) or "torch" (_grouped_mm's backward)
+    grouped_dw: str = "triton"
 
 
 OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"),
                       gather=os.environ.get("MOE_LADDER_TORCH_GATHER",
-                                            "triton" if gather.triton is not None else "inductor"))
+                                            "triton" if gather.triton is not None else "inductor"),
+                      grouped_dw=os.environ.get("MOE_LADDER_TORCH_GROUPED_DW",
+                                                "triton" if grouped_dw.triton is not None else "torch"))
 
 
 def fast_path_enabled(device: torch.device) -> bool:
@@ -188,9 +194,10 @@ def _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype) -> torch.Ten
         if OPTIONS.grouped_mm_weights == "kmajor":
             w_gu, wd = (w.transpose(-2, -1).contiguous().transpose(-2, -1) for w in (w_gu, wd))
         # gate and up as one [E, L, 2F] matmul: wider tiles, one dx GEMM in the backward
-        gu_A2F = torch._grouped_mm(x_AL, w_gu, offs=offs_E)
+        kernel = OPTIONS.grouped_dw == "triton"
+        gu_A2F = grouped_dw.grouped_mm(x_AL, w_gu, offs_E, kernel)
         h_AF = F.silu(gu_A2F[:, :Fh]) * gu_A2F[:, Fh:]
-        return torch._grouped_mm(h_AF, wd, offs=offs_E)
+        return grouped_dw.grouped_mm(h_AF, wd, offs_E, kernel)
     outs, start = [], 0
     for e, n in enumerate(counts_E.tolist()):  # CPU (or no grouped kernel): a host loop
         x = x_AL[start : start + n]
