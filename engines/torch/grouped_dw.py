@@ -41,7 +41,7 @@ if triton is not None:
         tiles_n = tl.cdiv(N, BLOCK_N)
         pk = tl.program_id(0) // tiles_n
         pn = tl.program_id(0) % tiles_n
-        start = tl.where(e > 0, tl.load(offs_ptr + e - 1, mask=e > 0, other=0), 0).to(tl.int64)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0).to(tl.int64)
         stop = tl.load(offs_ptr + e).to(tl.int64)
         ks = pk * BLOCK_K + tl.arange(0, BLOCK_K)
         ns = pn * BLOCK_N + tl.arange(0, BLOCK_N)

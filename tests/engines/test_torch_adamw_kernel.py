@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from engines.torch.adamw_kernel import _row_stride
-from tests.engines.triton_script import INTERPRETER, run_script
+from tests.engines.triton_script import INTERPRETER, interpreter_only, run_script
 
 
 def test_a_slice_of_a_leaf_is_read_in_rows_of_the_leaf_width():
@@ -80,6 +80,7 @@ print("ok")
 """
 
 
+@interpreter_only
 def test_kernel_update_trains_like_the_torch_form_in_the_interpreter():
     pytest.importorskip("triton")
     run_script(_SCRIPT, "cpu", "float32", **INTERPRETER)

@@ -12,7 +12,7 @@ from engines.torch import fast
 from engines.torch.gather import Combine
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.presets import micro_spec
-from tests.engines.triton_script import INTERPRETER, run_script
+from tests.engines.triton_script import INTERPRETER, interpreter_only, run_script
 
 
 def _case(T=6, K=3, L=5, dtype=torch.float64):
@@ -84,6 +84,7 @@ print("ok")
 """
 
 
+@interpreter_only
 def test_triton_kernels_equal_the_torch_forms_in_the_interpreter():
     pytest.importorskip("triton")
     run_script(_KERNELS, "cpu", **INTERPRETER)

@@ -6,7 +6,7 @@ GroupedMM's forward and gradients equal _grouped_mm's, compiled or not."""
 import pytest
 import torch
 
-from tests.engines.triton_script import INTERPRETER, run_script
+from tests.engines.triton_script import INTERPRETER, interpreter_only, run_script
 
 _KERNEL = """
 import sys
@@ -24,7 +24,8 @@ for dtype in (torch.float32, torch.float16) + ((torch.bfloat16,) if dev == "cuda
     for config in ((32, 32, 16, 4, 2), (16, 64, 32, 4, 2)):
         dw = torch.full((5, K, N), float("nan"), device=dev, dtype=dtype)
         D.launch_grouped_dw(x, dy, offs, dw, config)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2  # (16-bit outputs)
+        # 16-bit outputs; on a GPU, tl.dot reads fp32 inputs as TF32
+        tol = 2e-2 if dtype != torch.float32 else (5e-3 if dev == "cuda" else 1e-5)
         torch.testing.assert_close(dw.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
         assert torch.equal(dw[1], torch.zeros_like(dw[1]))  # the expert without rows
 try:
@@ -36,6 +37,7 @@ print("ok")
 """
 
 
+@interpreter_only
 def test_grouped_dw_equals_a_matmul_per_expert_in_the_interpreter():
     pytest.importorskip("triton")
     run_script(_KERNEL, "cpu", **INTERPRETER)
