@@ -151,6 +151,68 @@ def bench_grouped():
                 print(f"{name} dw triton {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
 
 
+SWIGLU_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
+                  (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
+
+
+def bench_swiglu():
+    """The experts' SwiGLU in the grouped matmuls' epilogues (engines/torch/swiglu_gemm.py) against
+    _grouped_mm followed by Inductor's elementwise kernel: the up matmul + SwiGLU forward, and
+    the down matmul's input gradient + SwiGLU backward, at the bench shape."""
+    import torch
+    import torch.nn.functional as F
+
+    from engines.torch import swiglu_gemm as S
+
+    def timeit(fn, reps=20):
+        for _ in range(3):
+            fn()
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+        return (time.perf_counter() - t) / reps * 1e3
+
+    dev, bf = "cuda", torch.bfloat16
+    offs = torch.cumsum(torch.tensor(routing_sizes(), device=dev), 0, dtype=torch.int32)
+    x = torch.randn(A, L, device=dev, dtype=bf)
+    dy = torch.randn(A, L, device=dev, dtype=bf)
+    w_gu = torch.randn(E, L, 2 * F_, device=dev, dtype=bf) / L**0.5
+    w_down = torch.randn(E, F_, L, device=dev, dtype=bf) / F_**0.5
+    swiglu = torch.compile(lambda gu: F.silu(gu[:, :F_]) * gu[:, F_:])
+
+    def swiglu_bwd(dh, gu):
+        g, u = gu[:, :F_].float(), gu[:, F_:].float()
+        sig = torch.sigmoid(g)
+        return torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * g * sig], -1).to(gu.dtype)
+
+    swiglu_bwd = torch.compile(swiglu_bwd)
+    fl_up, fl_down = 2 * A * L * 2 * F_, 2 * A * L * F_
+    report("up + swiglu: _grouped_mm, Inductor", timeit(lambda: swiglu(torch._grouped_mm(x, w_gu, offs=offs))), fl_up)
+    gu_ref = torch._grouped_mm(x, w_gu, offs=offs)
+    h_ref = swiglu(gu_ref)
+    report("down dx + swiglu bwd: _grouped_mm, Inductor",
+           timeit(lambda: swiglu_bwd(torch._grouped_mm(dy, w_down.transpose(-2, -1), offs=offs), gu_ref)), fl_down)
+    dgu_ref = swiglu_bwd(torch._grouped_mm(dy, w_down.transpose(-2, -1), offs=offs), gu_ref)
+    gu, h, dgu = torch.empty_like(gu_ref), torch.empty_like(h_ref), torch.empty_like(gu_ref)
+    for cfg in SWIGLU_CONFIGS:
+        try:
+            S.launch_swiglu_up(x, w_gu, offs, gu, h, cfg)
+            err = max((gu.float() - gu_ref.float()).abs().max().item(), (h.float() - h_ref.float()).abs().max().item())
+            report(f"up + swiglu fused {cfg} (max err {err:.1e})",
+                   timeit(lambda: S.launch_swiglu_up(x, w_gu, offs, gu, h, cfg)), fl_up)
+        except Exception as e:
+            print(f"up fused {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
+        try:
+            S.launch_swiglu_down_dx(dy, w_down, gu_ref, offs, dgu, cfg)
+            err = (dgu.float() - dgu_ref.float()).abs().max().item() / dgu_ref.float().abs().max().item()
+            report(f"down dx + swiglu bwd fused {cfg} (rel err {err:.1e})",
+                   timeit(lambda: S.launch_swiglu_down_dx(dy, w_down, gu_ref, offs, dgu, cfg)), fl_down)
+        except Exception as e:
+            print(f"down dx fused {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
+
+
 def bench_jax():
     import jax
     import jax.numpy as jnp
@@ -219,11 +281,13 @@ def bench_jax():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="torch,jax", help="comma list of: grouped, torch, jax")
+    ap.add_argument("--only", default="torch,jax", help="comma list of: grouped, swiglu, torch, jax")
     args = ap.parse_args(argv)
     which = set(args.only.split(","))
     if "grouped" in which:
         bench_grouped()
+    if "swiglu" in which:
+        bench_swiglu()
     if "torch" in which:
         bench_torch()
     if "jax" in which:

@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.torch import adamw_kernel, gather, grouped_dw
+from engines.torch import adamw_kernel, gather, grouped_dw, swiglu_gemm
 from engines.torch.gather import Combine, gather_sum
 from engines.torch.master import default_kernel
 from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
@@ -60,13 +60,18 @@ class FastOptions:
     # expert matmuls' weight gradient: "triton" (engines/torch/grouped_dw.py, a GPU with Triton
     # only; 17-18% faster than _grouped_mm's on an H200 alone) or "torch" (_grouped_mm's backward)
     grouped_dw: str = "triton"
+    # the experts' SwiGLU: "grouped" (_grouped_mm + Inductor's elementwise kernels) or "fused" (the
+    # SwiGLU inside the up matmul's and the down input gradient's epilogues, engines/torch/
+    # swiglu_gemm.py; a GPU with Triton only; not yet timed in the step)
+    experts: str = "grouped"
 
 
 OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"),
                       gather=os.environ.get("MOE_LADDER_TORCH_GATHER",
                                             "triton" if gather.triton is not None else "inductor"),
                       grouped_dw=os.environ.get("MOE_LADDER_TORCH_GROUPED_DW",
-                                                "triton" if grouped_dw.triton is not None else "torch"))
+                                                "triton" if grouped_dw.triton is not None else "torch"),
+                      experts=os.environ.get("MOE_LADDER_TORCH_EXPERTS", "grouped"))
 
 
 def fast_path_enabled(device: torch.device) -> bool:
@@ -190,6 +195,8 @@ def _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype) -> torch.Ten
     Fh = w_down.shape[1]
     if x_AL.is_cuda and hasattr(torch, "_grouped_mm") and cdt == torch.bfloat16:
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        if OPTIONS.experts == "fused" and OPTIONS.grouped_mm_weights == "nmajor" and swiglu_gemm.kernels_usable(x_AL):
+            return swiglu_gemm.fused_experts(x_AL, w_gu, w_down, offs_E)
         wd = w_down
         if OPTIONS.grouped_mm_weights == "kmajor":
             w_gu, wd = (w.transpose(-2, -1).contiguous().transpose(-2, -1) for w in (w_gu, wd))

@@ -44,8 +44,12 @@ def _grads(model, fn, x, optim):
     return float(total), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
-def test_bf16_fast_step_matches_the_fp32_path(dispatch):
+@pytest.mark.parametrize("dispatch, experts", [("dropless", "grouped"), ("capacity", "grouped"),
+                                               ("dropless", "fused")])
+def test_bf16_fast_step_matches_the_fp32_path(monkeypatch, dispatch, experts):
+    from engines.torch import fast
+
+    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "experts": experts}))
     spec, model, x = _setup(dispatch)
     loss32, g32 = _grads(model, loss_terms, x, spec.optim)  # no autocast: fp32 throughout
     fast = make_loss_fn(model, x.device)

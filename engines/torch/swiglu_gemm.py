@@ -1,0 +1,249 @@
+"""The experts' SwiGLU with its elementwise work inside the grouped matmuls, as Triton kernels.
+
+Unfused, a layer's experts run gate|up as one grouped matmul (writing gu_A2F), then a kernel
+that reads gu_A2F and writes h_AF = silu(gate) * up, then the down matmul; the backward runs the
+down matmul's input gradient (writing dh_AF), then a kernel that reads dh_AF and gu_A2F and writes
+dgu_A2F. Here:
+- `swiglu_up_kernel` computes a row tile's gate and up columns side by side (two accumulators)
+  and writes gu_A2F (saved for the backward) and h_AF from registers;
+- `swiglu_down_dx_kernel` computes a row tile of dh = dy_AL @ w_down[e]^T and, in its epilogue,
+  reads that tile's gate and up and writes dgu_A2F: dh never goes to memory.
+Both round as the unfused path does (the matmul's output to bf16 first, the SwiGLU in fp32 from
+there, its result to the storage dtype). The down matmul's forward and the input gradient of
+gate|up stay torch._grouped_mm; the weight gradients are engines/torch/grouped_dw.py's.
+
+Rows are sorted by expert (offs_E: cumulative row counts, as _grouped_mm's). Each program owns one
+[BLOCK_M, BLOCK_N] output tile of one expert: row tiles are numbered expert after expert (an
+expert with n rows has cdiv(n, BLOCK_M) of them, counted on the device), and a program finds its
+expert by counting the experts whose tiles end at or before its own. The grid is sized for the
+worst case (cdiv(A, BLOCK_M) + E row tiles); programs past the last tile store nothing.
+
+Shape legend: A rows (assignments, sorted by expert), E experts, L model width (the up matmul's
+input, the down matmul's output), F expert hidden; gu_A2F holds gate | up side by side.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F_
+
+try:  # Triton ships with CUDA builds of torch; the CPU build has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = None
+
+# (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N counts hidden columns (the up
+# kernel holds BLOCK_N gate and BLOCK_N up columns)
+UP_CONFIG = (128, 128, 64, 8, 3)
+DOWN_DX_CONFIG = (128, 128, 64, 8, 3)
+
+if triton is not None:
+
+    @triton.jit
+    def _row_tile(pm, offs_ptr, tile_end_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
+        """(expert, rows of this row tile, row mask) of row tile pm."""
+        es = tl.arange(0, E_P2)
+        ends = tl.load(tile_end_ptr + es, mask=es < E, other=2147483647)
+        e = tl.sum((ends <= pm).to(tl.int32), axis=0)
+        n_tiles = tl.load(tile_end_ptr + E - 1)  # past it (e == E): no rows
+        e = tl.minimum(e, E - 1)
+        stop = tl.load(offs_ptr + e)
+        start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
+        first = tl.load(tile_end_ptr + e) - tl.cdiv(stop - start, BLOCK_M)
+        rows = start + (pm - first) * BLOCK_M + tl.arange(0, BLOCK_M)
+        return e, rows, (rows < stop) & (pm + tl.zeros([BLOCK_M], dtype=tl.int32) < n_tiles)
+
+    @triton.jit
+    def swiglu_up_kernel(x_ptr, w_ptr, offs_ptr, tile_end_ptr, gu_ptr, h_ptr, L, Fh, E,
+                         E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                         BLOCK_K: tl.constexpr):
+        tiles_n = tl.cdiv(Fh, BLOCK_N)
+        pm = tl.program_id(0) // tiles_n
+        pn = tl.program_id(0) % tiles_n
+        e, rows, r_ok = _row_tile(pm, offs_ptr, tile_end_ptr, E, E_P2, BLOCK_M)
+        rows = rows.to(tl.int64)
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ok = cols < Fh
+        ks = tl.arange(0, BLOCK_K)
+        w_e = w_ptr + e.to(tl.int64) * L * 2 * Fh  # w_gu[e]: [L, 2F], gate | up
+        acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < L
+            a = tl.load(x_ptr + rows[:, None] * L + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            b_mask = k_ok[:, None] & c_ok[None, :]
+            bg = tl.load(w_e + kk[:, None] * (2 * Fh) + cols[None, :], mask=b_mask, other=0.0)
+            bu = tl.load(w_e + kk[:, None] * (2 * Fh) + Fh + cols[None, :], mask=b_mask, other=0.0)
+            acc_g = tl.dot(a, bg, acc_g)
+            acc_u = tl.dot(a, bu, acc_u)
+        g = acc_g.to(gu_ptr.dtype.element_ty)
+        u = acc_u.to(gu_ptr.dtype.element_ty)
+        mask = r_ok[:, None] & c_ok[None, :]
+        out = gu_ptr + rows[:, None] * (2 * Fh) + cols[None, :]
+        tl.store(out, g, mask=mask)
+        tl.store(out + Fh, u, mask=mask)
+        gf = g.to(tl.float32)
+        h = gf * tl.sigmoid(gf) * u.to(tl.float32)
+        tl.store(h_ptr + rows[:, None] * Fh + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def swiglu_down_dx_kernel(dy_ptr, w_ptr, gu_ptr, offs_ptr, tile_end_ptr, dgu_ptr, L, Fh, E,
+                              E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                              BLOCK_K: tl.constexpr):
+        tiles_n = tl.cdiv(Fh, BLOCK_N)
+        pm = tl.program_id(0) // tiles_n
+        pn = tl.program_id(0) % tiles_n
+        e, rows, r_ok = _row_tile(pm, offs_ptr, tile_end_ptr, E, E_P2, BLOCK_M)
+        rows = rows.to(tl.int64)
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ok = cols < Fh
+        ks = tl.arange(0, BLOCK_K)
+        w_e = w_ptr + e.to(tl.int64) * Fh * L  # w_down[e]: [F, L]; the matmul reads its transpose
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, L, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < L
+            a = tl.load(dy_ptr + rows[:, None] * L + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_e + cols[None, :] * L + kk[:, None], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+        mask = r_ok[:, None] & c_ok[None, :]
+        dh = acc.to(dgu_ptr.dtype.element_ty).to(tl.float32)
+        src = gu_ptr + rows[:, None] * (2 * Fh) + cols[None, :]
+        g = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+        u = tl.load(src + Fh, mask=mask, other=0.0).to(tl.float32)
+        sig = tl.sigmoid(g)
+        dg = dh * u * (sig * (1.0 + g * (1.0 - sig)))
+        du = dh * (g * sig)
+        out = dgu_ptr + rows[:, None] * (2 * Fh) + cols[None, :]
+        tl.store(out, dg.to(dgu_ptr.dtype.element_ty), mask=mask)
+        tl.store(out + Fh, du.to(dgu_ptr.dtype.element_ty), mask=mask)
+
+
+def _tiles(offs_E: torch.Tensor, A: int, block_m: int) -> tuple[torch.Tensor, int]:
+    """(cumulative row-tile counts per expert (int32, on the device), the worst-case tile count)."""
+    counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
+    tile_end_E = torch.cumsum((counts_E + block_m - 1) // block_m, 0, dtype=torch.int32)
+    return tile_end_E, triton.cdiv(A, block_m) + offs_E.shape[0]
+
+
+def _check(name: str, **tensors: torch.Tensor) -> None:
+    for key, t in tensors.items():
+        if not t.is_contiguous():
+            raise ValueError(f"{name}: {key} must be contiguous (strides {t.stride()})")
+
+
+def launch_swiglu_up(x_AL, w_gu, offs_E, gu_A2F, h_AF, config=UP_CONFIG, wrap=lambda k: k) -> None:
+    """gu_A2F = x_AL @ w_gu[e] per expert's rows, h_AF = silu(gate) * up, written in place."""
+    _check("swiglu_up", x=x_AL, w_gu=w_gu, gu=gu_A2F, h=h_AF)
+    A, L = x_AL.shape
+    E, Fh = w_gu.shape[0], w_gu.shape[2] // 2
+    bm, bn, bk, warps, stages = config
+    tile_end_E, n_tiles = _tiles(offs_E, A, bm)
+    grid = (n_tiles * triton.cdiv(Fh, bn),)
+    wrap(swiglu_up_kernel)[grid](x_AL, w_gu, offs_E, tile_end_E, gu_A2F, h_AF, L, Fh, E,
+                                 E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                 num_warps=warps, num_stages=stages)
+
+
+def launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, config=DOWN_DX_CONFIG,
+                          wrap=lambda k: k) -> None:
+    """dgu_A2F = the gradient of gate | up, from dh = dy_AL @ w_down[e]^T per expert's rows."""
+    _check("swiglu_down_dx", dy=dy_AL, w_down=w_down, gu=gu_A2F, dgu=dgu_A2F)
+    A, L = dy_AL.shape
+    E, Fh = w_down.shape[0], w_down.shape[1]
+    bm, bn, bk, warps, stages = config
+    tile_end_E, n_tiles = _tiles(offs_E, A, bm)
+    grid = (n_tiles * triton.cdiv(Fh, bn),)
+    wrap(swiglu_down_dx_kernel)[grid](dy_AL, w_down, gu_A2F, offs_E, tile_end_E, dgu_A2F, L, Fh, E,
+                                      E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                      num_warps=warps, num_stages=stages)
+
+
+# ---- the torch forms (the reference of the tests) -------------------------------------------------
+
+
+def swiglu_up_torch(x_AL, w_gu, offs_E):
+    """(gu_A2F, h_AF) by a loop over experts, rounded as the kernels round."""
+    Fh, acc = w_gu.shape[2] // 2, torch.promote_types(x_AL.dtype, torch.float32)
+    gu, start = [], 0
+    for e, stop in enumerate(offs_E.tolist()):
+        gu.append((x_AL[start:stop].to(acc) @ w_gu[e].to(acc)).to(x_AL.dtype))
+        start = stop
+    gu_A2F = torch.cat(gu)
+    g, u = gu_A2F[:, :Fh].to(acc), gu_A2F[:, Fh:].to(acc)
+    return gu_A2F, (F_.silu(g) * u).to(x_AL.dtype)
+
+
+def swiglu_down_dx_torch(dy_AL, w_down, gu_A2F, offs_E):
+    """dgu_A2F by a loop over experts, rounded as the kernel rounds."""
+    Fh, acc = w_down.shape[1], torch.promote_types(dy_AL.dtype, torch.float32)
+    dh, start = [], 0
+    for e, stop in enumerate(offs_E.tolist()):
+        dh.append((dy_AL[start:stop].to(acc) @ w_down[e].to(acc).T).to(dy_AL.dtype))
+        start = stop
+    dh = torch.cat(dh).to(acc)
+    g, u = gu_A2F[:, :Fh].to(acc), gu_A2F[:, Fh:].to(acc)
+    sig = torch.sigmoid(g)
+    return torch.cat([dh * u * sig * (1 + g * (1 - sig)), dh * g * sig], -1).to(dy_AL.dtype)
+
+
+# ---- ops the compiler can trace, and the experts' function that uses them ------------------------
+
+_OPS = False
+if triton is not None:
+    try:
+
+        @torch.library.triton_op("moe_ladder::swiglu_up", mutates_args=())
+        def _swiglu_up_op(x_AL: torch.Tensor, w_gu: torch.Tensor, offs_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            A, Fh = x_AL.shape[0], w_gu.shape[2] // 2
+            gu_A2F = x_AL.new_empty((A, 2 * Fh))
+            h_AF = x_AL.new_empty((A, Fh))
+            launch_swiglu_up(x_AL, w_gu, offs_E, gu_A2F, h_AF, wrap=torch.library.wrap_triton)
+            return gu_A2F, h_AF
+
+        @torch.library.triton_op("moe_ladder::swiglu_down_dx", mutates_args=())
+        def _swiglu_down_dx_op(dy_AL: torch.Tensor, w_down: torch.Tensor, gu_A2F: torch.Tensor,
+                               offs_E: torch.Tensor) -> torch.Tensor:
+            dgu_A2F = torch.empty_like(gu_A2F)
+            launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, wrap=torch.library.wrap_triton)
+            return dgu_A2F
+
+        _OPS = True
+    except Exception as err:  # pragma: no cover - depends on the installation
+        import warnings
+
+        warnings.warn(f"engines/torch/swiglu_gemm.py: Triton ops not registered ({err})")
+
+
+def kernels_usable(x: torch.Tensor) -> bool:
+    from engines.torch import grouped_dw
+
+    return _OPS and grouped_dw.kernel_usable(x) and x.is_cuda
+
+
+class FusedExperts(torch.autograd.Function):
+    """y_AL = (silu(x w_gate) * (x w_up)) w_down per expert's rows, with the SwiGLU inside the
+    up matmul's epilogue (forward) and the down matmul's input-gradient epilogue (backward)."""
+
+    @staticmethod
+    def forward(ctx, x_AL, w_gu, w_down, offs_E):
+        gu_A2F, h_AF = torch.ops.moe_ladder.swiglu_up(x_AL, w_gu, offs_E)
+        ctx.save_for_backward(x_AL, w_gu, w_down, offs_E, gu_A2F, h_AF)
+        return torch._grouped_mm(h_AF, w_down, offs=offs_E)
+
+    @staticmethod
+    def backward(ctx, dy_AL):
+        x_AL, w_gu, w_down, offs_E, gu_A2F, h_AF = ctx.saved_tensors
+        dy_AL = dy_AL.contiguous()
+        dgu_A2F = torch.ops.moe_ladder.swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E)
+        dw_down = torch.ops.moe_ladder.grouped_dw(h_AF, dy_AL, offs_E, w_down.dtype)
+        dx_AL = torch._grouped_mm(dgu_A2F, w_gu.transpose(-2, -1), offs=offs_E)
+        dw_gu = torch.ops.moe_ladder.grouped_dw(x_AL, dgu_A2F, offs_E, w_gu.dtype)
+        return dx_AL, dw_gu, dw_down, None
+
+
+def fused_experts(x_AL, w_gu, w_down, offs_E) -> torch.Tensor:
+    """The experts' SwiGLU over rows sorted by expert, through FusedExperts."""
+    return FusedExperts.apply(x_AL.contiguous(), w_gu.contiguous(), w_down.contiguous(), offs_E)
