@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_tf32router, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_tf32router, torch_tf32global, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -474,8 +474,10 @@ def main(argv=None) -> int:
         # one Triton kernel per tensor (engines/torch/adamw_kernel.py)
         "torch_compileadam": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
                                                   "MOE_LADDER_TORCH_ADAMW": "compile"}}),
-        # the router's fp32 logits matmul on TF32 tensor cores
-        "torch_tf32router": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "tf32": True}),
+        # the router's fp32 logits matmul on TF32 tensor cores (engines/torch/tf32.py's op), and
+        # the same through the process-wide switch
+        "torch_tf32router": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"router": "tf32"}}),
+        "torch_tf32global": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "tf32": True}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),

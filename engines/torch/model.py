@@ -236,11 +236,13 @@ class MoE(nn.Module):
         if m.n_shared_experts > 0:
             self.shared = SharedExperts(m.n_shared_experts, m.d_model, m.shared_hidden)
 
-    def route(self, x_TD: torch.Tensor, seq_len: int):
+    def route(self, x_TD: torch.Tensor, seq_len: int, logits_TE: torch.Tensor | None = None):
+        """(expert_TK, gate_TK, stats); logits_TE: the router logits if the caller computed them."""
         m = self.m
         T, E, K = x_TD.shape[0], m.n_routed_experts, m.top_k
-        with torch.autocast(x_TD.device.type, enabled=False):  # routing decisions in fp32
-            logits_TE = x_TD.float() @ self.router.float()
+        if logits_TE is None:
+            with torch.autocast(x_TD.device.type, enabled=False):  # routing decisions in fp32
+                logits_TE = x_TD.float() @ self.router.float()
         scores_TE = torch.softmax(logits_TE, -1) if m.router_kind == "softmax" else torch.sigmoid(logits_TE)
         select_TE = scores_TE + self.router_bias if m.router_bias_balancing else scores_TE
         expert_TK = torch.topk(select_TE.detach(), K, dim=-1).indices

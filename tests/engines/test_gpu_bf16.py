@@ -44,12 +44,13 @@ def _grads(model, fn, x, optim):
     return float(total), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("dispatch, experts", [("dropless", "grouped"), ("capacity", "grouped"),
-                                               ("dropless", "fused")])
-def test_bf16_fast_step_matches_the_fp32_path(monkeypatch, dispatch, experts):
+@pytest.mark.parametrize("dispatch, experts, router", [("dropless", "grouped", "fp32"), ("capacity", "grouped", "fp32"),
+                                                       ("dropless", "fused", "tf32")])
+def test_bf16_fast_step_matches_the_fp32_path(monkeypatch, dispatch, experts, router):
     from engines.torch import fast
 
-    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "experts": experts}))
+    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "experts": experts,
+                                                             "router": router}))
     spec, model, x = _setup(dispatch)
     loss32, g32 = _grads(model, loss_terms, x, spec.optim)  # no autocast: fp32 throughout
     fast = make_loss_fn(model, x.device)

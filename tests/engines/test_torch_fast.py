@@ -41,3 +41,19 @@ def test_fast_path_matches_the_reference_forward_and_gradients(dispatch, variant
         assert float(o_ref["metrics"]["drop_frac_recv"]) > 0  # the drops are exercised, not vacuous
     for name, g in g_ref.items():
         assert torch.allclose(g_fast[name], g, rtol=1e-4, atol=1e-6), name
+
+
+def test_router_logits_through_the_tf32_op_reach_the_same_objective(monkeypatch):
+    from engines.torch import fast
+
+    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "router": "tf32"}))
+    spec = micro_spec()
+    model = MoETransformer(spec.model)
+    model.load_numpy(init_params(spec.model, spec.seed))
+    x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long()
+    t_ref, _, g_ref = _loss_and_grads(loss_terms, model, x, spec.optim)
+    t_fast, _, g_fast = _loss_and_grads(FastLoss(model, torch.device("cpu")), model, x, spec.optim)
+    assert torch.allclose(t_fast, t_ref, rtol=1e-6, atol=1e-6)
+    assert any(n.endswith("moe.router") for n in g_ref)
+    for name, g in g_ref.items():
+        assert torch.allclose(g_fast[name], g, rtol=1e-4, atol=1e-6), name
