@@ -346,7 +346,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_tf32router, torch_tf32global, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_tf32router, torch_tf32global, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -470,6 +470,9 @@ def main(argv=None) -> int:
         # the experts' SwiGLU inside the grouped matmuls' epilogues (engines/torch/swiglu_gemm.py)
         "torch_fusedswiglu": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                           "options": {"experts": "fused"}}),
+        # the same, and the dispatch's row gather inside the up matmul and its weight gradient
+        "torch_fusedgather": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+                                          "options": {"experts": "fused-gather"}}),
         # MasterAdamW's update as Inductor's graphs per parameter group instead of its default,
         # one Triton kernel per tensor (engines/torch/adamw_kernel.py)
         "torch_compileadam": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",

@@ -20,6 +20,14 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 A, L, F_, E = 4 * 4096 * 8, 1024, 512, 64
 B, H, S, Q = 4, 16, 4096, 64
+DEV = "cuda"
+
+
+def _sync():
+    import torch
+
+    if DEV == "cuda":
+        torch.cuda.synchronize()
 
 
 def routing_sizes(seed=0):
@@ -112,14 +120,14 @@ def bench_grouped():
     def timeit(fn, reps=20):
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
+        _sync()
         return (time.perf_counter() - t) / reps * 1e3
 
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = DEV, torch.bfloat16
     offs = torch.cumsum(torch.tensor(routing_sizes(), device=dev), 0, dtype=torch.int32)
     for name, K, N in (("gate_up", L, 2 * F_), ("down", F_, L)):
         x = torch.randn(A, K, device=dev, dtype=bf)
@@ -167,14 +175,14 @@ def bench_swiglu():
     def timeit(fn, reps=20):
         for _ in range(3):
             fn()
-        torch.cuda.synchronize()
+        _sync()
         t = time.perf_counter()
         for _ in range(reps):
             fn()
-        torch.cuda.synchronize()
+        _sync()
         return (time.perf_counter() - t) / reps * 1e3
 
-    dev, bf = "cuda", torch.bfloat16
+    dev, bf = DEV, torch.bfloat16
     offs = torch.cumsum(torch.tensor(routing_sizes(), device=dev), 0, dtype=torch.int32)
     x = torch.randn(A, L, device=dev, dtype=bf)
     dy = torch.randn(A, L, device=dev, dtype=bf)
@@ -196,6 +204,18 @@ def bench_swiglu():
            timeit(lambda: swiglu_bwd(torch._grouped_mm(dy, w_down.transpose(-2, -1), offs=offs), gu_ref)), fl_down)
     dgu_ref = swiglu_bwd(torch._grouped_mm(dy, w_down.transpose(-2, -1), offs=offs), gu_ref)
     gu, h, dgu = torch.empty_like(gu_ref), torch.empty_like(h_ref), torch.empty_like(gu_ref)
+    # the dispatch's gather: the sorted rows read from the tokens' rows (top-8: A / 8 tokens)
+    x_T = torch.randn(A // 8, L, device=dev, dtype=bf)
+    src = torch.randperm(A, device=dev) // 8
+    report("dispatch gather + up + swiglu: index_select, _grouped_mm, Inductor",
+           timeit(lambda: swiglu(torch._grouped_mm(x_T.index_select(0, src), w_gu, offs=offs))), fl_up)
+    for cfg in SWIGLU_CONFIGS[:3]:
+        try:
+            S.launch_swiglu_up(x_T, w_gu, offs, gu, h, cfg, idx_A=src)
+            report(f"dispatch gather + up + swiglu fused {cfg}",
+                   timeit(lambda: S.launch_swiglu_up(x_T, w_gu, offs, gu, h, cfg, idx_A=src)), fl_up)
+        except Exception as e:
+            print(f"up fused gather {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
     for cfg in SWIGLU_CONFIGS:
         try:
             S.launch_swiglu_up(x, w_gu, offs, gu, h, cfg)
@@ -282,7 +302,12 @@ def bench_jax():
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--only", default="torch,jax", help="comma list of: grouped, swiglu, torch, jax")
+    ap.add_argument("--tiny", action="store_true",
+                    help="grouped and swiglu at a tiny shape on the CPU (a smoke run; set TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
+    if args.tiny:
+        global A, L, F_, E, DEV
+        A, L, F_, E, DEV = 1024, 64, 32, 16, "cpu"
     which = set(args.only.split(","))
     if "grouped" in which:
         bench_grouped()

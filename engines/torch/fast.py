@@ -61,9 +61,10 @@ class FastOptions:
     # expert matmuls' weight gradient: "triton" (engines/torch/grouped_dw.py, a GPU with Triton
     # only; 17-18% faster than _grouped_mm's on an H200 alone) or "torch" (_grouped_mm's backward)
     grouped_dw: str = "triton"
-    # the experts' SwiGLU: "grouped" (_grouped_mm + Inductor's elementwise kernels) or "fused" (the
+    # the experts' SwiGLU: "grouped" (_grouped_mm + Inductor's elementwise kernels), "fused" (the
     # SwiGLU inside the up matmul's and the down input gradient's epilogues, engines/torch/
-    # swiglu_gemm.py; a GPU with Triton only; not yet timed in the step)
+    # swiglu_gemm.py; a GPU with Triton only; not yet timed in the step) or "fused-gather" (the
+    # same, the dispatch's row gather inside the up matmul and its weight gradient too)
     experts: str = "grouped"
     # the router's logits matmul: "fp32" (SIMT cores) or "tf32" (tensor cores, engines/torch/tf32.py;
     # the process-wide switch gave +1.5-1.8% tokens/s on an H200 at the bench shape)
@@ -195,12 +196,18 @@ def attention_residual(block, w, x_BSD, cos, sin, mask_SS, cdt: torch.dtype) -> 
     return x_BSD + (o_BHSQ.transpose(1, 2).reshape(B, S, H * Q) @ w["attn.wo"]).float()
 
 
+def _fused(x: torch.Tensor, cdt: torch.dtype) -> bool:
+    """Whether the experts run through engines/torch/swiglu_gemm.py (OPTIONS.experts)."""
+    return (OPTIONS.experts in ("fused", "fused-gather") and cdt == torch.bfloat16
+            and OPTIONS.grouped_mm_weights == "nmajor" and swiglu_gemm.kernels_usable(x))
+
+
 def _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype) -> torch.Tensor:
     """SwiGLU over rows sorted by expert (counts_E rows each), in cdt; w_gu [E, L, 2F] is gate|up."""
     Fh = w_down.shape[1]
     if x_AL.is_cuda and hasattr(torch, "_grouped_mm") and cdt == torch.bfloat16:
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        if OPTIONS.experts == "fused" and OPTIONS.grouped_mm_weights == "nmajor" and swiglu_gemm.kernels_usable(x_AL):
+        if _fused(x_AL, cdt) and OPTIONS.experts == "fused":
             return swiglu_gemm.fused_experts(x_AL, w_gu, w_down, offs_E)
         wd = w_down
         if OPTIONS.grouped_mm_weights == "kmajor":
@@ -229,8 +236,13 @@ def dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt):
     inv_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(e_A.shape[0], device=e_A.device))
     counts_E = group_counts(e_A, moe.m.n_routed_experts)
     kernels = OPTIONS.gather == "triton"
-    x_AL = _Dispatch.apply(x_TL.to(cdt), order_A // K, inv_A, K, kernels)
-    y_sorted_AL = _grouped_swiglu(x_AL, counts_E, w["moe.experts.gate_up"], w["moe.experts.w_down"], cdt)
+    w_gu, w_down = w["moe.experts.gate_up"], w["moe.experts.w_down"]
+    if OPTIONS.experts == "fused-gather" and _fused(x_TL, cdt):
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        y_sorted_AL = swiglu_gemm.fused_dispatch_experts(x_TL.to(cdt), order_A // K, inv_A, K, w_gu, w_down, offs_E)
+    else:
+        x_AL = _Dispatch.apply(x_TL.to(cdt), order_A // K, inv_A, K, kernels)
+        y_sorted_AL = _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt)
     if kernels:
         return Combine.apply(y_sorted_AL, gate_TK, inv_A, order_A, True)
     return _Permute.apply(y_sorted_AL, inv_A, order_A).view(T, K, -1)

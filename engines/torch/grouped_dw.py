@@ -35,7 +35,7 @@ DEFAULT_CONFIG = (128, 256, 64, 8, 3)  # the best of 8 on an H200 for both exper
 if triton is not None:
 
     @triton.jit
-    def grouped_dw_kernel(x_ptr, dy_ptr, offs_ptr, dw_ptr, K, N, E,
+    def grouped_dw_kernel(x_ptr, idx_ptr, dy_ptr, offs_ptr, dw_ptr, K, N, E, HAS_IDX: tl.constexpr,
                           BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_R: tl.constexpr):
         e = tl.program_id(1)
         tiles_n = tl.cdiv(N, BLOCK_N)
@@ -52,7 +52,11 @@ if triton is not None:
         for r0 in range(start, stop, BLOCK_R):
             rows = r0 + rs
             r_ok = rows < stop
-            x_RK = tl.load(x_ptr + rows[:, None] * K + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            if HAS_IDX:  # x's rows gathered: row r of the product is x row idx[r]
+                x_rows = tl.load(idx_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+            else:
+                x_rows = rows
+            x_RK = tl.load(x_ptr + x_rows[:, None] * K + ks[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             dy_RN = tl.load(dy_ptr + rows[:, None] * N + ns[None, :], mask=r_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(tl.trans(x_RK), dy_RN, acc)
         out = dw_ptr + e.to(tl.int64) * K * N + ks[:, None] * N + ns[None, :]
@@ -60,10 +64,13 @@ if triton is not None:
 
 
 def launch_grouped_dw(x_AK: torch.Tensor, dy_AN: torch.Tensor, offs_E: torch.Tensor, dw_EKN: torch.Tensor,
-                      config: tuple[int, int, int, int, int] = DEFAULT_CONFIG, wrap=lambda k: k) -> None:
+                      config: tuple[int, int, int, int, int] = DEFAULT_CONFIG, wrap=lambda k: k,
+                      idx_A: torch.Tensor | None = None) -> None:
     """dw_EKN[e] = x_AK[offs_E[e-1]:offs_E[e]].T @ dy_AN[same rows], written into dw_EKN.
-    x_AK, dy_AN row-major contiguous; offs_E the cumulative row counts (int32, as _grouped_mm's)."""
-    A, K = x_AK.shape
+    x_AK, dy_AN row-major contiguous; offs_E the cumulative row counts (int32, as _grouped_mm's).
+    With idx_A, x_AK is read as x[idx_A] (x any number of rows): the gather is the kernel's."""
+    K = x_AK.shape[1]
+    A = dy_AN.shape[0] if idx_A is not None else x_AK.shape[0]
     E, N = offs_E.shape[0], dy_AN.shape[1]
     if not (x_AK.is_contiguous() and dy_AN.is_contiguous() and dw_EKN.is_contiguous()):
         raise ValueError("grouped_dw: x, dy and dw must be contiguous")
@@ -72,12 +79,16 @@ def launch_grouped_dw(x_AK: torch.Tensor, dy_AN: torch.Tensor, offs_E: torch.Ten
                          f"dw {tuple(dw_EKN.shape)} for {E} experts")
     bk, bn, br, warps, stages = config
     grid = (triton.cdiv(K, bk) * triton.cdiv(N, bn), E)
-    wrap(grouped_dw_kernel)[grid](x_AK, dy_AN, offs_E, dw_EKN, K, N, E, BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br,
-                                  num_warps=warps, num_stages=stages)
+    idx = idx_A if idx_A is not None else offs_E  # a pointer the kernel never reads
+    wrap(grouped_dw_kernel)[grid](x_AK, idx, dy_AN, offs_E, dw_EKN, K, N, E, HAS_IDX=idx_A is not None,
+                                  BLOCK_K=bk, BLOCK_N=bn, BLOCK_R=br, num_warps=warps, num_stages=stages)
 
 
-def grouped_dw_torch(x_AK: torch.Tensor, dy_AN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+def grouped_dw_torch(x_AK: torch.Tensor, dy_AN: torch.Tensor, offs_E: torch.Tensor,
+                     idx_A: torch.Tensor | None = None) -> torch.Tensor:
     """The same gradient by a loop over experts (the reference of the tests), in fp32."""
+    if idx_A is not None:
+        x_AK = x_AK.index_select(0, idx_A)
     out, start = [], 0
     for stop in offs_E.tolist():
         out.append(x_AK[start:stop].float().T @ dy_AN[start:stop].float())
@@ -93,9 +104,9 @@ if triton is not None:
 
         @torch.library.triton_op("moe_ladder::grouped_dw", mutates_args=())
         def _grouped_dw_op(x_AK: torch.Tensor, dy_AN: torch.Tensor, offs_E: torch.Tensor,
-                           dtype: torch.dtype) -> torch.Tensor:
+                           dtype: torch.dtype, idx_A: torch.Tensor | None = None) -> torch.Tensor:
             dw_EKN = x_AK.new_empty((offs_E.shape[0], x_AK.shape[1], dy_AN.shape[1]), dtype=dtype)
-            launch_grouped_dw(x_AK, dy_AN, offs_E, dw_EKN, wrap=torch.library.wrap_triton)
+            launch_grouped_dw(x_AK, dy_AN, offs_E, dw_EKN, wrap=torch.library.wrap_triton, idx_A=idx_A)
             return dw_EKN
 
         _OPS = True

@@ -55,14 +55,18 @@ if triton is not None:
         return e, rows, (rows < stop) & (pm + tl.zeros([BLOCK_M], dtype=tl.int32) < n_tiles)
 
     @triton.jit
-    def swiglu_up_kernel(x_ptr, w_ptr, offs_ptr, tile_end_ptr, gu_ptr, h_ptr, L, Fh, E,
-                         E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                         BLOCK_K: tl.constexpr):
+    def swiglu_up_kernel(x_ptr, idx_ptr, w_ptr, offs_ptr, tile_end_ptr, gu_ptr, h_ptr, L, Fh, E,
+                         HAS_IDX: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
+                         BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
         tiles_n = tl.cdiv(Fh, BLOCK_N)
         pm = tl.program_id(0) // tiles_n
         pn = tl.program_id(0) % tiles_n
         e, rows, r_ok = _row_tile(pm, offs_ptr, tile_end_ptr, E, E_P2, BLOCK_M)
         rows = rows.to(tl.int64)
+        if HAS_IDX:  # the dispatch's gather: row r of the product is x row idx[r]
+            x_rows = tl.load(idx_ptr + rows, mask=r_ok, other=0).to(tl.int64)
+        else:
+            x_rows = rows
         cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
         c_ok = cols < Fh
         ks = tl.arange(0, BLOCK_K)
@@ -72,7 +76,7 @@ if triton is not None:
         for k0 in range(0, L, BLOCK_K):
             kk = k0 + ks
             k_ok = kk < L
-            a = tl.load(x_ptr + rows[:, None] * L + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(x_ptr + x_rows[:, None] * L + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
             b_mask = k_ok[:, None] & c_ok[None, :]
             bg = tl.load(w_e + kk[:, None] * (2 * Fh) + cols[None, :], mask=b_mask, other=0.0)
             bu = tl.load(w_e + kk[:, None] * (2 * Fh) + Fh + cols[None, :], mask=b_mask, other=0.0)
@@ -134,17 +138,20 @@ def _check(name: str, **tensors: torch.Tensor) -> None:
             raise ValueError(f"{name}: {key} must be contiguous (strides {t.stride()})")
 
 
-def launch_swiglu_up(x_AL, w_gu, offs_E, gu_A2F, h_AF, config=UP_CONFIG, wrap=lambda k: k) -> None:
-    """gu_A2F = x_AL @ w_gu[e] per expert's rows, h_AF = silu(gate) * up, written in place."""
+def launch_swiglu_up(x_AL, w_gu, offs_E, gu_A2F, h_AF, config=UP_CONFIG, wrap=lambda k: k,
+                     idx_A=None) -> None:
+    """gu_A2F = x_AL @ w_gu[e] per expert's rows, h_AF = silu(gate) * up, written in place. With
+    idx_A, x_AL is read as x[idx_A] (x: the tokens' rows; the dispatch's gather is the kernel's)."""
     _check("swiglu_up", x=x_AL, w_gu=w_gu, gu=gu_A2F, h=h_AF)
-    A, L = x_AL.shape
+    A, L = gu_A2F.shape[0], x_AL.shape[1]
     E, Fh = w_gu.shape[0], w_gu.shape[2] // 2
     bm, bn, bk, warps, stages = config
     tile_end_E, n_tiles = _tiles(offs_E, A, bm)
     grid = (n_tiles * triton.cdiv(Fh, bn),)
-    wrap(swiglu_up_kernel)[grid](x_AL, w_gu, offs_E, tile_end_E, gu_A2F, h_AF, L, Fh, E,
-                                 E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                 num_warps=warps, num_stages=stages)
+    idx = idx_A if idx_A is not None else offs_E  # a pointer the kernel never reads
+    wrap(swiglu_up_kernel)[grid](x_AL, idx, w_gu, offs_E, tile_end_E, gu_A2F, h_AF, L, Fh, E,
+                                 HAS_IDX=idx_A is not None, E_P2=triton.next_power_of_2(E), BLOCK_M=bm,
+                                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
 
 
 def launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, config=DOWN_DX_CONFIG,
@@ -164,8 +171,10 @@ def launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, config=DOWN_DX
 # ---- the torch forms (the reference of the tests) -------------------------------------------------
 
 
-def swiglu_up_torch(x_AL, w_gu, offs_E):
+def swiglu_up_torch(x_AL, w_gu, offs_E, idx_A=None):
     """(gu_A2F, h_AF) by a loop over experts, rounded as the kernels round."""
+    if idx_A is not None:
+        x_AL = x_AL.index_select(0, idx_A)
     Fh, acc = w_gu.shape[2] // 2, torch.promote_types(x_AL.dtype, torch.float32)
     gu, start = [], 0
     for e, stop in enumerate(offs_E.tolist()):
@@ -196,11 +205,12 @@ if triton is not None:
     try:
 
         @torch.library.triton_op("moe_ladder::swiglu_up", mutates_args=())
-        def _swiglu_up_op(x_AL: torch.Tensor, w_gu: torch.Tensor, offs_E: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            A, Fh = x_AL.shape[0], w_gu.shape[2] // 2
+        def _swiglu_up_op(x_AL: torch.Tensor, w_gu: torch.Tensor, offs_E: torch.Tensor,
+                          idx_A: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            A, Fh = (x_AL if idx_A is None else idx_A).shape[0], w_gu.shape[2] // 2
             gu_A2F = x_AL.new_empty((A, 2 * Fh))
             h_AF = x_AL.new_empty((A, Fh))
-            launch_swiglu_up(x_AL, w_gu, offs_E, gu_A2F, h_AF, wrap=torch.library.wrap_triton)
+            launch_swiglu_up(x_AL, w_gu, offs_E, gu_A2F, h_AF, wrap=torch.library.wrap_triton, idx_A=idx_A)
             return gu_A2F, h_AF
 
         @torch.library.triton_op("moe_ladder::swiglu_down_dx", mutates_args=())
@@ -218,32 +228,46 @@ if triton is not None:
 
 
 def kernels_usable(x: torch.Tensor) -> bool:
-    from engines.torch import grouped_dw
+    from engines.torch import gather, grouped_dw
 
-    return _OPS and grouped_dw.kernel_usable(x) and x.is_cuda
+    return _OPS and grouped_dw.kernel_usable(x) and gather.kernels_usable(x) and x.is_cuda
 
 
 class FusedExperts(torch.autograd.Function):
     """y_AL = (silu(x w_gate) * (x w_up)) w_down per expert's rows, with the SwiGLU inside the
-    up matmul's epilogue (forward) and the down matmul's input-gradient epilogue (backward)."""
+    up matmul's epilogue (forward) and the down matmul's input-gradient epilogue (backward).
+
+    x is x_AL (rows sorted by expert), or, with src_A, the tokens' rows x_TL read as x_TL[src_A]
+    by the up matmul and the weight gradient (the dispatch's gather inside them: x_AL is never
+    written); then the input gradient is summed back to the tokens by gather.py's gather-and-sum
+    over inv_A (src_A's inverse, token-major, K slots a token)."""
 
     @staticmethod
-    def forward(ctx, x_AL, w_gu, w_down, offs_E):
-        gu_A2F, h_AF = torch.ops.moe_ladder.swiglu_up(x_AL, w_gu, offs_E)
-        ctx.save_for_backward(x_AL, w_gu, w_down, offs_E, gu_A2F, h_AF)
+    def forward(ctx, x, w_gu, w_down, offs_E, src_A, inv_A, K: int):
+        gu_A2F, h_AF = torch.ops.moe_ladder.swiglu_up(x, w_gu, offs_E, src_A)
+        ctx.save_for_backward(x, w_gu, w_down, offs_E, gu_A2F, h_AF, src_A, inv_A)
+        ctx.K = K
         return torch._grouped_mm(h_AF, w_down, offs=offs_E)
 
     @staticmethod
     def backward(ctx, dy_AL):
-        x_AL, w_gu, w_down, offs_E, gu_A2F, h_AF = ctx.saved_tensors
+        x, w_gu, w_down, offs_E, gu_A2F, h_AF, src_A, inv_A = ctx.saved_tensors
         dy_AL = dy_AL.contiguous()
         dgu_A2F = torch.ops.moe_ladder.swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E)
         dw_down = torch.ops.moe_ladder.grouped_dw(h_AF, dy_AL, offs_E, w_down.dtype)
-        dx_AL = torch._grouped_mm(dgu_A2F, w_gu.transpose(-2, -1), offs=offs_E)
-        dw_gu = torch.ops.moe_ladder.grouped_dw(x_AL, dgu_A2F, offs_E, w_gu.dtype)
-        return dx_AL, dw_gu, dw_down, None
+        dx = torch._grouped_mm(dgu_A2F, w_gu.transpose(-2, -1), offs=offs_E)
+        dw_gu = torch.ops.moe_ladder.grouped_dw(x, dgu_A2F, offs_E, w_gu.dtype, src_A)
+        if src_A is not None:
+            dx = torch.ops.moe_ladder.gather_sum(dx, inv_A.view(-1, ctx.K), None, dx.dtype)
+        return dx, dw_gu, dw_down, None, None, None, None
 
 
 def fused_experts(x_AL, w_gu, w_down, offs_E) -> torch.Tensor:
     """The experts' SwiGLU over rows sorted by expert, through FusedExperts."""
-    return FusedExperts.apply(x_AL.contiguous(), w_gu.contiguous(), w_down.contiguous(), offs_E)
+    return FusedExperts.apply(x_AL.contiguous(), w_gu.contiguous(), w_down.contiguous(), offs_E, None, None, 1)
+
+
+def fused_dispatch_experts(x_TL, src_A, inv_A, K: int, w_gu, w_down, offs_E) -> torch.Tensor:
+    """The same from the tokens' rows: x_TL[src_A] sorted by expert is never materialised."""
+    return FusedExperts.apply(x_TL.contiguous(), w_gu.contiguous(), w_down.contiguous(), offs_E,
+                              src_A.contiguous(), inv_A.contiguous(), K)

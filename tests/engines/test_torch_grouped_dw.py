@@ -28,6 +28,13 @@ for dtype in (torch.float32, torch.float16) + ((torch.bfloat16,) if dev == "cuda
         tol = 2e-2 if dtype != torch.float32 else (5e-3 if dev == "cuda" else 1e-5)
         torch.testing.assert_close(dw.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
         assert torch.equal(dw[1], torch.zeros_like(dw[1]))  # the expert without rows
+    # x's rows read through an index (the dispatch's gather inside the kernel)
+    x_T = torch.randn(37, K).to(dev, dtype)
+    idx = torch.randint(0, 37, (A,)).to(dev)
+    dw = torch.full((5, K, N), float("nan"), device=dev, dtype=dtype)
+    D.launch_grouped_dw(x_T, dy, offs, dw, (32, 32, 16, 4, 2), idx_A=idx)
+    ref = D.grouped_dw_torch(x_T, dy, offs, idx)
+    torch.testing.assert_close(dw.float(), ref, rtol=tol, atol=tol * ref.abs().max().item())
 try:
     D.launch_grouped_dw(x, dy.t().contiguous().t(), offs, dw)
     raise SystemExit("a strided dy was accepted")

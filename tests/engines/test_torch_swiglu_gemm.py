@@ -66,6 +66,15 @@ for dtype in (torch.float32, torch.float16) + ((torch.bfloat16,) if dev == "cuda
         dgu = torch.full((A, 2 * Fh), float("nan"), device=dev, dtype=dtype)
         S.launch_swiglu_down_dx(dy, w_down, ref_gu, offs, dgu, config)
         torch.testing.assert_close(dgu.float(), ref_dgu.float(), rtol=tol, atol=tol * ref_dgu.abs().max().item())
+    # the rows read through an index (the dispatch's gather inside the kernel)
+    x_T = torch.randn(29, L).to(dev, dtype)
+    idx = torch.randint(0, 29, (A,)).to(dev)
+    gu = torch.full((A, 2 * Fh), float("nan"), device=dev, dtype=dtype)
+    h = torch.full((A, Fh), float("nan"), device=dev, dtype=dtype)
+    S.launch_swiglu_up(x_T, w_gu, offs, gu, h, (16, 32, 16, 4, 2), idx_A=idx)
+    ref_gu, ref_h = S.swiglu_up_torch(x_T, w_gu, offs, idx)
+    torch.testing.assert_close(gu.float(), ref_gu.float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(h.float(), ref_h.float(), rtol=tol, atol=tol)
 try:
     S.launch_swiglu_up(x.t().contiguous().t(), w_gu, offs, gu, h)
     raise SystemExit("a strided x was accepted")
@@ -113,11 +122,33 @@ def grads(fn):
     return [y] + [t.grad for t in leaves]
 
 
-ref = grads(unfused)
-for fn in (lambda *a: S.fused_experts(*a, offs), torch.compile(lambda *a: S.fused_experts(*a, offs))):
-    for name, got, want in zip(("y", "dx", "dw_gu", "dw_down"), grads(fn), ref):
+def check(got_all, want_all):
+    for name, got, want in zip(("y", "dx", "dw_gu", "dw_down"), got_all, want_all):
         torch.testing.assert_close(got.float(), want.float(), rtol=2e-2, atol=2e-2 * want.float().abs().max().item(),
                                    msg=name)
+
+
+ref = grads(unfused)
+for fn in (lambda *a: S.fused_experts(*a, offs), torch.compile(lambda *a: S.fused_experts(*a, offs))):
+    check(grads(fn), ref)
+
+# from the tokens' rows: K = 2 slots a token, the sorted rows' tokens src_A, inverse inv_A
+K = 2
+T = A // K
+src_A = torch.randperm(A, device=dev)  # a sorted row's (token, slot), token-major
+inv_A = torch.empty_like(src_A).scatter_(0, src_A, torch.arange(A, device=dev))
+src_A = src_A // K
+params[0] = torch.randn(T, L, device=dev, dtype=bf)
+
+
+def unfused_tokens(x_TL, w_gu, w_down):
+    return unfused(x_TL.index_select(0, src_A), w_gu, w_down)
+
+
+ref = grads(unfused_tokens)
+for fn in (lambda *a: S.fused_dispatch_experts(a[0], src_A, inv_A, K, a[1], a[2], offs),
+           torch.compile(lambda *a: S.fused_dispatch_experts(a[0], src_A, inv_A, K, a[1], a[2], offs))):
+    check(grads(fn), ref)
 print("ok")
 """
 
