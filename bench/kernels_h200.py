@@ -30,6 +30,18 @@ def _sync():
         torch.cuda.synchronize()
 
 
+def timeit(fn, reps=20):
+    """Milliseconds a call of fn, after 3 untimed calls."""
+    for _ in range(3):
+        fn()
+    _sync()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    _sync()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
 def routing_sizes(seed=0):
     """Expert sizes of one top-8 routing of 16,384 tokens with mildly skewed router scores."""
     import numpy as np
@@ -47,16 +59,6 @@ def report(name, ms, flops):
 def bench_torch():
     import torch
     import torch.nn.functional as F
-
-    def timeit(fn, reps=10):
-        for _ in range(3):
-            fn()
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        torch.cuda.synchronize()
-        return (time.perf_counter() - t) / reps * 1e3
 
     dev = "cuda"
     sizes = torch.tensor(routing_sizes(), device=dev)
@@ -117,16 +119,6 @@ def bench_grouped():
 
     from engines.torch.grouped_dw import launch_grouped_dw
 
-    def timeit(fn, reps=20):
-        for _ in range(3):
-            fn()
-        _sync()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        _sync()
-        return (time.perf_counter() - t) / reps * 1e3
-
     dev, bf = DEV, torch.bfloat16
     offs = torch.cumsum(torch.tensor(routing_sizes(), device=dev), 0, dtype=torch.int32)
     for name, K, N in (("gate_up", L, 2 * F_), ("down", F_, L)):
@@ -171,16 +163,6 @@ def bench_swiglu():
     import torch.nn.functional as F
 
     from engines.torch import swiglu_gemm as S
-
-    def timeit(fn, reps=20):
-        for _ in range(3):
-            fn()
-        _sync()
-        t = time.perf_counter()
-        for _ in range(reps):
-            fn()
-        _sync()
-        return (time.perf_counter() - t) / reps * 1e3
 
     dev, bf = DEV, torch.bfloat16
     offs = torch.cumsum(torch.tensor(routing_sizes(), device=dev), 0, dtype=torch.int32)

@@ -24,15 +24,20 @@ def _loss_and_grads(fn, model, x, optim):
     return total.detach(), out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def _reference_and_fast(spec):
+    """(reference, fast) (total loss, outputs, gradients) of one batch on the CPU."""
+    model = MoETransformer(spec.model)
+    model.load_numpy(init_params(spec.model, spec.seed))
+    x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long()
+    return (_loss_and_grads(loss_terms, model, x, spec.optim),
+            _loss_and_grads(FastLoss(model, torch.device("cpu")), model, x, spec.optim))
+
+
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
 @pytest.mark.parametrize("variant", sorted(VARIANTS))
 def test_fast_path_matches_the_reference_forward_and_gradients(dispatch, variant):
     spec = micro_spec(**{"model.dispatch": dispatch, "model.capacity_factor_recv": 1.0, **VARIANTS[variant]})
-    model = MoETransformer(spec.model)
-    model.load_numpy(init_params(spec.model, spec.seed))
-    x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long()
-    t_ref, o_ref, g_ref = _loss_and_grads(loss_terms, model, x, spec.optim)
-    t_fast, o_fast, g_fast = _loss_and_grads(FastLoss(model, torch.device("cpu")), model, x, spec.optim)
+    (t_ref, o_ref, g_ref), (t_fast, o_fast, g_fast) = _reference_and_fast(spec)
     assert torch.allclose(t_fast, t_ref, rtol=1e-6, atol=1e-6)
     for k, v in o_ref["metrics"].items():
         assert torch.allclose(o_fast["metrics"][k], v, rtol=1e-5, atol=1e-6), k
@@ -47,12 +52,7 @@ def test_router_logits_through_the_tf32_op_reach_the_same_objective(monkeypatch)
     from engines.torch import fast
 
     monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "router": "tf32"}))
-    spec = micro_spec()
-    model = MoETransformer(spec.model)
-    model.load_numpy(init_params(spec.model, spec.seed))
-    x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long()
-    t_ref, _, g_ref = _loss_and_grads(loss_terms, model, x, spec.optim)
-    t_fast, _, g_fast = _loss_and_grads(FastLoss(model, torch.device("cpu")), model, x, spec.optim)
+    (t_ref, _, g_ref), (t_fast, _, g_fast) = _reference_and_fast(micro_spec())
     assert torch.allclose(t_fast, t_ref, rtol=1e-6, atol=1e-6)
     assert any(n.endswith("moe.router") for n in g_ref)
     for name, g in g_ref.items():
