@@ -163,6 +163,7 @@ def run_hf(spec, batches, warmup):
         tie_word_embeddings=False, use_cache=False,
     )
     cfg._attn_implementation = "sdpa"
+    torch.manual_seed(spec.seed)  # its own initialisation, the same in every run
     with torch.device(DEVICE):
         model = OlmoeForCausalLM(cfg)
     model = model.to(torch.bfloat16).train()
