@@ -117,6 +117,7 @@ def bench_grouped():
     expert matmuls of the bench shape, against engines/torch/grouped_dw.py's weight gradient."""
     import torch
 
+    from engines.torch import swiglu_gemm as S
     from engines.torch.grouped_dw import launch_grouped_dw
 
     dev, bf = DEV, torch.bfloat16
@@ -132,6 +133,17 @@ def bench_grouped():
         report(f"{name} dw _grouped_mm(x.t(), dy)", timeit(lambda: torch._grouped_mm(x.t(), dy, offs=offs)), fl)
         report(f"{name} dw _grouped_mm(dy.t(), x).mT",
                timeit(lambda: torch._grouped_mm(dy.t(), x, offs=offs)), fl)
+        for role, a_in, w_in, out_n in (("fwd", x, w, N), ("dx", dy, w.transpose(-2, -1), K)):
+            want = torch._grouped_mm(a_in, w_in, offs=offs)
+            for cfg in MM_CONFIGS:
+                out = torch.empty(A, out_n, device=dev, dtype=bf)
+                try:
+                    S.launch_grouped_mm(a_in, w_in, offs, out, cfg)
+                    err = (out.float() - want.float()).abs().max().item() / want.float().abs().max().item()
+                    report(f"{name} {role} triton {cfg} (rel err {err:.1e})",
+                           timeit(lambda: S.launch_grouped_mm(a_in, w_in, offs, out, cfg)), fl)
+                except Exception as e:
+                    print(f"{name} {role} triton {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
         xr = x.clone().requires_grad_(True)
         wr = w.clone().requires_grad_(True)
 
@@ -151,6 +163,7 @@ def bench_grouped():
                 print(f"{name} dw triton {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
 
 
+MM_CONFIGS = [(128, 128, 64, 8, 3), (128, 256, 64, 8, 3), (128, 128, 64, 4, 4)]
 SWIGLU_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 4), (128, 64, 64, 4, 4),
                   (64, 128, 64, 4, 4), (128, 256, 64, 8, 3)]
 

@@ -7,7 +7,9 @@ dgu_A2F. Here:
 - `swiglu_up_kernel` computes a row tile's gate and up columns side by side (two accumulators)
   and writes gu_A2F (saved for the backward) and h_AF from registers;
 - `swiglu_down_dx_kernel` computes a row tile of dh = dy_AL @ w_down[e]^T and, in its epilogue,
-  reads that tile's gate and up and writes dgu_A2F: dh never goes to memory.
+  reads that tile's gate and up and writes dgu_A2F: dh never goes to memory;
+- `grouped_mm_kernel` is the same tiling without an epilogue (timed against _grouped_mm by
+  bench/kernels_h200.py --only swiglu; not used by the engine).
 Both round as the unfused path does (the matmul's output to bf16 first, the SwiGLU in fp32 from
 there, its result to the storage dtype). The down matmul's forward and the input gradient of
 gate|up stay torch._grouped_mm; the weight gradients are engines/torch/grouped_dw.py's.
@@ -125,6 +127,34 @@ if triton is not None:
         tl.store(out + Fh, du.to(dgu_ptr.dtype.element_ty), mask=mask)
 
 
+if triton is not None:
+
+    @triton.jit
+    def grouped_mm_kernel(x_ptr, w_ptr, offs_ptr, tile_end_ptr, y_ptr, K, N, E, s_we, s_wk, s_wn,
+                          E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+        """y_AN = x_AK @ w[e] per expert's rows, w[e] read through strides (a transposed view for
+        an input gradient): the same tiling as the SwiGLU kernels, without an epilogue."""
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        pm = tl.program_id(0) // tiles_n
+        pn = tl.program_id(0) % tiles_n
+        e, rows, r_ok = _row_tile(pm, offs_ptr, tile_end_ptr, E, E_P2, BLOCK_M)
+        rows = rows.to(tl.int64)
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        c_ok = cols < N
+        ks = tl.arange(0, BLOCK_K)
+        w_e = w_ptr + e.to(tl.int64) * s_we
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_e + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+        tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
+                 mask=r_ok[:, None] & c_ok[None, :])
+
+
 def _tiles(offs_E: torch.Tensor, A: int, block_m: int) -> tuple[torch.Tensor, int]:
     """(cumulative row-tile counts per expert (int32, on the device), the worst-case tile count)."""
     counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
@@ -166,6 +196,19 @@ def launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, config=DOWN_DX
     wrap(swiglu_down_dx_kernel)[grid](dy_AL, w_down, gu_A2F, offs_E, tile_end_E, dgu_A2F, L, Fh, E,
                                       E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
                                       num_warps=warps, num_stages=stages)
+
+
+def launch_grouped_mm(x_AK, w_EKN, offs_E, y_AN, config=UP_CONFIG, wrap=lambda k: k) -> None:
+    """y_AN = x_AK @ w_EKN[e] per expert's rows (w_EKN any strides, e.g. a transposed view)."""
+    _check("grouped_mm", x=x_AK, y=y_AN)
+    A, K = x_AK.shape
+    E, N = w_EKN.shape[0], w_EKN.shape[2]
+    bm, bn, bk, warps, stages = config
+    tile_end_E, n_tiles = _tiles(offs_E, A, bm)
+    grid = (n_tiles * triton.cdiv(N, bn),)
+    wrap(grouped_mm_kernel)[grid](x_AK, w_EKN, offs_E, tile_end_E, y_AN, K, N, E, *w_EKN.stride(),
+                                  E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
+                                  num_warps=warps, num_stages=stages)
 
 
 # ---- the torch forms (the reference of the tests) -------------------------------------------------

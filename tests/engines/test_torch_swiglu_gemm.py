@@ -66,6 +66,14 @@ for dtype in (torch.float32, torch.float16) + ((torch.bfloat16,) if dev == "cuda
         dgu = torch.full((A, 2 * Fh), float("nan"), device=dev, dtype=dtype)
         S.launch_swiglu_down_dx(dy, w_down, ref_gu, offs, dgu, config)
         torch.testing.assert_close(dgu.float(), ref_dgu.float(), rtol=tol, atol=tol * ref_dgu.abs().max().item())
+    # the plain grouped matmul, with the weights as stored and through a transposed view
+    for w, n in ((w_gu, 2 * Fh), (w_down.transpose(-2, -1), Fh)):
+        xin = x if w is w_gu else dy
+        y = torch.full((A, n), float("nan"), device=dev, dtype=dtype)
+        S.launch_grouped_mm(xin, w, offs, y, (16, 32, 16, 4, 2))
+        want = torch.cat([xin[a:b].float() @ w[e].float()
+                          for e, (a, b) in enumerate(zip([0] + offs.tolist()[:-1], offs.tolist()))])
+        torch.testing.assert_close(y.float(), want, rtol=tol, atol=tol * want.abs().max().item())
     # the rows read through an index (the dispatch's gather inside the kernel)
     x_T = torch.randn(29, L).to(dev, dtype)
     idx = torch.randint(0, 29, (A,)).to(dev)
