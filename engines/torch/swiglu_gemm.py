@@ -288,13 +288,14 @@ class FusedExperts(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, w_gu, w_down, offs_E, src_A, inv_A, K: int):
         gu_A2F, h_AF = torch.ops.moe_ladder.swiglu_up(x, w_gu, offs_E, src_A)
-        ctx.save_for_backward(x, w_gu, w_down, offs_E, gu_A2F, h_AF, src_A, inv_A)
-        ctx.K = K
+        ctx.gathered, ctx.K = src_A is not None, K
+        ctx.save_for_backward(x, w_gu, w_down, offs_E, gu_A2F, h_AF, *((src_A, inv_A) if ctx.gathered else ()))
         return torch._grouped_mm(h_AF, w_down, offs=offs_E)
 
     @staticmethod
     def backward(ctx, dy_AL):
-        x, w_gu, w_down, offs_E, gu_A2F, h_AF, src_A, inv_A = ctx.saved_tensors
+        x, w_gu, w_down, offs_E, gu_A2F, h_AF, *index = ctx.saved_tensors
+        src_A, inv_A = index if ctx.gathered else (None, None)
         dy_AL = dy_AL.contiguous()
         dgu_A2F = torch.ops.moe_ladder.swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E)
         dw_down = torch.ops.moe_ladder.grouped_dw(h_AF, dy_AL, offs_E, w_down.dtype)
