@@ -45,7 +45,7 @@ def _grads(model, fn, x, optim):
 
 
 @pytest.mark.parametrize("dispatch, experts, router", [("dropless", "grouped", "fp32"), ("capacity", "grouped", "fp32"),
-                                                       ("dropless", "fused", "tf32")])
+                                                       ("dropless", "fused", "tf32"), ("dropless", "fused-gather", "fp32")])
 def test_bf16_fast_step_matches_the_fp32_path(monkeypatch, dispatch, experts, router):
     from engines.torch import fast
 
