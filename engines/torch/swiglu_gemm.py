@@ -29,6 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F_
 
+from engines.torch import gather, grouped_dw
+
 try:  # Triton ships with CUDA builds of torch; the CPU build has none
     import triton
     import triton.language as tl
@@ -43,8 +45,12 @@ DOWN_DX_CONFIG = (128, 128, 64, 8, 3)
 if triton is not None:
 
     @triton.jit
-    def _row_tile(pm, offs_ptr, tile_end_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr):
-        """(expert, rows of this row tile, row mask) of row tile pm."""
+    def _tile(N, tile_end_ptr, offs_ptr, E, E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """(expert, rows (int64), row mask, columns, column mask) of this program's output tile:
+        row tile pm of the experts' row tiles, column tile pn of N."""
+        tiles_n = tl.cdiv(N, BLOCK_N)
+        pm = tl.program_id(0) // tiles_n
+        pn = tl.program_id(0) % tiles_n
         es = tl.arange(0, E_P2)
         ends = tl.load(tile_end_ptr + es, mask=es < E, other=2147483647)
         e = tl.sum((ends <= pm).to(tl.int32), axis=0)
@@ -54,28 +60,38 @@ if triton is not None:
         start = tl.load(offs_ptr + e - 1, mask=e > 0, other=0)
         first = tl.load(tile_end_ptr + e) - tl.cdiv(stop - start, BLOCK_M)
         rows = start + (pm - first) * BLOCK_M + tl.arange(0, BLOCK_M)
-        return e, rows, (rows < stop) & (pm + tl.zeros([BLOCK_M], dtype=tl.int32) < n_tiles)
+        r_ok = (rows < stop) & (pm + tl.zeros([BLOCK_M], dtype=tl.int32) < n_tiles)
+        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
+        return e, rows.to(tl.int64), r_ok, cols, cols < N
 
     @triton.jit
-    def swiglu_up_kernel(x_ptr, idx_ptr, w_ptr, offs_ptr, tile_end_ptr, gu_ptr, h_ptr, L, Fh, E,
+    def _tile_matmul(x_ptr, rows, r_ok, w_e, s_wk, s_wn, cols, c_ok, K,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+        """fp32 [BLOCK_M, BLOCK_N] = x[rows, :K] @ w_e[:K, cols], w_e read through its strides."""
+        ks = tl.arange(0, BLOCK_K)
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            kk = k0 + ks
+            k_ok = kk < K
+            a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
+            b = tl.load(w_e + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
+            acc = tl.dot(a, b, acc)
+        return acc
+
+    @triton.jit
+    def swiglu_up_kernel(tile_end_ptr, offs_ptr, x_ptr, idx_ptr, w_ptr, gu_ptr, h_ptr, L, Fh, E,
                          HAS_IDX: tl.constexpr, E_P2: tl.constexpr, BLOCK_M: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-        tiles_n = tl.cdiv(Fh, BLOCK_N)
-        pm = tl.program_id(0) // tiles_n
-        pn = tl.program_id(0) % tiles_n
-        e, rows, r_ok = _row_tile(pm, offs_ptr, tile_end_ptr, E, E_P2, BLOCK_M)
-        rows = rows.to(tl.int64)
+        e, rows, r_ok, cols, c_ok = _tile(Fh, tile_end_ptr, offs_ptr, E, E_P2, BLOCK_M, BLOCK_N)
         if HAS_IDX:  # the dispatch's gather: row r of the product is x row idx[r]
             x_rows = tl.load(idx_ptr + rows, mask=r_ok, other=0).to(tl.int64)
         else:
             x_rows = rows
-        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ok = cols < Fh
         ks = tl.arange(0, BLOCK_K)
         w_e = w_ptr + e.to(tl.int64) * L * 2 * Fh  # w_gu[e]: [L, 2F], gate | up
         acc_g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, L, BLOCK_K):
+        for k0 in range(0, L, BLOCK_K):  # one row tile read once for both accumulators
             kk = k0 + ks
             k_ok = kk < L
             a = tl.load(x_ptr + x_rows[:, None] * L + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
@@ -95,25 +111,13 @@ if triton is not None:
         tl.store(h_ptr + rows[:, None] * Fh + cols[None, :], h.to(h_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def swiglu_down_dx_kernel(dy_ptr, w_ptr, gu_ptr, offs_ptr, tile_end_ptr, dgu_ptr, L, Fh, E,
+    def swiglu_down_dx_kernel(tile_end_ptr, offs_ptr, dy_ptr, w_ptr, gu_ptr, dgu_ptr, L, Fh, E,
                               E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                               BLOCK_K: tl.constexpr):
-        tiles_n = tl.cdiv(Fh, BLOCK_N)
-        pm = tl.program_id(0) // tiles_n
-        pn = tl.program_id(0) % tiles_n
-        e, rows, r_ok = _row_tile(pm, offs_ptr, tile_end_ptr, E, E_P2, BLOCK_M)
-        rows = rows.to(tl.int64)
-        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ok = cols < Fh
-        ks = tl.arange(0, BLOCK_K)
-        w_e = w_ptr + e.to(tl.int64) * Fh * L  # w_down[e]: [F, L]; the matmul reads its transpose
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, L, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk < L
-            a = tl.load(dy_ptr + rows[:, None] * L + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_e + cols[None, :] * L + kk[:, None], mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+        e, rows, r_ok, cols, c_ok = _tile(Fh, tile_end_ptr, offs_ptr, E, E_P2, BLOCK_M, BLOCK_N)
+        # w_down[e]: [F, L]; the matmul reads its transpose
+        acc = _tile_matmul(dy_ptr, rows, r_ok, w_ptr + e.to(tl.int64) * Fh * L, 1, L, cols, c_ok, L,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
         mask = r_ok[:, None] & c_ok[None, :]
         dh = acc.to(dgu_ptr.dtype.element_ty).to(tl.float32)
         src = gu_ptr + rows[:, None] * (2 * Fh) + cols[None, :]
@@ -126,40 +130,29 @@ if triton is not None:
         tl.store(out, dg.to(dgu_ptr.dtype.element_ty), mask=mask)
         tl.store(out + Fh, du.to(dgu_ptr.dtype.element_ty), mask=mask)
 
-
-if triton is not None:
-
     @triton.jit
-    def grouped_mm_kernel(x_ptr, w_ptr, offs_ptr, tile_end_ptr, y_ptr, K, N, E, s_we, s_wk, s_wn,
+    def grouped_mm_kernel(tile_end_ptr, offs_ptr, x_ptr, w_ptr, y_ptr, K, N, E, s_we, s_wk, s_wn,
                           E_P2: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                           BLOCK_K: tl.constexpr):
         """y_AN = x_AK @ w[e] per expert's rows, w[e] read through strides (a transposed view for
         an input gradient): the same tiling as the SwiGLU kernels, without an epilogue."""
-        tiles_n = tl.cdiv(N, BLOCK_N)
-        pm = tl.program_id(0) // tiles_n
-        pn = tl.program_id(0) % tiles_n
-        e, rows, r_ok = _row_tile(pm, offs_ptr, tile_end_ptr, E, E_P2, BLOCK_M)
-        rows = rows.to(tl.int64)
-        cols = pn * BLOCK_N + tl.arange(0, BLOCK_N)
-        c_ok = cols < N
-        ks = tl.arange(0, BLOCK_K)
-        w_e = w_ptr + e.to(tl.int64) * s_we
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            kk = k0 + ks
-            k_ok = kk < K
-            a = tl.load(x_ptr + rows[:, None] * K + kk[None, :], mask=r_ok[:, None] & k_ok[None, :], other=0.0)
-            b = tl.load(w_e + kk[:, None] * s_wk + cols[None, :] * s_wn, mask=k_ok[:, None] & c_ok[None, :], other=0.0)
-            acc = tl.dot(a, b, acc)
+        e, rows, r_ok, cols, c_ok = _tile(N, tile_end_ptr, offs_ptr, E, E_P2, BLOCK_M, BLOCK_N)
+        acc = _tile_matmul(x_ptr, rows, r_ok, w_ptr + e.to(tl.int64) * s_we, s_wk, s_wn, cols, c_ok, K,
+                           BLOCK_M, BLOCK_N, BLOCK_K)
         tl.store(y_ptr + rows[:, None] * N + cols[None, :], acc.to(y_ptr.dtype.element_ty),
                  mask=r_ok[:, None] & c_ok[None, :])
 
 
-def _tiles(offs_E: torch.Tensor, A: int, block_m: int) -> tuple[torch.Tensor, int]:
-    """(cumulative row-tile counts per expert (int32, on the device), the worst-case tile count)."""
+def _launch(kernel, offs_E, A: int, N: int, config, wrap, *args, **meta) -> None:
+    """kernel[grid](tile ends, offs_E, *args) over the worst-case row tiles (cdiv(A, BLOCK_M) + E)
+    times N's column tiles; the row tiles' cumulative counts per expert are counted on the device."""
+    bm, bn, bk, warps, stages = config
     counts_E = torch.diff(offs_E, prepend=offs_E.new_zeros(1))
-    tile_end_E = torch.cumsum((counts_E + block_m - 1) // block_m, 0, dtype=torch.int32)
-    return tile_end_E, triton.cdiv(A, block_m) + offs_E.shape[0]
+    tile_end_E = torch.cumsum((counts_E + bm - 1) // bm, 0, dtype=torch.int32)
+    E = offs_E.shape[0]
+    grid = ((triton.cdiv(A, bm) + E) * triton.cdiv(N, bn),)
+    wrap(kernel)[grid](tile_end_E, offs_E, *args, E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn,
+                       BLOCK_K=bk, num_warps=warps, num_stages=stages, **meta)
 
 
 def _check(name: str, **tensors: torch.Tensor) -> None:
@@ -175,13 +168,9 @@ def launch_swiglu_up(x_AL, w_gu, offs_E, gu_A2F, h_AF, config=UP_CONFIG, wrap=la
     _check("swiglu_up", x=x_AL, w_gu=w_gu, gu=gu_A2F, h=h_AF)
     A, L = gu_A2F.shape[0], x_AL.shape[1]
     E, Fh = w_gu.shape[0], w_gu.shape[2] // 2
-    bm, bn, bk, warps, stages = config
-    tile_end_E, n_tiles = _tiles(offs_E, A, bm)
-    grid = (n_tiles * triton.cdiv(Fh, bn),)
     idx = idx_A if idx_A is not None else offs_E  # a pointer the kernel never reads
-    wrap(swiglu_up_kernel)[grid](x_AL, idx, w_gu, offs_E, tile_end_E, gu_A2F, h_AF, L, Fh, E,
-                                 HAS_IDX=idx_A is not None, E_P2=triton.next_power_of_2(E), BLOCK_M=bm,
-                                 BLOCK_N=bn, BLOCK_K=bk, num_warps=warps, num_stages=stages)
+    _launch(swiglu_up_kernel, offs_E, A, Fh, config, wrap, x_AL, idx, w_gu, gu_A2F, h_AF, L, Fh, E,
+            HAS_IDX=idx_A is not None)
 
 
 def launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, config=DOWN_DX_CONFIG,
@@ -190,12 +179,7 @@ def launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, config=DOWN_DX
     _check("swiglu_down_dx", dy=dy_AL, w_down=w_down, gu=gu_A2F, dgu=dgu_A2F)
     A, L = dy_AL.shape
     E, Fh = w_down.shape[0], w_down.shape[1]
-    bm, bn, bk, warps, stages = config
-    tile_end_E, n_tiles = _tiles(offs_E, A, bm)
-    grid = (n_tiles * triton.cdiv(Fh, bn),)
-    wrap(swiglu_down_dx_kernel)[grid](dy_AL, w_down, gu_A2F, offs_E, tile_end_E, dgu_A2F, L, Fh, E,
-                                      E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                      num_warps=warps, num_stages=stages)
+    _launch(swiglu_down_dx_kernel, offs_E, A, Fh, config, wrap, dy_AL, w_down, gu_A2F, dgu_A2F, L, Fh, E)
 
 
 def launch_grouped_mm(x_AK, w_EKN, offs_E, y_AN, config=UP_CONFIG, wrap=lambda k: k) -> None:
@@ -203,12 +187,7 @@ def launch_grouped_mm(x_AK, w_EKN, offs_E, y_AN, config=UP_CONFIG, wrap=lambda k
     _check("grouped_mm", x=x_AK, y=y_AN)
     A, K = x_AK.shape
     E, N = w_EKN.shape[0], w_EKN.shape[2]
-    bm, bn, bk, warps, stages = config
-    tile_end_E, n_tiles = _tiles(offs_E, A, bm)
-    grid = (n_tiles * triton.cdiv(N, bn),)
-    wrap(grouped_mm_kernel)[grid](x_AK, w_EKN, offs_E, tile_end_E, y_AN, K, N, E, *w_EKN.stride(),
-                                  E_P2=triton.next_power_of_2(E), BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk,
-                                  num_warps=warps, num_stages=stages)
+    _launch(grouped_mm_kernel, offs_E, A, N, config, wrap, x_AK, w_EKN, y_AN, K, N, E, *w_EKN.stride())
 
 
 # ---- the torch forms (the reference of the tests) -------------------------------------------------
@@ -271,9 +250,8 @@ if triton is not None:
 
 
 def kernels_usable(x: torch.Tensor) -> bool:
-    from engines.torch import gather, grouped_dw
-
-    return _OPS and grouped_dw.kernel_usable(x) and gather.kernels_usable(x) and x.is_cuda
+    """Every op FusedExperts calls runs on x's device (a GPU with Triton)."""
+    return _OPS and grouped_dw.kernel_usable(x) and gather.kernels_usable(x)
 
 
 class FusedExperts(torch.autograd.Function):
