@@ -38,8 +38,8 @@ import torch.nn.functional as F
 from engines.torch import adamw_kernel, gather, grouped_dw, swiglu_gemm
 from engines.torch.gather import Combine, gather_sum
 from engines.torch.master import default_kernel
-from engines.torch.tf32 import mm_tf32
 from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
+from engines.torch.tf32 import mm_tf32
 
 
 @dataclass
