@@ -286,16 +286,12 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None):
     return launch, read, sync, close, info
 
 
-def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None,
-              tf32: bool = False):
+def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None):
     import torch
 
     from engines.torch import fast
 
     saved = fast.OPTIONS
-    saved_tf32 = torch.backends.cuda.matmul.allow_tf32
-    # the fast path's only fp32 matmul is the router's (logits for top-k): TF32 tensor cores there
-    torch.backends.cuda.matmul.allow_tf32 = tf32
     if options:
         fast.OPTIONS = fast.FastOptions(**{**vars(saved), **options})
     try:
@@ -311,7 +307,6 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
             return [o[0] for o in out], dt, t_warm, info
     finally:
         fast.OPTIONS = saved
-        torch.backends.cuda.matmul.allow_tf32 = saved_tf32
         torch._dynamo.reset()  # compiled graphs can hold the model's tensors; JAX runs next
         gc.collect()
         if DEVICE == "cuda":
@@ -347,7 +342,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_tf32router, torch_tf32global, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -478,10 +473,13 @@ def main(argv=None) -> int:
         # one Triton kernel per tensor (engines/torch/adamw_kernel.py)
         "torch_compileadam": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
                                                   "MOE_LADDER_TORCH_ADAMW": "compile"}}),
-        # the router's fp32 logits matmul on TF32 tensor cores (engines/torch/tf32.py's op), and
-        # the same through the process-wide switch
-        "torch_tf32router": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"router": "tf32"}}),
-        "torch_tf32global": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "tf32": True}),
+        # the router's logits matmul on fp32 SIMT cores instead of TF32 tensor cores (tf32.py's op)
+        "torch_fp32router": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"router": "fp32"}}),
+        # the experts' SwiGLU backward by Inductor instead of engines/torch/swiglu.py's kernel
+        "torch_inductorswiglu": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+                                             "options": {"swiglu": "inductor"}}),
+        # MasterAdamW's moments in bf16 (20 bytes a parameter instead of 28)
+        "torch_bf16moments": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1", "MOE_LADDER_TORCH_MOMENTS": "bf16"}}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),

@@ -1,5 +1,6 @@
 """MasterAdamW's update of one tensor as one Triton kernel: reads master, gradient, moments and the
-step's constants, writes master, moments and the tensor's slice of its working copy.
+step's constants, writes master, moments and the tensor's slice of its working copy. Moments are
+fp32 or bf16 (read into fp32, rounded to nearest on the store).
 
 Compiled by Inductor (master.adamw_group_), the update of the blocks' concatenated working copies
 (q|k|v, gate|up) took a second pass: Inductor wrote each leaf's slices in separate kernels that
@@ -29,6 +30,7 @@ except ImportError:  # pragma: no cover - depends on the installation
     triton = None
 
 BLOCK = 1024
+MOMENT_DTYPES = (torch.float32, torch.bfloat16)
 
 if triton is not None:
 
@@ -50,16 +52,16 @@ if triton is not None:
         ok = tl.load(s_ptr + 8) > 0
         g = tl.load(g_ptr + row * g_row + col, mask=mask, other=0.0).to(tl.float32) * clip
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m_new = m + one_minus_b1 * (g - m)  # torch.lerp's form for weights below 0.5
         v_new = v * b2 + g * g * one_minus_b2
         denom = tl.sqrt_rn(v_new) * inv_bc2 + eps
         p_new = p * decay - tl.div_rn(m_new, denom) * step_size
         p_new = tl.where(ok, p_new, p)
         tl.store(p_ptr + offs, p_new, mask=mask)
-        tl.store(m_ptr + offs, tl.where(ok, m_new, m), mask=mask)
-        tl.store(v_ptr + offs, tl.where(ok, v_new, v), mask=mask)
+        tl.store(m_ptr + offs, tl.where(ok, m_new, m).to(m_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_ptr + offs, tl.where(ok, v_new, v).to(v_ptr.dtype.element_ty), mask=mask)
         if HAS_W:
             tl.store(w_ptr + row * w_row + col, p_new.to(w_ptr.dtype.element_ty), mask=mask)
 
@@ -93,6 +95,8 @@ def adamw_launch(p_N, g_N, m_N, v_N, w_N, s_9) -> None:
         raise ValueError("adamw_kernel: master and moments must be contiguous")
     if p_N.dtype != torch.float32 or s_9.dtype != torch.float32:
         raise ValueError("adamw_kernel: fp32 masters and constants only")
+    if m_N.dtype not in MOMENT_DTYPES or v_N.dtype not in MOMENT_DTYPES:
+        raise ValueError(f"adamw_kernel: moments in fp32 or bf16 (got {m_N.dtype}, {v_N.dtype})")
     N = p_N.numel()
     if N == 0:
         return

@@ -93,7 +93,7 @@ def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = No
     also writing the bf16 working copies the fast forward reads; elsewhere torch's fused AdamW
     (GuardedAdamW)."""
     from engines.torch.fast import ASSUMED_MFU, working_copies_enabled
-    from engines.torch.master import GuardedAdamW, MasterAdamW
+    from engines.torch.master import GuardedAdamW, MasterAdamW, default_moments
 
     decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
@@ -108,7 +108,7 @@ def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = No
         working = cuda and working_copies_enabled(next(model.parameters()).device, expected_s)
     if working:
         return MasterAdamW(model, groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                           dtype=torch.bfloat16 if cuda else torch.float32)
+                           dtype=torch.bfloat16 if cuda else torch.float32, moments=default_moments())
     return GuardedAdamW(groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 

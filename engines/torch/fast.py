@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.torch import adamw_kernel, gather, grouped_dw, swiglu_gemm
+from engines.torch import adamw_kernel, gather, grouped_dw, swiglu, swiglu_gemm
 from engines.torch.gather import Combine, gather_sum
 from engines.torch.master import default_kernel
 from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
@@ -66,9 +66,12 @@ class FastOptions:
     # swiglu_gemm.py; a GPU with Triton only; not yet timed in the step) or "fused-gather" (the
     # same, the dispatch's row gather inside the up matmul and its weight gradient too)
     experts: str = "grouped"
-    # the router's logits matmul: "fp32" (SIMT cores) or "tf32" (tensor cores, engines/torch/tf32.py;
-    # the process-wide switch gave +1.5-1.8% tokens/s on an H200 at the bench shape)
-    router: str = "fp32"
+    # the router's logits matmul: "tf32" (tensor cores, engines/torch/tf32.py; +0.9% tokens/s on an
+    # H200 at the bench shape) or "fp32" (SIMT cores)
+    router: str = "tf32"
+    # the experts' SwiGLU backward: "triton" (engines/torch/swiglu.py, a GPU with Triton only) or
+    # "inductor"
+    swiglu: str = "triton"
 
 
 OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"),
@@ -77,7 +80,9 @@ OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"
                       grouped_dw=os.environ.get("MOE_LADDER_TORCH_GROUPED_DW",
                                                 "triton" if grouped_dw.triton is not None else "torch"),
                       experts=os.environ.get("MOE_LADDER_TORCH_EXPERTS", "grouped"),
-                      router=os.environ.get("MOE_LADDER_TORCH_ROUTER", "fp32"))
+                      router=os.environ.get("MOE_LADDER_TORCH_ROUTER", "tf32"),
+                      swiglu=os.environ.get("MOE_LADDER_TORCH_SWIGLU",
+                                            "triton" if swiglu.triton is not None else "inductor"))
 
 
 def fast_path_enabled(device: torch.device) -> bool:
@@ -215,7 +220,7 @@ def _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype) -> torch.Ten
         # gate and up as one [E, L, 2F] matmul: wider tiles, one dx GEMM in the backward
         kernel = OPTIONS.grouped_dw == "triton"
         gu_A2F = grouped_dw.grouped_mm(x_AL, w_gu, offs_E, kernel)
-        h_AF = F.silu(gu_A2F[:, :Fh]) * gu_A2F[:, Fh:]
+        h_AF = swiglu.swiglu(gu_A2F, OPTIONS.swiglu == "triton")
         return grouped_dw.grouped_mm(h_AF, wd, offs_E, kernel)
     outs, start = [], 0
     for e, n in enumerate(counts_E.tolist()):  # CPU (or no grouped kernel): a host loop

@@ -15,7 +15,10 @@ slice of its leaf's last dimension and its gradient the same slice of the leaf's
 
 Update, state keys and state dtypes are torch.optim.AdamW's (decoupled weight decay, bias
 corrections; step, exp_avg and exp_avg_sq in fp32), so checkpoints, resumes and
-engine.optimizer_to_numpy are unchanged. Parameters without a working copy (norms, the router,
+engine.optimizer_to_numpy are unchanged. With moments=torch.bfloat16 ($MOE_LADDER_TORCH_MOMENTS=
+bf16; off by default) exp_avg and exp_avg_sq are kept in bf16, as DeepSeek-V3 trained (its report,
+section 3.3.2, with beta2 0.95): 20 bytes a parameter instead of 28. The arithmetic stays fp32;
+checkpoints hold them as fp32 and a load rounds them back. Parameters without a working copy (norms, the router,
 the embedding, which stay fp32 in the forward) get the same update from their fp32 gradients.
 
 Shape legend: N... a tensor's dimensions (any rank).
@@ -31,6 +34,19 @@ import torch
 from engines.torch import adamw_kernel
 from engines.torch.adamw_kernel import adamw_launch, kernel_usable
 from engines.torch.model import MoETransformer
+
+
+# bf16 moments round each update to 8 significant bits: the second moment's step change,
+# (1 - beta2) * (g^2 - v), must stay above that rounding (2^-8 of v) for gradients near its mean
+BF16_MAX_BETA2 = 0.99
+
+
+def default_moments() -> torch.dtype:
+    """The moments' dtype: $MOE_LADDER_TORCH_MOMENTS ("fp32", the default, or "bf16")."""
+    name = os.environ.get("MOE_LADDER_TORCH_MOMENTS", "fp32")
+    if name not in ("fp32", "bf16"):
+        raise ValueError(f"MOE_LADDER_TORCH_MOMENTS={name!r}: 'fp32' or 'bf16'")
+    return torch.float32 if name == "fp32" else torch.bfloat16
 
 
 def default_kernel() -> str:
@@ -68,8 +84,8 @@ def adamw_(p_N, g_N, m_N, v_N, w_N, s_9):
     the host queue the update before it reads the step's metrics (its one sync per step)."""
     ok = s_9[8] > 0
     g_N = g_N.float() * s_9[7]
-    m_new = torch.lerp(m_N, g_N, s_9[2])
-    v_new = v_N * s_9[3] + g_N * g_N * s_9[4]
+    m_new = torch.lerp(m_N.float(), g_N, s_9[2])  # (16-bit moments: fp32 arithmetic, rounded on the copy)
+    v_new = v_N.float() * s_9[3] + g_N * g_N * s_9[4]
     p_new = p_N * s_9[1] - m_new / (v_new.sqrt() * s_9[6] + s_9[5]) * s_9[0]
     m_N.copy_(torch.where(ok, m_new, m_N))
     v_N.copy_(torch.where(ok, v_new, v_N))
@@ -110,9 +126,15 @@ class MasterAdamW(torch.optim.Optimizer):
 
     def __init__(self, model: MoETransformer, param_groups, lr: float, betas: tuple[float, float],
                  eps: float, dtype: torch.dtype = torch.bfloat16, compile: bool | None = None,
-                 kernel: str | None = None):
+                 kernel: str | None = None, moments: torch.dtype = torch.float32):
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
-        self.dtype = dtype
+        if moments not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"MasterAdamW moments {moments}: torch.float32 or torch.bfloat16")
+        if moments == torch.bfloat16 and any(g["betas"][1] > BF16_MAX_BETA2 for g in self.param_groups):
+            raise ValueError(f"MasterAdamW: bf16 moments need beta2 <= {BF16_MAX_BETA2} (got "
+                             f"{max(g['betas'][1] for g in self.param_groups)}); above it, a "
+                             "step's change to the second moment is lost in bf16's rounding")
+        self.dtype, self.moments = dtype, moments
         self._leaves: dict[str, torch.Tensor] = {}
         self._part: dict[torch.nn.Parameter, tuple[str, int, int]] = {}  # param -> (leaf, start, stop)
         for name, parts in weight_layout(model).items():
@@ -153,7 +175,11 @@ class MasterAdamW(torch.optim.Optimizer):
         self._stale = False
 
     def load_state_dict(self, state_dict) -> None:
-        super().load_state_dict(state_dict)
+        super().load_state_dict(state_dict)  # (which casts the moments to the fp32 masters' dtype)
+        for st in self.state.values():
+            for key in ("exp_avg", "exp_avg_sq"):
+                if key in st:
+                    st[key] = st[key].to(self.moments)
         self._stale = True
 
     # ---- the step -------------------------------------------------------------------------------
@@ -197,8 +223,8 @@ class MasterAdamW(torch.optim.Optimizer):
                 st = self.state[p]
                 if not st:
                     st["step"] = torch.tensor(0.0, dtype=torch.float32)
-                    st["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                    st["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                    st["exp_avg"] = torch.zeros_like(p, dtype=self.moments, memory_format=torch.contiguous_format)
+                    st["exp_avg_sq"] = torch.zeros_like(p, dtype=self.moments, memory_format=torch.contiguous_format)
                 st["step"] += 1
                 ps.append(p)
                 ms.append(st["exp_avg"])

@@ -32,10 +32,11 @@ def _model():
     return model
 
 
-def _master(model, dtype=torch.float32):
+def _master(model, dtype=torch.float32, moments=torch.float32):
     plain = build_optimizer(model, SPEC, working=False)
     return MasterAdamW(model, plain.param_groups, lr=SPEC.optim.peak_lr,
-                       betas=(SPEC.optim.beta1, SPEC.optim.beta2), eps=SPEC.optim.eps, dtype=dtype)
+                       betas=(SPEC.optim.beta1, SPEC.optim.beta2), eps=SPEC.optim.eps, dtype=dtype,
+                       moments=moments)
 
 
 def _train(model, opt, loss_fn, steps, start=0):
@@ -108,6 +109,41 @@ def test_resumed_from_saved_state_continues_exactly():
     _train(resumed, opt, make_loss_fn(resumed, torch.device("cpu"), opt), 4 - split, start=split)
     for (name, p), q in zip(resumed.named_parameters(), whole.parameters()):
         assert torch.equal(p, q), name
+
+
+def test_bf16_moments_are_the_fp32_update_rounded_and_stay_bf16_across_a_resume():
+    runs = []
+    for moments in (torch.float32, torch.bfloat16):
+        model = _model()
+        opt = _master(model, moments=moments)
+        _train(model, opt, make_loss_fn(model, torch.device("cpu"), opt), 1)
+        runs.append((model, opt))
+    (ref, ref_opt), (got, got_opt) = runs
+    for (name, p), q in zip(got.named_parameters(), ref.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):  # from zero moments: one rounding of the same value
+            assert got_opt.state[p][key].dtype == torch.bfloat16, name
+            assert torch.equal(got_opt.state[p][key], ref_opt.state[q][key].to(torch.bfloat16)), (name, key)
+        torch.testing.assert_close(p, q, rtol=1e-5, atol=1e-7, msg=name)  # the update read fp32 moments
+    state = optimizer_to_numpy(got, got_opt)
+    assert state[f"v/{next(iter(dict(got.named_parameters())))}"].dtype == np.float32
+    resumed = MoETransformer(SPEC.model)
+    opt = _master(resumed, moments=torch.bfloat16)
+    resumed.load_numpy(got.to_numpy())
+    optimizer_from_numpy(resumed, opt, state)
+    for p, q in zip(resumed.parameters(), got.parameters()):
+        for key in ("exp_avg", "exp_avg_sq"):
+            assert torch.equal(opt.state[p][key], got_opt.state[q][key])  # bf16 again, the same values
+
+
+def test_bf16_moments_refuse_a_beta2_whose_updates_round_away():
+    model = _model()
+    for beta2, refused in ((0.999, True), (0.95, False)):
+        groups = [{"params": list(model.parameters())}]  # (a group takes the defaults in place)
+        if refused:
+            with pytest.raises(ValueError, match="beta2 <= 0.99"):
+                MasterAdamW(model, groups, lr=1e-3, betas=(0.9, beta2), eps=1e-8, moments=torch.bfloat16)
+        else:
+            MasterAdamW(model, groups, lr=1e-3, betas=(0.9, beta2), eps=1e-8, moments=torch.bfloat16)
 
 
 def test_a_non_finite_step_changes_nothing():
