@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from engines.torch.ops import register_triton_ops
 try:  # Triton ships with CUDA builds of torch; the CPU build has none
     import triton
     import triton.language as tl
@@ -103,26 +104,21 @@ def gather_dot_torch(src_AL, idx_TK, g_TL) -> torch.Tensor:
 
 _OPS = False  # the ops below registered (a torch without triton_op leaves the torch forms)
 if triton is not None:
-    try:
 
-        @torch.library.triton_op("moe_ladder::gather_sum", mutates_args=())
-        def _gather_sum_op(src_AL: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor | None,
-                           out_dtype: torch.dtype) -> torch.Tensor:
-            out_TL = src_AL.new_empty((idx_TK.shape[0], src_AL.shape[1]), dtype=out_dtype)
-            launch_gather_sum(src_AL, idx_TK, w_TK, out_TL, torch.library.wrap_triton)
-            return out_TL
+    def _gather_sum_op(src_AL: torch.Tensor, idx_TK: torch.Tensor, w_TK: torch.Tensor | None,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+        out_TL = src_AL.new_empty((idx_TK.shape[0], src_AL.shape[1]), dtype=out_dtype)
+        launch_gather_sum(src_AL, idx_TK, w_TK, out_TL, torch.library.wrap_triton)
+        return out_TL
 
-        @torch.library.triton_op("moe_ladder::gather_dot", mutates_args=())
-        def _gather_dot_op(src_AL: torch.Tensor, idx_TK: torch.Tensor, g_TL: torch.Tensor) -> torch.Tensor:
-            out_TK = src_AL.new_empty(idx_TK.shape, dtype=torch.float32)
-            launch_gather_dot(src_AL, idx_TK, g_TL, out_TK, torch.library.wrap_triton)
-            return out_TK
+    def _gather_dot_op(src_AL: torch.Tensor, idx_TK: torch.Tensor, g_TL: torch.Tensor) -> torch.Tensor:
+        out_TK = src_AL.new_empty(idx_TK.shape, dtype=torch.float32)
+        launch_gather_dot(src_AL, idx_TK, g_TL, out_TK, torch.library.wrap_triton)
+        return out_TK
 
-        _OPS = True
-    except Exception as err:  # pragma: no cover - depends on the installation
-        import warnings
-
-        warnings.warn(f"engines/torch/gather.py: Triton ops not registered ({err}); the torch forms run")
+    _OPS = register_triton_ops("engines/torch/gather.py", "the torch forms run",
+                               {"moe_ladder::gather_sum": _gather_sum_op,
+                                "moe_ladder::gather_dot": _gather_dot_op})
 
 
 def kernels_usable(x: torch.Tensor) -> bool:

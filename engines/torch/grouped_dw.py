@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from engines.torch.ops import register_triton_ops
 try:  # Triton ships with CUDA builds of torch; the CPU build has none
     import triton
     import triton.language as tl
@@ -100,20 +101,15 @@ def grouped_dw_torch(x_AK: torch.Tensor, dy_AN: torch.Tensor, offs_E: torch.Tens
 
 _OPS = False
 if triton is not None:
-    try:
 
-        @torch.library.triton_op("moe_ladder::grouped_dw", mutates_args=())
-        def _grouped_dw_op(x_AK: torch.Tensor, dy_AN: torch.Tensor, offs_E: torch.Tensor,
-                           dtype: torch.dtype, idx_A: torch.Tensor | None = None) -> torch.Tensor:
-            dw_EKN = x_AK.new_empty((offs_E.shape[0], x_AK.shape[1], dy_AN.shape[1]), dtype=dtype)
-            launch_grouped_dw(x_AK, dy_AN, offs_E, dw_EKN, wrap=torch.library.wrap_triton, idx_A=idx_A)
-            return dw_EKN
+    def _grouped_dw_op(x_AK: torch.Tensor, dy_AN: torch.Tensor, offs_E: torch.Tensor,
+                       dtype: torch.dtype, idx_A: torch.Tensor | None = None) -> torch.Tensor:
+        dw_EKN = x_AK.new_empty((offs_E.shape[0], x_AK.shape[1], dy_AN.shape[1]), dtype=dtype)
+        launch_grouped_dw(x_AK, dy_AN, offs_E, dw_EKN, wrap=torch.library.wrap_triton, idx_A=idx_A)
+        return dw_EKN
 
-        _OPS = True
-    except Exception as err:  # pragma: no cover - depends on the installation
-        import warnings
-
-        warnings.warn(f"engines/torch/grouped_dw.py: Triton op not registered ({err}); _grouped_mm's backward runs")
+    _OPS = register_triton_ops("engines/torch/grouped_dw.py", "_grouped_mm's backward runs",
+                               {"moe_ladder::grouped_dw": _grouped_dw_op})
 
 
 def kernel_usable(x: torch.Tensor) -> bool:

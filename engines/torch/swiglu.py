@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engines.torch.ops import register_triton_ops
+
 try:  # Triton ships with CUDA builds of torch; the CPU build has none
     import triton
     import triton.language as tl
@@ -68,19 +70,14 @@ def swiglu_bwd_torch(gu_A2F: torch.Tensor, dh_AF: torch.Tensor) -> torch.Tensor:
 
 _OPS = False
 if triton is not None:
-    try:
 
-        @torch.library.triton_op("moe_ladder::swiglu_bwd", mutates_args=())
-        def _swiglu_bwd_op(gu_A2F: torch.Tensor, dh_AF: torch.Tensor) -> torch.Tensor:
-            dgu_A2F = torch.empty_like(gu_A2F)
-            launch_swiglu_bwd(gu_A2F, dh_AF, dgu_A2F, wrap=torch.library.wrap_triton)
-            return dgu_A2F
+    def _swiglu_bwd_op(gu_A2F: torch.Tensor, dh_AF: torch.Tensor) -> torch.Tensor:
+        dgu_A2F = torch.empty_like(gu_A2F)
+        launch_swiglu_bwd(gu_A2F, dh_AF, dgu_A2F, wrap=torch.library.wrap_triton)
+        return dgu_A2F
 
-        _OPS = True
-    except Exception as err:  # pragma: no cover - depends on the installation
-        import warnings
-
-        warnings.warn(f"engines/torch/swiglu.py: Triton op not registered ({err}); autograd's backward runs")
+    _OPS = register_triton_ops("engines/torch/swiglu.py", "Inductor's backward runs",
+                               {"moe_ladder::swiglu_bwd": _swiglu_bwd_op})
 
 
 def kernel_usable(x: torch.Tensor) -> bool:

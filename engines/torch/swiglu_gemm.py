@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F_
 
 from engines.torch import gather, grouped_dw
+from engines.torch.ops import register_triton_ops
 
 try:  # Triton ships with CUDA builds of torch; the CPU build has none
     import triton
@@ -224,29 +225,24 @@ def swiglu_down_dx_torch(dy_AL, w_down, gu_A2F, offs_E):
 
 _OPS = False
 if triton is not None:
-    try:
 
-        @torch.library.triton_op("moe_ladder::swiglu_up", mutates_args=())
-        def _swiglu_up_op(x_AL: torch.Tensor, w_gu: torch.Tensor, offs_E: torch.Tensor,
-                          idx_A: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-            A, Fh = (x_AL if idx_A is None else idx_A).shape[0], w_gu.shape[2] // 2
-            gu_A2F = x_AL.new_empty((A, 2 * Fh))
-            h_AF = x_AL.new_empty((A, Fh))
-            launch_swiglu_up(x_AL, w_gu, offs_E, gu_A2F, h_AF, wrap=torch.library.wrap_triton, idx_A=idx_A)
-            return gu_A2F, h_AF
+    def _swiglu_up_op(x_AL: torch.Tensor, w_gu: torch.Tensor, offs_E: torch.Tensor,
+                      idx_A: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        A, Fh = (x_AL if idx_A is None else idx_A).shape[0], w_gu.shape[2] // 2
+        gu_A2F = x_AL.new_empty((A, 2 * Fh))
+        h_AF = x_AL.new_empty((A, Fh))
+        launch_swiglu_up(x_AL, w_gu, offs_E, gu_A2F, h_AF, wrap=torch.library.wrap_triton, idx_A=idx_A)
+        return gu_A2F, h_AF
 
-        @torch.library.triton_op("moe_ladder::swiglu_down_dx", mutates_args=())
-        def _swiglu_down_dx_op(dy_AL: torch.Tensor, w_down: torch.Tensor, gu_A2F: torch.Tensor,
-                               offs_E: torch.Tensor) -> torch.Tensor:
-            dgu_A2F = torch.empty_like(gu_A2F)
-            launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, wrap=torch.library.wrap_triton)
-            return dgu_A2F
+    def _swiglu_down_dx_op(dy_AL: torch.Tensor, w_down: torch.Tensor, gu_A2F: torch.Tensor,
+                           offs_E: torch.Tensor) -> torch.Tensor:
+        dgu_A2F = torch.empty_like(gu_A2F)
+        launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, wrap=torch.library.wrap_triton)
+        return dgu_A2F
 
-        _OPS = True
-    except Exception as err:  # pragma: no cover - depends on the installation
-        import warnings
-
-        warnings.warn(f"engines/torch/swiglu_gemm.py: Triton ops not registered ({err})")
+    _OPS = register_triton_ops("engines/torch/swiglu_gemm.py", "the unfused experts run",
+                               {"moe_ladder::swiglu_up": _swiglu_up_op,
+                                "moe_ladder::swiglu_down_dx": _swiglu_down_dx_op})
 
 
 def kernels_usable(x: torch.Tensor) -> bool:
