@@ -67,7 +67,8 @@ def log(*a):
     print(f"[{time.perf_counter() - T_START:6.1f}s]", *a, flush=True)
 
 
-def make_spec(n_steps: int, seq: int = 4096, batch: int = 4, engine: str = "torch", **model):
+def make_spec(n_steps: int, seq: int = 4096, batch: int = 4, engine: str = "torch", optim: dict | None = None,
+              **model):
     from ladder.spec import Spec
 
     return Spec.model_validate({
@@ -76,7 +77,8 @@ def make_spec(n_steps: int, seq: int = 4096, batch: int = 4, engine: str = "torc
         "data": {"sources": [{"name": "code", "builtin": "python_code", "weight": 0.7},
                              {"name": "docs", "builtin": "python_docs", "weight": 0.3}],
                  "seq_len": seq, "batch_size": batch, "total_tokens": seq * batch * (n_steps + 1)},
-        "optim": {"peak_lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "grad_clip": 1.0},
+        "optim": {"peak_lr": 1e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "grad_clip": 1.0,
+                  **(optim or {})},
         "schedule": {"warmup_steps": 0, "decay": "constant"},
         "hardware": {"system": "h200", "n_gpus": 1, "peak_flops": 989e12, "hbm_gb": 141},
     })
@@ -342,7 +344,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, jax_bf16moments, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -478,11 +480,12 @@ def main(argv=None) -> int:
         # the experts' SwiGLU backward by Inductor instead of engines/torch/swiglu.py's kernel
         "torch_inductorswiglu": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                              "options": {"swiglu": "inductor"}}),
-        # MasterAdamW's moments in bf16 (20 bytes a parameter instead of 28)
-        "torch_bf16moments": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1", "MOE_LADDER_TORCH_MOMENTS": "bf16"}}),
+        # Adam's moments stored in bf16 (the spec's optim.moments; 20 bytes a parameter instead of 28)
+        "torch_bf16moments": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"}}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
+        "jax_bf16moments": (run_jax, {"optim": {"moments": "bf16"}}),
         # XLA's own GEMM choice without its Triton GEMM fusions (cuBLAS for every matmul)
         "jax_cublas": (run_jax, {"compiler_options": {"xla_gpu_enable_triton_gemm": False}}),
     }
@@ -495,9 +498,10 @@ def main(argv=None) -> int:
         log(f"{key}: flops/token ladder.costs {flops_per_token(spec0, seq):.4e}, independent {f_ind:.4e}")
         for name in names:
             runner, kw = runners[name]
+            kw = dict(kw)
             cap = name.endswith("_cap")
             spec = make_spec(n_total, seq=seq, batch=batch, engine="jax" if name.startswith("jax") else "torch",
-                             **{**model, "dispatch": "capacity" if cap else "dropless"})
+                             optim=kw.pop("optim", None), **{**model, "dispatch": "capacity" if cap else "dropless"})
             run_variant(name, runner, spec, batches, key, **kw)
 
     main_names = [n for n in args.only.split(",") if n]

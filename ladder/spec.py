@@ -18,6 +18,12 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 # Sections that change the training result; everything else is a run argument.
 IDENTITY_FIELDS = ("model", "data", "optim", "schedule", "engine", "seed")
+# fields added after spec ids were in use: in the identity only when set off their default, so
+# that every earlier spec keeps its id (and its ledger entries)
+LATE_FIELDS = {("optim", "moments"): "fp32"}
+# bf16 moments round each update to 8 significant bits: the second moment's step change,
+# (1 - beta2) * (g^2 - v), must stay above that rounding (2^-8 of v) for gradients near its mean
+BF16_MOMENTS_MAX_BETA2 = 0.99
 
 
 class _Frozen(BaseModel):
@@ -169,6 +175,16 @@ class OptimSpec(_Frozen):
     z_loss: float = Field(default=1e-4, ge=0, description="logit z-loss coefficient on the output")
     aux_loss: float = Field(default=1e-2, ge=0, description="router load-balancing loss coefficient")
     router_z_loss: float = Field(default=1e-3, ge=0)
+    moments: Literal["fp32", "bf16"] = Field(
+        default="fp32", description="dtype Adam's two moments are stored in (the update's arithmetic "
+        "is fp32 either way); bf16 as DeepSeek-V3 trained: 20 bytes a parameter instead of 28")
+
+    @model_validator(mode="after")
+    def _bf16_moments(self) -> "OptimSpec":
+        if self.moments == "bf16" and self.beta2 > BF16_MOMENTS_MAX_BETA2:
+            raise ValueError(f"optim.moments bf16 needs beta2 <= {BF16_MOMENTS_MAX_BETA2} (got {self.beta2}): "
+                             "above it a step's change to the second moment is lost in bf16's rounding")
+        return self
 
 
 class Rejoin(_Frozen):
@@ -253,7 +269,11 @@ class Spec(_Frozen):
 
     # ---- identity -------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", include=set(IDENTITY_FIELDS))
+        out = self.model_dump(mode="json", include=set(IDENTITY_FIELDS))
+        for (section, key), default in LATE_FIELDS.items():
+            if out[section].get(key) == default:
+                del out[section][key]
+        return out
 
     @property
     def id(self) -> str:

@@ -102,8 +102,8 @@ def state_to_arrays(state: TrainState) -> tuple[dict[str, np.ndarray], dict[str,
     adam = _adam_state(state.opt_state)
     opt: dict[str, np.ndarray] = {"step": np.asarray(int(adam.count), np.int64)}
     for k in state.params:
-        opt[f"m/{k}"] = np.asarray(adam.mu[k])
-        opt[f"v/{k}"] = np.asarray(adam.nu[k])
+        opt[f"m/{k}"] = np.asarray(adam.mu[k], np.float32)  # (bf16 moments too: checkpoints hold fp32)
+        opt[f"v/{k}"] = np.asarray(adam.nu[k], np.float32)
     return model, opt
 
 
@@ -122,8 +122,8 @@ def state_from_arrays(cfg: ModelConfig, tx: optax.GradientTransformation, model:
     adam = _adam_state(opt_state)
     new_adam = optax.ScaleByAdamState(
         count=jnp.asarray(int(opt["step"]), jnp.int32),
-        mu={k: jnp.asarray(opt.get(f"m/{k}", np.zeros(shapes[k], np.float32))) for k in params},
-        nu={k: jnp.asarray(opt.get(f"v/{k}", np.zeros(shapes[k], np.float32))) for k in params},
+        mu={k: jnp.asarray(opt.get(f"m/{k}", np.zeros(shapes[k], np.float32)), adam.mu[k].dtype) for k in params},
+        nu={k: jnp.asarray(opt.get(f"v/{k}", np.zeros(shapes[k], np.float32)), adam.nu[k].dtype) for k in params},
     )
     opt_state = tuple(new_adam if s is adam else s for s in opt_state)
     return TrainState(params, buffers, opt_state)

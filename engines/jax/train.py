@@ -33,11 +33,35 @@ def decay_mask(params: Params) -> Params:
     return {k: v.ndim >= 2 for k, v in params.items()}
 
 
+def scale_by_adam_stored_in(dtype, b1: float, b2: float, eps: float) -> optax.GradientTransformation:
+    """optax.scale_by_adam with both moments stored in `dtype`: read into fp32, updated and
+    bias-corrected there (the update uses the unrounded moments), rounded to nearest on the store.
+    (scale_by_adam's own mu_dtype rounds the first moment only, and multiplies it by b1 in that dtype.)"""
+    adam = optax.scale_by_adam(b1=b1, b2=b2, eps=eps)
+
+    def stored(st: optax.ScaleByAdamState, dt) -> optax.ScaleByAdamState:
+        return st._replace(mu=optax.tree_utils.tree_cast(st.mu, dt), nu=optax.tree_utils.tree_cast(st.nu, dt))
+
+    def init_fn(params):
+        return stored(adam.init(params), dtype)
+
+    def update_fn(updates, state, params=None):
+        out, st = adam.update(updates, stored(state, jnp.float32), params)
+        return out, stored(st, dtype)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
 def make_optimizer(optim: OptimSpec, params: Params) -> optax.GradientTransformation:
-    """AdamW without its learning rate (applied by the step) and before it, clipping."""
+    """AdamW without its learning rate (applied by the step) and before it, clipping; the moments
+    are stored in optim.moments' dtype."""
+    if optim.moments == "fp32":
+        adam = optax.scale_by_adam(b1=optim.beta1, b2=optim.beta2, eps=optim.eps)
+    else:
+        adam = scale_by_adam_stored_in(jnp.bfloat16, optim.beta1, optim.beta2, optim.eps)
     return optax.chain(
         optax.clip_by_global_norm(optim.grad_clip),
-        optax.scale_by_adam(b1=optim.beta1, b2=optim.beta2, eps=optim.eps),
+        adam,
         optax.add_decayed_weights(optim.weight_decay, mask=decay_mask(params)),
     )
 

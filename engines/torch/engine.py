@@ -91,15 +91,20 @@ def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = No
     engines/torch/fast.working_copies_enabled from the run's expected duration at the spec's
     hardware), it is MasterAdamW (engines/torch/master.py): the same update on the fp32 masters,
     also writing the bf16 working copies the fast forward reads; elsewhere torch's fused AdamW
-    (GuardedAdamW)."""
+    (GuardedAdamW). A spec with bf16 moments always gets MasterAdamW (fp32 copies on the CPU)."""
     from engines.torch.fast import ASSUMED_MFU, working_copies_enabled
-    from engines.torch.master import GuardedAdamW, MasterAdamW, default_moments
+    from engines.torch.master import GuardedAdamW, MasterAdamW
 
     decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
     groups = [{"params": decay, "weight_decay": spec.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     o = spec.optim
     cuda = all(p.is_cuda for p in model.parameters())
+    if o.moments == "bf16":  # only MasterAdamW stores moments off the parameters' dtype
+        if working is False:
+            raise ValueError("optim.moments bf16 needs the torch engine's MasterAdamW; this trainer "
+                             "uses torch's fused AdamW, whose moments take the fp32 parameters' dtype")
+        working = True
     if working is None:
         flops = _flops_per_token(spec, spec.data.seq_len) * spec.data.total_tokens
         hw = spec.hardware  # each of the run's GPUs does its share; the compile is paid by each
@@ -108,7 +113,8 @@ def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = No
         working = cuda and working_copies_enabled(next(model.parameters()).device, expected_s)
     if working:
         return MasterAdamW(model, groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                           dtype=torch.bfloat16 if cuda else torch.float32, moments=default_moments())
+                           dtype=torch.bfloat16 if cuda else torch.float32,
+                           moments=torch.bfloat16 if o.moments == "bf16" else torch.float32)
     return GuardedAdamW(groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 

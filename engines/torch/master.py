@@ -15,9 +15,9 @@ slice of its leaf's last dimension and its gradient the same slice of the leaf's
 
 Update, state keys and state dtypes are torch.optim.AdamW's (decoupled weight decay, bias
 corrections; step, exp_avg and exp_avg_sq in fp32), so checkpoints, resumes and
-engine.optimizer_to_numpy are unchanged. With moments=torch.bfloat16 ($MOE_LADDER_TORCH_MOMENTS=
-bf16; off by default) exp_avg and exp_avg_sq are kept in bf16, as DeepSeek-V3 trained (its report,
-section 3.3.2, with beta2 0.95): 20 bytes a parameter instead of 28. The arithmetic stays fp32;
+engine.optimizer_to_numpy are unchanged. With moments=torch.bfloat16 (a spec's optim.moments
+"bf16") exp_avg and exp_avg_sq are kept in bf16, as DeepSeek-V3 trained (its report, section
+3.3.2, with beta2 0.95): 20 bytes a parameter instead of 28. The arithmetic stays fp32;
 checkpoints hold them as fp32 and a load rounds them back. Parameters without a working copy (norms, the router,
 the embedding, which stay fp32 in the forward) get the same update from their fp32 gradients.
 
@@ -34,19 +34,7 @@ import torch
 from engines.torch import adamw_kernel
 from engines.torch.adamw_kernel import adamw_launch, kernel_usable
 from engines.torch.model import MoETransformer
-
-
-# bf16 moments round each update to 8 significant bits: the second moment's step change,
-# (1 - beta2) * (g^2 - v), must stay above that rounding (2^-8 of v) for gradients near its mean
-BF16_MAX_BETA2 = 0.99
-
-
-def default_moments() -> torch.dtype:
-    """The moments' dtype: $MOE_LADDER_TORCH_MOMENTS ("fp32", the default, or "bf16")."""
-    name = os.environ.get("MOE_LADDER_TORCH_MOMENTS", "fp32")
-    if name not in ("fp32", "bf16"):
-        raise ValueError(f"MOE_LADDER_TORCH_MOMENTS={name!r}: 'fp32' or 'bf16'")
-    return torch.float32 if name == "fp32" else torch.bfloat16
+from ladder.spec import BF16_MOMENTS_MAX_BETA2
 
 
 def default_kernel() -> str:
@@ -130,8 +118,8 @@ class MasterAdamW(torch.optim.Optimizer):
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         if moments not in (torch.float32, torch.bfloat16):
             raise ValueError(f"MasterAdamW moments {moments}: torch.float32 or torch.bfloat16")
-        if moments == torch.bfloat16 and any(g["betas"][1] > BF16_MAX_BETA2 for g in self.param_groups):
-            raise ValueError(f"MasterAdamW: bf16 moments need beta2 <= {BF16_MAX_BETA2} (got "
+        if moments == torch.bfloat16 and any(g["betas"][1] > BF16_MOMENTS_MAX_BETA2 for g in self.param_groups):
+            raise ValueError(f"MasterAdamW: bf16 moments need beta2 <= {BF16_MOMENTS_MAX_BETA2} (got "
                              f"{max(g['betas'][1] for g in self.param_groups)}); above it, a "
                              "step's change to the second moment is lost in bf16's rounding")
         self.dtype, self.moments = dtype, moments

@@ -135,6 +135,19 @@ def test_bf16_moments_are_the_fp32_update_rounded_and_stay_bf16_across_a_resume(
             assert torch.equal(opt.state[p][key], got_opt.state[q][key])  # bf16 again, the same values
 
 
+def test_a_spec_with_bf16_moments_trains_with_them_and_a_trainer_that_cannot_refuses():
+    spec = SPEC.replace(**{"optim.moments": "bf16"})
+    model = _model()
+    opt = build_optimizer(model, spec)  # on the CPU too (fp32 working copies)
+    assert isinstance(opt, MasterAdamW) and opt.dtype == torch.float32
+    norms = _train(model, opt, make_loss_fn(model, torch.device("cpu"), opt), 2)
+    assert np.isfinite(norms).all()
+    assert {st["exp_avg"].dtype for st in opt.state.values()} == {torch.bfloat16}
+    assert {st["exp_avg_sq"].dtype for st in opt.state.values()} == {torch.bfloat16}
+    with pytest.raises(ValueError, match="optim.moments bf16 needs the torch engine's MasterAdamW"):
+        build_optimizer(_model(), spec, working=False)  # (as the expert-parallel trainer asks)
+
+
 def test_bf16_moments_refuse_a_beta2_whose_updates_round_away():
     model = _model()
     for beta2, refused in ((0.999, True), (0.95, False)):
