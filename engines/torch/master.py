@@ -15,10 +15,13 @@ slice of its leaf's last dimension and its gradient the same slice of the leaf's
 
 Update, state keys and state dtypes are torch.optim.AdamW's (decoupled weight decay, bias
 corrections; step, exp_avg and exp_avg_sq in fp32), so checkpoints, resumes and
-engine.optimizer_to_numpy are unchanged. With moments=torch.bfloat16 (a spec's optim.moments
-"bf16") exp_avg and exp_avg_sq are kept in bf16, as DeepSeek-V3 trained (its report, section
-3.3.2, with beta2 0.95): 20 bytes a parameter instead of 28. The arithmetic stays fp32;
-checkpoints hold them as fp32 and a load rounds them back.
+engine.optimizer_to_numpy are unchanged. Parameters without a working copy (norms, the router,
+the embedding, which stay fp32 in the forward) get the same update from their fp32 gradients.
+
+With moments=torch.bfloat16 (a spec's optim.moments "bf16") exp_avg and exp_avg_sq are kept in
+bf16, as DeepSeek-V3 trained (its report, section 3.3.2, with beta2 0.95): 20 bytes a parameter
+instead of 28. The arithmetic stays fp32; checkpoints hold them as fp32 and a load rounds them
+back.
 
 Side stream ($MOE_LADDER_TORCH_OVERLAP=1, a GPU with the per-tensor kernel; off by default): the
 update is memory-bound and the forward after it compute-bound, so the update runs on its own
@@ -27,8 +30,7 @@ The fast forward waits for a stage's event just before reading it (wait_ready), 
 update can run while the blocks before it compute. Anything else that reads masters, moments or
 working copies calls settle() first: the engine's eval and checkpoint do, and so do state_dict,
 load_state_dict and refresh. Gradients freed while the side stream reads them are recorded on it,
-so the allocator does not hand their memory out early. Parameters without a working copy (norms, the router,
-the embedding, which stay fp32 in the forward) get the same update from their fp32 gradients.
+so the allocator does not hand their memory out early.
 
 Shape legend: N... a tensor's dimensions (any rank).
 """
