@@ -69,6 +69,10 @@ class FastOptions:
     # the router's logits matmul: "tf32" (tensor cores, engines/torch/tf32.py; +0.9% tokens/s on an
     # H200 at the bench shape) or "fp32" (SIMT cores)
     router: str = "tf32"
+    # where RoPE runs: "bhsq" (on q and k transposed to [B, H, S, Q], as SDPA reads them) or "bshq"
+    # (on the projection's own [B, S, H, Q] layout, SDPA reading transposed views: the backward's
+    # gradients stay in that layout, so RoPE's backward writes dq|dk|dv without a transpose)
+    rope_layout: str = "bhsq"
     # the experts' SwiGLU backward: "triton" (engines/torch/swiglu.py, a GPU with Triton only) or
     # "inductor"
     swiglu: str = "triton"
@@ -81,6 +85,7 @@ OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"
                                                 "triton" if grouped_dw.triton is not None else "torch"),
                       experts=os.environ.get("MOE_LADDER_TORCH_EXPERTS", "grouped"),
                       router=os.environ.get("MOE_LADDER_TORCH_ROUTER", "tf32"),
+                      rope_layout=os.environ.get("MOE_LADDER_TORCH_ROPE", "bhsq"),
                       swiglu=os.environ.get("MOE_LADDER_TORCH_SWIGLU",
                                             "triton" if swiglu.triton is not None else "inductor"))
 
@@ -158,10 +163,12 @@ def _rms(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def _rope(x_BHSQ: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
-    half = x_BHSQ.shape[-1] // 2
-    x1, x2 = x_BHSQ[..., :half], x_BHSQ[..., half:]
-    cos, sin = cos_SP.to(x_BHSQ.dtype), sin_SP.to(x_BHSQ.dtype)
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding of x [..., Q] (its sequence dim where cos and sin [S, Q/2] broadcast: x
+    [B, H, S, Q] reads them as they are, x [B, S, H, Q] as [S, 1, Q/2])."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    cos, sin = cos.to(x.dtype), sin.to(x.dtype)
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
@@ -194,8 +201,12 @@ def attention_residual(block, w, x_BSD, cos, sin, mask_SS, cdt: torch.dtype) -> 
     h_BSD = _rms(x_BSD, block.attn_norm.weight, block.attn_norm.eps).to(cdt)
     qkv = h_BSD @ w["attn.qkv"]
     q, k, v = qkv.split([H * Q, G * Q, G * Q], -1)
-    q_BHSQ = _rope(q.view(B, S, H, Q).transpose(1, 2), cos, sin)
-    k_BGSQ = _rope(k.view(B, S, G, Q).transpose(1, 2), cos, sin)
+    if OPTIONS.rope_layout == "bshq":
+        q_BHSQ = _rope(q.view(B, S, H, Q), cos[:, None], sin[:, None]).transpose(1, 2)
+        k_BGSQ = _rope(k.view(B, S, G, Q), cos[:, None], sin[:, None]).transpose(1, 2)
+    else:
+        q_BHSQ = _rope(q.view(B, S, H, Q).transpose(1, 2), cos, sin)
+        k_BGSQ = _rope(k.view(B, S, G, Q).transpose(1, 2), cos, sin)
     v_BGSQ = v.view(B, S, G, Q).transpose(1, 2)
     o_BHSQ = _sdpa(q_BHSQ, k_BGSQ, v_BGSQ, mask_SS, G != H)
     return x_BSD + (o_BHSQ.transpose(1, 2).reshape(B, S, H * Q) @ w["attn.wo"]).float()

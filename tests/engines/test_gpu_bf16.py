@@ -44,16 +44,17 @@ def _grads(model, fn, x, optim):
     return float(total), {n: p.grad.detach().float().clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("dispatch, experts, router, kernels", [
-    ("dropless", "grouped", "fp32", "inductor"), ("capacity", "grouped", "fp32", "inductor"),
-    ("dropless", "grouped", "tf32", "triton"), ("dropless", "fused", "tf32", "inductor"),
-    ("dropless", "fused-gather", "fp32", "inductor")])
-def test_bf16_fast_step_matches_the_fp32_path(monkeypatch, dispatch, experts, router, kernels):
+@pytest.mark.parametrize("dispatch, experts, router, kernels, rope", [
+    ("dropless", "grouped", "fp32", "inductor", "bhsq"), ("capacity", "grouped", "fp32", "inductor", "bhsq"),
+    ("dropless", "grouped", "tf32", "triton", "bhsq"), ("dropless", "grouped", "tf32", "triton", "bshq"),
+    ("dropless", "fused", "tf32", "inductor", "bhsq"), ("dropless", "fused-gather", "fp32", "inductor", "bhsq")])
+def test_bf16_fast_step_matches_the_fp32_path(monkeypatch, dispatch, experts, router, kernels, rope):
     from engines.torch import fast
 
-    # kernels: the SwiGLU backward by Inductor or by its Triton kernel
+    # kernels: the SwiGLU backward by Inductor or by its Triton kernel; rope: RoPE's layout
     monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "experts": experts,
-                                                             "router": router, "swiglu": kernels}))
+                                                             "router": router, "swiglu": kernels,
+                                                             "rope_layout": rope}))
     spec, model, x = _setup(dispatch)
     loss32, g32 = _grads(model, loss_terms, x, spec.optim)  # no autocast: fp32 throughout
     fast = make_loss_fn(model, x.device)

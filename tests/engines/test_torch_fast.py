@@ -48,12 +48,14 @@ def test_fast_path_matches_the_reference_forward_and_gradients(dispatch, variant
         assert torch.allclose(g_fast[name], g, rtol=1e-4, atol=1e-6), name
 
 
-def test_router_logits_through_the_tf32_op_reach_the_same_objective(monkeypatch):
+@pytest.mark.parametrize("option", [{"router": "tf32"}, {"router": "fp32"}, {"rope_layout": "bshq"}],
+                         ids=["router through the tf32 op", "router fp32", "rope on [B, S, H, Q]"])
+def test_each_fast_path_option_reaches_the_same_objective(monkeypatch, option):
     from engines.torch import fast
 
-    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "router": "tf32"}))
+    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), **option}))
     (t_ref, _, g_ref), (t_fast, _, g_fast) = _reference_and_fast(micro_spec())
     assert torch.allclose(t_fast, t_ref, rtol=1e-6, atol=1e-6)
-    assert any(n.endswith("moe.router") for n in g_ref)
+    assert any(n.endswith("moe.router") for n in g_ref) and any(n.endswith("attn.wq") for n in g_ref)
     for name, g in g_ref.items():
         assert torch.allclose(g_fast[name], g, rtol=1e-4, atol=1e-6), name
