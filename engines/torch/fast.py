@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from engines.torch import adamw_kernel, gather, grouped_dw, swiglu, swiglu_gemm
+from engines.torch import adamw_kernel, gather, grouped_dw, swiglu, swiglu_gemm, xent
 from engines.torch.gather import Combine, gather_sum
 from engines.torch.master import default_kernel
 from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
@@ -73,6 +73,9 @@ class FastOptions:
     # (on the projection's own [B, S, H, Q] layout, SDPA reading transposed views: the backward's
     # gradients stay in that layout, so RoPE's backward writes dq|dk|dv without a transpose)
     rope_layout: str = "bhsq"
+    # the output head's losses: "inductor" (logsumexp and its gradient fused by the compiler) or
+    # "triton" (engines/torch/xent.py's two kernels, a GPU with Triton only)
+    xent: str = "inductor"
     # the experts' SwiGLU backward: "triton" (engines/torch/swiglu.py, a GPU with Triton only) or
     # "inductor"
     swiglu: str = "triton"
@@ -86,6 +89,7 @@ OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"
                       experts=os.environ.get("MOE_LADDER_TORCH_EXPERTS", "grouped"),
                       router=os.environ.get("MOE_LADDER_TORCH_ROUTER", "tf32"),
                       rope_layout=os.environ.get("MOE_LADDER_TORCH_ROPE", "bhsq"),
+                      xent=os.environ.get("MOE_LADDER_TORCH_XENT", "inductor"),
                       swiglu=os.environ.get("MOE_LADDER_TORCH_SWIGLU",
                                             "triton" if swiglu.triton is not None else "inductor"))
 
@@ -339,6 +343,9 @@ def block_forward(block, w, x_BSD, cos, sin, mask_SS, cdt):
 def head_losses(x_BSD, final_norm, lm_head, targets_BS, cdt):
     """(mean CE, mean squared log-partition) of the output; logits never leave this function."""
     h = _rms(x_BSD, final_norm.weight, final_norm.eps).to(cdt)
+    if OPTIONS.xent == "triton" and xent.kernels_usable(h):
+        logits_TV = (h @ lm_head.to(cdt)).flatten(0, 1)
+        return xent.head_losses(logits_TV, targets_BS.flatten())
     logits_BSV = (h @ lm_head.to(cdt)).float()  # lm_head: the fp32 master or its working copy
     lse_BS = torch.logsumexp(logits_BSV, -1)
     ce = (lse_BS - logits_BSV.gather(-1, targets_BS.unsqueeze(-1)).squeeze(-1)).mean()

@@ -51,10 +51,11 @@ def _grads(model, fn, x, optim):
 def test_bf16_fast_step_matches_the_fp32_path(monkeypatch, dispatch, experts, router, kernels, rope):
     from engines.torch import fast
 
-    # kernels: the SwiGLU backward by Inductor or by its Triton kernel; rope: RoPE's layout
+    # kernels: the SwiGLU backward and the head's losses by Inductor or by Triton kernels;
+    # rope: RoPE's layout
     monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "experts": experts,
                                                              "router": router, "swiglu": kernels,
-                                                             "rope_layout": rope}))
+                                                             "xent": kernels, "rope_layout": rope}))
     spec, model, x = _setup(dispatch)
     loss32, g32 = _grads(model, loss_terms, x, spec.optim)  # no autocast: fp32 throughout
     fast = make_loss_fn(model, x.device)
