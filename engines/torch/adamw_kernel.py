@@ -23,11 +23,7 @@ import os
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; the CPU build has none
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
+from engines.torch.ops import tl, triton
 
 BLOCK = 1024
 MOMENT_DTYPES = (torch.float32, torch.bfloat16)

@@ -63,8 +63,9 @@ class FastOptions:
     grouped_dw: str = "triton"
     # the experts' SwiGLU: "grouped" (_grouped_mm + Inductor's elementwise kernels), "fused" (the
     # SwiGLU inside the up matmul's and the down input gradient's epilogues, engines/torch/
-    # swiglu_gemm.py; a GPU with Triton only; not yet timed in the step) or "fused-gather" (the
-    # same, the dispatch's row gather inside the up matmul and its weight gradient too)
+    # swiglu_gemm.py; a GPU with Triton only; -2.2% tokens/s on an H200 at the bench shape) or
+    # "fused-gather" (the same, the dispatch's row gather inside the up matmul and its weight
+    # gradient too; -3.2%)
     experts: str = "grouped"
     # the router's logits matmul: "tf32" (tensor cores, engines/torch/tf32.py; +0.9% tokens/s on an
     # H200 at the bench shape) or "fp32" (SIMT cores)
@@ -343,10 +344,10 @@ def block_forward(block, w, x_BSD, cos, sin, mask_SS, cdt):
 def head_losses(x_BSD, final_norm, lm_head, targets_BS, cdt):
     """(mean CE, mean squared log-partition) of the output; logits never leave this function."""
     h = _rms(x_BSD, final_norm.weight, final_norm.eps).to(cdt)
+    logits_BSV = h @ lm_head.to(cdt)  # lm_head: the fp32 master or its working copy
     if OPTIONS.xent == "triton" and xent.kernels_usable(h):
-        logits_TV = (h @ lm_head.to(cdt)).flatten(0, 1)
-        return xent.head_losses(logits_TV, targets_BS.flatten())
-    logits_BSV = (h @ lm_head.to(cdt)).float()  # lm_head: the fp32 master or its working copy
+        return xent.head_losses(logits_BSV.flatten(0, 1), targets_BS.flatten())
+    logits_BSV = logits_BSV.float()
     lse_BS = torch.logsumexp(logits_BSV, -1)
     ce = (lse_BS - logits_BSV.gather(-1, targets_BS.unsqueeze(-1)).squeeze(-1)).mean()
     return ce, lse_BS.square().mean()

@@ -22,12 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.torch.ops import register_triton_ops
-try:  # Triton ships with CUDA builds of torch; the CPU build has none
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
+from engines.torch.ops import register_triton_ops, tl, triton
 
 MAX_L = 8192  # the gate-gradient kernel holds a whole row per program
 

@@ -23,12 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.torch.ops import register_triton_ops
-try:  # Triton ships with CUDA builds of torch; the CPU build has none
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
+from engines.torch.ops import register_triton_ops, tl, triton
 
 # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages)
 DEFAULT_CONFIG = (128, 256, 64, 8, 3)  # the best of 8 on an H200 for both expert matmuls

@@ -37,7 +37,9 @@ Shape legend: N... a tensor's dimensions (any rank).
 
 from __future__ import annotations
 
+import itertools
 import math
+import operator
 import os
 
 import torch
@@ -303,13 +305,9 @@ class MasterAdamW(torch.optim.Optimizer):
                              (finite if finite is not None else torch.ones((), device=dev)).reshape(1).float()])
             if jobs is None:
                 self._update(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
-                continue
-            for p, g, m, v, part in zip(ps, gs, ms, vs, parts):
-                w = None
-                if part is not None:
-                    j, a, b = part
-                    g, w = leaf_grads[j][..., a:b], leaves[j][..., a:b]
-                jobs.append((self._stage[p], p, g, m, v, w, s_9))
+            else:
+                _each_tensor(lambda p, *rest: jobs.append((self._stage[p], p, *rest)),
+                             ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
         if jobs:
             self._launch_on_side(jobs)
         return None
@@ -324,8 +322,9 @@ class MasterAdamW(torch.optim.Optimizer):
         side.wait_stream(main)  # this step's gradients, clip multiplier and finite flag
         self._ready = {}
         with torch.cuda.stream(side):
-            for stage in sorted({job[0] for job in jobs}):
-                for _, p, g, m, v, w, s_9 in (job for job in jobs if job[0] == stage):
+            stage_of = operator.itemgetter(0)
+            for stage, in_stage in itertools.groupby(sorted(jobs, key=stage_of), key=stage_of):
+                for _, p, g, m, v, w, s_9 in in_stage:
                     adamw_launch(p, g, m, v, w, s_9)
                     # freed on the main stream (zero_grad) while the side stream may still read them
                     g.record_stream(side)

@@ -1,9 +1,16 @@
-"""The fast path's Triton kernels registered as custom ops that torch.compile traces into."""
+"""Triton for the fast path's kernels (None where it is not installed), and their registration as
+custom ops that torch.compile traces into."""
 
 from __future__ import annotations
 
 import warnings
 from typing import Callable
+
+try:  # Triton ships with CUDA builds of torch; the CPU build has none
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - depends on the installation
+    triton = tl = None
 
 
 def register_triton_ops(owner: str, fallback: str, ops: dict[str, Callable]) -> bool:

@@ -30,13 +30,7 @@ import torch
 import torch.nn.functional as F_
 
 from engines.torch import gather, grouped_dw
-from engines.torch.ops import register_triton_ops
-
-try:  # Triton ships with CUDA builds of torch; the CPU build has none
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
+from engines.torch.ops import register_triton_ops, tl, triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N counts hidden columns (the up
 # kernel holds BLOCK_N gate and BLOCK_N up columns)

@@ -15,13 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.torch.ops import register_triton_ops
-
-try:  # Triton ships with CUDA builds of torch; the CPU build has none
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - depends on the installation
-    triton = None
+from engines.torch.ops import register_triton_ops, tl, triton
 
 BLOCK_V = 4096
 
