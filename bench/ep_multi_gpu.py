@@ -3,6 +3,7 @@ against one GPU running the same spec with the EP shards emulated.
 
     PYTHONPATH=. python3 bench/ep_multi_gpu.py                     # EP = 1, 2, 4, 8 as the GPUs allow
     PYTHONPATH=. python3 bench/ep_multi_gpu.py --ep 8 --steps 40   # one EP size (runs are appended)
+    PYTHONPATH=. python3 bench/ep_multi_gpu.py --engine jax --ep 2  # the JAX engine's device mesh
     PYTHONPATH=. python3 bench/ep_multi_gpu.py --table-only        # rebuild the table from results.jsonl
 
 For each EP size k the spec's model.ep_size is k (so the capacities, and the drops, are those of
@@ -11,6 +12,10 @@ k shards) and two runs train on the same real-text batches from step 0:
   process per GPU, experts resident on their GPU, pooled-wave all_to_all_single per wave);
 - `single`: one GPU with the engine's own train step (engines/torch/engine.py launch_step +
   finish_step: the fast path of engines/torch/fast.py), the k shards emulated.
+With `--engine jax` the same two runs use the JAX engine's jitted step: `ep` in a process that
+sees k GPUs, whose 1-D mesh shards the routed experts (and their moments) and runs the pooled-wave
+jax.lax.all_to_all between them, the rest data-parallel; `single` in a process that sees one GPU,
+the k shards emulated. (EP 1 is the same program both ways, so JAX starts at EP 2.)
 Columns: tokens/s of the step over all GPUs (steps after --warmup; compilation excluded), per
 GPU, against the single GPU; drop fractions (mean over the timed steps); peak memory per GPU
 (max over ranks of torch.cuda.max_memory_allocated); the largest relative gap of the loss curves
@@ -126,6 +131,57 @@ def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
                                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}))
 
 
+def jax_run(spec_path: Path, out_path: Path) -> None:
+    """The JAX engine's jitted step (engines/jax/engine.py: the mesh when this process sees
+    ep_size devices, else the shards emulated on one) for every step of the spec at its LR
+    schedule, each step read before the next: per step loss, drops, seconds; peak memory."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from engines.data import TokenStream
+    from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
+    from engines.jax.model import ModelConfig, init_params
+    from engines.jax.train import TrainState
+    from ladder.schedule import lr_at
+    from ladder.spec import load_spec
+
+    spec = load_spec(spec_path)
+    configure_jax()
+    cfg = ModelConfig.from_spec(spec.model)
+    gpu = jax.default_backend() == "gpu"
+    if gpu:
+        cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # as JaxEngine.train does on a GPU
+    mesh = make_mesh(cfg)
+    if spec.model.ep_size > 1 and (mesh is None) != (len(jax.devices()) == 1):
+        raise SystemExit(f"{len(jax.devices())} devices visible for ep_size {spec.model.ep_size}: "
+                         "want ep_size (a mesh) or 1 (shards emulated)")
+    train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
+    params, buffers = init_params(cfg, spec.seed)
+    state = place(TrainState(params, buffers, tx.init(params)), mesh)
+    stream = TokenStream.from_spec(spec)
+    lrs = lr_at(spec, np.arange(spec.total_steps))
+    rows = []
+    t_prev = time.perf_counter()
+    for step in range(spec.total_steps):
+        batch = stream.batch(step)
+        state, m = train_step(state, put_batch(batch, mesh), jnp.float32(lrs[step]))
+        m = jax.device_get(m)  # waits for the step
+        now = time.perf_counter()
+        rows.append({"step": step, "loss": float(m["loss"]), "drop_frac_send": float(m["drop_frac_send"]),
+                     "drop_frac_recv": float(m["drop_frac_recv"]), "seconds": now - t_prev,
+                     "tokens": batch.shape[0] * (batch.shape[1] - 1)})
+        t_prev = now
+        if not np.isfinite(rows[-1]["loss"]):
+            break
+    devices = mesh.devices.ravel().tolist() if mesh is not None else jax.devices()[:1]
+    peaks = [int((d.memory_stats() or {}).get("peak_bytes_in_use", 0)) for d in devices] if gpu else [_rss_peak()]
+    out_path.write_text(json.dumps({"rows": rows, "peak_memory_bytes": peaks, "n_devices": len(devices),
+                                    "device": devices[0].device_kind if gpu else "cpu"}))
+
+
 def _rss_peak() -> int:
     import resource
 
@@ -143,12 +199,13 @@ def _env(gpu: bool) -> dict:
     return env
 
 
-def _summarise(kind: str, ep: int, rows: list[dict], peaks: list[int], warmup: int, device: str, wall: float) -> dict:
+def _summarise(kind: str, ep: int, rows: list[dict], peaks: list[int], warmup: int, device: str, wall: float,
+               engine: str = "torch") -> dict:
     timed = rows[warmup:] or rows
     tok = sum(r["tokens"] for r in timed)
     sec = sum(r["seconds"] for r in timed)
     return {
-        "kind": kind, "ep": ep, "device": device, "steps": len(rows), "timed_steps": len(timed),
+        "engine": engine, "kind": kind, "ep": ep, "device": device, "steps": len(rows), "timed_steps": len(timed),
         "tokens_per_s": tok / sec if sec > 0 else 0.0,
         "drop_frac_send": sum(r["drop_frac_send"] for r in timed) / len(timed),
         "drop_frac_recv": sum(r["drop_frac_recv"] for r in timed) / len(timed),
@@ -205,16 +262,46 @@ def run_single(ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, 
     return _summarise("single", ep, res["rows"], res["peak_memory_bytes"], warmup, res["device"], wall)
 
 
+def _jax_env(gpu: bool, n_devices: int) -> dict:
+    env = _env(gpu)
+    if gpu:
+        env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(n_devices)))
+    else:
+        env["JAX_PLATFORMS"] = "cpu"
+        env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n_devices}".strip()
+    return env
+
+
+def run_jax(kind: str, ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, timeout: float) -> dict:
+    """`ep`: a process that sees ep devices (the mesh); `single`: one that sees one."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    out_path = run_dir / "jax.json"
+    n_devices = ep if kind == "ep" else 1
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--jax-run", str(spec_path), str(out_path)]
+    log(f"jax {kind}, ep_size {ep} over {n_devices} device(s)")
+    t = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=ROOT, env=_jax_env(gpu, n_devices), capture_output=True, text=True,
+                          timeout=timeout)
+    wall = time.perf_counter() - t
+    if proc.returncode != 0:
+        raise RuntimeError(f"jax {kind} (ep_size {ep}) exited {proc.returncode}: {proc.stderr[-3000:]}")
+    res = json.loads(out_path.read_text())
+    if res["n_devices"] != n_devices:
+        raise RuntimeError(f"jax {kind} (ep_size {ep}) ran on {res['n_devices']} devices, not {n_devices}")
+    return _summarise(kind, ep, res["rows"], res["peak_memory_bytes"], warmup, res["device"], wall, "jax")
+
+
 # ---- report -----------------------------------------------------------------------------------------
 
 
-def load_results(out: Path) -> dict[tuple[str, int, str], dict]:
+def load_results(out: Path) -> dict[tuple[str, str, int, bool], dict]:
+    """The latest result of each (engine, kind, ep, on a GPU)."""
     latest = {}
     path = out / "results.jsonl"
     if path.exists():
         for line in path.read_text().splitlines():
             r = json.loads(line)
-            latest[(r["kind"], r["ep"], r["device"] != "cpu")] = r
+            latest[(r.get("engine", "torch"), r["kind"], r["ep"], r["device"] != "cpu")] = r
     return latest
 
 
@@ -222,36 +309,39 @@ def write_table(out: Path) -> str:
     res = load_results(out)
     lines = []
     for gpu in (True, False):
-        eps = sorted({ep for (kind, ep, g) in res if g == gpu})
-        if not eps:
-            continue
-        any_row = next(r for (k, e, g), r in res.items() if g == gpu)
-        where = any_row["device"] if gpu else "CPU processes (gloo), tiny model: a functional check, no GPU measured"
-        unit = "GPU" if gpu else "process"
-        lines += [f"### {where}", "",
-                  f"| EP | {unit}es | tokens/s (all) | tokens/s per {unit} | vs 1 {unit} (same spec) | drop send "
-                  f"| drop recv | peak GiB per {unit} | 1-{unit} peak GiB | max rel. loss gap | steps with other drops |",
-                  "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-        for ep in eps:
-            e, s = res.get(("ep", ep, gpu)), res.get(("single", ep, gpu))
-            if e is None:
+        for engine in ("torch", "jax"):
+            eps = sorted({ep for (eng, kind, ep, g) in res if g == gpu and eng == engine})
+            if not eps:
                 continue
-            vs = f"{e['tokens_per_s'] / s['tokens_per_s']:.2f}x" if s else "-"
-            gap = other = "-"
-            if s:
+            any_row = next(r for (eng, k, e, g), r in res.items() if g == gpu and eng == engine)
+            where = any_row["device"] if gpu else "CPU processes (gloo), tiny model: a functional check, no GPU measured"
+            if engine == "jax":
+                where = (f"JAX engine, {any_row['device']}" if gpu
+                         else "JAX engine, emulated CPU devices, tiny model: a functional check, no GPU measured")
+            unit = "GPU" if gpu else ("process" if engine == "torch" else "device")
+            lines += [f"### {where}", "",
+                      f"| EP | {unit}{'es' if unit == 'process' else 's'} | tokens/s (all) | tokens/s per {unit} | vs 1 {unit} (same spec) | drop send "
+                      f"| drop recv | peak GiB per {unit} | 1-{unit} peak GiB | max rel. loss gap | steps with other drops |",
+                      "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            for ep in eps:
+                e, s = res.get((engine, "ep", ep, gpu)), res.get((engine, "single", ep, gpu))
+                if e is None:
+                    continue
+                head = (f"| {ep} | {ep} | {e['tokens_per_s']:,.0f} | {e['tokens_per_s'] / ep:,.0f} ")
+                tail = f"| {e['drop_frac_send']:.4f} | {e['drop_frac_recv']:.4f} | {e['peak_memory_gib']:.2f} "
+                if s is None:
+                    lines.append(head + "| - " + tail + "| - | - | - |")
+                    continue
                 n = min(len(e["losses"]), len(s["losses"]))
-                gap = f"{max(abs(a - b) / abs(b) for a, b in zip(e['losses'][:n], s['losses'][:n])):.2e}"
-                other = f"{sum(1 for a, b in zip(e['drops'][:n], s['drops'][:n]) if a != b)}/{n}"
-            lines.append(
-                f"| {ep} | {ep} | {e['tokens_per_s']:,.0f} | {e['tokens_per_s'] / ep:,.0f} | {vs} "
-                f"| {e['drop_frac_send']:.4f} | {e['drop_frac_recv']:.4f} | {e['peak_memory_gib']:.2f} "
-                f"| {s['peak_memory_gib']:.2f} | {gap} | {other} |" if s else
-                f"| {ep} | {ep} | {e['tokens_per_s']:,.0f} | {e['tokens_per_s'] / ep:,.0f} | - "
-                f"| {e['drop_frac_send']:.4f} | {e['drop_frac_recv']:.4f} | {e['peak_memory_gib']:.2f} | - | - | - |")
-        lines.append("")
-        lines.append(f"One {unit}, same spec (shards emulated), tokens/s: " + ", ".join(
-            f"ep_size {ep}: {res[('single', ep, gpu)]['tokens_per_s']:,.0f}" for ep in eps if ("single", ep, gpu) in res))
-        lines.append("")
+                gap = max(abs(a - b) / abs(b) for a, b in zip(e["losses"][:n], s["losses"][:n]))
+                other = sum(1 for a, b in zip(e["drops"][:n], s["drops"][:n]) if a != b)
+                lines.append(head + f"| {e['tokens_per_s'] / s['tokens_per_s']:.2f}x " + tail
+                             + f"| {s['peak_memory_gib']:.2f} | {gap:.2e} | {other}/{n} |")
+            lines.append("")
+            lines.append(f"One {unit}, same spec (shards emulated), tokens/s: " + ", ".join(
+                f"ep_size {ep}: {res[(engine, 'single', ep, gpu)]['tokens_per_s']:,.0f}"
+                for ep in eps if (engine, "single", ep, gpu) in res))
+            lines.append("")
     text = "\n".join(lines)
     (out / "table.md").write_text(text + "\n")
     _plot(res, out)
@@ -267,8 +357,8 @@ def _plot(res: dict, out: Path) -> None:
     except ImportError:
         return
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (kind, ep, gpu), r in sorted(res.items()):
-        ax.plot(r["losses"], label=f"{'GPU' if gpu else 'CPU'} {kind} ep={ep}",
+    for (engine, kind, ep, gpu), r in sorted(res.items()):
+        ax.plot(r["losses"], label=f"{'GPU' if gpu else 'CPU'} {engine} {kind} ep={ep}",
                 linestyle="-" if kind == "ep" else "--")
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
@@ -284,16 +374,24 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 40 on GPUs, 8 on the CPU)")
     p.add_argument("--warmup", type=int, default=None, help="untimed first steps (default 10 on GPUs, 2 on the CPU)")
     p.add_argument("--out", type=Path, default=ROOT / "out" / "ep_multi_gpu")
+    p.add_argument("--engine", default="torch", help="torch, jax or torch,jax (default torch)")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU reference runs")
     p.add_argument("--cpu", action="store_true", help="the gloo CPU check even where GPUs exist")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--table-only", action="store_true")
     p.add_argument("--single-run", nargs=2, type=Path, metavar=("SPEC", "OUT_JSON"), help=argparse.SUPPRESS)
+    p.add_argument("--jax-run", nargs=2, type=Path, metavar=("SPEC", "OUT_JSON"), help=argparse.SUPPRESS)
     p.add_argument("--device", default="cuda", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.single_run:
         single_run(*args.single_run, args.device)
         return 0
+    if args.jax_run:
+        jax_run(*args.jax_run)
+        return 0
+    engines = [e.strip() for e in args.engine.split(",") if e.strip()]
+    if not engines or set(engines) - {"torch", "jax"}:
+        p.error(f"--engine {args.engine!r}: choose from torch, jax")
     args.out.mkdir(parents=True, exist_ok=True)
     if args.table_only:
         print(write_table(args.out))
@@ -320,18 +418,26 @@ def main() -> int:
         spec = make_spec(ep, steps, gpu)
         spec_path = args.out / f"spec_ep{ep}_{'gpu' if gpu else 'cpu'}.yaml"
         save_spec(spec, spec_path)
-        for kind, fn in (("ep", run_ep), ("single", run_single)):
-            if kind == "single" and args.no_single:
+        for engine in engines:
+            if engine == "jax" and ep == 1:
+                log("jax EP 1: skipped, the same program as its single-device reference")
                 continue
-            try:
-                r = fn(ep, spec_path, args.out / f"{kind}_ep{ep}_{'gpu' if gpu else 'cpu'}", gpu, warmup, args.timeout)
-            except (RuntimeError, subprocess.TimeoutExpired) as err:
-                log(f"{kind} ep {ep} failed: {err}")
-                continue
-            with open(args.out / "results.jsonl", "a") as f:
-                f.write(json.dumps(r) + "\n")
-            log(f"{kind} ep={ep}: {r['tokens_per_s']:,.0f} tok/s, drops {r['drop_frac_send']:.4f}/"
-                f"{r['drop_frac_recv']:.4f}, peak {r['peak_memory_gib']:.2f} GiB, wall {r['wall_s']:.0f}s")
+            for kind in ("ep", "single"):
+                if kind == "single" and args.no_single:
+                    continue
+                run_dir = args.out / f"{engine}_{kind}_ep{ep}_{'gpu' if gpu else 'cpu'}"
+                try:
+                    if engine == "jax":
+                        r = run_jax(kind, ep, spec_path, run_dir, gpu, warmup, args.timeout)
+                    else:
+                        r = (run_ep if kind == "ep" else run_single)(ep, spec_path, run_dir, gpu, warmup, args.timeout)
+                except (RuntimeError, subprocess.TimeoutExpired) as err:
+                    log(f"{engine} {kind} ep {ep} failed: {err}")
+                    continue
+                with open(args.out / "results.jsonl", "a") as f:
+                    f.write(json.dumps(r) + "\n")
+                log(f"{engine} {kind} ep={ep}: {r['tokens_per_s']:,.0f} tok/s, drops {r['drop_frac_send']:.4f}/"
+                    f"{r['drop_frac_recv']:.4f}, peak {r['peak_memory_gib']:.2f} GiB, wall {r['wall_s']:.0f}s")
     print(write_table(args.out))
     if skipped:
         print(f"not run: EP {', '.join(map(str, skipped))} (needs that many GPUs; this machine has {n_gpus})")
