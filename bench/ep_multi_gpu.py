@@ -266,6 +266,8 @@ def _jax_env(gpu: bool, n_devices: int) -> dict:
     env = _env(gpu)
     if gpu:
         env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, range(n_devices)))
+        # one device holding every emulated shard needs more than XLA's default 75% pool
+        env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     else:
         env["JAX_PLATFORMS"] = "cpu"
         env["XLA_FLAGS"] = f"{env.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={n_devices}".strip()
@@ -376,6 +378,7 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "out" / "ep_multi_gpu")
     p.add_argument("--engine", default="torch", help="torch, jax or torch,jax (default torch)")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU reference runs")
+    p.add_argument("--no-ep", action="store_true", help="skip the EP runs (only the single-GPU references)")
     p.add_argument("--cpu", action="store_true", help="the gloo CPU check even where GPUs exist")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
     p.add_argument("--table-only", action="store_true")
@@ -423,7 +426,7 @@ def main() -> int:
                 log("jax EP 1: skipped, the same program as its single-device reference")
                 continue
             for kind in ("ep", "single"):
-                if kind == "single" and args.no_single:
+                if (kind == "single" and args.no_single) or (kind == "ep" and args.no_ep):
                     continue
                 run_dir = args.out / f"{engine}_{kind}_ep{ep}_{'gpu' if gpu else 'cpu'}"
                 try:

@@ -233,6 +233,39 @@ def write_summary(run_dir: Path, model, ctx: EPContext, first_step: int, steps: 
             "ranks": ranks})
 
 
+class StepProfiler:
+    """torch.profiler over steps 3 and 4 of this launch (compilation is over by then); the rank's
+    operator table, by device time and by host time, goes to PREFIX.rank<r>.txt."""
+
+    FIRST, STEPS = 2, 2
+
+    def __init__(self, prefix: Path, ctx: EPContext):
+        self.prefix, self.ctx, self.seen, self.prof, self.t0 = prefix, ctx, 0, None, 0.0
+
+    def after_step(self) -> None:
+        from torch.profiler import ProfilerActivity, profile
+
+        self.seen += 1
+        if self.seen == self.FIRST:
+            acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.ctx.device.type == "cuda" else [])
+            self.prof = profile(activities=acts)
+            self.prof.__enter__()
+            self.t0 = time.perf_counter()
+        elif self.prof is not None and self.seen == self.FIRST + self.STEPS:
+            if self.ctx.device.type == "cuda":
+                torch.cuda.synchronize(self.ctx.device)
+            wall = time.perf_counter() - self.t0
+            self.prof.__exit__(None, None, None)
+            avg = self.prof.key_averages()
+            dev_key = "self_device_time_total" if self.ctx.device.type == "cuda" else "self_cpu_time_total"
+            text = (f"rank {self.ctx.rank}: {1e3 * wall / self.STEPS:.1f} ms per step over {self.STEPS} steps\n\n"
+                    f"by {dev_key}:\n{avg.table(sort_by=dev_key, row_limit=40)}\n\n"
+                    f"by self_cpu_time_total:\n{avg.table(sort_by='self_cpu_time_total', row_limit=30)}\n")
+            self.prefix.parent.mkdir(parents=True, exist_ok=True)
+            Path(f"{self.prefix}.rank{self.ctx.rank}.txt").write_text(text)
+            self.prof = None
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m engines.torch.ep_train", description=__doc__.split("\n\n")[0])
     p.add_argument("spec", type=Path, help="spec file (.yaml or .json)")
@@ -242,6 +275,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-checkpoints", action="store_true", help="write no checkpoints (benchmarks)")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if present")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints a line every this many steps")
+    p.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
+                   help="torch.profiler over two steps after the first two; each rank writes PREFIX.rank<r>.txt")
     args = p.parse_args(argv)
 
     from pydantic import ValidationError
@@ -267,11 +302,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     code = 0
+    prof = StepProfiler(args.profile, ctx) if args.profile else None
     try:
         last = None
         for rec in train_ep(spec, args.run_dir, ctx, resume=not args.no_resume, stop_after=args.steps,
                             checkpoints=not args.no_checkpoints):
             last = rec
+            if prof is not None:
+                prof.after_step()
             if ctx.rank == 0 and (rec.step % args.log_every == 0):
                 print(f"step {rec.step}/{spec.total_steps} loss {rec.loss:.4f} drops {rec.drop_frac_send:.4f}/"
                       f"{rec.drop_frac_recv:.4f} {rec.tokens_per_s:,.0f} tok/s", flush=True)
