@@ -68,10 +68,14 @@ def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
-def make_spec(ep: int, steps: int, gpu: bool):
+def make_spec(ep: int, steps: int, gpu: bool, capacity_factor: float | None = None, batch: int | None = None):
     from ladder.spec import Spec
 
     model, data = (GPU_MODEL, GPU_DATA) if gpu else (CPU_MODEL, CPU_DATA)
+    if capacity_factor is not None:
+        model = {**model, "capacity_factor_send": capacity_factor, "capacity_factor_recv": capacity_factor}
+    if batch is not None:
+        data = {**data, "batch_size": batch}
     tokens = data["seq_len"] * data["batch_size"] * steps
     return Spec.model_validate({
         "name": f"ep-bench-{'gpu' if gpu else 'cpu'}", "engine": "torch", "seed": 0,
@@ -378,6 +382,9 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "out" / "ep_multi_gpu")
     p.add_argument("--engine", default="torch", help="torch, jax or torch,jax (default torch)")
     p.add_argument("--no-single", action="store_true", help="skip the single-GPU reference runs")
+    p.add_argument("--capacity-factor", type=float, default=None,
+                   help="both capacity factors (default 1.25); E/top_k drops nothing, to compare losses at zero drops")
+    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 32 on GPUs)")
     p.add_argument("--no-ep", action="store_true", help="skip the EP runs (only the single-GPU references)")
     p.add_argument("--cpu", action="store_true", help="the gloo CPU check even where GPUs exist")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
@@ -418,7 +425,7 @@ def main() -> int:
             skipped.append(ep)
             log(f"EP {ep}: skipped, this machine has {n_gpus} GPU(s)")
             continue
-        spec = make_spec(ep, steps, gpu)
+        spec = make_spec(ep, steps, gpu, args.capacity_factor, args.batch)
         spec_path = args.out / f"spec_ep{ep}_{'gpu' if gpu else 'cpu'}.yaml"
         save_spec(spec, spec_path)
         for engine in engines:
