@@ -344,7 +344,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_overlapadam, torch_overlapbf16, torch_ropebshq, torch_xentkernels, torch_ropexent, torch_ropexentbf16, jax_bf16moments, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_overlapadam, torch_overlapbf16, torch_ropebhsq, torch_inductorxent, jax_bf16moments, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -482,16 +482,10 @@ def main(argv=None) -> int:
                                              "options": {"swiglu": "inductor"}}),
         # Adam's moments stored in bf16 (the spec's optim.moments; 20 bytes a parameter instead of 28)
         "torch_bf16moments": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"}}),
-        # RoPE on the projection's [B, S, H, Q] layout, SDPA reading transposed views
-        "torch_ropebshq": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"rope_layout": "bshq"}}),
-        # the output head's losses by engines/torch/xent.py's kernels
-        "torch_xentkernels": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"xent": "triton"}}),
-        # both of the above, and with bf16 moments too
-        "torch_ropexent": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
-                                       "options": {"rope_layout": "bshq", "xent": "triton"}}),
-        "torch_ropexentbf16": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
-                                           "options": {"rope_layout": "bshq", "xent": "triton"},
-                                           "optim": {"moments": "bf16"}}),
+        # RoPE on q and k transposed to [B, H, S, Q] (the default before bshq)
+        "torch_ropebhsq": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"rope_layout": "bhsq"}}),
+        # the output head's losses fused by Inductor instead of engines/torch/xent.py's kernels
+        "torch_inductorxent": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"xent": "inductor"}}),
         # MasterAdamW's update on a side stream beside the next step's forward (master.py), and the
         # same with bf16 moments
         "torch_overlapadam": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1", "MOE_LADDER_TORCH_OVERLAP": "1"}}),
