@@ -204,3 +204,28 @@ def test_a_batch_that_does_not_split_into_whole_sequences_per_rank_is_refused():
     spec = micro_spec(**{"model.ep_size": 4, "data.batch_size": 6})
     with pytest.raises(EPError, match=r"data.batch_size \(6\) must be a multiple of model.ep_size \(4\)"):
         check_layout(spec.model, 4, spec.data.batch_size)
+
+
+def test_row_gather_backward_is_the_index_backward():
+    """The capacity dispatch's gathers: many output rows read the zero row, each input row is
+    read at most once, and the backward by the partial inverse equals aten's x[idx] backward."""
+    import torch
+
+    from engines.torch.ep import _RowGather
+
+    gen = torch.Generator().manual_seed(0)
+    N, M, L = 7, 12, 5
+    readers = torch.randperm(M, generator=gen)[:5]  # 5 output rows read x rows 0..4; rows 5, 6 unread
+    idx_M = torch.full((M,), N, dtype=torch.long)
+    idx_M[readers] = torch.arange(5)
+    inv_N = torch.full((N + 1,), M, dtype=torch.long).scatter_(0, idx_M, torch.arange(M))[:N]
+    x_NL = torch.randn(N, L, generator=gen, requires_grad=True)
+    g_ML = torch.randn(M, L, generator=gen)
+    y_ML = _RowGather.apply(x_NL, idx_M, inv_N)
+    (grad,) = torch.autograd.grad(y_ML, x_NL, g_ML)
+    x_ref = x_NL.detach().clone().requires_grad_(True)
+    y_ref = torch.cat([x_ref, x_ref.new_zeros(1, L)])[idx_M]
+    (grad_ref,) = torch.autograd.grad(y_ref, x_ref, g_ML)
+    assert torch.equal(y_ML, y_ref)
+    assert torch.equal(grad, grad_ref)
+    assert grad[5:].abs().sum() == 0 and grad[:5].abs().sum() > 0
