@@ -68,7 +68,8 @@ def log(*a):
     print(f"[{time.strftime('%H:%M:%S')}]", *a, flush=True)
 
 
-def make_spec(ep: int, steps: int, gpu: bool, capacity_factor: float | None = None, batch: int | None = None):
+def make_spec(ep: int, steps: int, gpu: bool, capacity_factor: float | None = None, batch: int | None = None,
+              peak_lr: float = 2e-3, warmup_frac: float = 0.1):
     from ladder.spec import Spec
 
     model, data = (GPU_MODEL, GPU_DATA) if gpu else (CPU_MODEL, CPU_DATA)
@@ -81,9 +82,9 @@ def make_spec(ep: int, steps: int, gpu: bool, capacity_factor: float | None = No
         "name": f"ep-bench-{'gpu' if gpu else 'cpu'}", "engine": "torch", "seed": 0,
         "model": {**model, "ep_size": ep},
         "data": {"sources": SOURCES, **data, "total_tokens": tokens},
-        "optim": {"peak_lr": 2e-3, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "grad_clip": 1.0,
+        "optim": {"peak_lr": peak_lr, "beta1": 0.9, "beta2": 0.95, "weight_decay": 0.1, "grad_clip": 1.0,
                   "z_loss": 1e-4, "aux_loss": 1e-2},
-        "schedule": {"warmup_frac": 0.1, "decay": "linear", "min_lr_ratio": 0.05},
+        "schedule": {"warmup_frac": warmup_frac, "decay": "linear", "min_lr_ratio": 0.05},
         "hardware": {"system": "h200" if gpu else "cpu", "n_gpus": ep if gpu else 0, "peak_flops": 989e12 if gpu else 1e12},
         "run": {"checkpoint_every": 10**9, "eval_every": 10**9, "eval_batches": 1},
     })
@@ -385,6 +386,10 @@ def main() -> int:
     p.add_argument("--capacity-factor", type=float, default=None,
                    help="both capacity factors (default 1.25); E/top_k drops nothing, to compare losses at zero drops")
     p.add_argument("--batch", type=int, default=None, help="sequences per step (default 32 on GPUs)")
+    p.add_argument("--peak-lr", type=float, default=2e-3, help="the spec's peak learning rate (default 2e-3)")
+    p.add_argument("--warmup-frac", type=float, default=0.1,
+                   help="the share of the steps spent warming up (default 0.1); a longer warm-up keeps bf16 "
+                        "curves from parting in the first steps")
     p.add_argument("--no-ep", action="store_true", help="skip the EP runs (only the single-GPU references)")
     p.add_argument("--cpu", action="store_true", help="the gloo CPU check even where GPUs exist")
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
@@ -425,7 +430,7 @@ def main() -> int:
             skipped.append(ep)
             log(f"EP {ep}: skipped, this machine has {n_gpus} GPU(s)")
             continue
-        spec = make_spec(ep, steps, gpu, args.capacity_factor, args.batch)
+        spec = make_spec(ep, steps, gpu, args.capacity_factor, args.batch, args.peak_lr, args.warmup_frac)
         spec_path = args.out / f"spec_ep{ep}_{'gpu' if gpu else 'cpu'}.yaml"
         save_spec(spec, spec_path)
         for engine in engines:
