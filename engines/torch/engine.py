@@ -334,17 +334,13 @@ class TorchEngine:
 
         loss_fn = make_loss_fn(model, device, opt)
 
-        settle = getattr(opt, "settle", lambda: None)  # MasterAdamW's side-stream updates, if any
-
         def save(done: int) -> None:
-            settle()
             info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
                     "data": stream.state(done)}
             save_checkpoint(run_dir, done, model.to_numpy(), optimizer_to_numpy(model, opt), info,
                             keep=spec.run.keep_checkpoints)
 
         def evaluate() -> float:
-            settle()
             model.eval()
             losses = []
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):

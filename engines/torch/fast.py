@@ -431,19 +431,14 @@ class FastLoss:
         if self._cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are done with
         ctx = _sdpa_backend(self.options.attn_backend if tokens_BS1.is_cuda else None)
-        # with MasterAdamW's side stream: each stage waits for its own update of the last step only
-        ready = self.working.wait_ready if self.working is not None else (lambda stage: None)
         with torch.autocast(tokens_BS1.device.type, enabled=False), ctx:
             # F.embedding: its backward is a sorted segment sum; indexing's (index_put with
             # accumulate) took 3.4 ms of a 119 ms H200 step
-            ready("embed")
             x_BSD = F.embedding(inputs_BS, model.embed.weight)
             stats = []
-            for i, (block, w) in enumerate(zip(model.blocks, per_block)):
-                ready(f"blocks.{i}")
+            for block, w in zip(model.blocks, per_block):
                 x_BSD, st = self._run_block(block, w, x_BSD, cos, sin, mask_SS)
                 stats.append(st)
-            ready("head")
             ce, z = self._head(x_BSD, model.final_norm, lm_head, targets_BS, self.cdt)
         st = {k: torch.stack([s[k] for s in stats]) for k in stats[0]}
         return objective(ce, z, st, optim)

@@ -23,23 +23,12 @@ bf16, as DeepSeek-V3 trained (its report, section 3.3.2, with beta2 0.95): 20 by
 instead of 28. The arithmetic stays fp32; checkpoints hold them as fp32 and a load rounds them
 back.
 
-Side stream ($MOE_LADDER_TORCH_OVERLAP=1, a GPU with the per-tensor kernel; off by default): the
-update is memory-bound and the forward after it compute-bound, so the update runs on its own
-stream in the order the forward reads the weights (update_stages), with an event after each stage.
-The fast forward waits for a stage's event just before reading it (wait_ready), so block i's
-update can run while the blocks before it compute. Anything else that reads masters, moments or
-working copies calls settle() first: the engine's eval and checkpoint do, and so do state_dict,
-load_state_dict and refresh. Gradients freed while the side stream reads them are recorded on it,
-so the allocator does not hand their memory out early.
-
 Shape legend: N... a tensor's dimensions (any rank).
 """
 
 from __future__ import annotations
 
-import itertools
 import math
-import operator
 import os
 
 import torch
@@ -55,21 +44,6 @@ def default_kernel() -> str:
     where Triton is installed. On an H200 at the bench shape the Triton kernel gave +4% tokens/s
     over Inductor's graphs with the same losses, and needs no compile (1 s of warm-up against 72)."""
     return os.environ.get("MOE_LADDER_TORCH_ADAMW", "triton" if adamw_kernel.triton is not None else "compile")
-
-
-def overlap_requested() -> bool:
-    """$MOE_LADDER_TORCH_OVERLAP=1: MasterAdamW's update runs on a side stream (see MasterAdamW)."""
-    return os.environ.get("MOE_LADDER_TORCH_OVERLAP", "0") == "1"
-
-
-def update_stages(model: MoETransformer) -> list[tuple[str, list[torch.nn.Parameter]]]:
-    """The parameters in the order the forward reads them: "embed", "blocks.<i>" (each block's
-    own), "head" (the final norm and the output matrix)."""
-    stages = [("embed", [model.embed.weight])]
-    stages += [(f"blocks.{i}", list(blk.parameters())) for i, blk in enumerate(model.blocks)]
-    seen = {id(p) for _, ps in stages for p in ps}
-    stages.append(("head", [p for p in model.parameters() if id(p) not in seen]))
-    return stages
 
 
 def weight_layout(model: MoETransformer) -> dict[str, list[torch.nn.Parameter]]:
@@ -138,13 +112,11 @@ class MasterAdamW(torch.optim.Optimizer):
     """AdamW on fp32 masters + working copies in `dtype` (see the module docstring).
 
     Step protocol: forward/backward through `working()`; norm, mult = `grad_norm_and_scale(clip)`;
-    `step(mult, finite)`; `zero_grad()`; read the metrics (rewind() if they were not finite). With
-    the side stream, the next forward calls `wait_ready(stage)` before each stage, and any other
-    reader `settle()` first."""
+    `step(mult, finite)`; `zero_grad()`; read the metrics (rewind() if they were not finite)."""
 
     def __init__(self, model: MoETransformer, param_groups, lr: float, betas: tuple[float, float],
                  eps: float, dtype: torch.dtype = torch.bfloat16, compile: bool | None = None,
-                 kernel: str | None = None, moments: torch.dtype = torch.float32, overlap: bool | None = None):
+                 kernel: str | None = None, moments: torch.dtype = torch.float32):
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         if moments not in (torch.float32, torch.bfloat16):
             raise ValueError(f"MasterAdamW moments {moments}: torch.float32 or torch.bfloat16")
@@ -176,37 +148,6 @@ class MasterAdamW(torch.optim.Optimizer):
             self._update = torch.compile(adamw_group_, dynamic=False)
         else:
             self._update = adamw_group_
-        # the update on a side stream, stage by stage, where the per-tensor kernel runs on a GPU
-        # (elsewhere, or with the compiled update, it stays on the current stream)
-        self.stage_names: list[str] = []
-        self._stage: dict[torch.nn.Parameter, int] = {}
-        for i, (name, ps) in enumerate(update_stages(model)):
-            self.stage_names.append(name)
-            self._stage.update({p: i for p in ps})
-        want = overlap if overlap is not None else overlap_requested()
-        self._side = (torch.cuda.Stream(first.device) if want and first.is_cuda
-                      and self._update is adamw_group_kernels_ else None)
-        self._ready: dict[str, torch.cuda.Event] = {}
-
-    # ---- the side stream ----------------------------------------------------------------------
-
-    def wait_ready(self, stage: str) -> None:
-        """Make the current stream wait for the last step's update of `stage` (update_stages'
-        names; nothing to wait for without the side stream or once waited)."""
-        event = self._ready.pop(stage, None)
-        if event is not None:
-            torch.cuda.current_stream(self._side.device).wait_event(event)
-
-    def settle(self) -> None:
-        """Make the current stream wait for every update queued on the side stream: call it before
-        anything but the fast forward reads the masters, moments or working copies."""
-        if self._side is not None:
-            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
-            self._ready.clear()
-
-    def state_dict(self):
-        self.settle()
-        return super().state_dict()
 
     # ---- working copies --------------------------------------------------------------------
 
@@ -219,13 +160,11 @@ class MasterAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy every master into its working copy (after the masters were set from outside)."""
-        self.settle()
         for p, (name, a, b) in self._part.items():
             self._leaves[name].detach()[..., a:b].copy_(p)
         self._stale = False
 
     def load_state_dict(self, state_dict) -> None:
-        self.settle()
         super().load_state_dict(state_dict)  # (which casts the moments to the fp32 masters' dtype)
         for st in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
@@ -261,7 +200,6 @@ class MasterAdamW(torch.optim.Optimizer):
             raise ValueError("MasterAdamW.step takes no closure")
         if self._stale:  # a step before any forward read the copies
             self.refresh()
-        jobs = [] if self._side is not None else None  # (stage, p, g, m, v, w, s_9) per tensor
         for group in self.param_groups:
             b1, b2 = group["betas"]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -303,35 +241,8 @@ class MasterAdamW(torch.optim.Optimizer):
             s_9 = torch.cat([host.to(dev, non_blocking=True),
                              (clip_mult if clip_mult is not None else torch.ones((), device=dev)).reshape(1).float(),
                              (finite if finite is not None else torch.ones((), device=dev)).reshape(1).float()])
-            if jobs is None:
-                self._update(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
-            else:
-                _each_tensor(lambda p, *rest: jobs.append((self._stage[p], p, *rest)),
-                             ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
-        if jobs:
-            self._launch_on_side(jobs)
+            self._update(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
         return None
-
-    def _launch_on_side(self, jobs) -> None:
-        """The per-tensor kernels on the side stream in update_stages' order, an event after each
-        stage. The next forward waits for a stage's event just before it reads that stage, so the
-        memory-bound update runs beside the compute-bound forward of the stages before it."""
-        side = self._side
-        main = torch.cuda.current_stream(side.device)
-        self.settle()  # the previous step's updates (the forward has waited for them already)
-        side.wait_stream(main)  # this step's gradients, clip multiplier and finite flag
-        self._ready = {}
-        with torch.cuda.stream(side):
-            stage_of = operator.itemgetter(0)
-            for stage, in_stage in itertools.groupby(sorted(jobs, key=stage_of), key=stage_of):
-                for _, p, g, m, v, w, s_9 in in_stage:
-                    adamw_launch(p, g, m, v, w, s_9)
-                    # freed on the main stream (zero_grad) while the side stream may still read them
-                    g.record_stream(side)
-                    s_9.record_stream(side)
-                event = torch.cuda.Event()
-                event.record(side)
-                self._ready[self.stage_names[stage]] = event
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)
