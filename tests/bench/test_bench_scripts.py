@@ -44,3 +44,20 @@ def test_profiler_writes_its_table(tmp_path, engine):
          "--out", str(tmp_path), cwd=tmp_path)
     table = tmp_path / ("profile.md" if engine == "torch" else "profile_jax.md")
     assert "ms/step" in table.read_text()
+
+
+def test_ep_bench_runs_both_engines_and_matches_one_device(tmp_path):
+    """bench/ep_multi_gpu.py with no GPU: torch ranks (gloo) and JAX's mesh over 2 emulated CPU
+    devices, each against one device with the 2 shards emulated, appear in the table with the
+    same drops and losses within fp32 rounding."""
+    _run(str(ROOT / "bench/ep_multi_gpu.py"), "--cpu", "--engine", "torch,jax", "--ep", "2", "--steps", "3",
+         "--warmup", "1", "--out", str(tmp_path), cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    got = {(r["engine"], r["kind"]): r for r in rows}
+    assert sorted(got) == [("jax", "ep"), ("jax", "single"), ("torch", "ep"), ("torch", "single")]
+    for engine in ("torch", "jax"):
+        ep, one = got[(engine, "ep")], got[(engine, "single")]
+        assert ep["drops"] == one["drops"] and ep["drop_frac_recv"] > 0
+        assert ep["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    table = (tmp_path / "table.md").read_text()
+    assert "| 2 | 2 |" in table and "JAX engine, emulated CPU devices" in table
