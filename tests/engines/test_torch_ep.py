@@ -100,7 +100,7 @@ def runs(tmp_path_factory):
     # ... then continued from its checkpoint; 4 ranks; dropless over 2 ranks
     jobs = [[2, _train_args(root / "ep2.yaml", root / "ep2-ranks")],
             [4, _train_args(root / "ep4.yaml", root / "ep4-ranks")],
-            [2, _train_args(root / "dropless2.yaml", root / "dropless2-ranks")]]
+            [2, _train_args(root / "dropless2.yaml", root / "dropless2-ranks", "--profile", str(root / "prof"))]]
     proc = subprocess.run([PY, "-c", DRIVER, json.dumps(jobs)], cwd=ROOT, env=_env(), capture_output=True,
                           text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -229,3 +229,10 @@ def test_row_gather_backward_is_the_index_backward():
     assert torch.equal(y_ML, y_ref)
     assert torch.equal(grad, grad_ref)
     assert grad[5:].abs().sum() == 0 and grad[:5].abs().sum() > 0
+
+
+def test_profile_writes_each_ranks_operator_table(runs):
+    for rank in (0, 1):
+        text = (runs["root"] / f"prof.rank{rank}.txt").read_text()
+        assert text.startswith(f"rank {rank}: ") and "ms per step over 2 steps" in text
+        assert "alltoall" in text  # the ragged exchange of the profiled steps
