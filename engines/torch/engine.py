@@ -26,6 +26,9 @@ Replans: a spec with lineage.resume_step continues its parent's run. Seed the ch
 first with engines.checkpoint.init_from_checkpoint(run_dir, <parent run>/checkpoints/step_N,
 metrics_from=<parent run>); train() then resumes from that checkpoint (its spec id is the
 parent's, which lineage.parent_id allows).
+
+Expert parallel: a spec with model.ep_size > 1 trains in ep_size processes when the machine has
+that many GPUs (engines/torch/ep_launch.py), else on one device with the shards emulated.
 """
 
 from __future__ import annotations
@@ -297,6 +300,11 @@ class TorchEngine:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         device = self.device or default_device()
+        from engines.torch.ep_launch import train_processes, use_processes
+
+        if use_processes(spec, device):  # real expert parallel: model.ep_size processes
+            yield from train_processes(spec, run_dir, resume, device)
+            return
         cuda = device.type == "cuda"
         threads_before = torch.get_num_threads()
         if not cuda and cpu_threads(spec):

@@ -1,0 +1,104 @@
+"""TorchEngine.train runs a spec with model.ep_size > 1 in ep_size real processes (torchrun +
+engines/torch/ep_train.py; gloo here, NCCL on GPUs) and yields rank 0's records: the same
+losses as the one-process engine with the shards emulated, each step once across an
+interrupted launch and its resume, and a clear error for a bad layout switch."""
+
+from __future__ import annotations
+
+import pytest
+
+from engines.base import read_metrics, read_status
+from engines.torch.engine import TorchEngine
+from engines.torch.ep import EPError
+from ladder.presets import micro_spec
+
+pytestmark = pytest.mark.slow
+
+# init_std 0.3 and capacity factors 1.0: the routed experts and the drops move the loss
+SPEC = micro_spec("ep2-launch", **{"model.ep_size": 2, "model.dispatch": "capacity", "model.n_waves": 2,
+                                    "model.capacity_factor_send": 1.0, "model.capacity_factor_recv": 1.0,
+                                    "model.init_std": 0.3, "data.total_tokens": 6 * 64 * 8,
+                                    "run.eval_every": 3, "run.checkpoint_every": 3})
+CPU_ENV = {"OMP_NUM_THREADS": "1", "MOE_LADDER_CPU_THREADS": "1"}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    import shutil
+
+    root = tmp_path_factory.mktemp("ep_launch")
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in CPU_ENV.items():
+            mp.setenv(k, v)
+        mp.setenv("MOE_LADDER_TORCH_EP", "emulate")
+        single = list(TorchEngine("cpu").train(SPEC, root / "single"))
+        mp.setenv("MOE_LADDER_TORCH_EP", "processes")
+        whole = list(TorchEngine("cpu").train(SPEC, root / "ranks"))
+        whole_file = read_metrics(root / "ranks")
+        # as a kill after the step-3 checkpoint leaves the run: its later records stay in the file
+        shutil.rmtree(root / "ranks" / "checkpoints" / "step_00000006")
+        rest = list(TorchEngine("cpu").train(SPEC, root / "ranks"))
+    return {"root": root, "single": single, "whole": whole, "whole_file": whole_file, "rest": rest}
+
+
+def test_processes_give_the_emulated_losses_and_drops(runs):
+    single = read_metrics(runs["root"] / "single")
+    ranks = runs["whole_file"]
+    assert [r["step"] for r in ranks] == [r["step"] for r in single] == list(range(SPEC.total_steps))
+    assert [m.step for m in runs["whole"]] == list(range(SPEC.total_steps))  # yielded as written
+    for a, b in zip(ranks, single):
+        assert a["loss"] == pytest.approx(b["loss"], rel=2e-5)
+        assert (a["drop_frac_send"], a["drop_frac_recv"]) == (b["drop_frac_send"], b["drop_frac_recv"])
+    assert any(r["drop_frac_recv"] > 0 for r in single)
+    assert (runs["root"] / "ranks" / "ep.json").exists()  # written by the ranks, never by one process
+
+
+def test_a_resumed_launch_yields_only_its_steps_and_the_file_holds_each_once(runs):
+    assert [m.step for m in runs["rest"]] == [3, 4, 5]
+    ranks = read_metrics(runs["root"] / "ranks")
+    assert [r["step"] for r in ranks] == list(range(SPEC.total_steps))
+    single = {m.step: m.loss for m in runs["single"]}
+    for m in runs["rest"]:
+        assert m.loss == pytest.approx(single[m.step], rel=2e-5)
+    assert read_status(runs["root"] / "ranks")["state"] == "finished"
+
+
+def test_closing_the_generator_ends_every_rank(tmp_path, monkeypatch):
+    import subprocess
+    import time
+
+    for k, v in CPU_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "processes")
+    long = SPEC.model_copy(update={"data": SPEC.data.model_copy(update={"total_tokens": 2000 * 64 * 8})})
+    gen = TorchEngine("cpu").train(long, tmp_path / "run")
+    assert [next(gen).step for _ in range(2)] == [0, 1]
+    gen.close()
+
+    def alive() -> str:
+        return subprocess.run(["pgrep", "-f", str(tmp_path / "run")], capture_output=True, text=True).stdout
+
+    deadline = time.time() + 20
+    while alive() and time.time() < deadline:
+        time.sleep(0.2)
+    assert alive() == ""
+    assert read_status(tmp_path / "run")["state"] != "finished"
+
+
+def test_auto_emulates_where_there_are_not_enough_gpus(monkeypatch):
+    import torch
+
+    from engines.torch.ep_launch import use_processes
+
+    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "auto")
+    assert not use_processes(SPEC, torch.device("cpu"))
+    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "processes")
+    assert use_processes(SPEC, torch.device("cpu"))
+    assert not use_processes(micro_spec("one", **{"model.ep_size": 1}), torch.device("cpu"))
+
+
+def test_a_bad_layout_switch_is_refused_by_name(tmp_path, monkeypatch):
+    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "sometimes")
+    with pytest.raises(EPError, match="MOE_LADDER_TORCH_EP='sometimes'"):
+        next(TorchEngine("cpu").train(SPEC, tmp_path / "run"))
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
