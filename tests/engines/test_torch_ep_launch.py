@@ -102,3 +102,19 @@ def test_a_bad_layout_switch_is_refused_by_name(tmp_path, monkeypatch):
     with pytest.raises(EPError, match="MOE_LADDER_TORCH_EP='sometimes'"):
         next(TorchEngine("cpu").train(SPEC, tmp_path / "run"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_ladder_train_runs_the_ranks(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from ladder.spec import save_spec
+
+    path = save_spec(SPEC, tmp_path / "spec.yaml")
+    env = dict(os.environ, **CPU_ENV, MOE_LADDER_TORCH_EP="processes")
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "train", str(path), "--run-dir", str(tmp_path / "run"),
+                          "--quiet"], capture_output=True, text=True, timeout=300, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert f"finished step {SPEC.total_steps}/{SPEC.total_steps}" in out.stderr
+    assert (tmp_path / "run" / "ep.json").exists()
