@@ -10,7 +10,9 @@ device) or "processes" (always; gloo CPU processes where there is no GPU).
 
 The child group is the run's only writer: the checkpoints, status.json and metrics.jsonl are
 ep_train's, so a resumed or replayed run is the same whichever launched it. Closing the
-generator (a cancelled Ray task, Ctrl-C) ends the whole process group.
+generator (a cancelled Ray task, Ctrl-C) ends the whole process group; a launcher that dies
+without closing it (a SIGKILLed Ray worker) takes the group with it too, through the kernel's
+parent-death signal (Linux), so a retry never meets a second writer.
 """
 
 from __future__ import annotations
@@ -55,6 +57,16 @@ def use_processes(spec: Spec, device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.device_count() >= spec.model.ep_size
 
 
+def die_with_parent() -> None:
+    """Ask the kernel to SIGTERM this process when the thread that started it ends (Linux's
+    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 def _read_new(path: Path, offset: int) -> tuple[list[StepMetrics], int]:
     """Complete records appended after byte `offset`, and the offset after them."""
     import json
@@ -90,7 +102,8 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
     root = str(Path(engines.__file__).resolve().parents[1])
     env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     with open(run_dir / LOG_FILE, "ab") as log:
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+                                preexec_fn=die_with_parent)
     try:
         while True:
             done = proc.poll() is not None

@@ -294,6 +294,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None and args.steps < 1:
         print(f"error: --steps must be >= 1 (got {args.steps})", file=sys.stderr)
         return 2
+    from engines.torch.ep_launch import die_with_parent
+
+    die_with_parent()  # a rank whose torchrun is gone stops too
     try:
         # the layout first: a wrong process count is reported before any rendezvous
         check_layout(spec.model, int(os.environ.get("WORLD_SIZE", "1")), spec.data.batch_size)

@@ -118,3 +118,43 @@ def test_ladder_train_runs_the_ranks(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"finished step {SPEC.total_steps}/{SPEC.total_steps}" in out.stderr
     assert (tmp_path / "run" / "ep.json").exists()
+
+
+KILLED_DRIVER = """
+import sys
+from engines.torch.engine import TorchEngine
+from ladder.spec import load_spec
+for m in TorchEngine("cpu").train(load_spec(sys.argv[1]), sys.argv[2]):
+    print(m.step, flush=True)
+"""
+
+
+def test_a_sigkilled_launcher_takes_every_rank_with_it(tmp_path):
+    """A Ray worker killed with SIGKILL cannot close the generator: the kernel's parent-death
+    signal ends torchrun, which ends its ranks, so a retry never finds a second writer."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from ladder.spec import save_spec
+
+    long = SPEC.model_copy(update={"data": SPEC.data.model_copy(update={"total_tokens": 2000 * 64 * 8})})
+    path = save_spec(long, tmp_path / "spec.yaml")
+    env = dict(os.environ, **CPU_ENV, MOE_LADDER_TORCH_EP="processes")
+    run = tmp_path / "run"
+    driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(path), str(run)], stdout=subprocess.PIPE,
+                              text=True, env=env)
+    assert driver.stdout.readline().strip() == "0"  # the ranks are training
+
+    def alive() -> str:
+        return subprocess.run(["pgrep", "-f", str(run)], capture_output=True, text=True).stdout
+
+    assert alive()
+    os.kill(driver.pid, signal.SIGKILL)
+    driver.wait()
+    deadline = time.time() + 30
+    while alive() and time.time() < deadline:
+        time.sleep(0.2)
+    assert alive() == ""
