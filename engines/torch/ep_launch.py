@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 
 import engines
-from engines.base import METRICS_FILE, DivergedError, StepMetrics, truncate_metrics
+from engines.base import METRICS_FILE, DivergedError, StepMetrics, read_status
 from engines.checkpoint import latest_checkpoint, missing_parent_checkpoint
 from engines.torch.ep import NO_MULTICAST, EPError
 from ladder.fsutil import atomic_write_text
@@ -67,8 +67,13 @@ def die_with_parent() -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _read_new(path: Path, offset: int) -> tuple[list[StepMetrics], int]:
-    """Complete records appended after byte `offset`, and the offset after them."""
+def _read_new(path: Path, offset: int, start: int, since: float) -> tuple[list[StepMetrics], int]:
+    """This launch's complete records after byte `offset`, and the offset after them.
+
+    The file may still hold an earlier launch's records until ep_train's writer truncates it
+    (atomically, to the records below its resume step `start`): records below `start` are
+    passed over, and one at or past `start` that finished before this launch (`since`) stops the
+    read without moving the offset, so it is read again from the truncated file."""
     import json
 
     if not path.exists():
@@ -76,9 +81,15 @@ def _read_new(path: Path, offset: int) -> tuple[list[StepMetrics], int]:
     with open(path, "rb") as f:
         f.seek(offset)
         chunk = f.read()
-    end = chunk.rfind(b"\n") + 1  # a record still being written waits for the next poll
-    recs = [StepMetrics.from_dict(json.loads(line)) for line in chunk[:end].decode().splitlines() if line.strip()]
-    return recs, offset + end
+    recs = []
+    for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):  # a torn last record waits
+        rec = json.loads(line) if line.strip() else None
+        if rec is not None and rec["step"] >= start:
+            if rec["time"] < since:
+                break
+            recs.append(StepMetrics.from_dict(rec))
+        offset += len(line)
+    return recs, offset
 
 
 def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.device) -> Iterator[StepMetrics]:
@@ -88,10 +99,8 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is None and spec.lineage.resume_step is not None:
         raise missing_parent_checkpoint(spec, run_dir)  # as the one-process engine: never start over
-    # what ep_train's own writer keeps (records below its resume step), so the records after
-    # this offset are this launch's
-    truncate_metrics(metrics, int(ckpt.name.split("_")[-1]) if ckpt is not None else 0)
-    offset = metrics.stat().st_size if metrics.exists() else 0
+    start = int(ckpt.name.split("_")[-1]) if ckpt is not None else 0  # where ep_train resumes
+    offset, since = 0, time.time()
     spec_path = run_dir / SPEC_FILE
     atomic_write_text(spec_path, spec.model_dump_json(indent=1))
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ep),
@@ -101,13 +110,15 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
         cmd.append("--no-resume")
     root = str(Path(engines.__file__).resolve().parents[1])
     env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
-    with open(run_dir / LOG_FILE, "ab") as log:
+    log_path = run_dir / LOG_FILE
+    with open(log_path, "ab") as log:
+        log_start = log.tell()
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
                                 preexec_fn=die_with_parent)
     try:
         while True:
             done = proc.poll() is not None
-            recs, offset = _read_new(metrics, offset)
+            recs, offset = _read_new(metrics, offset, start, since)
             yield from recs
             if done:
                 break
@@ -117,12 +128,18 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
             _stop(proc)
     if proc.returncode == 0:
         return
-    tail = (run_dir / LOG_FILE).read_text(errors="replace")[-3000:]
-    if proc.returncode == 3:
-        raise DivergedError(f"expert-parallel run diverged ({run_dir / LOG_FILE}):\n{tail}")
-    if proc.returncode == 2:
-        raise EPError(f"expert-parallel run refused its input ({run_dir / LOG_FILE}):\n{tail}")
-    raise RuntimeError(f"expert-parallel run exited {proc.returncode} ({run_dir / LOG_FILE}):\n{tail}")
+    # torchrun reports any failed rank as exit 1: what failed is in ep_train's status and log
+    with open(log_path, "rb") as f:
+        f.seek(log_start)
+        log_text = f.read().decode(errors="replace")
+    status = read_status(run_dir)
+    if status.get("state") == "diverged":
+        raise DivergedError(f"loss became {status.get('loss')} (grad norm {status.get('grad_norm')}) at step "
+                            f"{status.get('step')}; the last good checkpoint is {status.get('last_checkpoint')}")
+    refused = [line[len("error: "):] for line in log_text.splitlines() if line.startswith("error: ")]
+    if refused:
+        raise EPError(f"{refused[-1]} (expert-parallel run, log: {log_path})")
+    raise RuntimeError(f"expert-parallel run exited {proc.returncode} (log: {log_path}):\n{log_text[-3000:]}")
 
 
 def _stop(proc: subprocess.Popen, grace_s: float = 10.0) -> None:

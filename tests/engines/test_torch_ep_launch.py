@@ -158,3 +158,32 @@ def test_a_sigkilled_launcher_takes_every_rank_with_it(tmp_path):
     while alive() and time.time() < deadline:
         time.sleep(0.2)
     assert alive() == ""
+
+
+def test_a_diverging_ep_run_raises_diverged_at_its_step(tmp_path, monkeypatch):
+    from engines.base import DivergedError
+
+    for k, v in CPU_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "processes")
+    spec = micro_spec("ep2-nan", **{"model.ep_size": 2, "optim.peak_lr": 1e6, "optim.grad_clip": 1e9,
+                                     "run.checkpoint_every": 1})
+    with pytest.raises(DivergedError, match="at step"):
+        list(TorchEngine("cpu").train(spec, tmp_path / "run"))
+    assert read_status(tmp_path / "run")["state"] == "diverged"
+
+
+def test_a_checkpoint_of_another_spec_is_refused_in_one_line_and_nothing_is_lost(runs, monkeypatch):
+    for k, v in CPU_ENV.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "processes")
+    import shutil
+
+    run = runs["root"] / "ranks"
+    shutil.rmtree(run / "checkpoints" / "step_00000006")  # records 3..5 now lie past the last checkpoint
+    before = (run / "metrics.jsonl").read_text()
+    other = SPEC.replace(seed=SPEC.seed + 1)
+    with pytest.raises(EPError, match=r"belongs to spec .* not this spec") as err:
+        list(TorchEngine("cpu").train(other, run))
+    assert "\n" not in str(err.value)
+    assert (run / "metrics.jsonl").read_text() == before  # the refused launch lost nothing
