@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from functools import lru_cache
 from pathlib import Path
 from typing import Iterator
@@ -61,11 +62,28 @@ def configure_jax() -> None:
         jax.config.update("jax_default_matmul_precision", "highest")
 
 
+def make_mesh_possible(cfg: ModelConfig, devices: int) -> bool:
+    """The pooled-wave transport runs between real devices: capacity dispatch, ep_size > 1 and
+    at least ep_size devices."""
+    return cfg.ep_size > 1 and cfg.dispatch == "capacity" and devices >= cfg.ep_size
+
+
 def make_mesh(cfg: ModelConfig) -> Mesh | None:
     """A 1-D mesh over ep_size devices when the pooled-wave transport can run for real."""
-    if cfg.ep_size > 1 and cfg.dispatch == "capacity" and len(jax.devices()) >= cfg.ep_size:
+    if make_mesh_possible(cfg, len(jax.devices())):
         return Mesh(np.array(jax.devices()[: cfg.ep_size]), (EP_AXIS,))
     return None
+
+
+def emulation_warning(name: str, cfg: ModelConfig, devices: int, backend: str) -> str | None:
+    """What to tell a user whose expert-parallel spec runs on one GPU with the shards emulated."""
+    if cfg.ep_size <= 1 or backend != "gpu" or make_mesh_possible(cfg, devices):
+        return None
+    why = ("dropless dispatch has no device mesh here" if cfg.dispatch != "capacity"
+           else f"{devices} GPU(s) visible")
+    return (f"{name}: model.ep_size {cfg.ep_size} runs on one GPU with its {cfg.ep_size} expert shards emulated "
+            f"({why}); give the run {cfg.ep_size} GPUs (hardware.task_gpus {cfg.ep_size} under Ray) in capacity "
+            "mode to split the experts over them")
 
 
 def compiled_steps(cfg: ModelConfig, optim: OptimSpec, bias_rate: float, mesh: Mesh | None):
@@ -179,6 +197,9 @@ class JaxEngine:
         if cfg.dispatch == "capacity":
             capacities(cfg, spec.data.tokens_per_step)  # T % ep_size: a clear error before any work
         mesh = make_mesh(cfg)
+        note = emulation_warning(spec.name, cfg, len(jax.devices()), jax.default_backend())
+        if note:
+            warnings.warn(note, stacklevel=2)
         train_step, eval_step, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
         stream = TokenStream.from_spec(spec)
         if not resume:

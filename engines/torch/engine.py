@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import os
 import time
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -300,11 +301,14 @@ class TorchEngine:
         run_dir = Path(run_dir)
         run_dir.mkdir(parents=True, exist_ok=True)
         device = self.device or default_device()
-        from engines.torch.ep_launch import train_processes, use_processes
+        from engines.torch.ep_launch import emulation_warning, train_processes, use_processes
 
         if use_processes(spec, device):  # real expert parallel: model.ep_size processes
             yield from train_processes(spec, run_dir, resume, device)
             return
+        note = emulation_warning(spec, device)
+        if note:
+            warnings.warn(note, stacklevel=2)
         cuda = device.type == "cuda"
         threads_before = torch.get_num_threads()
         if not cuda and cpu_threads(spec):

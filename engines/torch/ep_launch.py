@@ -38,6 +38,13 @@ LAYOUTS = ("auto", "emulate", "processes")
 SPEC_FILE = "ep_spec.json"
 LOG_FILE = "ep_launch.log"
 POLL_S = 0.2
+# Run before torchrun, in its own process: the parent-death signal survives exec, and setting it
+# here rather than in a preexec_fn keeps Python code out of the window between fork and exec
+# (where a lock held by another of the launcher's threads, a Ray worker's, could deadlock it).
+# It exits if the launcher is gone already, which the signal would no longer report.
+EXEC_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); "
+                    "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
+                    "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
 
 
 def layout() -> str:
@@ -57,9 +64,21 @@ def use_processes(spec: Spec, device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.device_count() >= spec.model.ep_size
 
 
+def emulation_warning(spec: Spec, device: torch.device) -> str | None:
+    """What to tell a user whose expert-parallel spec will run on one GPU with the shards
+    emulated (the results are the same; the experts' memory is not split)."""
+    ep = spec.model.ep_size
+    if ep <= 1 or device.type != "cuda" or use_processes(spec, device):
+        return None
+    n = torch.cuda.device_count()
+    why = "MOE_LADDER_TORCH_EP=emulate" if layout() == "emulate" else f"{n} GPU(s) visible"
+    return (f"{spec.name}: model.ep_size {ep} runs on one GPU with its {ep} expert shards emulated ({why}); "
+            f"give the run {ep} GPUs (hardware.task_gpus {ep} under Ray) to split the experts over them")
+
+
 def die_with_parent() -> None:
     """Ask the kernel to SIGTERM this process when the thread that started it ends (Linux's
-    PR_SET_PDEATHSIG; elsewhere nothing)."""
+    PR_SET_PDEATHSIG; elsewhere nothing). Each rank calls it as it starts."""
     if sys.platform.startswith("linux"):
         import ctypes
 
@@ -103,18 +122,21 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
     offset, since = 0, time.time()
     spec_path = run_dir / SPEC_FILE
     atomic_write_text(spec_path, spec.model_dump_json(indent=1))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ep),
+    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ep),
            "-m", "engines.torch.ep_train", str(spec_path), "--run-dir", str(run_dir),
            "--device", "cuda" if device.type == "cuda" else "cpu", "--log-every", str(10**9)]
     if not resume:
         cmd.append("--no-resume")
+    if sys.platform.startswith("linux"):  # torchrun dies with this process (PR_SET_PDEATHSIG)
+        cmd = [sys.executable, "-c", EXEC_WITH_PARENT, str(os.getpid()), *cmd]
+    else:
+        cmd = [sys.executable, *cmd]
     root = str(Path(engines.__file__).resolve().parents[1])
     env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     log_path = run_dir / LOG_FILE
     with open(log_path, "ab") as log:
         log_start = log.tell()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
-                                preexec_fn=die_with_parent)
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     try:
         while True:
             done = proc.poll() is not None

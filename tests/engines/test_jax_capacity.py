@@ -106,3 +106,15 @@ def test_gradients_flow_through_the_transport_only_for_kept_rows():
     has_grad = np.abs(np.asarray(gx)).sum(axis=1) > 0
     assert has_grad.tolist() == [True, True] + [False] * 6
     assert np.count_nonzero(np.asarray(gg)) == 2
+
+
+def test_an_ep_spec_emulated_on_one_gpu_says_how_to_split_it():
+    from engines.jax.engine import emulation_warning
+
+    cfg = ModelConfig.from_spec(micro_spec(**{"model.ep_size": 2, "model.dispatch": "capacity"}).model)
+    note = emulation_warning("r", cfg, devices=1, backend="gpu")
+    assert "model.ep_size 2" in note and "1 GPU(s) visible" in note and "hardware.task_gpus 2" in note
+    assert emulation_warning("r", cfg, devices=2, backend="gpu") is None  # the mesh
+    assert emulation_warning("r", cfg, devices=1, backend="cpu") is None
+    dropless = ModelConfig.from_spec(micro_spec(**{"model.ep_size": 2, "model.dispatch": "dropless"}).model)
+    assert "dropless" in emulation_warning("r", dropless, devices=2, backend="gpu")

@@ -187,3 +187,17 @@ def test_a_checkpoint_of_another_spec_is_refused_in_one_line_and_nothing_is_lost
         list(TorchEngine("cpu").train(other, run))
     assert "\n" not in str(err.value)
     assert (run / "metrics.jsonl").read_text() == before  # the refused launch lost nothing
+
+
+def test_an_ep_spec_emulated_on_one_gpu_says_how_to_split_it(monkeypatch):
+    import torch
+
+    from engines.torch.ep_launch import emulation_warning
+
+    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "auto")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    note = emulation_warning(SPEC, torch.device("cuda"))
+    assert "model.ep_size 2" in note and "1 GPU(s) visible" in note and "hardware.task_gpus 2" in note
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # ranks, not emulation
+    assert emulation_warning(SPEC, torch.device("cuda")) is None
+    assert emulation_warning(SPEC, torch.device("cpu")) is None  # CPU runs emulate by design
