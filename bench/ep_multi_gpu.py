@@ -93,37 +93,22 @@ def make_spec(ep: int, steps: int, gpu: bool, capacity_factor: float | None = No
 # ---- the single-device reference (run in its own process) --------------------------------------------
 
 
-def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
-    """The engine's own step on one device for every step of the spec (no checkpoints): per
-    step loss, drops, seconds; peak memory."""
+def _timed_rows(spec, run_step) -> list[dict]:
+    """Every step of the spec on its batches at its LR schedule: run_step(batch, lr) -> (host
+    metrics, finite) returns once the step is done. Per step loss, drops, tokens and seconds;
+    the first step that is not finite is the last."""
     import numpy as np
-    import torch
 
     from engines.data import TokenStream
-    from engines.torch.engine import build_optimizer, cpu_threads, finish_step, launch_step, make_loss_fn
-    from engines.torch.model import MoETransformer, init_params
     from ladder.schedule import lr_at
-    from ladder.spec import load_spec
 
-    spec = load_spec(spec_path)
-    device = torch.device(device_name)
-    if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(spec) or 1)
     stream = TokenStream.from_spec(spec)
-    model = MoETransformer(spec.model).to(device)
-    model.load_numpy(init_params(spec.model, spec.seed))
-    opt = build_optimizer(model, spec)
-    loss_fn = make_loss_fn(model, device, opt)
     lrs = lr_at(spec, np.arange(spec.total_steps))
     rows = []
     t_prev = time.perf_counter()
     for step in range(spec.total_steps):
         batch = stream.batch(step)
-        x = torch.from_numpy(batch).to(device, dtype=torch.long)
-        for g in opt.param_groups:
-            g["lr"] = float(lrs[step])
-        vals, out = launch_step(model, loss_fn, x, spec, opt)
-        m, finite = finish_step(model, opt, vals, out, spec)  # its host read waits for the step
+        m, finite = run_step(batch, float(lrs[step]))
         now = time.perf_counter()
         rows.append({"step": step, "loss": m["loss"], "drop_frac_send": m["drop_frac_send"],
                      "drop_frac_recv": m["drop_frac_recv"], "seconds": now - t_prev,
@@ -131,6 +116,34 @@ def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
         t_prev = now
         if not finite:
             break
+    return rows
+
+
+def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
+    """The engine's own step on one device for every step of the spec (no checkpoints): per
+    step loss, drops, seconds; peak memory."""
+    import torch
+
+    from engines.torch.engine import build_optimizer, cpu_threads, finish_step, launch_step, make_loss_fn
+    from engines.torch.model import MoETransformer, init_params
+    from ladder.spec import load_spec
+
+    spec = load_spec(spec_path)
+    device = torch.device(device_name)
+    if device.type == "cpu":
+        torch.set_num_threads(cpu_threads(spec) or 1)
+    model = MoETransformer(spec.model).to(device)
+    model.load_numpy(init_params(spec.model, spec.seed))
+    opt = build_optimizer(model, spec)
+    loss_fn = make_loss_fn(model, device, opt)
+
+    def run_step(batch, lr):
+        for g in opt.param_groups:
+            g["lr"] = lr
+        vals, out = launch_step(model, loss_fn, torch.from_numpy(batch).to(device, dtype=torch.long), spec, opt)
+        return finish_step(model, opt, vals, out, spec)  # its host read waits for the step
+
+    rows = _timed_rows(spec, run_step)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss_peak()
     out_path.write_text(json.dumps({"rows": rows, "peak_memory_bytes": [int(peak)],
                                     "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"}))
@@ -146,11 +159,9 @@ def jax_run(spec_path: Path, out_path: Path) -> None:
     import jax.numpy as jnp
     import numpy as np
 
-    from engines.data import TokenStream
     from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
     from engines.jax.model import ModelConfig, init_params
     from engines.jax.train import TrainState
-    from ladder.schedule import lr_at
     from ladder.spec import load_spec
 
     spec = load_spec(spec_path)
@@ -165,22 +176,14 @@ def jax_run(spec_path: Path, out_path: Path) -> None:
                          "want ep_size (a mesh) or 1 (shards emulated)")
     train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
     params, buffers = init_params(cfg, spec.seed)
-    state = place(TrainState(params, buffers, tx.init(params)), mesh)
-    stream = TokenStream.from_spec(spec)
-    lrs = lr_at(spec, np.arange(spec.total_steps))
-    rows = []
-    t_prev = time.perf_counter()
-    for step in range(spec.total_steps):
-        batch = stream.batch(step)
-        state, m = train_step(state, put_batch(batch, mesh), jnp.float32(lrs[step]))
-        m = jax.device_get(m)  # waits for the step
-        now = time.perf_counter()
-        rows.append({"step": step, "loss": float(m["loss"]), "drop_frac_send": float(m["drop_frac_send"]),
-                     "drop_frac_recv": float(m["drop_frac_recv"]), "seconds": now - t_prev,
-                     "tokens": batch.shape[0] * (batch.shape[1] - 1)})
-        t_prev = now
-        if not np.isfinite(rows[-1]["loss"]):
-            break
+    box = {"state": place(TrainState(params, buffers, tx.init(params)), mesh)}
+
+    def run_step(batch, lr):
+        box["state"], m = train_step(box["state"], put_batch(batch, mesh), jnp.float32(lr))
+        m = {k: float(v) for k, v in jax.device_get(m).items()}  # waits for the step
+        return m, bool(np.isfinite(m["loss"]))
+
+    rows = _timed_rows(spec, run_step)
     devices = mesh.devices.ravel().tolist() if mesh is not None else jax.devices()[:1]
     peaks = [int((d.memory_stats() or {}).get("peak_bytes_in_use", 0)) for d in devices] if gpu else [_rss_peak()]
     out_path.write_text(json.dumps({"rows": rows, "peak_memory_bytes": peaks, "n_devices": len(devices),
@@ -253,18 +256,23 @@ def run_ep(ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, time
 
 
 def run_single(ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, timeout: float) -> dict:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out_path = run_dir / "single.json"
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--single-run", str(spec_path), str(out_path),
-           "--device", "cuda" if gpu else "cpu"]
     log("single, ep_size", ep, "emulated")
+    out_path = run_dir / "single.json"
+    res, wall = _run_child(f"single (ep_size {ep})", ["--single-run", str(spec_path), str(out_path), "--device",
+                                                      "cuda" if gpu else "cpu"], out_path, _env(gpu), timeout)
+    return _summarise("single", ep, res["rows"], res["peak_memory_bytes"], warmup, res["device"], wall)
+
+
+def _run_child(label: str, args: list[str], out_path: Path, env: dict, timeout: float) -> tuple[dict, float]:
+    """This script with `args` in a subprocess that writes out_path: (its JSON, wall seconds)."""
+    out_path.parent.mkdir(parents=True, exist_ok=True)
     t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_env(gpu), capture_output=True, text=True, timeout=timeout)
+    proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
     wall = time.perf_counter() - t
     if proc.returncode != 0:
-        raise RuntimeError(f"single (ep_size {ep}) exited {proc.returncode}: {proc.stderr[-3000:]}")
-    res = json.loads(out_path.read_text())
-    return _summarise("single", ep, res["rows"], res["peak_memory_bytes"], warmup, res["device"], wall)
+        raise RuntimeError(f"{label} exited {proc.returncode}: {proc.stderr[-3000:]}")
+    return json.loads(out_path.read_text()), wall
 
 
 def _jax_env(gpu: bool, n_devices: int) -> dict:
@@ -281,18 +289,11 @@ def _jax_env(gpu: bool, n_devices: int) -> dict:
 
 def run_jax(kind: str, ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, timeout: float) -> dict:
     """`ep`: a process that sees ep devices (the mesh); `single`: one that sees one."""
-    run_dir.mkdir(parents=True, exist_ok=True)
-    out_path = run_dir / "jax.json"
     n_devices = ep if kind == "ep" else 1
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--jax-run", str(spec_path), str(out_path)]
     log(f"jax {kind}, ep_size {ep} over {n_devices} device(s)")
-    t = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=ROOT, env=_jax_env(gpu, n_devices), capture_output=True, text=True,
-                          timeout=timeout)
-    wall = time.perf_counter() - t
-    if proc.returncode != 0:
-        raise RuntimeError(f"jax {kind} (ep_size {ep}) exited {proc.returncode}: {proc.stderr[-3000:]}")
-    res = json.loads(out_path.read_text())
+    out_path = run_dir / "jax.json"
+    res, wall = _run_child(f"jax {kind} (ep_size {ep})", ["--jax-run", str(spec_path), str(out_path)], out_path,
+                           _jax_env(gpu, n_devices), timeout)
     if res["n_devices"] != n_devices:
         raise RuntimeError(f"jax {kind} (ep_size {ep}) ran on {res['n_devices']} devices, not {n_devices}")
     return _summarise(kind, ep, res["rows"], res["peak_memory_bytes"], warmup, res["device"], wall, "jax")

@@ -17,6 +17,7 @@ parent-death signal (Linux), so a retry never meets a second writer.
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -93,8 +94,6 @@ def _read_new(path: Path, offset: int, start: int, since: float) -> tuple[list[S
     (atomically, to the records below its resume step `start`): records below `start` are
     passed over, and one at or past `start` that finished before this launch (`since`) stops the
     read without moving the offset, so it is read again from the truncated file."""
-    import json
-
     if not path.exists():
         return [], offset
     with open(path, "rb") as f:
