@@ -5,7 +5,7 @@
 
 Backward: dx = ragged dot of dy with each group's w transposed (the same kernel, transpose_rhs),
 dw = the transposed ragged dot (x_e^T dy_e per group). Inputs in bf16 (the kernels need equal
-16-bit dtypes); the tile sizes are MGPU (K and N must be multiples of block_k and block_n).
+16-bit dtypes); the tile sizes are MGPU_TUNED's for the matmuls tuned on an H200, else MGPU.
 """
 
 from __future__ import annotations
@@ -34,17 +34,51 @@ def _kernels():
 
 def _call(fn, *args, **kwargs):
     accepted = inspect.signature(fn).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
+        return fn(*args, **kwargs)
     return fn(*args, **{k: v for k, v in kwargs.items() if k in accepted})
+
+
+# Tile configurations per matmul, the best of 56-72 by bench/tune_mgpu.py on an H200 at the bench
+# shape (131,072 rows over 64 experts): (op, contraction or output-row dim, output-column dim) ->
+# config, op "fwd" (x @ w), "dx" (g @ w^T) or "dw" (x_e^T g_e). Against MGPU there, per layer:
+# 3.26 -> 2.57 ms for the six expert matmuls (gate|up 1024 -> 1024, down 512 -> 1024). A matmul not
+# listed, or one whose dims the config does not tile, gets MGPU.
+_T = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
+MGPU_TUNED: dict[tuple[str, int, int], dict[str, int]] = {
+    ("fwd", 1024, 1024): dict(zip(_T, (128, 128, 64, 6, 8))),  # 0.740 -> 0.552 ms
+    ("dx", 1024, 1024): dict(zip(_T, (192, 128, 64, 4, 4))),   # 0.761 -> 0.543
+    ("dw", 1024, 1024): dict(zip(_T, (128, 128, 64, 6, 1))),   # 0.560 -> 0.522
+    ("fwd", 512, 1024): dict(zip(_T, (192, 128, 64, 4, 4))),   # 0.476 -> 0.375
+    ("dx", 1024, 512): dict(zip(_T, (128, 128, 64, 6, 4))),    # 0.394 -> 0.288
+    ("dw", 512, 1024): dict(zip(_T, (128, 128, 64, 6, 1))),    # 0.327 -> 0.286
+}
+
+
+def mgpu_config(op: str, a, b, transpose_rhs: bool | None = None) -> dict[str, int]:
+    """The tile configuration of one ragged dot: _rd(a, b) for op "fwd"/"dx", _trd(a, b) for "dw".
+    $MOE_LADDER_JAX_MGPU=default ignores MGPU_TUNED."""
+    if op == "dw":
+        m, n = a.shape[1], b.shape[1]
+    else:
+        m, n = a.shape[1], (b.shape[1] if transpose_rhs else b.shape[2])
+    cfg = MGPU_TUNED.get((op, m, n))
+    if cfg is None or os.environ.get("MOE_LADDER_JAX_MGPU") == "default":
+        return dict(MGPU)
+    fits = m % (cfg["block_m"] if op == "dw" else cfg["block_k"]) == 0
+    fits = fits and (n % cfg["block_n"] == 0 if op == "dw" else True)
+    return dict(cfg) if fits else dict(MGPU)
 
 
 def _rd(x, w, sizes, transpose_rhs=False):
     rd, _ = _kernels()
-    return _call(rd, x, w, group_sizes=sizes.astype(jnp.int32), transpose_rhs=transpose_rhs, **MGPU)
+    cfg = mgpu_config("dx" if transpose_rhs else "fwd", x, w, transpose_rhs)
+    return _call(rd, x, w, group_sizes=sizes.astype(jnp.int32), transpose_rhs=transpose_rhs, **cfg)
 
 
 def _trd(x, g, sizes):
     _, trd = _kernels()
-    cfg = dict(MGPU)
+    cfg = mgpu_config("dw", x, g)
     return _call(trd, x, g, group_sizes=sizes.astype(jnp.int32), **cfg)
 
 
@@ -79,7 +113,8 @@ def _on_hopper() -> bool:
 
 def mgpu_usable(L: int, F: int, dtype) -> bool:
     """Whether dropless dispatch can use the kernels: a Hopper GPU, 16-bit compute, expert
-    widths that tile (multiples of 128); $MOE_LADDER_JAX_MGPU=0 turns them off."""
+    widths that tile (multiples of 128); $MOE_LADDER_JAX_MGPU=0 turns them off (=default keeps
+    them with MGPU's tiles for every matmul)."""
     if os.environ.get("MOE_LADDER_JAX_MGPU", "1") == "0" or jnp.dtype(dtype).itemsize != 2:
         return False
     return L % 128 == 0 and F % 128 == 0 and _on_hopper()

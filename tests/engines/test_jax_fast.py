@@ -63,6 +63,41 @@ def test_kernels_are_used_only_where_they_apply():
     assert not fast.mgpu_usable(1000, 512, jnp.bfloat16)  # widths that do not tile
 
 
+def test_each_expert_matmul_gets_its_tuned_tiles(monkeypatch):
+    """The six matmuls of a gate|up 1024 -> 1024 and down 512 -> 1024 layer, forward and backward,
+    ask the kernels for MGPU_TUNED's tiles; other widths, and $MOE_LADDER_JAX_MGPU=default, for MGPU's."""
+    seen = []
+    rd0, trd0 = _ref_kernels()
+
+    def rd(x, w, *, group_sizes, transpose_rhs=False, **cfg):
+        seen.append(("dx" if transpose_rhs else "fwd", cfg))
+        return rd0(x, w, group_sizes=group_sizes, transpose_rhs=transpose_rhs)
+
+    def trd(x, g, *, group_sizes, **cfg):
+        seen.append(("dw", cfg))
+        return trd0(x, g, group_sizes=group_sizes)
+
+    monkeypatch.setattr(fast, "_kernels", lambda: (rd, trd))
+    sizes = jnp.array([6, 10], jnp.int32)
+
+    def layer(x, wgu, wd):
+        return jnp.sum(fast.mgpu_gmm(fast.mgpu_gmm(x, wgu, sizes)[:, :512], wd, sizes))
+
+    x, wgu, wd = jnp.ones((16, 1024)), jnp.ones((2, 1024, 1024)), jnp.ones((2, 512, 1024))
+    jax.grad(layer, (0, 1, 2))(x, wgu, wd)
+    want = [fast.MGPU_TUNED[k] for k in [("fwd", 1024, 1024), ("fwd", 512, 1024), ("dx", 1024, 512),
+                                          ("dw", 512, 1024), ("dx", 1024, 1024), ("dw", 1024, 1024)]]
+    assert [c for _, c in seen] == want
+    assert all(c != fast.MGPU for c in want)
+    seen.clear()
+    jax.grad(layer, (0, 1, 2))(jnp.ones((16, 768)), jnp.ones((2, 768, 1024)), wd)
+    assert [c for _, c in seen][0] == fast.MGPU  # an untuned width
+    seen.clear()
+    monkeypatch.setenv("MOE_LADDER_JAX_MGPU", "default")
+    jax.grad(layer, (0, 1, 2))(x, wgu, wd)
+    assert all(c == fast.MGPU for _, c in seen) and len(seen) == 6
+
+
 def _float_scatter_adds(jaxpr) -> list:
     """scatter-add equations on floating-point operands, nested jaxprs included."""
     found = []

@@ -1,0 +1,149 @@
+"""Tile configurations of JAX's Mosaic-GPU ragged dot kernels, per matmul of the dropless experts,
+at the bench's OLMoE-like shape (bench/engines_h200.py: 16,384 tokens top-8 over 64 experts,
+d_model 1,024, expert hidden 512, gate|up as one [E, 1024, 1024] matmul).
+
+    PYTHONPATH=. python3 bench/tune_mgpu.py --ops gu_fwd,gu_dx,gu_dw --out $OUT/tune0
+    PYTHONPATH=. python3 bench/tune_mgpu.py --tiny                     # two configs, small shape
+
+The six matmuls of one layer (A = 131,072 sorted rows, L = 1,024, F = 512):
+
+    gu_fwd   x_AL @ w_EL2F                     (engines/jax/fast.py _rd)
+    gu_dx    g_A2F @ w_EL2F^T                  (_rd, transpose_rhs)
+    gu_dw    x_e^T g_e per expert -> [E, L, 2F] (_trd)
+    dn_fwd   h_AF @ w_EFL;  dn_dx g_AL @ w_EFL^T;  dn_dw -> [E, F, L]
+
+For each it times the kernel alone (median of repeats of `--iters` calls, compiled once) under
+every configuration of the grid, checks the output against lax.ragged_dot on the first, and
+prints and writes <out>/tune_mgpu.json: each op's time under engines/jax/fast.py's current choice
+and under the best configuration found, in TFLOP/s. fast.MGPU_TUNED takes the winners.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+OPS = ("gu_fwd", "gu_dx", "gu_dw", "dn_fwd", "dn_dx", "dn_dw")
+
+
+def grid(tiny: bool):
+    if tiny:
+        return [dict(block_m=64, block_n=64, block_k=64, max_concurrent_steps=2, grid_block_n=1),
+                dict(block_m=64, block_n=128, block_k=64, max_concurrent_steps=2, grid_block_n=1)]
+    out = []
+    for bm, bn, mcs, gbn in itertools.product((64, 128, 192), (128, 256), (2, 4, 6), (1, 2, 4, 8)):
+        out.append(dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=mcs, grid_block_n=gbn))
+    return out
+
+
+def routing_sizes(A: int, E: int, K: int, seed: int = 0):
+    """Expert sizes of one top-K routing of A / K tokens with mildly skewed router scores."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    logits = rng.normal(size=(A // K, E)) + rng.normal(scale=0.5, size=E)
+    top = np.argsort(-logits, axis=1)[:, :K]
+    return np.bincount(top.reshape(-1), minlength=E).astype(np.int32)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--ops", default=",".join(OPS))
+    ap.add_argument("--iters", type=int, default=10)
+    ap.add_argument("--budget-s", type=float, default=500.0, help="stop sweeping after this")
+    ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--tiny", action="store_true")
+    args = ap.parse_args(argv)
+
+    import jax
+    import jax.numpy as jnp
+    from jax import lax
+
+    from engines.jax import fast
+
+    A, L, F, E, K = (2048, 128, 64, 8, 2) if args.tiny else (131072, 1024, 512, 64, 8)
+    sizes = jnp.asarray(routing_sizes(A, E, K))
+    key = jax.random.key(0)
+    ks = jax.random.split(key, 4)
+    x_AL = jax.random.normal(ks[0], (A, L), jnp.bfloat16)
+    g_A2F = jax.random.normal(ks[1], (A, 2 * F), jnp.bfloat16)
+    h_AF = jax.random.normal(ks[2], (A, F), jnp.bfloat16)
+    w_gu = jax.random.normal(ks[3], (E, L, 2 * F), jnp.bfloat16) * 0.03
+    w_dn = jax.random.normal(ks[3], (E, F, L), jnp.bfloat16) * 0.03
+    g_AL = x_AL
+    rd, trd = fast._kernels()
+    # (kernel, operands, transpose_rhs, flops, the lax form for the check)
+    cases = {
+        "gu_fwd": ("rd", (x_AL, w_gu), False, 2 * A * L * 2 * F, lambda: lax.ragged_dot(x_AL, w_gu, sizes)),
+        "gu_dx": ("rd", (g_A2F, w_gu), True, 2 * A * L * 2 * F,
+                  lambda: lax.ragged_dot(g_A2F, jnp.swapaxes(w_gu, 1, 2), sizes)),
+        "gu_dw": ("trd", (x_AL, g_A2F), None, 2 * A * L * 2 * F, None),
+        "dn_fwd": ("rd", (h_AF, w_dn), False, 2 * A * F * L, lambda: lax.ragged_dot(h_AF, w_dn, sizes)),
+        "dn_dx": ("rd", (g_AL, w_dn), True, 2 * A * F * L,
+                  lambda: lax.ragged_dot(g_AL, jnp.swapaxes(w_dn, 1, 2), sizes)),
+        "dn_dw": ("trd", (h_AF, g_AL), None, 2 * A * F * L, None),
+    }
+
+    def build(op, cfg):
+        kind, (a, b), tr, _, _ = cases[op]
+        if kind == "rd":
+            return jax.jit(lambda a, b: fast._call(rd, a, b, group_sizes=sizes, transpose_rhs=tr, **cfg)), (a, b)
+        return jax.jit(lambda a, b: fast._call(trd, a, b, group_sizes=sizes, **cfg)), (a, b)
+
+    def time_ms(fn, ops_):
+        jax.block_until_ready(fn(*ops_))
+        reps = []
+        for _ in range(3):
+            t = time.perf_counter()
+            for _ in range(args.iters):
+                out = fn(*ops_)
+            jax.block_until_ready(out)
+            reps.append((time.perf_counter() - t) / args.iters * 1e3)
+        return sorted(reps)[1]
+
+    t0 = time.time()
+    results = {}
+    for op in [o for o in args.ops.split(",") if o]:
+        kind, (a, b), tr, flops, lax_form = cases[op]
+        current = fast.mgpu_config(op.split("_")[1], a, b, tr)
+        rows = []
+        for cfg in [current] + [c for c in grid(args.tiny) if c != current]:
+            if time.time() - t0 > args.budget_s:
+                print(f"[{time.time() - t0:6.1f}s] budget reached during {op}", flush=True)
+                break
+            try:
+                fn, ops_ = build(op, cfg)
+                if cfg is current and lax_form is not None:
+                    err = float(jnp.max(jnp.abs(fn(*ops_).astype(jnp.float32) - lax_form().astype(jnp.float32))))
+                    print(f"{op}: max abs difference against lax.ragged_dot {err:.3g}", flush=True)
+                ms = time_ms(fn, ops_)
+            except Exception as err:  # shared memory or tiling the shape refuses: skip the config
+                msg = f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160]
+                rows.append({"cfg": cfg, "error": msg})
+                continue
+            rows.append({"cfg": cfg, "ms": ms, "tflops": flops / ms / 1e9})
+        ok = [r for r in rows if "ms" in r]
+        best = min(ok, key=lambda r: r["ms"]) if ok else None
+        cur = rows[0] if rows and rows[0]["cfg"] == current else None
+        results[op] = {"current": cur, "best": best, "tried": len(rows), "failed": len(rows) - len(ok),
+                       "top5": sorted(ok, key=lambda r: r["ms"])[:5]}
+        if not ok and rows:
+            print(f"{op}: every config failed, e.g. {rows[0]['error']}", flush=True)
+        cur_s = f"{cur['ms']:.3f} ms ({cur['tflops']:.0f} TFLOP/s)" if cur and "ms" in cur else "-"
+        best_s = f"{best['ms']:.3f} ms ({best['tflops']:.0f} TFLOP/s) {best['cfg']}" if best else "-"
+        print(f"[{time.time() - t0:6.1f}s] {op}: current {cur_s}; best of {len(ok)} {best_s}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "tune_mgpu.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
