@@ -344,7 +344,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, jax_bf16moments, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, jax_bf16moments, jax_defaulttiles, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -486,10 +486,19 @@ def main(argv=None) -> int:
         "torch_ropebhsq": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"rope_layout": "bhsq"}}),
         # the output head's losses fused by Inductor instead of engines/torch/xent.py's kernels
         "torch_inductorxent": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"xent": "inductor"}}),
+        # the combine's backward for the sorted rows by gather.py's gather-scale kernel instead of
+        # Inductor's fusion; and the same with bf16 moments
+        "torch_combinekernel": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+                                            "options": {"combine_grad": "triton"}}),
+        "torch_combinebf16": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"},
+                                          "options": {"combine_grad": "triton"}}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
         "jax_bf16moments": (run_jax, {"optim": {"moments": "bf16"}}),
+        # the expert matmuls with one Mosaic-GPU tile configuration (fast.MGPU) instead of the
+        # per-matmul ones tuned by bench/tune_mgpu.py
+        "jax_defaulttiles": (run_jax, {"env": {"MOE_LADDER_JAX_MGPU": "default"}}),
         # XLA's own GEMM choice without its Triton GEMM fusions (cuBLAS for every matmul)
         "jax_cublas": (run_jax, {"compiler_options": {"xla_gpu_enable_triton_gemm": False}}),
     }

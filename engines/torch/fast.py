@@ -81,6 +81,11 @@ class FastOptions:
     # the experts' SwiGLU backward: "triton" (engines/torch/swiglu.py, a GPU with Triton only) or
     # "inductor"
     swiglu: str = "triton"
+    # with gather "triton", the combine's backward for the sorted rows (the output gradient's rows
+    # times their gates): "triton" (gather.py's gather-scale kernel, reading the gradient once it
+    # is summed) or "inductor" (fused into the kernel that sums the residual's gradient, which then
+    # re-reads both fp32 terms for each of a token's K rows)
+    combine_grad: str = "inductor"
 
 
 OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"),
@@ -93,7 +98,8 @@ OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block"
                       rope_layout=os.environ.get("MOE_LADDER_TORCH_ROPE", "bshq"),
                       xent=os.environ.get("MOE_LADDER_TORCH_XENT", "triton" if xent.triton is not None else "inductor"),
                       swiglu=os.environ.get("MOE_LADDER_TORCH_SWIGLU",
-                                            "triton" if swiglu.triton is not None else "inductor"))
+                                            "triton" if swiglu.triton is not None else "inductor"),
+                      combine_grad=os.environ.get("MOE_LADDER_TORCH_COMBINE_GRAD", "inductor"))
 
 
 def fast_path_enabled(device: torch.device) -> bool:
@@ -266,7 +272,7 @@ def dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt):
         x_AL = _Dispatch.apply(x_TL.to(cdt), order_A // K, inv_A, K, kernels)
         y_sorted_AL = _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt)
     if kernels:
-        return Combine.apply(y_sorted_AL, gate_TK, inv_A, order_A, True)
+        return Combine.apply(y_sorted_AL, gate_TK, inv_A, order_A, True, OPTIONS.combine_grad == "triton")
     return _Permute.apply(y_sorted_AL, inv_A, order_A).view(T, K, -1)
 
 

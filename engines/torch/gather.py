@@ -56,6 +56,21 @@ if triton is not None:
             tl.store(out_ptr + t * K + k, tl.sum(g * x, axis=0))
 
 
+    @triton.jit
+    def gather_scale_kernel(src_ptr, order_ptr, gate_ptr, out_ptr, A, L, K: tl.constexpr, ROWS: tl.constexpr,
+                            BLOCK_L: tl.constexpr):
+        """out[a] = gate[order[a]] * src[order[a] // K] for ROWS sorted rows a per program."""
+        a_R = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS)
+        cols = tl.program_id(1) * BLOCK_L + tl.arange(0, BLOCK_L)
+        a_ok = a_R < A
+        mask = a_ok[:, None] & (cols < L)[None, :]
+        slot_R = tl.load(order_ptr + a_R, mask=a_ok, other=0).to(tl.int64)
+        w_R = tl.load(gate_ptr + slot_R, mask=a_ok, other=0.0).to(tl.float32)
+        x = tl.load(src_ptr + (slot_R // K)[:, None] * L + cols[None, :], mask=mask, other=0.0).to(tl.float32)
+        tl.store(out_ptr + a_R[:, None] * L + cols[None, :], (x * w_R[:, None]).to(out_ptr.dtype.element_ty),
+                 mask=mask)
+
+
 def _block(L: int) -> int:
     return min(triton.next_power_of_2(L), 1024)
 
@@ -78,6 +93,15 @@ def launch_gather_dot(src_AL, idx_TK, g_TL, out_TK, wrap=lambda k: k) -> None:
     wrap(gather_dot_kernel)[(T,)](src_AL, idx_TK, g_TL, out_TK, L, K=K, BLOCK_L=triton.next_power_of_2(L))
 
 
+def launch_gather_scale(src_TL, order_A, gate_TK, out_AL, wrap=lambda k: k) -> None:
+    """out_AL[a] = gate_TK.flat[order_A[a]] * src_TL[order_A[a] // K], rounded to out_AL's dtype."""
+    A, L = out_AL.shape
+    K = gate_TK.shape[1]
+    B, rows = _block(L), 4
+    wrap(gather_scale_kernel)[(triton.cdiv(A, rows), triton.cdiv(L, B))](src_TL, order_A, gate_TK, out_AL, A, L,
+                                                                          K=K, ROWS=rows, BLOCK_L=B)
+
+
 # ---- the torch forms (CPU, and the reference the kernels are tested against) ---------------------
 
 
@@ -93,6 +117,12 @@ def gather_dot_torch(src_AL, idx_TK, g_TL) -> torch.Tensor:
     T, K = idx_TK.shape
     x_TKL = src_AL.index_select(0, idx_TK.reshape(-1)).view(T, K, -1).float()
     return (x_TKL * g_TL.float().unsqueeze(1)).sum(-1)
+
+
+def gather_scale_torch(src_TL, order_A, gate_TK, out_dtype: torch.dtype) -> torch.Tensor:
+    K = gate_TK.shape[1]
+    w_A = gate_TK.reshape(-1).index_select(0, order_A).unsqueeze(-1)
+    return (src_TL.index_select(0, order_A // K) * w_A).to(out_dtype)
 
 
 # ---- ops the compiler can trace ------------------------------------------------------------------
@@ -111,9 +141,16 @@ if triton is not None:
         launch_gather_dot(src_AL, idx_TK, g_TL, out_TK, torch.library.wrap_triton)
         return out_TK
 
+    def _gather_scale_op(src_TL: torch.Tensor, order_A: torch.Tensor, gate_TK: torch.Tensor,
+                         out_dtype: torch.dtype) -> torch.Tensor:
+        out_AL = src_TL.new_empty((order_A.shape[0], src_TL.shape[1]), dtype=out_dtype)
+        launch_gather_scale(src_TL, order_A, gate_TK, out_AL, torch.library.wrap_triton)
+        return out_AL
+
     _OPS = register_triton_ops("engines/torch/gather.py", "the torch forms run",
                                {"moe_ladder::gather_sum": _gather_sum_op,
-                                "moe_ladder::gather_dot": _gather_dot_op})
+                                "moe_ladder::gather_dot": _gather_dot_op,
+                                "moe_ladder::gather_scale": _gather_scale_op})
 
 
 def kernels_usable(x: torch.Tensor) -> bool:
@@ -126,6 +163,15 @@ def gather_sum(src_AL, idx_TK, w_TK, out_dtype: torch.dtype, use_kernels: bool =
         return torch.ops.moe_ladder.gather_sum(src_AL.contiguous(), idx_TK.contiguous(),
                                                None if w_TK is None else w_TK.contiguous(), out_dtype)
     return gather_sum_torch(src_AL, idx_TK, w_TK, out_dtype)
+
+
+def gather_scale(src_TL, order_A, gate_TK, out_dtype: torch.dtype, use_kernels: bool = True) -> torch.Tensor:
+    """Row a of the result: gate_TK.flat[order_A[a]] * src_TL[order_A[a] // K], computed in fp32,
+    in out_dtype (the combine's backward for the sorted rows)."""
+    if use_kernels and kernels_usable(src_TL):
+        return torch.ops.moe_ladder.gather_scale(src_TL.contiguous(), order_A.contiguous(), gate_TK.contiguous(),
+                                                 out_dtype)
+    return gather_scale_torch(src_TL, order_A, gate_TK, out_dtype)
 
 
 def gather_dot(src_AL, idx_TK, g_TL, use_kernels: bool = True) -> torch.Tensor:
@@ -141,17 +187,16 @@ class Combine(torch.autograd.Function):
     output gradient by order_A times the row's gate; the gates' a gather-and-dot."""
 
     @staticmethod
-    def forward(ctx, y_AL, gate_TK, inv_A, order_A, use_kernels: bool):
+    def forward(ctx, y_AL, gate_TK, inv_A, order_A, use_kernels: bool, scale_kernel: bool = False):
         T, K = gate_TK.shape
         idx_TK = inv_A.view(T, K)
         ctx.save_for_backward(y_AL, gate_TK, idx_TK, order_A)
-        ctx.use_kernels = use_kernels
+        ctx.use_kernels, ctx.scale_kernel = use_kernels, scale_kernel
         return gather_sum(y_AL, idx_TK, gate_TK, torch.float32, use_kernels)
 
     @staticmethod
     def backward(ctx, g_TL):
         y_AL, gate_TK, idx_TK, order_A = ctx.saved_tensors
-        K = gate_TK.shape[1]
-        g_rows = g_TL.index_select(0, order_A // K) * gate_TK.reshape(-1).index_select(0, order_A).unsqueeze(-1)
+        g_rows = gather_scale(g_TL, order_A, gate_TK, y_AL.dtype, ctx.use_kernels and ctx.scale_kernel)
         g_gate = gather_dot(y_AL, idx_TK, g_TL, ctx.use_kernels).to(gate_TK.dtype)
-        return g_rows.to(y_AL.dtype), g_gate, None, None, None
+        return g_rows, g_gate, None, None, None, None
