@@ -108,6 +108,21 @@ def adamw_group_kernels_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9):
     _each_tensor(adamw_launch, ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
 
 
+def foreach_norms(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Each tensor's L2 norm in fp32, by one torch._foreach_norm per dtype. CUDA's multi-tensor
+    kernel (one launch for a whole list) takes lists of one dtype only: given the bf16 working
+    copies' gradients and the fp32 ones together it falls back to one reduction per tensor (88
+    launches, 1.3 ms a step on an H200 at the bench shape)."""
+    by_dtype: dict[torch.dtype, list[int]] = {}
+    for i, t in enumerate(tensors):
+        by_dtype.setdefault(t.dtype, []).append(i)
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    for idx in by_dtype.values():
+        for i, n in zip(idx, torch._foreach_norm([tensors[i] for i in idx], 2, dtype=torch.float32)):
+            out[i] = n
+    return out
+
+
 class MasterAdamW(torch.optim.Optimizer):
     """AdamW on fp32 masters + working copies in `dtype` (see the module docstring).
 
@@ -181,7 +196,7 @@ class MasterAdamW(torch.optim.Optimizer):
         gradient (contiguous) rather than per parameter slice."""
         grads = [leaf.grad for leaf in self._leaves.values() if leaf.grad is not None]
         grads += [p.grad for g in self.param_groups for p in g["params"] if p not in self._part and p.grad is not None]
-        total = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads, 2, dtype=torch.float32)))
+        total = torch.linalg.vector_norm(torch.stack(foreach_norms(grads)))
         return total, torch.clamp(max_norm / (total + 1e-6), max=1.0)
 
     def rewind(self) -> None:

@@ -17,7 +17,7 @@ from engines.torch.engine import (
     optimizer_to_numpy,
 )
 from engines.torch.fast import FastLoss
-from engines.torch.master import MasterAdamW, weight_layout
+from engines.torch.master import MasterAdamW, foreach_norms, weight_layout
 from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec
 
@@ -65,6 +65,15 @@ def test_fp32_working_copies_train_exactly_like_adamw_with_clipping():
     for name, leaf in opt.working().items():  # the copies hold the updated masters
         torch.testing.assert_close(leaf.detach(), torch.cat(weight_layout(model)[name], -1).detach(),
                                    rtol=0, atol=0, msg=name)
+
+
+def test_norms_of_a_mixed_dtype_list_come_back_in_its_order():
+    g = torch.Generator().manual_seed(0)
+    ts = [torch.randn(n, generator=g).to(dt) for n, dt in
+          [(5, torch.bfloat16), (7, torch.float32), (3, torch.bfloat16), (4, torch.float16), (6, torch.float32)]]
+    got = foreach_norms(ts)
+    assert [n.dtype for n in got] == [torch.float32] * 5
+    torch.testing.assert_close(torch.stack(got), torch.stack([t.double().norm().float() for t in ts]))
 
 
 def test_matmul_gradients_land_on_the_working_copies():
