@@ -4,7 +4,8 @@ bench/engines_h200.py: 4 x 4,096 tokens, top-8 of 64 experts, d 1,024, expert hi
 
     PYTHONPATH=. python3 bench/kernels_h200.py [--only torch,jax]
 
-torch: torch._grouped_mm with the weights K-major vs N-major; SDPA causal with each backend.
+torch: torch._grouped_mm with the weights K-major vs N-major; SDPA causal with each backend;
+`--only optimizer`: the grad norm and MasterAdamW's kernel (block sizes), in TB/s.
 JAX: lax.ragged_dot; the Pallas Mosaic-GPU ragged dot kernels; jax.nn.dot_product_attention
 (cuDNN vs XLA). A line per kernel: milliseconds and TFLOP/s (model FLOPs of the operation).
 """
@@ -228,6 +229,42 @@ def bench_swiglu():
             print(f"down dx fused {cfg}: {type(e).__name__}: {e}"[:300], flush=True)
 
 
+def bench_optimizer():
+    """The fast path's memory-bound optimizer passes at the bench model's sizes: the grad norm over
+    its gradients (49 bf16 working-copy gradients and 39 fp32 ones) as one mixed-dtype
+    torch._foreach_norm against master.foreach_norms (one per dtype); and MasterAdamW's kernel
+    on one layer's gate|up experts (64 x 1,024 x 1,024) for each block size and warp count, in
+    TB/s of its 28 bytes a parameter (20 with bf16 moments)."""
+    import torch
+
+    from engines.torch import adamw_kernel as K
+    from engines.torch.master import foreach_norms
+
+    dev, bf, f32 = DEV, torch.bfloat16, torch.float32
+    layers, d, V, Fh = (2, 64, 512, 32) if DEV == "cpu" else (12, L, 50304, F_)
+    bf_shapes = [(d, 3 * d), (d, d), (E, d, 2 * Fh), (E, Fh, d)] * layers + [(d, V)]
+    f32_shapes = [(d,), (d,), (d, E)] * layers + [(V, d), (d,)]
+    grads = [torch.randn(s, device=dev, dtype=bf) for s in bf_shapes] + \
+            [torch.randn(s, device=dev, dtype=f32) for s in f32_shapes]
+    nbytes = sum(g.numel() * g.element_size() for g in grads)
+    for name, fn in (("grad norm, one mixed-dtype _foreach_norm", lambda: torch._foreach_norm(grads, 2, dtype=f32)),
+                     ("grad norm, master.foreach_norms (one per dtype)", lambda: foreach_norms(grads))):
+        ms = timeit(fn)
+        print(f"{name:58s} {ms:8.3f} ms  {nbytes / ms / 1e9:7.2f} TB/s", flush=True)
+    shape = (E, d, 2 * Fh)
+    p = torch.randn(shape, device=dev, dtype=f32)
+    g = torch.randn(shape, device=dev, dtype=bf)
+    w = torch.empty(shape, device=dev, dtype=bf)
+    s9 = torch.tensor([1e-3, 1 - 1e-4, 0.1, 0.95, 0.05, 1e-8, 1.0, 1.0, 1.0], device=dev, dtype=f32)
+    for mdt, per in ((f32, 28), (bf, 20)):
+        m = torch.zeros(shape, device=dev, dtype=mdt)
+        v = torch.zeros(shape, device=dev, dtype=mdt)
+        for block, warps in ((1024, 4), (2048, 4), (2048, 8), (4096, 8), (4096, 16), (8192, 16)):
+            ms = timeit(lambda: K.adamw_launch(p, g, m, v, w, s9, block, warps))
+            print(f"adamw kernel, {str(mdt)[6:]} moments, block {block:5d}, {warps:2d} warps      "
+                  f"{ms:8.3f} ms  {p.numel() * per / ms / 1e9:7.2f} TB/s", flush=True)
+
+
 def bench_jax():
     import jax
     import jax.numpy as jnp
@@ -296,9 +333,9 @@ def bench_jax():
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--only", default="torch,jax", help="comma list of: grouped, swiglu, torch, jax")
+    ap.add_argument("--only", default="torch,jax", help="comma list of: grouped, swiglu, optimizer, torch, jax")
     ap.add_argument("--tiny", action="store_true",
-                    help="grouped and swiglu at a tiny shape on the CPU (a smoke run; set TRITON_INTERPRET=1)")
+                    help="grouped, swiglu and optimizer at a tiny shape on the CPU (a smoke run; set TRITON_INTERPRET=1)")
     args = ap.parse_args(argv)
     if args.tiny:
         global A, L, F_, E, DEV
@@ -308,6 +345,8 @@ def main(argv=None) -> int:
         bench_grouped()
     if "swiglu" in which:
         bench_swiglu()
+    if "optimizer" in which:
+        bench_optimizer()
     if "torch" in which:
         bench_torch()
     if "jax" in which:

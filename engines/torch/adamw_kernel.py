@@ -85,8 +85,9 @@ def _row_stride(t: torch.Tensor, C: int) -> int:
     return row
 
 
-def adamw_launch(p_N, g_N, m_N, v_N, w_N, s_9) -> None:
-    """master.adamw_(p_N, g_N, m_N, v_N, w_N, s_9) by one kernel launch (w_N may be None)."""
+def adamw_launch(p_N, g_N, m_N, v_N, w_N, s_9, block: int = BLOCK, num_warps: int = 4) -> None:
+    """master.adamw_(p_N, g_N, m_N, v_N, w_N, s_9) by one kernel launch (w_N may be None); block
+    elements a program (bench/kernels_h200.py --only optimizer times the choices)."""
     if not (p_N.is_contiguous() and m_N.is_contiguous() and v_N.is_contiguous()):
         raise ValueError("adamw_kernel: master and moments must be contiguous")
     if p_N.dtype != torch.float32 or s_9.dtype != torch.float32:
@@ -99,5 +100,5 @@ def adamw_launch(p_N, g_N, m_N, v_N, w_N, s_9) -> None:
     C = p_N.shape[-1] if p_N.dim() else 1
     g_row = _row_stride(g_N, C)
     w_row = _row_stride(w_N, C) if w_N is not None else C
-    adamw_kernel[(triton.cdiv(N, BLOCK),)](p_N, g_N, m_N, v_N, w_N if w_N is not None else p_N, s_9, N, C,
-                                            g_row, w_row, HAS_W=w_N is not None, BLOCK=BLOCK)
+    adamw_kernel[(triton.cdiv(N, block),)](p_N, g_N, m_N, v_N, w_N if w_N is not None else p_N, s_9, N, C,
+                                            g_row, w_row, HAS_W=w_N is not None, BLOCK=block, num_warps=num_warps)

@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ["torch", "torch_castmasters", "torch_inductorgather", "torch_cudagraphs", "torch_compileadam", "torch_torchdw", "torch_fusedswiglu", "torch_fusedgather", "torch_fp32router", "torch_inductorswiglu", "torch_bf16moments", "torch_ropebhsq", "torch_inductorxent", "jax", "jax_bf16moments", "jax_cublas", "torch_cap", "jax_cap"]
+VARIANTS = ["torch", "torch_castmasters", "torch_inductorgather", "torch_cudagraphs", "torch_compileadam", "torch_torchdw", "torch_fusedswiglu", "torch_fusedgather", "torch_fp32router", "torch_inductorswiglu", "torch_bf16moments", "torch_ropebhsq", "torch_inductorxent", "torch_combinekernel", "torch_combinebf16", "jax", "jax_bf16moments", "jax_defaulttiles", "jax_cublas", "torch_cap", "jax_cap"]
 
 
 def _run(*args, cwd):
@@ -36,6 +36,15 @@ def test_engine_bench_variants_train_and_agree(tmp_path):
         assert rows[name]["losses"] == pytest.approx(rows["torch"]["losses"], rel=2e-3), name
     assert rows["torch"]["losses"][-1] < rows["torch"]["losses"][0]
     assert "| E16 seq 128 | jax |" in (tmp_path / "table.md").read_text()
+
+
+def test_tile_tuner_reports_every_expert_matmul(tmp_path):
+    """bench/tune_mgpu.py starts and reports all six matmuls (on the CPU every Mosaic-GPU config
+    is refused, and each op says so)."""
+    done = _run(str(ROOT / "bench/tune_mgpu.py"), "--tiny", "--out", str(tmp_path), cwd=tmp_path)
+    got = json.loads((tmp_path / "tune_mgpu.json").read_text())
+    assert sorted(got) == sorted(["gu_fwd", "gu_dx", "gu_dw", "dn_fwd", "dn_dx", "dn_dw"])
+    assert "every config failed" in done.stdout
 
 
 @pytest.mark.parametrize("engine", ["torch", "jax"])
