@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from engines.dispatch_ref import capacities
 from engines.torch.fast import (
     OPTIONS,
+    RowGather,
     _sdpa_backend,
     attention_residual,
     block_weights,
@@ -198,24 +199,6 @@ def all_reduce_sum(t: torch.Tensor, ctx: EPContext) -> torch.Tensor:
     return t
 
 
-class _RowGather(torch.autograd.Function):
-    """y_ML = [x_NL; 0][idx_M] where every row of x is read at most once: inv_N is idx's partial
-    inverse (the output row reading each x row, M if none), so the backward is the gather
-    [g_ML; 0][inv_N]. Aten's backward of x[idx] accumulates into x with a sort per index, and
-    every unfilled row here reads the same zero row: hundreds of thousands of duplicates that its
-    kernel walks one by one (about 120 ms a call on an H200)."""
-
-    @staticmethod
-    def forward(ctx, x_NL, idx_M, inv_N):
-        ctx.save_for_backward(inv_N)
-        return torch.cat([x_NL, x_NL.new_zeros(1, x_NL.shape[-1])], 0).index_select(0, idx_M)
-
-    @staticmethod
-    def backward(ctx, g_ML):
-        (inv_N,) = ctx.saved_tensors
-        return torch.cat([g_ML, g_ML.new_zeros(1, g_ML.shape[-1])], 0).index_select(0, inv_N), None, None
-
-
 # ---- dispatch -----------------------------------------------------------------------------------
 
 
@@ -267,7 +250,7 @@ def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.T
     filler_S = filler_S[:n_slots]
     ids_S = torch.cat([(e_A - dst_A * e_loc).to(wire), x_tL.new_full((1,), -1.0, dtype=wire)])[filler_S]
     # x_tL[tok_A] for slot-major assignments; repeat's backward sums the K slots
-    x_SL = _RowGather.apply(x_tL.to(wire).repeat(K, 1), filler_S, at_A)
+    x_SL = RowGather.apply(x_tL.to(wire).repeat(K, 1), filler_S, at_A)
     send_WRL1 = torch.cat([x_SL, ids_S.unsqueeze(-1)], -1).view(W, P * c_send, L + 1)
     recv_WRL1 = _WaveExchange.apply(send_WRL1, ctx.group)
     # receiver: arrivals in (wave, source, row) order, ranked per local expert
@@ -281,12 +264,12 @@ def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.T
     filler_B = torch.full((n_buf + 1,), n_slots, dtype=torch.long, device=dev)
     filler_B.scatter_(0, slot_X, torch.arange(n_slots, device=dev))
     filler_B = filler_B[:n_buf]
-    buf_eRL = _RowGather.apply(arr_XL1[:, :L].to(cdt), filler_B, slot_X).view(e_loc, c_recv, L)
+    buf_eRL = RowGather.apply(arr_XL1[:, :L].to(cdt), filler_B, slot_X).view(e_loc, c_recv, L)
     out_eRL = _swiglu_padded(experts, buf_eRL, cdt)
-    y_WRL = _RowGather.apply(out_eRL.reshape(n_buf, L).to(wire), slot_X, filler_B).view(W, P * c_send, L)
+    y_WRL = RowGather.apply(out_eRL.reshape(n_buf, L).to(wire), slot_X, filler_B).view(W, P * c_send, L)
     back_WRL = _WaveExchange.apply(y_WRL, ctx.group)  # unkept and empty rows carry zeros back
     # back at the source: each assignment reads its row (the zero row if dropped anywhere)
-    y_tKL = _RowGather.apply(back_WRL.reshape(n_slots, L), at_A, filler_S).view(K, t, L).transpose(0, 1)
+    y_tKL = RowGather.apply(back_WRL.reshape(n_slots, L), at_A, filler_S).view(K, t, L).transpose(0, 1)
     n_send = (~sent_A).sum().float()
     n_recv = (valid_X & ~kept_X).sum().float()
     return y_tKL, n_send, n_recv

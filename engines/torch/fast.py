@@ -133,24 +133,50 @@ def working_copies_enabled(device: torch.device, expected_seconds: float | None 
 # ---- permutations with gather backwards ----------------------------------------------------------
 
 
+def _with_zero_row(x_NL: torch.Tensor) -> torch.Tensor:
+    return torch.cat([x_NL, x_NL.new_zeros(1, x_NL.shape[-1])], 0)
+
+
 class _Dispatch(torch.autograd.Function):
-    """x_TL rows src_A (= token of each sorted assignment) -> x_AL; the backward gathers the
-    gradient back to (token, slot) order with the inverse permutation and sums the K slots
-    (with kernels: engines/torch/gather.py's gather-and-sum in one pass)."""
+    """x_TL rows src_R (= token of each sorted assignment, or of each expert-buffer row) -> x_RL;
+    the backward gathers the gradient back to (token, slot) order with inv_A (each assignment's
+    row) and sums the K slots (with kernels: engines/torch/gather.py's gather-and-sum in one pass).
+    zero_row: src_R may name row T, a zero row (an unfilled buffer row), and inv_A row R (a dropped
+    assignment, which gets no gradient). Without the explicit backward, aten's and Inductor's
+    backward of x[src] accumulate into x, and every unfilled row adds into the same zero row."""
 
     @staticmethod
-    def forward(ctx, x_TL, src_A, inv_A, K: int, kernels: bool = False):
+    def forward(ctx, x_TL, src_R, inv_A, K: int, kernels: bool = False, zero_row: bool = False):
         ctx.save_for_backward(inv_A)
-        ctx.K, ctx.kernels = K, kernels
-        return x_TL.index_select(0, src_A)
+        ctx.K, ctx.kernels, ctx.zero_row = K, kernels, zero_row
+        return (_with_zero_row(x_TL) if zero_row else x_TL).index_select(0, src_R)
 
     @staticmethod
-    def backward(ctx, g_AL):
+    def backward(ctx, g_RL):
         (inv_A,) = ctx.saved_tensors
         T = inv_A.shape[0] // ctx.K
+        g = _with_zero_row(g_RL) if ctx.zero_row else g_RL
         if ctx.kernels:
-            return gather_sum(g_AL, inv_A.view(T, ctx.K), None, g_AL.dtype), None, None, None, None
-        return g_AL.index_select(0, inv_A).view(T, ctx.K, -1).sum(1), None, None, None, None
+            return gather_sum(g, inv_A.view(T, ctx.K), None, g.dtype), None, None, None, None, None
+        return g.index_select(0, inv_A).view(T, ctx.K, -1).sum(1), None, None, None, None, None
+
+
+class RowGather(torch.autograd.Function):
+    """y_ML = [x_NL; 0][idx_M] where every row of x is read at most once: inv_N is idx's partial
+    inverse (the output row reading each x row, M if none), so the backward is the gather
+    [g_ML; 0][inv_N]. Aten's backward of x[idx] accumulates into x with a sort per index, and
+    when every unfilled row reads the same zero row, its kernel walks hundreds of thousands of
+    duplicates one by one (about 120 ms a call on an H200, in the expert-parallel trainer)."""
+
+    @staticmethod
+    def forward(ctx, x_NL, idx_M, inv_N):
+        ctx.save_for_backward(inv_N)
+        return _with_zero_row(x_NL).index_select(0, idx_M)
+
+    @staticmethod
+    def backward(ctx, g_ML):
+        (inv_N,) = ctx.saved_tensors
+        return _with_zero_row(g_ML).index_select(0, inv_N), None, None
 
 
 class _Permute(torch.autograd.Function):
@@ -283,15 +309,14 @@ def capacity_experts(moe, w, x_TL, expert_TK, cdt):
     E, L = m.n_routed_experts, x_TL.shape[-1]
     plan, slot_A, fill_R = capacity_rows(m, expert_TK)
     C = plan["c_recv"]
-    src = torch.where(fill_R < T * K, fill_R // K, T)  # T: the zero row
-    x_T1L = torch.cat([x_TL.to(cdt), x_TL.new_zeros(1, L, dtype=cdt)], 0)
-    buf_ECL = x_T1L[src].view(E, C, L)
+    src_R = torch.where(fill_R < T * K, fill_R // K, T)  # T: the zero row
+    # both row maps get gather backwards: a dropped assignment or an unfilled row reads a zero row
+    buf_ECL = _Dispatch.apply(x_TL.to(cdt), src_R, slot_A, K, OPTIONS.gather == "triton", True).view(E, C, L)
     Fh = w["moe.experts.w_down"].shape[1]
     gu_EC2F = torch.bmm(buf_ECL, w["moe.experts.gate_up"])  # gate and up as one batched matmul
     h_ECF = F.silu(gu_EC2F[..., :Fh]) * gu_EC2F[..., Fh:]
     out_ECL = torch.bmm(h_ECF, w["moe.experts.w_down"])
-    out_flat = torch.cat([out_ECL.reshape(E * C, L), out_ECL.new_zeros(1, L)], 0)
-    y_TKL = out_flat[slot_A].view(T, K, L)
+    y_TKL = RowGather.apply(out_ECL.reshape(E * C, L), slot_A, fill_R).view(T, K, L)
     return y_TKL, plan["send_drop_TK"].sum().float(), plan["recv_drop_TK"].sum().float()
 
 

@@ -211,7 +211,7 @@ def test_row_gather_backward_is_the_index_backward():
     read at most once, and the backward by the partial inverse equals aten's x[idx] backward."""
     import torch
 
-    from engines.torch.ep import _RowGather
+    from engines.torch.fast import RowGather
 
     gen = torch.Generator().manual_seed(0)
     N, M, L = 7, 12, 5
@@ -221,7 +221,7 @@ def test_row_gather_backward_is_the_index_backward():
     inv_N = torch.full((N + 1,), M, dtype=torch.long).scatter_(0, idx_M, torch.arange(M))[:N]
     x_NL = torch.randn(N, L, generator=gen, requires_grad=True)
     g_ML = torch.randn(M, L, generator=gen)
-    y_ML = _RowGather.apply(x_NL, idx_M, inv_N)
+    y_ML = RowGather.apply(x_NL, idx_M, inv_N)
     (grad,) = torch.autograd.grad(y_ML, x_NL, g_ML)
     x_ref = x_NL.detach().clone().requires_grad_(True)
     y_ref = torch.cat([x_ref, x_ref.new_zeros(1, L)])[idx_M]
