@@ -163,6 +163,37 @@ def _permute_bwd(inv_A, g_AL):
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
+def _with_zero_row(x_NL: jax.Array) -> jax.Array:
+    return jnp.concatenate([x_NL, jnp.zeros((1, x_NL.shape[-1]), x_NL.dtype)], 0)
+
+
+def partial_inverse(idx_M: jax.Array, N: int) -> jax.Array:
+    """For each of N rows, the position in idx_M that names it (idx_M names each row of [0, N) at
+    most once; N, the zero row, any number of times), or M where none does."""
+    M = idx_M.shape[0]
+    return jnp.full((N + 1,), M, idx_M.dtype).at[idx_M].set(jnp.arange(M, dtype=idx_M.dtype))[:N]
+
+
+@jax.custom_vjp
+def gather_rows(x_NL: jax.Array, idx_M: jax.Array, inv_N: jax.Array) -> jax.Array:
+    """[x_NL; 0][idx_M] where every row of x is read at most once (inv_N = partial_inverse(idx_M, N)):
+    the backward is the gather [g_ML; 0][inv_N]. The capacity transport's row maps send every
+    dropped or empty row to one zero row; the plain gather's transpose is then a scatter-add whose
+    atomics all land on that row."""
+    return _with_zero_row(x_NL)[idx_M]
+
+
+def _gather_rows_fwd(x_NL, idx_M, inv_N):
+    return _with_zero_row(x_NL)[idx_M], inv_N
+
+
+def _gather_rows_bwd(inv_N, g_ML):
+    return _with_zero_row(g_ML)[inv_N], None, None
+
+
+gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
+
+
 def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype) -> jax.Array:
     """Dropless experts (the contract of moe.dropless_experts): assignments sorted by expert,
     SwiGLU through three grouped matmuls, outputs back in (token, slot) order, gated sum in fp32."""

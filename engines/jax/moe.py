@@ -143,33 +143,39 @@ def pooled_wave_shard(x_tL, expert_tK, gate_tK, wg_eLF, wu_eLF, wd_eFL, *, ep, n
     x_tL = x_tL.astype(wire)
     # sender ----------------------------------------------------------------------------------
     e_A = expert_tK.T.reshape(-1)  # slot-major: a = j*t + token
-    tok_A = jnp.tile(jnp.arange(t), K)
     dst_A = e_A // e_local
     pos_A = _rank_within(dst_A, ep, jnp.ones_like(dst_A, dtype=bool))
     sent_A = pos_A < n_waves * c_send
-    wave_A = jnp.where(sent_A, pos_A // c_send, n_waves)  # out of range -> the scatter drops it
-    row_A = pos_A % c_send
-    payload_AL1 = jnp.concatenate([x_tL[tok_A], (e_A - dst_A * e_local)[:, None].astype(x_tL.dtype)], axis=-1)
-    empty = jnp.zeros((n_waves, ep, c_send, L + 1), x_tL.dtype).at[..., L].set(-1.0)
-    send_WPCL1 = empty.at[wave_A, dst_A, row_A].set(payload_AL1, mode="drop")
+    # every row map below is a gather whose backward is a gather by its partial inverse: a
+    # scatter, or a plain gather's transpose, would pile every empty or dropped row's update onto
+    # one row with atomics. Pool slots are numbered (wave, destination, row); n_slots: none.
+    n_slots = n_waves * ep * c_send
+    at_A = jnp.where(sent_A, ((pos_A // c_send) * ep + dst_A) * c_send + pos_A % c_send, n_slots)
+    filler_S = fast.partial_inverse(at_A, n_slots)  # the assignment filling each slot (A: none)
+    ids_S = jnp.concatenate([e_A - dst_A * e_local, jnp.full((1,), -1, e_A.dtype)])[filler_S]
+    # each assignment's token row (slot-major: a tile, whose transpose sums the K slots)
+    x_SL = fast.gather_rows(jnp.tile(x_tL, (K, 1)), filler_S, at_A)
+    send_WPCL1 = jnp.concatenate([x_SL, ids_S[:, None].astype(wire)], -1).reshape(n_waves, ep, c_send, L + 1)
     # one all-to-all per wave, every wave the same shape: [P dst, C, L+1] -> [P src, C, L+1]
     recv_WPCL1 = jnp.stack([lax.all_to_all(send_WPCL1[w], EP_AXIS, 0, 0) for w in range(n_waves)])
     # receiver --------------------------------------------------------------------------------
-    arr_XL1 = recv_WPCL1.reshape(n_waves * ep * c_send, L + 1)  # (wave, source, row) order
-    le_X = arr_XL1[:, L].astype(jnp.int32)
+    arr_XL1 = recv_WPCL1.reshape(n_slots, L + 1)  # (wave, source, row) order
+    le_X = lax.stop_gradient(arr_XL1[:, L]).astype(jnp.int32)
     valid_X = le_X >= 0
     rank_X = _rank_within(le_X, e_local, valid_X)
     kept_X = valid_X & (rank_X < c_recv)
-    buf_eRL = jnp.zeros((e_local, c_recv, L), x_tL.dtype)
-    buf_eRL = buf_eRL.at[jnp.where(kept_X, le_X, e_local), rank_X].set(arr_XL1[:, :L], mode="drop")
+    n_buf = e_local * c_recv
+    slot_X = jnp.where(kept_X, le_X * c_recv + rank_X, n_buf)  # each arrival's buffer row (n_buf: dropped)
+    filler_B = fast.partial_inverse(slot_X, n_buf)  # the arrival filling each buffer row
+    buf_eRL = fast.gather_rows(arr_XL1[:, :L], filler_B, slot_X).reshape(e_local, c_recv, L)
     gate_eRF = jax.nn.silu(einsum("erl,elf->erf", buf_eRL, wg_eLF, dtype))
     h_eRF = gate_eRF * einsum("erl,elf->erf", buf_eRL, wu_eLF, dtype)
     out_eRL = einsum("erf,efl->erl", h_eRF, wd_eFL, dtype).astype(wire)
-    y_XL = jnp.where(kept_X[:, None], out_eRL[jnp.clip(le_X, 0, e_local - 1), jnp.clip(rank_X, 0, c_recv - 1)], 0.0)
+    y_XL = fast.gather_rows(out_eRL.reshape(n_buf, L), slot_X, filler_B)  # unkept arrivals: zero rows
     y_WPCL = y_XL.reshape(n_waves, ep, c_send, L)
     back_WPCL = jnp.stack([lax.all_to_all(y_WPCL[w], EP_AXIS, 0, 0) for w in range(n_waves)])
     # back at the sender: each assignment reads its row (zero if dropped on either side)
-    y_AL = jnp.where(sent_A[:, None], back_WPCL[jnp.clip(wave_A, 0, n_waves - 1), dst_A, row_A], 0.0)
+    y_AL = fast.gather_rows(back_WPCL.reshape(n_slots, L), at_A, filler_S)
     y_tL = jnp.sum(y_AL.reshape(K, t, L).astype(jnp.float32) * gate_tK.T[..., None], axis=0)
     n_send = lax.psum(jnp.sum(~sent_A).astype(jnp.float32), EP_AXIS)
     n_recv = lax.psum(jnp.sum(valid_X & ~kept_X).astype(jnp.float32), EP_AXIS)
