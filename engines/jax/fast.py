@@ -171,7 +171,11 @@ def partial_inverse(idx_M: jax.Array, N: int) -> jax.Array:
     """For each of N rows, the position in idx_M that names it (idx_M names each row of [0, N) at
     most once; N, the zero row, any number of times), or M where none does."""
     M = idx_M.shape[0]
-    return jnp.full((N + 1,), M, idx_M.dtype).at[idx_M].set(jnp.arange(M, dtype=idx_M.dtype))[:N]
+    pos_M = jnp.arange(M, dtype=idx_M.dtype)
+    # the zero row's readers each write a slot of their own past N: no two writes share an index
+    # (XLA serialises a scatter's colliding writes)
+    dest_M = jnp.where(idx_M < N, idx_M, N + pos_M)
+    return jnp.full((N + M,), M, idx_M.dtype).at[dest_M].set(pos_M, unique_indices=True)[:N]
 
 
 @jax.custom_vjp

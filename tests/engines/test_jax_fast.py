@@ -131,3 +131,15 @@ def test_dropless_backward_has_no_float_scatter_add():
     # the plain-indexing version of the same dispatch does scatter-add: the check can fail
     plain = jax.make_jaxpr(jax.grad(lambda x: jnp.sum(x[jnp.argsort(expert.reshape(-1)) // K])))(x).jaxpr
     assert _float_scatter_adds(plain)
+
+
+def test_partial_inverse_names_each_rows_reader_and_gather_rows_transposes_by_it():
+    N, M = 6, 10
+    idx_M = jnp.array([6, 2, 6, 0, 5, 6, 6, 3, 6, 6], jnp.int32)  # rows 1 and 4 unread; 6: the zero row
+    inv_N = fast.partial_inverse(idx_M, N)
+    assert inv_N.tolist() == [3, 10, 1, 7, 10, 4]
+    x = jax.random.normal(jax.random.key(4), (N, 3))
+    g = jax.random.normal(jax.random.key(5), (M, 3))
+    got = jax.vjp(lambda x: fast.gather_rows(x, idx_M, inv_N), x)[1](g)[0]
+    want = jax.vjp(lambda x: jnp.concatenate([x, jnp.zeros((1, 3))])[idx_M], x)[1](g)[0]
+    np.testing.assert_array_equal(got, want)
