@@ -9,6 +9,9 @@ Inductor fuses each into a gather + reduction kernel that ran at about 1 TB/s on
 0.32 ms a layer at the bench shape). Here one Triton program reads one token's K rows (BLOCK_L
 columns at a time) and writes their sum; the gate gradient reads the token's output gradient once
 and its K rows. Rows are read whole and contiguous, each exactly once.
+The combine's gradient for the sorted rows, g_AL[a] = gate[order_A[a]] * g_TL[order_A[a] // K],
+is a gather-and-scale (opt-in, fast.FastOptions.combine_grad; Inductor otherwise fuses it into the
+kernel that sums the residual's gradient).
 
 Where Triton or a GPU is missing, the same functions run as index_select + sum in torch (the
 engine's CPU path and its tests). fast.FastOptions.gather = "triton" (the default where Triton is
@@ -54,7 +57,6 @@ if triton is not None:
             row = tl.load(idx_ptr + t * K + k).to(tl.int64)
             x = tl.load(src_ptr + row * L + cols, mask=mask, other=0.0).to(tl.float32)
             tl.store(out_ptr + t * K + k, tl.sum(g * x, axis=0))
-
 
     @triton.jit
     def gather_scale_kernel(src_ptr, order_ptr, gate_ptr, out_ptr, A, L, K: tl.constexpr, ROWS: tl.constexpr,
