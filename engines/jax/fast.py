@@ -163,6 +163,20 @@ def _permute_bwd(inv_A, g_AL):
 permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
+def inverse_permutation(order_A: jax.Array) -> jax.Array:
+    """inv with inv[order_A[a]] = a. The indices are unique, and saying so lets XLA write the
+    scatter with plain stores."""
+    pos_A = jnp.arange(order_A.shape[0], dtype=order_A.dtype)
+    return jnp.zeros_like(order_A).at[order_A].set(pos_A, unique_indices=True)
+
+
+def sorted_counts(sorted_A: jax.Array, n: int) -> jax.Array:
+    """How many of sorted_A's values equal each of 0..n-1 (int32), from where each value starts in
+    the sorted array: a bincount's scatter-add would pile A atomic updates onto n counters."""
+    starts = jnp.searchsorted(sorted_A, jnp.arange(n + 1, dtype=sorted_A.dtype), side="left")
+    return jnp.diff(starts).astype(jnp.int32)
+
+
 def _with_zero_row(x_NL: jax.Array) -> jax.Array:
     return jnp.concatenate([x_NL, jnp.zeros((1, x_NL.shape[-1]), x_NL.dtype)], 0)
 
@@ -205,8 +219,8 @@ def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype) -> ja
     E = wg_ELF.shape[0]
     e_A = expert_TK.reshape(-1)  # token-major: a = t*K + j
     order_A = jnp.argsort(e_A, stable=True)
-    sizes_E = jnp.bincount(e_A, length=E).astype(jnp.int32)
-    inv_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
+    sizes_E = sorted_counts(e_A[order_A], E)
+    inv_A = inverse_permutation(order_A)
     x_AL = dispatch_rows(x_TL.astype(dtype), order_A // K, inv_A, K)
     F = wg_ELF.shape[-1]
     # gate and up as one [E, L, 2F] matmul: wider tiles, one dx matmul in the backward

@@ -120,10 +120,10 @@ def _rank_within(key_X: jax.Array, n_keys: int, valid_X: jax.Array) -> jax.Array
     X = key_X.shape[0]
     key_X = jnp.where(valid_X, key_X, n_keys)  # invalid rows form a group of their own, last
     order_X = jnp.argsort(key_X, stable=True)
-    counts_G = jnp.bincount(key_X, length=n_keys + 1)
-    starts_G = jnp.cumsum(counts_G) - counts_G
-    rank_sorted_X = jnp.arange(X) - starts_G[key_X[order_X]]
-    return jnp.zeros_like(rank_sorted_X).at[order_X].set(rank_sorted_X)
+    sorted_X = key_X[order_X]
+    starts_G = jnp.searchsorted(sorted_X, jnp.arange(n_keys + 1, dtype=sorted_X.dtype), side="left")
+    rank_sorted_X = jnp.arange(X) - starts_G[sorted_X]
+    return jnp.zeros_like(rank_sorted_X).at[order_X].set(rank_sorted_X, unique_indices=True)
 
 
 def pooled_wave_shard(x_tL, expert_tK, gate_tK, wg_eLF, wu_eLF, wd_eFL, *, ep, n_waves, c_send, c_recv,

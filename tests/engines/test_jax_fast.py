@@ -143,3 +143,11 @@ def test_partial_inverse_names_each_rows_reader_and_gather_rows_transposes_by_it
     got = jax.vjp(lambda x: fast.gather_rows(x, idx_M, inv_N), x)[1](g)[0]
     want = jax.vjp(lambda x: jnp.concatenate([x, jnp.zeros((1, 3))])[idx_M], x)[1](g)[0]
     np.testing.assert_array_equal(got, want)
+
+
+def test_sorted_counts_equal_bincount_and_the_inverse_permutation_inverts():
+    e = jax.random.randint(jax.random.key(6), (50,), 0, 7)  # some of the 9 values never occur
+    order = jnp.argsort(e, stable=True)
+    np.testing.assert_array_equal(fast.sorted_counts(e[order], 9), jnp.bincount(e, length=9))
+    inv = fast.inverse_permutation(order)
+    np.testing.assert_array_equal(order[inv], jnp.arange(50))
