@@ -344,7 +344,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, jax_bf16moments, jax_defaulttiles, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, jax_bf16moments, jax_defaulttiles, jax_cublas")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -492,6 +492,9 @@ def main(argv=None) -> int:
                                             "options": {"combine_grad": "triton"}}),
         "torch_combinebf16": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"},
                                           "options": {"combine_grad": "triton"}}),
+        # the combine kernel with the blocks and head replayed as CUDA graphs
+        "torch_combinegraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+                                            "options": {"combine_grad": "triton", "compile": "block-cudagraphs"}}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
