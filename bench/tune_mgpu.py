@@ -3,6 +3,7 @@ at the bench's OLMoE-like shape (bench/engines_h200.py: 16,384 tokens top-8 over
 d_model 1,024, expert hidden 512, gate|up as one [E, 1024, 1024] matmul).
 
     PYTHONPATH=. python3 bench/tune_mgpu.py --ops gu_fwd,gu_dx,gu_dw --out $OUT/tune0
+    PYTHONPATH=. python3 bench/tune_mgpu.py --d-model 2048 --expert-hidden 1024 --out $OUT/mine   # your widths
     PYTHONPATH=. python3 bench/tune_mgpu.py --tiny                     # two configs, small shape
 
 The six matmuls of one layer (A = 131,072 sorted rows, L = 1,024, F = 512):
@@ -15,7 +16,9 @@ The six matmuls of one layer (A = 131,072 sorted rows, L = 1,024, F = 512):
 For each it times the kernel alone (median of repeats of `--iters` calls, compiled once) under
 every configuration of the grid, checks the output against lax.ragged_dot on the first, and
 prints and writes <out>/tune_mgpu.json: each op's time under engines/jax/fast.py's current choice
-and under the best configuration found, in TFLOP/s. fast.MGPU_TUNED takes the winners.
+and under the best configuration found, in TFLOP/s. The winners go to <out>/mgpu_tiles.json, a
+tile file the JAX engine reads from $MOE_LADDER_JAX_MGPU_TILES (fast.MGPU_TUNED holds the bench
+shape's).
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ def main(argv=None) -> int:
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--budget-s", type=float, default=500.0, help="stop sweeping after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
+    ap.add_argument("--tokens", type=int, default=16384, help="tokens a step (batch x sequence)")
+    ap.add_argument("--d-model", type=int, default=1024, help="expert input width L")
+    ap.add_argument("--expert-hidden", type=int, default=512, help="expert hidden width F")
+    ap.add_argument("--experts", type=int, default=64)
+    ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args(argv)
 
@@ -68,7 +76,11 @@ def main(argv=None) -> int:
 
     from engines.jax import fast
 
-    A, L, F, E, K = (2048, 128, 64, 8, 2) if args.tiny else (131072, 1024, 512, 64, 8)
+    if args.tiny:
+        A, L, F, E, K = 2048, 128, 64, 8, 2
+    else:
+        K = args.top_k
+        A, L, F, E = args.tokens * K, args.d_model, args.expert_hidden, args.experts
     sizes = jnp.asarray(routing_sizes(A, E, K))
     key = jax.random.key(0)
     ks = jax.random.split(key, 4)
@@ -112,7 +124,8 @@ def main(argv=None) -> int:
     results = {}
     for op in [o for o in args.ops.split(",") if o]:
         kind, (a, b), tr, flops, lax_form = cases[op]
-        current = fast.mgpu_config(op.split("_")[1], a, b, tr)
+        key = fast.mgpu_key(op.split("_")[1], a, b, tr)
+        current = fast.mgpu_config(key[0], a, b, tr)
         rows = []
         for cfg in [current] + [c for c in grid(args.tiny) if c != current]:
             if time.time() - t0 > args.budget_s:
@@ -132,8 +145,8 @@ def main(argv=None) -> int:
         ok = [r for r in rows if "ms" in r]
         best = min(ok, key=lambda r: r["ms"]) if ok else None
         cur = rows[0] if rows and rows[0]["cfg"] == current else None
-        results[op] = {"current": cur, "best": best, "tried": len(rows), "failed": len(rows) - len(ok),
-                       "top5": sorted(ok, key=lambda r: r["ms"])[:5]}
+        results[op] = {"key": list(key), "current": cur, "best": best, "tried": len(rows),
+                       "failed": len(rows) - len(ok), "top5": sorted(ok, key=lambda r: r["ms"])[:5]}
         if not ok and rows:
             print(f"{op}: every config failed, e.g. {rows[0]['error']}", flush=True)
         cur_s = f"{cur['ms']:.3f} ms ({cur['tflops']:.0f} TFLOP/s)" if cur and "ms" in cur else "-"
@@ -142,6 +155,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune_mgpu.json").write_text(json.dumps(results, indent=1))
+    # the winners as a tile file the JAX engine reads from $MOE_LADDER_JAX_MGPU_TILES
+    tiles = [{"op": r["key"][0], "m": r["key"][1], "n": r["key"][2], "config": r["best"]["cfg"]}
+             for r in results.values() if r["best"] is not None]
+    (out / "mgpu_tiles.json").write_text(json.dumps({"tiles": tiles}, indent=1))
+    print(f"{len(tiles)} tuned matmuls in {out / 'mgpu_tiles.json'} (MOE_LADDER_JAX_MGPU_TILES=that path)")
     return 0
 
 

@@ -11,11 +11,15 @@ dw = the transposed ragged dot (x_e^T dy_e per group). Inputs in bf16 (the kerne
 from __future__ import annotations
 
 import inspect
+import json
 import os
 from functools import lru_cache, partial
+from pathlib import Path
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, field_validator
 
 MGPU = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
 MGPU_CONFIGS = (
@@ -55,14 +59,53 @@ MGPU_TUNED: dict[tuple[str, int, int], dict[str, int]] = {
 }
 
 
+class TunedTile(BaseModel):
+    """One entry of a tile file (bench/tune_mgpu.py writes them): the matmul and its configuration."""
+
+    model_config = ConfigDict(extra="forbid")
+    op: Literal["fwd", "dx", "dw"]
+    m: PositiveInt
+    n: PositiveInt
+    config: dict[Literal[_T], PositiveInt]
+
+    @field_validator("config")
+    @classmethod
+    def _all_keys(cls, v: dict) -> dict:
+        missing = sorted(set(_T) - set(v))
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        return v
+
+
+@lru_cache(maxsize=None)
+def load_tiles(path: str) -> dict[tuple[str, int, int], dict[str, int]]:
+    """A tile file's entries ({"tiles": [TunedTile, ...]}) as MGPU_TUNED's keys and values; a file
+    that cannot be read or does not fit raises ValueError naming the file and the entry."""
+    try:
+        raw = json.loads(Path(path).read_text())
+        entries = [TunedTile.model_validate(e) for e in raw["tiles"]]
+    except (OSError, ValueError, KeyError, TypeError, ValidationError) as err:
+        raise ValueError(f"$MOE_LADDER_JAX_MGPU_TILES={path}: not a tile file of bench/tune_mgpu.py "
+                         f"({type(err).__name__}: {err})") from None
+    return {(e.op, e.m, e.n): dict(e.config) for e in entries}
+
+
+def mgpu_key(op: str, a, b, transpose_rhs: bool | None = None) -> tuple[str, int, int]:
+    """(op, m, n) of one ragged dot, MGPU_TUNED's key: m the contraction width ("fwd", "dx") or
+    the weight gradient's rows ("dw"), n the output's columns."""
+    if op == "dw":
+        return op, a.shape[1], b.shape[1]
+    return op, a.shape[1], (b.shape[1] if transpose_rhs else b.shape[2])
+
+
 def mgpu_config(op: str, a, b, transpose_rhs: bool | None = None) -> dict[str, int]:
     """The tile configuration of one ragged dot: _rd(a, b) for op "fwd"/"dx", _trd(a, b) for "dw".
-    $MOE_LADDER_JAX_MGPU=default ignores MGPU_TUNED."""
-    if op == "dw":
-        m, n = a.shape[1], b.shape[1]
-    else:
-        m, n = a.shape[1], (b.shape[1] if transpose_rhs else b.shape[2])
-    cfg = MGPU_TUNED.get((op, m, n))
+    The entries of $MOE_LADDER_JAX_MGPU_TILES (a file bench/tune_mgpu.py writes for your widths)
+    come first, then MGPU_TUNED's; $MOE_LADDER_JAX_MGPU=default ignores both."""
+    key = mgpu_key(op, a, b, transpose_rhs)
+    _, m, n = key
+    tiles = os.environ.get("MOE_LADDER_JAX_MGPU_TILES")
+    cfg = (load_tiles(tiles).get(key) if tiles else None) or MGPU_TUNED.get(key)
     if cfg is None or os.environ.get("MOE_LADDER_JAX_MGPU") == "default":
         return dict(MGPU)
     fits = m % (cfg["block_m"] if op == "dw" else cfg["block_k"]) == 0

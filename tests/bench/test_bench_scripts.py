@@ -45,6 +45,9 @@ def test_tile_tuner_reports_every_expert_matmul(tmp_path):
     got = json.loads((tmp_path / "tune_mgpu.json").read_text())
     assert sorted(got) == sorted(["gu_fwd", "gu_dx", "gu_dw", "dn_fwd", "dn_dx", "dn_dw"])
     assert "every config failed" in done.stdout
+    from engines.jax.fast import load_tiles
+
+    assert load_tiles(str(tmp_path / "mgpu_tiles.json")) == {}  # a tile file, empty when nothing ran
 
 
 @pytest.mark.parametrize("engine", ["torch", "jax"])

@@ -151,3 +151,24 @@ def test_sorted_counts_equal_bincount_and_the_inverse_permutation_inverts():
     np.testing.assert_array_equal(fast.sorted_counts(e[order], 9), jnp.bincount(e, length=9))
     inv = fast.inverse_permutation(order)
     np.testing.assert_array_equal(order[inv], jnp.arange(50))
+
+
+def test_a_tile_file_comes_before_the_built_in_tiles_and_a_bad_one_is_named(tmp_path, monkeypatch):
+    import json
+
+    x, w = jnp.ones((16, 768)), jnp.ones((2, 768, 1024))
+    mine = {"block_m": 64, "block_n": 128, "block_k": 64, "max_concurrent_steps": 5, "grid_block_n": 2}
+    over = {"block_m": 64, "block_n": 256, "block_k": 64, "max_concurrent_steps": 3, "grid_block_n": 1}
+    path = tmp_path / "mgpu_tiles.json"
+    path.write_text(json.dumps({"tiles": [{"op": "fwd", "m": 768, "n": 1024, "config": mine},
+                                          {"op": "fwd", "m": 1024, "n": 1024, "config": over}]}))
+    assert fast.mgpu_config("fwd", x, w) == fast.MGPU  # an untuned width
+    monkeypatch.setenv("MOE_LADDER_JAX_MGPU_TILES", str(path))
+    assert fast.mgpu_config("fwd", x, w) == mine
+    assert fast.mgpu_config("fwd", jnp.ones((16, 1024)), jnp.ones((2, 1024, 1024))) == over
+    assert fast.mgpu_config("dw", jnp.ones((16, 1024)), jnp.ones((16, 1024))) == fast.MGPU_TUNED[("dw", 1024, 1024)]
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"tiles": [{"op": "fwd", "m": 768, "n": 1024, "config": {"block_m": 64}}]}))
+    monkeypatch.setenv("MOE_LADDER_JAX_MGPU_TILES", str(bad))
+    with pytest.raises(ValueError, match=r"(?s)bad.json.*missing block_k, block_n"):
+        fast.mgpu_config("fwd", x, w)
