@@ -1,6 +1,7 @@
 """Tile configurations of JAX's Mosaic-GPU ragged dot kernels, per matmul of the dropless experts,
-at the bench's OLMoE-like shape (bench/engines_h200.py: 16,384 tokens top-8 over 64 experts,
-d_model 1,024, expert hidden 512, gate|up as one [E, 1024, 1024] matmul).
+at a shape given by the flags; by default the bench's OLMoE-like one (bench/engines_h200.py:
+16,384 tokens top-8 over 64 experts, d_model 1,024, expert hidden 512, gate|up as one
+[E, 1024, 1024] matmul).
 
     PYTHONPATH=. python3 bench/tune_mgpu.py --ops gu_fwd,gu_dx,gu_dw --out $OUT/tune0
     PYTHONPATH=. python3 bench/tune_mgpu.py --d-model 2048 --expert-hidden 1024 --out $OUT/mine   # your widths
