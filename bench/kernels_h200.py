@@ -43,14 +43,16 @@ def timeit(fn, reps=20):
     return (time.perf_counter() - t) / reps * 1e3
 
 
-def routing_sizes(seed=0):
-    """Expert sizes of one top-8 routing of 16,384 tokens with mildly skewed router scores."""
+def routing_sizes(seed=0, n_rows=None, n_experts=None, K=8):
+    """Expert sizes of one top-K routing of n_rows / K tokens (default: this bench's A rows over E
+    experts, top-8) with mildly skewed router scores."""
     import numpy as np
 
+    n_rows, n_experts = n_rows or A, n_experts or E
     rng = np.random.default_rng(seed)
-    logits = rng.normal(size=(A // 8, E)) + rng.normal(scale=0.5, size=E)
-    top = np.argsort(-logits, axis=1)[:, :8]
-    return np.bincount(top.reshape(-1), minlength=E).astype(np.int32)
+    logits = rng.normal(size=(n_rows // K, n_experts)) + rng.normal(scale=0.5, size=n_experts)
+    top = np.argsort(-logits, axis=1)[:, :K]
+    return np.bincount(top.reshape(-1), minlength=n_experts).astype(np.int32)
 
 
 def report(name, ms, flops):

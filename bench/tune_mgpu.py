@@ -35,6 +35,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels_h200 import routing_sizes  # noqa: E402
 
 OPS = ("gu_fwd", "gu_dx", "gu_dw", "dn_fwd", "dn_dx", "dn_dw")
 
@@ -47,16 +50,6 @@ def grid(tiny: bool):
     for bm, bn, mcs, gbn in itertools.product((64, 128, 192), (128, 256), (2, 4, 6), (1, 2, 4, 8)):
         out.append(dict(block_m=bm, block_n=bn, block_k=64, max_concurrent_steps=mcs, grid_block_n=gbn))
     return out
-
-
-def routing_sizes(A: int, E: int, K: int, seed: int = 0):
-    """Expert sizes of one top-K routing of A / K tokens with mildly skewed router scores."""
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    logits = rng.normal(size=(A // K, E)) + rng.normal(scale=0.5, size=E)
-    top = np.argsort(-logits, axis=1)[:, :K]
-    return np.bincount(top.reshape(-1), minlength=E).astype(np.int32)
 
 
 def main(argv=None) -> int:
@@ -85,7 +78,7 @@ def main(argv=None) -> int:
     else:
         K = args.top_k
         A, L, F, E = args.tokens * K, args.d_model, args.expert_hidden, args.experts
-    sizes = jnp.asarray(routing_sizes(A, E, K))
+    sizes = jnp.asarray(routing_sizes(0, A, E, K))
     key = jax.random.key(0)
     ks = jax.random.split(key, 4)
     x_AL = jax.random.normal(ks[0], (A, L), jnp.bfloat16)

@@ -38,8 +38,6 @@ def _kernels():
 
 def _call(fn, *args, **kwargs):
     accepted = inspect.signature(fn).parameters
-    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in accepted.values()):
-        return fn(*args, **kwargs)
     return fn(*args, **{k: v for k, v in kwargs.items() if k in accepted})
 
 
@@ -213,11 +211,16 @@ def inverse_permutation(order_A: jax.Array) -> jax.Array:
     return jnp.zeros_like(order_A).at[order_A].set(pos_A, unique_indices=True)
 
 
+def sorted_starts(sorted_A: jax.Array, n: int) -> jax.Array:
+    """Where each of the values 0..n starts in the sorted array (n + 1 entries, the last A when every
+    value is below n), by binary search: no scatter."""
+    return jnp.searchsorted(sorted_A, jnp.arange(n + 1, dtype=sorted_A.dtype), side="left")
+
+
 def sorted_counts(sorted_A: jax.Array, n: int) -> jax.Array:
-    """How many of sorted_A's values equal each of 0..n-1 (int32), from where each value starts in
-    the sorted array: a bincount's scatter-add would pile A atomic updates onto n counters."""
-    starts = jnp.searchsorted(sorted_A, jnp.arange(n + 1, dtype=sorted_A.dtype), side="left")
-    return jnp.diff(starts).astype(jnp.int32)
+    """How many of sorted_A's values equal each of 0..n-1 (int32): a bincount's scatter-add would
+    pile A atomic updates onto n counters."""
+    return jnp.diff(sorted_starts(sorted_A, n)).astype(jnp.int32)
 
 
 def _with_zero_row(x_NL: jax.Array) -> jax.Array:

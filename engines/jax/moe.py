@@ -121,7 +121,7 @@ def _rank_within(key_X: jax.Array, n_keys: int, valid_X: jax.Array) -> jax.Array
     key_X = jnp.where(valid_X, key_X, n_keys)  # invalid rows form a group of their own, last
     order_X = jnp.argsort(key_X, stable=True)
     sorted_X = key_X[order_X]
-    starts_G = jnp.searchsorted(sorted_X, jnp.arange(n_keys + 1, dtype=sorted_X.dtype), side="left")
+    starts_G = fast.sorted_starts(sorted_X, n_keys)
     rank_sorted_X = jnp.arange(X) - starts_G[sorted_X]
     return jnp.zeros_like(rank_sorted_X).at[order_X].set(rank_sorted_X, unique_indices=True)
 

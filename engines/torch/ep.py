@@ -52,7 +52,7 @@ from engines.torch.fast import (
     moe_combine,
     moe_route,
 )
-from engines.torch.model import Experts, MoETransformer, attention_mask, group_counts, rope_tables
+from engines.torch.model import Experts, MoETransformer, attention_mask, group_counts, partial_inverse, rope_tables
 from ladder.spec import ModelSpec
 
 EXPERT_MARK = ".moe.experts."
@@ -232,7 +232,6 @@ def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.T
     e_loc = m.n_routed_experts // P
     c_send, c_recv = capacities(n_tokens, K, m.n_routed_experts, P, W, m.capacity_factor_send,
                                 m.capacity_factor_recv)
-    dev = x_tL.device
     # bf16 holds every integer up to 256 exactly: larger local expert ids ride in fp32 rows
     wire = cdt if (cdt == torch.float32 or e_loc <= 256) else torch.float32
     # sender: assignments in priority order (slot-major, then token), one pool per destination and wave
@@ -244,10 +243,7 @@ def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.T
     # flat index of each sent assignment in the [W, P, C] buffer; n_slots (an empty row) if dropped
     at_A = torch.where(sent_A, ((pos_A // c_send) * P + dst_A) * c_send + pos_A % c_send,
                        torch.full_like(pos_A, n_slots))
-    A = e_A.shape[0]
-    filler_S = torch.full((n_slots + 1,), A, dtype=torch.long, device=dev)
-    filler_S.scatter_(0, at_A, torch.arange(A, device=dev))  # send-dropped ones all land on n_slots
-    filler_S = filler_S[:n_slots]
+    filler_S = partial_inverse(at_A, n_slots)  # the assignment filling each slot
     ids_S = torch.cat([(e_A - dst_A * e_loc).to(wire), x_tL.new_full((1,), -1.0, dtype=wire)])[filler_S]
     # x_tL[tok_A] for slot-major assignments; repeat's backward sums the K slots
     x_SL = RowGather.apply(x_tL.to(wire).repeat(K, 1), filler_S, at_A)
@@ -261,9 +257,7 @@ def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.T
     kept_X = valid_X & (rank_X < c_recv)
     n_buf = e_loc * c_recv
     slot_X = torch.where(kept_X, le_X * c_recv + rank_X, torch.full_like(rank_X, n_buf))
-    filler_B = torch.full((n_buf + 1,), n_slots, dtype=torch.long, device=dev)
-    filler_B.scatter_(0, slot_X, torch.arange(n_slots, device=dev))
-    filler_B = filler_B[:n_buf]
+    filler_B = partial_inverse(slot_X, n_buf)  # the arrival filling each buffer row
     buf_eRL = RowGather.apply(arr_XL1[:, :L].to(cdt), filler_B, slot_X).view(e_loc, c_recv, L)
     out_eRL = _swiglu_padded(experts, buf_eRL, cdt)
     y_WRL = RowGather.apply(out_eRL.reshape(n_buf, L).to(wire), slot_X, filler_B).view(W, P * c_send, L)

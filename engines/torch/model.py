@@ -306,6 +306,15 @@ class MoE(nn.Module):
         return y_TKL, plan["send_drop_TK"].sum().float(), plan["recv_drop_TK"].sum().float()
 
 
+def partial_inverse(idx_M: torch.Tensor, N: int) -> torch.Tensor:
+    """For each of N rows, the position in idx_M that names it (idx_M names each row of [0, N) at
+    most once; N, a zero row, any number of times), or M where none does."""
+    M = idx_M.shape[0]
+    inv = torch.full((N + 1,), M, dtype=torch.long, device=idx_M.device)
+    inv.scatter_(0, idx_M, torch.arange(M, device=idx_M.device))  # the zero row's readers all land on N
+    return inv[:N]
+
+
 def capacity_rows(m: ModelSpec, expert_TK: torch.Tensor):
     """(plan, slot_A, fill_R): the pooled-wave plan of capacity_plan, each assignment's row in the
     [E, C] expert buffers (E*C for a dropped one), and for each of the E*C rows the assignment that
@@ -315,10 +324,7 @@ def capacity_rows(m: ModelSpec, expert_TK: torch.Tensor):
     plan = capacity_plan(expert_TK, E, m.ep_size, m.n_waves, m.capacity_factor_send, m.capacity_factor_recv)
     R = E * plan["c_recv"]
     slot_A = plan["slot_TK"].reshape(-1)
-    A = T * K
-    fill = torch.full((R + 1,), A, dtype=torch.long, device=expert_TK.device)
-    fill.scatter_(0, slot_A, torch.arange(A, device=expert_TK.device))  # dropped ones all land on R
-    return plan, slot_A, fill[:R]
+    return plan, slot_A, partial_inverse(slot_A, R)
 
 
 class Block(nn.Module):

@@ -74,12 +74,14 @@ def test_each_expert_matmul_gets_its_tuned_tiles(monkeypatch):
     seen = []
     rd0, trd0 = _ref_kernels()
 
-    def rd(x, w, *, group_sizes, transpose_rhs=False, **cfg):
+    def rd(x, w, *, group_sizes, transpose_rhs=False, block_m, block_n, block_k, max_concurrent_steps,
+           grid_block_n):
+        cfg = dict(zip(fast._T, (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)))
         seen.append(("dx" if transpose_rhs else "fwd", cfg))
         return rd0(x, w, group_sizes=group_sizes, transpose_rhs=transpose_rhs)
 
-    def trd(x, g, *, group_sizes, **cfg):
-        seen.append(("dw", cfg))
+    def trd(x, g, *, group_sizes, block_m, block_n, block_k, max_concurrent_steps, grid_block_n):
+        seen.append(("dw", dict(zip(fast._T, (block_m, block_n, block_k, max_concurrent_steps, grid_block_n)))))
         return trd0(x, g, group_sizes=group_sizes)
 
     monkeypatch.setattr(fast, "_kernels", lambda: (rd, trd))
