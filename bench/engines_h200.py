@@ -288,12 +288,15 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None):
     return launch, read, sync, close, info
 
 
-def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None):
+def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None,
+              adamw_block: int | None = None):
     import torch
 
-    from engines.torch import fast
+    from engines.torch import adamw_kernel, fast
 
-    saved = fast.OPTIONS
+    saved, saved_block = fast.OPTIONS, dict(adamw_kernel.BLOCK)
+    if adamw_block:
+        adamw_kernel.BLOCK.update({k: adamw_block for k in adamw_kernel.BLOCK})
     if options:
         fast.OPTIONS = fast.FastOptions(**{**vars(saved), **options})
     try:
@@ -309,6 +312,7 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
             return [o[0] for o in out], dt, t_warm, info
     finally:
         fast.OPTIONS = saved
+        adamw_kernel.BLOCK.update(saved_block)
         torch._dynamo.reset()  # compiled graphs can hold the model's tensors; JAX runs next
         gc.collect()
         if DEVICE == "cuda":
@@ -344,7 +348,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, jax_bf16moments, jax_defaulttiles, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_sideupdate, torch_sidecombine, torch_sidebf16, torch_block1024, jax_bf16moments, jax_defaulttiles, jax_cublas")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the --only list this many times over, interleaved (run-to-run spread)")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
     ap.add_argument("--scaling-engines", default="torch,jax,ref", help="in this order")
     ap.add_argument("--scaling-shapes", default="E/8,2E,2S", help="of E/8 (experts / 8), 2E, 2S (sequence x 2)")
@@ -495,6 +501,19 @@ def main(argv=None) -> int:
         # the combine kernel with the blocks and head replayed as CUDA graphs
         "torch_combinegraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                             "options": {"combine_grad": "triton", "compile": "block-cudagraphs"}}),
+        # MasterAdamW's update on a stream of its own, each block's overlapping the forward of the
+        # block before (master.py, update_stream "side"); with the combine kernel; and with it and
+        # bf16 moments
+        "torch_sideupdate": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
+                                                 "MOE_LADDER_TORCH_UPDATE_STREAM": "side"}}),
+        "torch_sidebf16": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
+                                               "MOE_LADDER_TORCH_UPDATE_STREAM": "side"},
+                                       "optim": {"moments": "bf16"}, "options": {"combine_grad": "triton"}}),
+        "torch_sidecombine": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
+                                                  "MOE_LADDER_TORCH_UPDATE_STREAM": "side"},
+                                          "options": {"combine_grad": "triton"}}),
+        # MasterAdamW's kernel at 1,024 elements a program for fp32 moments too (the block before)
+        "torch_block1024": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "adamw_block": 1024}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
@@ -527,7 +546,7 @@ def main(argv=None) -> int:
         return 2
     seq, batch = (128, 2) if args.tiny else (4096, 4)
     E = BASE_MODEL["n_routed_experts"]
-    sweep(main_names, (f"E{E}", seq), seq=seq, batch=batch)
+    sweep(main_names * max(args.repeat, 1), (f"E{E}", seq), seq=seq, batch=batch)
     if args.scaling:  # engine by engine, so a cut-off run has whole scaling rows of the first ones
         for name in [n for n in args.scaling_engines.split(",") if n]:
             shapes = {"E/8": ((f"E{E // 8}", seq), seq, batch, {"n_routed_experts": E // 8}),
