@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_sideupdate, torch_sidecombine, torch_sidebf16, torch_block1024, jax_bf16moments, jax_defaulttiles, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_sideupdate, torch_sidecombine, torch_sidebf16, torch_nographs, torch_block1024, torch_bf16graphs, jax_bf16moments, jax_defaulttiles, jax_cublas")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --only list this many times over, interleaved (run-to-run spread)")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
@@ -460,9 +460,10 @@ def main(argv=None) -> int:
         "torch_dense": (run_torch, {"options": {"compile": "dense"}}),
         "torch_cudnn": (run_torch, {"options": {"attn_backend": "cudnn"}}),
         "torch_nmajor": (run_torch, {"options": {"grouped_mm_weights": "nmajor"}}),
-        # the compiled blocks and head replayed as CUDA graphs (no kernel-to-kernel launch gaps)
+        # the compiled blocks and head replayed as CUDA graphs (no kernel-to-kernel launch gaps),
+        # with Inductor's combine gradient
         "torch_cudagraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
-                                         "options": {"compile": "block-cudagraphs"}}),
+                                         "options": {"compile": "block-cudagraphs", "combine_grad": "inductor"}}),
         # the combine's and dispatch backward's gather-and-sum fused by Inductor instead of by
         # engines/torch/gather.py's Triton kernels (the default where Triton is installed)
         "torch_inductorgather": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
@@ -493,27 +494,38 @@ def main(argv=None) -> int:
         # the output head's losses fused by Inductor instead of engines/torch/xent.py's kernels
         "torch_inductorxent": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"xent": "inductor"}}),
         # the combine's backward for the sorted rows by gather.py's gather-scale kernel instead of
-        # Inductor's fusion; and the same with bf16 moments
+        # Inductor's fusion, without CUDA graphs; and the same with bf16 moments
         "torch_combinekernel": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
-                                            "options": {"combine_grad": "triton"}}),
+                                            "options": {"combine_grad": "triton", "compile": "block"}}),
         "torch_combinebf16": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"},
-                                          "options": {"combine_grad": "triton"}}),
-        # the combine kernel with the blocks and head replayed as CUDA graphs
+                                          "options": {"combine_grad": "triton", "compile": "block"}}),
+        # the combine kernel with the blocks and head replayed as CUDA graphs (the defaults since
+        # run T of RESULTS_h200.md, where Triton is installed)
         "torch_combinegraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                             "options": {"combine_grad": "triton", "compile": "block-cudagraphs"}}),
         # MasterAdamW's update on a stream of its own, each block's overlapping the forward of the
         # block before (master.py, update_stream "side"); with the combine kernel; and with it and
         # bf16 moments
+        # (without CUDA graphs, which cannot take it)
         "torch_sideupdate": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
-                                                 "MOE_LADDER_TORCH_UPDATE_STREAM": "side"}}),
+                                                 "MOE_LADDER_TORCH_UPDATE_STREAM": "side"},
+                                         "options": {"compile": "block", "combine_grad": "inductor"}}),
         "torch_sidebf16": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
                                                "MOE_LADDER_TORCH_UPDATE_STREAM": "side"},
-                                       "optim": {"moments": "bf16"}, "options": {"combine_grad": "triton"}}),
+                                       "optim": {"moments": "bf16"},
+                                       "options": {"compile": "block", "combine_grad": "triton"}}),
         "torch_sidecombine": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
                                                   "MOE_LADDER_TORCH_UPDATE_STREAM": "side"},
-                                          "options": {"combine_grad": "triton"}}),
+                                          "options": {"compile": "block", "combine_grad": "triton"}}),
+        # the defaults before CUDA graphs and the combine kernel were (blocks compiled, Inductor's
+        # combine gradient)
+        "torch_nographs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+                                       "options": {"compile": "block", "combine_grad": "inductor"}}),
         # MasterAdamW's kernel at 1,024 elements a program for fp32 moments too (the block before)
         "torch_block1024": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "adamw_block": 1024}),
+        # bf16 moments with the default graphs and combine kernel
+        "torch_bf16graphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"},
+                                         "options": {"combine_grad": "triton", "compile": "block-cudagraphs"}}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
