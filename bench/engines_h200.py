@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_sideupdate, torch_sidecombine, torch_sidebf16, torch_nographs, torch_block1024, torch_bf16graphs, jax_bf16moments, jax_defaulttiles, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, jax_bf16moments, jax_defaulttiles, jax_cublas")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --only list this many times over, interleaved (run-to-run spread)")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
@@ -503,20 +503,6 @@ def main(argv=None) -> int:
         # run T of RESULTS_h200.md, where Triton is installed)
         "torch_combinegraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                             "options": {"combine_grad": "triton", "compile": "block-cudagraphs"}}),
-        # MasterAdamW's update on a stream of its own, each block's overlapping the forward of the
-        # block before (master.py, update_stream "side"); with the combine kernel; and with it and
-        # bf16 moments
-        # (without CUDA graphs, which cannot take it)
-        "torch_sideupdate": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
-                                                 "MOE_LADDER_TORCH_UPDATE_STREAM": "side"},
-                                         "options": {"compile": "block", "combine_grad": "inductor"}}),
-        "torch_sidebf16": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
-                                               "MOE_LADDER_TORCH_UPDATE_STREAM": "side"},
-                                       "optim": {"moments": "bf16"},
-                                       "options": {"compile": "block", "combine_grad": "triton"}}),
-        "torch_sidecombine": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
-                                                  "MOE_LADDER_TORCH_UPDATE_STREAM": "side"},
-                                          "options": {"compile": "block", "combine_grad": "triton"}}),
         # the defaults before CUDA graphs and the combine kernel were (blocks compiled, Inductor's
         # combine gradient)
         "torch_nographs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},

@@ -243,7 +243,6 @@ def optimizer_to_numpy(model: MoETransformer, opt: torch.optim.AdamW) -> dict[st
     """AdamW state as {"m/<name>", "v/<name>", "step"} (exp_avg, exp_avg_sq, updates done)."""
     out: dict[str, np.ndarray] = {}
     step = 0
-    getattr(opt, "wait", lambda: None)()
     for name, p in model.named_parameters():
         st = opt.state.get(p)
         if st:
@@ -347,17 +346,13 @@ class TorchEngine:
 
         loss_fn = make_loss_fn(model, device, opt)
 
-        settle = getattr(opt, "wait", lambda: None)  # MasterAdamW's update may be on a stream of its own
-
         def save(done: int) -> None:
-            settle()
             info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
                     "data": stream.state(done)}
             save_checkpoint(run_dir, done, model.to_numpy(), optimizer_to_numpy(model, opt), info,
                             keep=spec.run.keep_checkpoints)
 
         def evaluate() -> float:
-            settle()
             model.eval()
             losses = []
             with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):

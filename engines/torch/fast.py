@@ -409,12 +409,6 @@ class FastLoss:
         mode = self.options.compile if device.type == "cuda" else "none"
         self._block, self._attn, self._moe_route, self._head = block_forward, None, None, head_losses
         self._cudagraphs = mode == "block-cudagraphs"
-        if self._cudagraphs and getattr(working, "update_stream", "main") == "side":
-            # measured on an H200: the replays did not wait for the side stream's update (the
-            # losses left the main-stream run's from the second step on)
-            raise ValueError("compile 'block-cudagraphs' (the default on a GPU) cannot take MasterAdamW's "
-                             "update_stream 'side': set MOE_LADDER_TORCH_COMPILE=block with "
-                             "MOE_LADDER_TORCH_UPDATE_STREAM=side, or leave the update on the main stream")
         if mode in ("block", "block-cudagraphs"):
             # CUDA graphs replay the step's ~1,500 kernels without kernel-to-kernel launch gaps;
             # the working copies keep their addresses, so they are marked static (not copied in)
@@ -476,16 +470,11 @@ class FastLoss:
         with torch.autocast(tokens_BS1.device.type, enabled=False), ctx:
             # F.embedding: its backward is a sorted segment sum; indexing's (index_put with
             # accumulate) took 3.4 ms of a 119 ms H200 step
-            # ready(k): the optimizer's side stream may still be updating the stage's parameters
-            ready = self.working.ready if self.working is not None else (lambda k: None)
-            ready(0)
             x_BSD = F.embedding(inputs_BS, model.embed.weight)
             stats = []
-            for i, (block, w) in enumerate(zip(model.blocks, per_block)):
-                ready(1 + i)
+            for block, w in zip(model.blocks, per_block):
                 x_BSD, st = self._run_block(block, w, x_BSD, cos, sin, mask_SS)
                 stats.append(st)
-            ready(1 + len(model.blocks))
             ce, z = self._head(x_BSD, model.final_norm, lm_head, targets_BS, self.cdt)
         st = {k: torch.stack([s[k] for s in stats]) for k in stats[0]}
         return objective(ce, z, st, optim)

@@ -46,25 +46,6 @@ def default_kernel() -> str:
     return os.environ.get("MOE_LADDER_TORCH_ADAMW", "triton" if adamw_kernel.triton is not None else "compile")
 
 
-def default_update_stream() -> str:
-    """Where MasterAdamW queues its update unless told: $MOE_LADDER_TORCH_UPDATE_STREAM ("side" or
-    "main"), else "main"."""
-    return os.environ.get("MOE_LADDER_TORCH_UPDATE_STREAM", "main")
-
-
-def forward_stages(model: MoETransformer) -> dict[str, int]:
-    """Parameter name -> the point of the forward that first reads it: 0 the embedding, 1 + i
-    block i, n_blocks + 1 the final norm and the head. Working copies take their block's stage."""
-    last = len(model.blocks) + 1
-    out = {}
-    for name, _ in model.named_parameters():
-        if name.startswith("blocks."):
-            out[name] = 1 + int(name.split(".", 2)[1])
-        else:
-            out[name] = 0 if name.startswith("embed.") else last
-    return out
-
-
 def weight_layout(model: MoETransformer) -> dict[str, list[torch.nn.Parameter]]:
     """Working-copy name -> the master parameters it holds, concatenated along the last dim.
     Block weights are named blocks.<i>.<key> with the keys the fast forward reads."""
@@ -146,20 +127,11 @@ class MasterAdamW(torch.optim.Optimizer):
     """AdamW on fp32 masters + working copies in `dtype` (see the module docstring).
 
     Step protocol: forward/backward through `working()`; norm, mult = `grad_norm_and_scale(clip)`;
-    `step(mult, finite)`; `zero_grad()`; read the metrics (rewind() if they were not finite).
-
-    update_stream "side" (CUDA only): the update is queued on a stream of its own, stage by stage
-    in the order the next forward reads the parameters (`forward_stages`), with an event after
-    each. The forward calls `ready(stage)` before it reads a stage, so the update of block i + 1
-    runs while block i computes: 9.5 ms of memory-bound update a step (an H200 at the bench
-    shape, fp32 moments) is otherwise alone on the GPU. Each tensor's kernel is the same, so the
-    result is the same bit for bit. Anything else that reads the parameters or the optimizer
-    state calls `wait()` first (the engine's checkpoint and evaluation do)."""
+    `step(mult, finite)`; `zero_grad()`; read the metrics (rewind() if they were not finite)."""
 
     def __init__(self, model: MoETransformer, param_groups, lr: float, betas: tuple[float, float],
                  eps: float, dtype: torch.dtype = torch.bfloat16, compile: bool | None = None,
-                 kernel: str | None = None, moments: torch.dtype = torch.float32,
-                 update_stream: str | None = None):
+                 kernel: str | None = None, moments: torch.dtype = torch.float32):
         super().__init__(param_groups, {"lr": lr, "betas": betas, "eps": eps, "weight_decay": 0.0})
         if moments not in (torch.float32, torch.bfloat16):
             raise ValueError(f"MasterAdamW moments {moments}: torch.float32 or torch.bfloat16")
@@ -191,18 +163,6 @@ class MasterAdamW(torch.optim.Optimizer):
             self._update = torch.compile(adamw_group_, dynamic=False)
         else:
             self._update = adamw_group_
-        update_stream = update_stream or default_update_stream()
-        if update_stream not in ("main", "side"):
-            raise ValueError(f"MasterAdamW update_stream {update_stream!r}: 'main' or 'side'")
-        self._side = torch.cuda.Stream(first.device) if update_stream == "side" and first.is_cuda else None
-        self.update_stream = "side" if self._side is not None else "main"
-        if self._side is not None and self._update is not adamw_group_kernels_:
-            raise ValueError("MasterAdamW update_stream 'side' needs the Triton update kernel (kernel 'triton' "
-                             "and Triton installed): the compiled update would compile a graph per stage")
-        by_name = forward_stages(model)
-        self._stage = {p: by_name[n] for n, p in model.named_parameters()}
-        self.n_stages = len(model.blocks) + 2
-        self._events: list | None = None  # the last side-stream update's, one per stage
 
     # ---- working copies --------------------------------------------------------------------
 
@@ -215,13 +175,11 @@ class MasterAdamW(torch.optim.Optimizer):
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy every master into its working copy (after the masters were set from outside)."""
-        self.wait()
         for p, (name, a, b) in self._part.items():
             self._leaves[name].detach()[..., a:b].copy_(p)
         self._stale = False
 
     def load_state_dict(self, state_dict) -> None:
-        self.wait()
         super().load_state_dict(state_dict)  # (which casts the moments to the fp32 masters' dtype)
         for st in self.state.values():
             for key in ("exp_avg", "exp_avg_sq"):
@@ -257,7 +215,6 @@ class MasterAdamW(torch.optim.Optimizer):
             raise ValueError("MasterAdamW.step takes no closure")
         if self._stale:  # a step before any forward read the copies
             self.refresh()
-        calls = []  # (ps, gs, ms, vs, leaves, leaf_grads, parts, s_9) a parameter group
         for group in self.param_groups:
             b1, b2 = group["betas"]
             lr, wd, eps = group["lr"], group["weight_decay"], group["eps"]
@@ -299,52 +256,8 @@ class MasterAdamW(torch.optim.Optimizer):
             s_9 = torch.cat([host.to(dev, non_blocking=True),
                              (clip_mult if clip_mult is not None else torch.ones((), device=dev)).reshape(1).float(),
                              (finite if finite is not None else torch.ones((), device=dev)).reshape(1).float()])
-            calls.append((ps, gs, ms, vs, leaves, leaf_grads, parts, s_9))
-        if self._side is None:
-            for c in calls:
-                self._update(*c)
-        else:
-            self._queue_on_side(calls)
+            self._update(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
         return None
-
-    def _queue_on_side(self, calls) -> None:
-        """The groups' updates on the side stream, stage by stage, an event after each stage."""
-        main = torch.cuda.current_stream(self._side.device)
-        self._side.wait_stream(main)  # the gradients, the clip multiplier, the constants
-        for ps, gs, ms, vs, leaves, leaf_grads, parts, s_9 in calls:
-            # freed on the main stream (zero_grad) while the side stream may still read them
-            for t in [*(g for g in gs if g is not None), *leaf_grads, s_9]:
-                t.record_stream(self._side)
-        buckets = []  # [group][stage] -> indices into the group's lists
-        for ps, *_ in calls:
-            b = [[] for _ in range(self.n_stages)]
-            for i, p in enumerate(ps):
-                b[self._stage[p]].append(i)
-            buckets.append(b)
-        events = []
-        with torch.cuda.stream(self._side):
-            for k in range(self.n_stages):
-                for (ps, gs, ms, vs, leaves, leaf_grads, parts, s_9), b in zip(calls, buckets):
-                    if idx := b[k]:
-                        self._update([ps[i] for i in idx], [gs[i] for i in idx], [ms[i] for i in idx],
-                                     [vs[i] for i in idx], leaves, leaf_grads, [parts[i] for i in idx], s_9)
-                events.append(torch.cuda.Event())
-                events[-1].record(self._side)
-        self._events = events
-
-    def ready(self, stage: int) -> None:
-        """Make the current stream wait for the last update of the parameters of `stage`."""
-        if self._events is not None:
-            torch.cuda.current_stream(self._side.device).wait_event(self._events[stage])
-
-    def wait(self) -> None:
-        """Make the current stream wait for the whole last update (before reading the state)."""
-        if self._side is not None:
-            torch.cuda.current_stream(self._side.device).wait_stream(self._side)
-
-    def state_dict(self):
-        self.wait()
-        return super().state_dict()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         super().zero_grad(set_to_none=set_to_none)

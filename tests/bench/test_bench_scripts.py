@@ -14,7 +14,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
-VARIANTS = ["torch", "torch_castmasters", "torch_inductorgather", "torch_cudagraphs", "torch_compileadam", "torch_torchdw", "torch_fusedswiglu", "torch_fusedgather", "torch_fp32router", "torch_inductorswiglu", "torch_bf16moments", "torch_ropebhsq", "torch_inductorxent", "torch_combinekernel", "torch_combinebf16", "torch_combinegraphs", "torch_sideupdate", "torch_sidecombine", "torch_sidebf16", "torch_nographs", "torch_block1024", "torch_bf16graphs", "jax", "jax_bf16moments", "jax_defaulttiles", "jax_cublas", "torch_cap", "jax_cap"]
+VARIANTS = ["torch", "torch_castmasters", "torch_inductorgather", "torch_cudagraphs", "torch_compileadam", "torch_torchdw", "torch_fusedswiglu", "torch_fusedgather", "torch_fp32router", "torch_inductorswiglu", "torch_bf16moments", "torch_ropebhsq", "torch_inductorxent", "torch_combinekernel", "torch_combinebf16", "torch_combinegraphs", "torch_nographs", "torch_block1024", "torch_bf16graphs", "jax", "jax_bf16moments", "jax_defaulttiles", "jax_cublas", "torch_cap", "jax_cap"]
 
 
 def _run(*args, cwd):

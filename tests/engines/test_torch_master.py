@@ -17,7 +17,7 @@ from engines.torch.engine import (
     optimizer_to_numpy,
 )
 from engines.torch.fast import FastLoss
-from engines.torch.master import MasterAdamW, foreach_norms, forward_stages, weight_layout
+from engines.torch.master import MasterAdamW, foreach_norms, weight_layout
 from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec
 
@@ -65,24 +65,6 @@ def test_fp32_working_copies_train_exactly_like_adamw_with_clipping():
     for name, leaf in opt.working().items():  # the copies hold the updated masters
         torch.testing.assert_close(leaf.detach(), torch.cat(weight_layout(model)[name], -1).detach(),
                                    rtol=0, atol=0, msg=name)
-
-
-def test_every_parameter_has_the_stage_at_which_the_forward_first_reads_it():
-    model = _model()
-    stages = forward_stages(model)
-    last = len(model.blocks) + 1
-    assert set(stages) == {n for n, _ in model.named_parameters()}
-    assert stages["embed.weight"] == 0 and stages["lm_head"] == last and stages["final_norm.weight"] == last
-    for name, k in stages.items():
-        if name.startswith("blocks."):
-            assert k == 1 + int(name.split(".")[1]), name
-
-
-def test_an_unknown_update_stream_is_refused():
-    model = _model()
-    plain = build_optimizer(model, SPEC, working=False)
-    with pytest.raises(ValueError, match="update_stream 'sideways'"):
-        MasterAdamW(model, plain.param_groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8, update_stream="sideways")
 
 
 def test_norms_of_a_mixed_dtype_list_come_back_in_its_order():
