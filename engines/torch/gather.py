@@ -10,8 +10,8 @@ Inductor fuses each into a gather + reduction kernel that ran at about 1 TB/s on
 columns at a time) and writes their sum; the gate gradient reads the token's output gradient once
 and its K rows. Rows are read whole and contiguous, each exactly once.
 The combine's gradient for the sorted rows, g_AL[a] = gate[order_A[a]] * g_TL[order_A[a] // K],
-is a gather-and-scale (opt-in, fast.FastOptions.combine_grad; Inductor otherwise fuses it into the
-kernel that sums the residual's gradient).
+is a gather-and-scale (fast.FastOptions.combine_grad, the default where Triton is installed;
+with "inductor", Inductor fuses it into the kernel that sums the residual's gradient).
 
 Where Triton or a GPU is missing, the same functions run as index_select + sum in torch (the
 engine's CPU path and its tests). fast.FastOptions.gather = "triton" (the default where Triton is
