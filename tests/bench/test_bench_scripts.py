@@ -38,6 +38,14 @@ def test_engine_bench_variants_train_and_agree(tmp_path):
     assert "| E16 seq 128 | jax |" in (tmp_path / "table.md").read_text()
 
 
+def test_repeat_runs_the_variant_list_over_interleaved(tmp_path):
+    _run(str(ROOT / "bench/engines_h200.py"), "--tiny", "--only", "torch,torch_nographs", "--repeat", "2",
+         "--steps", "1", "--warmup", "1", "--out", str(tmp_path), cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["torch", "torch_nographs", "torch", "torch_nographs"]
+    assert rows[0]["losses"] == pytest.approx(rows[2]["losses"], rel=1e-6)  # the same run, repeated
+
+
 def test_tile_tuner_reports_every_expert_matmul(tmp_path):
     """bench/tune_mgpu.py starts and reports all six matmuls (on the CPU every Mosaic-GPU config
     is refused, and each op says so)."""
