@@ -339,4 +339,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Leave without the interpreter's finalisation: after a complete run (metrics, status and
+    # checkpoints written atomically, the process group destroyed) a gloo rank could still abort
+    # there ("terminate called without an active exception", exit -6), its transport's worker
+    # threads torn down with the interpreter, which failed the whole launch.
+    os._exit(code)
