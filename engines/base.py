@@ -103,6 +103,13 @@ class MetricsWriter:
         self._f.close()
 
 
+def emulated_ep_note(name: str, ep: int, why: str, needs: str = "") -> str:
+    """The warning both engines give an expert-parallel spec that runs on one GPU with its shards
+    emulated (`needs`: what else the run must have for real expert parallelism)."""
+    return (f"{name}: model.ep_size {ep} runs on one GPU with its {ep} expert shards emulated ({why}); "
+            f"give the run {ep} GPUs (hardware.task_gpus {ep} under Ray){needs} to split the experts over them")
+
+
 def truncate_metrics(path: Path, keep_below_step: int) -> None:
     """Keep only complete records with step < keep_below_step (a torn last line is dropped)."""
     if not path.exists():

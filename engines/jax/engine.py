@@ -32,7 +32,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from engines.base import MetricsWriter, StepMetrics, write_status
+from engines.base import MetricsWriter, StepMetrics, emulated_ep_note, write_status
 from engines.checkpoint import (
     CheckpointError,
     latest_checkpoint,
@@ -81,9 +81,7 @@ def emulation_warning(name: str, cfg: ModelConfig, devices: int, backend: str) -
         return None
     why = ("dropless dispatch has no device mesh here" if cfg.dispatch != "capacity"
            else f"{devices} GPU(s) visible")
-    return (f"{name}: model.ep_size {cfg.ep_size} runs on one GPU with its {cfg.ep_size} expert shards emulated "
-            f"({why}); give the run {cfg.ep_size} GPUs (hardware.task_gpus {cfg.ep_size} under Ray) in capacity "
-            "mode to split the experts over them")
+    return emulated_ep_note(name, cfg.ep_size, why, " in capacity mode")
 
 
 def compiled_steps(cfg: ModelConfig, optim: OptimSpec, bias_rate: float, mesh: Mesh | None):

@@ -29,7 +29,7 @@ from typing import Iterator
 import torch
 
 import engines
-from engines.base import METRICS_FILE, DivergedError, StepMetrics, read_status
+from engines.base import METRICS_FILE, DivergedError, StepMetrics, emulated_ep_note, read_status
 from engines.checkpoint import latest_checkpoint, missing_parent_checkpoint
 from engines.torch.ep import NO_MULTICAST, EPError
 from ladder.fsutil import atomic_write_text
@@ -73,8 +73,7 @@ def emulation_warning(spec: Spec, device: torch.device) -> str | None:
         return None
     n = torch.cuda.device_count()
     why = "MOE_LADDER_TORCH_EP=emulate" if layout() == "emulate" else f"{n} GPU(s) visible"
-    return (f"{spec.name}: model.ep_size {ep} runs on one GPU with its {ep} expert shards emulated ({why}); "
-            f"give the run {ep} GPUs (hardware.task_gpus {ep} under Ray) to split the experts over them")
+    return emulated_ep_note(spec.name, ep, why)
 
 
 def die_with_parent() -> None:
