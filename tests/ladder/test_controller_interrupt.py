@@ -1,7 +1,7 @@
 """`ladder submit` as a real process: Ctrl-C stops it cleanly; SIGKILL mid-sweep and a rerun
 still train every spec exactly once.
 
-One sweep goes through three submissions: the first is interrupted with SIGINT (as a terminal's
+One sweep of four specs goes through three submissions: the first is interrupted with SIGINT (as a terminal's
 Ctrl-C, to the whole process group), the second is SIGKILLed with one run finished and another
 mid-way, the third finishes the sweep.
 """
@@ -25,7 +25,9 @@ from ladder.experiment import load_experiment
 pytestmark = pytest.mark.slow
 
 STEPS = 40
-RUNGS = [("a", {}), ("b", {"seed": 1}), ("c", {"seed": 2})]
+# four rungs: a Ctrl-C that comes late (a busy machine) can leave the first two finished, and the
+# second submission still needs two to train (one finished and one mid-way when it is killed)
+RUNGS = [("a", {}), ("b", {"seed": 1}), ("c", {"seed": 2}), ("d", {"seed": 3})]
 
 
 def attempts(run_dir: Path) -> list[dict]:
