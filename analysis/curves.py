@@ -53,7 +53,7 @@ depend on N).
 
 Learning rates: `lr` is either one value per logged step (sampled schedule: linear between samples,
 before the first sample a linear warmup from 0 at step 0) or a dense per-step array (lr[s] is the
-LR of step s, len > last step), e.g. ladder.schedule.lr_at(spec, np.arange(spec.total_steps)).
+LR of step s, len > last step), e.g. core.schedule.lr_at(spec, np.arange(spec.total_steps)).
 
 Shape legend: n evaluated steps, T steps of a dense schedule, b lumped LR-change blocks per step,
 P model parameters (7 mpl / 4 lra), Z fitted coordinates (P plus the size-law terms), K bootstrap draws.

@@ -26,9 +26,9 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from ladder import costs
-from ladder.schedule import lr_at
-from ladder.spec import Spec
+from core import costs
+from core.schedule import lr_at
+from core.spec import Spec
 
 LEVEL = 0.9
 Z90 = 1.6448536269514722

@@ -190,7 +190,7 @@ class RunRef:
     label: str
     metrics_path: Path
     run_dir: Path | None = None
-    spec: Any = None  # ladder.spec.Spec, when the run dir holds its spec file
+    spec: Any = None  # core.spec.Spec, when the run dir holds its spec file
     spec_id: str | None = None  # from the spec file, a checkpoint's state.json or status.json
 
     def status(self) -> dict:
@@ -220,7 +220,7 @@ class RunRef:
 
 
 def _run_dir_facts(run_dir: Path) -> tuple[Any, str | None]:
-    from ladder.spec import load_spec
+    from core.spec import load_spec
 
     spec = None
     for name in SPEC_FILES:
@@ -298,7 +298,7 @@ def check_spec_matches(spec: Any, df: pd.DataFrame, ref: RunRef | None = None) -
     records before it are the parent's), tokens per step that differ, or steps past its end."""
     import numpy as np
 
-    from ladder.schedule import lr_at
+    from core.schedule import lr_at
 
     origin = ref.label if ref else "the run"
     if ref is not None and ref.spec_id and ref.spec_id != spec.id:

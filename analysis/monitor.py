@@ -59,7 +59,7 @@ import pandas as pd
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from ladder.spec import Spec
+from core.spec import Spec
 
 Severity = Literal["info", "warning", "critical"]
 SEVERITY_RANK = {"info": 0, "warning": 1, "critical": 2}
@@ -342,7 +342,7 @@ def spec_warmup_steps(spec: Spec) -> int:
 def planned_tokens_per_s(spec: Spec) -> float | None:
     """Tokens/s the spec's hardware gives at its expected MFU (None when the cost model is missing)."""
     try:
-        from ladder.costs import flops_per_token
+        from core.costs import flops_per_token
     except ImportError:
         return None
     devices = max(spec.hardware.n_gpus, 1)
@@ -654,7 +654,7 @@ def plot_report(df: pd.DataFrame, report: MonitorReport, forecast: Forecast | No
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from ladder.fsutil import atomic_write_bytes
+    from core.fsutil import atomic_write_bytes
 
     steps = df["step"].to_numpy()
     gn = _col(df, "grad_norm")

@@ -14,7 +14,7 @@ Options (Marin's contingency plan, DESIGN.md):
 
 - `keep`: the plan as it is; projected finish and final loss.
 - `shorten`: a shorter token horizon that meets the deadline. The LR decay is re-timed through
-  ladder.spec.Rejoin (linear and cosine decays: from the resume step the LR goes, in the same shape,
+  core.spec.Rejoin (linear and cosine decays: from the resume step the LR goes, in the same shape,
   from its value there to min_lr_ratio x peak at the new end; WSD and constant runs still in their
   flat part just get the new total, with the warmup pinned in steps). Checked here: the LR is the
   parent's at every step before the join, continuous at it, and reaches the minimum at the new end.
@@ -25,7 +25,7 @@ Options (Marin's contingency plan, DESIGN.md):
   keep their fraction of the new budget (an 80/20 pretrain/midtrain split stays 80/20). Only when
   the spec has phases.
 - Token drops over budget (monitor flag `token_drops`): `capacity` raises both capacity factors
-  (memory per GPU from ladder.costs; refused when it no longer fits hardware.hbm_gb), `dropless`
+  (memory per GPU from core.costs; refused when it no longer fits hardware.hbm_gb), `dropless`
   switches to ragged dispatch, `sequence_balance` balances the router per sequence.
 - Divergence (NaN or inf, the run's status "diverged", a loss jump, grad norm past its critical
   threshold; spikes and grad-norm growth alone are not enough): rewind to the last kept checkpoint
@@ -58,8 +58,8 @@ import pandas as pd
 
 from analysis.metrics_io import RunRef
 from analysis.monitor import Forecast, MonitorReport, MonitorSettings, measured_tokens_per_s, monitor, planned_tokens_per_s
-from ladder.schedule import lr_at
-from ladder.spec import Rejoin, Spec
+from core.schedule import lr_at
+from core.spec import Rejoin, Spec
 
 # Flags that call for a rewind: NaN/inf, the run's own "diverged", a loss jump, or grad norm past the
 # critical threshold. Spikes, grad-norm growth and grad norm over the warning threshold are routine
@@ -743,7 +743,7 @@ def make_replan(
 
 
 def _drop_option(st, kind, title, why, join, deadline, forecaster, changes, note="") -> Option:
-    from ladder import costs
+    from core import costs
 
     new = _derive(st.spec, kind, why + f"; {title}", join, **changes)
     opt = Option(kind, title, new, join, why + f"; {title}", note=note)
@@ -809,8 +809,8 @@ def _recommend(st: RunState, options: list[Option], deadline, bad, drops) -> tup
 
 def write_replan(plan: Replan, out_dir: str | Path) -> dict[str, str]:
     """Writes each allowed option's spec (`<n>-<kind>.yaml`) and replan.json; returns their paths."""
-    from ladder.fsutil import atomic_write_text
-    from ladder.spec import save_spec
+    from core.fsutil import atomic_write_text
+    from core.spec import save_spec
 
     out = Path(out_dir)
     paths: dict[str, str] = {}

@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from ladder.fsutil import atomic_write_text  # noqa: E402
+from core.fsutil import atomic_write_text  # noqa: E402
 
 COLORS = plt.get_cmap("viridis")
 

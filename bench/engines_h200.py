@@ -10,7 +10,7 @@ same in capacity mode (factors 1.25, one shard). Every variant trains on the sam
 (engines/data.py) from step 0; warm-up steps (compilation included) are not timed; the timed steps
 run back to back between two device synchronisations.
 
-Columns: tokens/s; model TFLOP/s = tokens/s x training FLOPs per token (ladder.costs.flops_per_token:
+Columns: tokens/s; model TFLOP/s = tokens/s x training FLOPs per token (core.costs.flops_per_token:
 6 x (active params incl. router + lm head) + causal attention, cross-checked against an independent
 count below); MFU against a large bf16 matmul timed in the same process; peak memory (torch: max
 allocated; JAX: the compiled step's planned footprint, arguments + temporaries); the ratio of
@@ -69,7 +69,7 @@ def log(*a):
 
 def make_spec(n_steps: int, seq: int = 4096, batch: int = 4, engine: str = "torch", optim: dict | None = None,
               **model):
-    from ladder.spec import Spec
+    from core.spec import Spec
 
     return Spec.model_validate({
         "name": "olmoe-like", "engine": engine, "seed": 0,
@@ -390,7 +390,7 @@ def main(argv=None) -> int:
     ceiling = matmul_ceiling() if DEVICE == "cuda" else matmul_ceiling(512, 3)
     log(f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
     from engines.data import TokenStream
-    from ladder.costs import flops_per_token
+    from core.costs import flops_per_token
 
     rows: list[dict] = []
     ref_tps: dict[tuple, float] = {}
@@ -528,7 +528,7 @@ def main(argv=None) -> int:
         stream = TokenStream.from_spec(spec0)
         batches = [stream.batch(i) for i in range(n_total)]
         f_ind = independent_flops_per_token(spec0.model.model_dump(), seq)
-        log(f"{key}: flops/token ladder.costs {flops_per_token(spec0, seq):.4e}, independent {f_ind:.4e}")
+        log(f"{key}: flops/token core.costs {flops_per_token(spec0, seq):.4e}, independent {f_ind:.4e}")
         for name in names:
             runner, kw = runners[name]
             kw = dict(kw)

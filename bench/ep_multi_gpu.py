@@ -70,7 +70,7 @@ def log(*a):
 
 def make_spec(ep: int, steps: int, gpu: bool, capacity_factor: float | None = None, batch: int | None = None,
               peak_lr: float = 2e-3, warmup_frac: float = 0.1):
-    from ladder.spec import Spec
+    from core.spec import Spec
 
     model, data = (GPU_MODEL, GPU_DATA) if gpu else (CPU_MODEL, CPU_DATA)
     if capacity_factor is not None:
@@ -100,7 +100,7 @@ def _timed_rows(spec, run_step) -> list[dict]:
     import numpy as np
 
     from engines.data import TokenStream
-    from ladder.schedule import lr_at
+    from core.schedule import lr_at
 
     stream = TokenStream.from_spec(spec)
     lrs = lr_at(spec, np.arange(spec.total_steps))
@@ -126,7 +126,7 @@ def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
 
     from engines.torch.engine import build_optimizer, cpu_threads, finish_step, launch_step, make_loss_fn
     from engines.torch.model import MoETransformer, init_params
-    from ladder.spec import load_spec
+    from core.spec import load_spec
 
     spec = load_spec(spec_path)
     device = torch.device(device_name)
@@ -162,7 +162,7 @@ def jax_run(spec_path: Path, out_path: Path) -> None:
     from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
     from engines.jax.model import ModelConfig, init_params
     from engines.jax.train import TrainState
-    from ladder.spec import load_spec
+    from core.spec import load_spec
 
     spec = load_spec(spec_path)
     configure_jax()
@@ -415,7 +415,7 @@ def main() -> int:
 
     import torch
 
-    from ladder.spec import save_spec
+    from core.spec import save_spec
 
     n_gpus = 0 if args.cpu else torch.cuda.device_count()
     gpu = n_gpus > 0

@@ -37,10 +37,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Iterator, Protocol, runtime_checkable
 
-from ladder.spec import Spec
-
-METRICS_FILE = "metrics.jsonl"
-STATUS_FILE = "status.json"
+from core.rundir import METRICS_FILE, STATUS_FILE, MetricsWriter, RunDir  # noqa: F401 (engines' public names)
+from core.spec import Spec
 
 
 @dataclass
@@ -85,24 +83,6 @@ class Engine(Protocol):
     def train(self, spec: Spec, run_dir: str | Path, resume: bool = True) -> Iterator[StepMetrics]: ...
 
 
-class MetricsWriter:
-    """Appends records to metrics.jsonl, flushed per record. On resume, records past the
-    checkpoint step are dropped first, so the file never holds a step twice."""
-
-    def __init__(self, run_dir: str | Path, resume_step: int):
-        self.path = Path(run_dir) / METRICS_FILE
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        truncate_metrics(self.path, resume_step)
-        self._f = open(self.path, "a")
-
-    def write(self, m: StepMetrics) -> None:
-        self._f.write(m.to_json() + "\n")
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
-
-
 def emulated_ep_note(name: str, ep: int, why: str, needs: str = "") -> str:
     """The warning both engines give an expert-parallel spec that runs on one GPU with its shards
     emulated (`needs`: what else the run must have for real expert parallelism)."""
@@ -111,42 +91,18 @@ def emulated_ep_note(name: str, ep: int, why: str, needs: str = "") -> str:
 
 
 def truncate_metrics(path: Path, keep_below_step: int) -> None:
-    """Keep only complete records with step < keep_below_step (a torn last line is dropped)."""
-    if not path.exists():
-        return
-    kept = []
-    for line in path.read_text().splitlines():
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if rec.get("step", math.inf) < keep_below_step:
-            kept.append(line)
-    from ladder.fsutil import atomic_write_text
-
-    atomic_write_text(path, "".join(l + "\n" for l in kept))
+    """Keep only complete records with step < keep_below_step (see core.rundir)."""
+    RunDir(Path(path).parent).truncate_metrics(keep_below_step)
 
 
 def read_metrics(run_dir: str | Path) -> list[dict]:
-    path = Path(run_dir) / METRICS_FILE
-    if not path.exists():
-        return []
-    out = []
-    for line in path.read_text().splitlines():
-        try:
-            out.append(json.loads(line))
-        except json.JSONDecodeError:
-            continue  # a torn final line from a killed writer
-    return out
+    return RunDir(run_dir).read_metrics()
 
 
 def write_status(run_dir: str | Path, state: str, **info) -> None:
     """state: running | finished | diverged | failed."""
-    from ladder.fsutil import atomic_write_json
-
-    atomic_write_json(Path(run_dir) / STATUS_FILE, {"state": state, **info})
+    RunDir(run_dir).write_status(state, **info)
 
 
 def read_status(run_dir: str | Path) -> dict:
-    p = Path(run_dir) / STATUS_FILE
-    return json.loads(p.read_text()) if p.exists() else {"state": "pending"}
+    return RunDir(run_dir).read_status()

@@ -208,7 +208,7 @@ def init_from_checkpoint(run_dir: str | Path, source: str | Path, metrics_from: 
     the child's metrics.jsonl is one continuous curve. Idempotent: a run dir that already has a
     checkpoint at or past that step is left alone."""
     from engines.base import METRICS_FILE
-    from ladder.fsutil import atomic_write_text
+    from core.fsutil import atomic_write_text
 
     source = Path(source)
     params, opt, state = load_checkpoint(source)  # validates before anything is written

@@ -68,7 +68,7 @@ from typing import Iterable
 
 import numpy as np
 
-from ladder.spec import DataSpec, SourceSpec, Spec
+from core.spec import DataSpec, SourceSpec, Spec
 
 DOC_SEP = 0  # byte 0 never occurs in text; it marks a document boundary (an end-of-text token)
 DATA_TAG = 0x64617461  # "data"
@@ -273,7 +273,7 @@ def _tokenize(source: SourceSpec, tokenizer: str, files, read) -> tuple[np.ndarr
 
 
 def _atomic_save_npy(path: Path, arr: np.ndarray, meta: dict) -> None:
-    from ladder.fsutil import atomic_write_json
+    from core.fsutil import atomic_write_json
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")

@@ -1,6 +1,6 @@
 """Marin's public 535B-A23B MoE: the four-rung ladder (~1% of hero compute) and the hero.
 
-Every model follows one shape rule (ladder.rules.moe_model): head dim 128, KV = heads / 4,
+Every model follows one shape rule (core.rules.moe_model): head dim 128, KV = heads / 4,
 384 routed experts top-8 inside a latent of d/2, 2 shared experts, vocab 128,256 untied,
 4,096 context with a 2,048 sliding window, capacity factors 1.15 / 1.15 over 3 waves, EP 64.
 Batches are 1,024 sequences per GB200 NVL72 rack. For planning (`ladder plan`): the data paths
@@ -8,7 +8,7 @@ name the user's own token store.
 """
 
 from ladder.experiment import Experiment
-from ladder.rules import moe_model, run_spec
+from core.rules import moe_model, run_spec
 
 SEQ = 4096
 SOURCES = [

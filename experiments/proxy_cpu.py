@@ -1,6 +1,6 @@
 """Marin's ladder scaled down to a 2-core CPU: four rungs and a hero proxy on real text.
 
-Same rules as experiments/marin_535b.py (ladder.rules.moe_model): routed experts top-k inside a
+Same rules as experiments/marin_535b.py (core.rules.moe_model): routed experts top-k inside a
 latent of d/2 with 2 shared experts, capacity factors 1.15 over 3 waves on emulated EP shards,
 sliding-window attention, z-loss 1e-4, 1% warmup then linear decay to 5% of peak, a fixed
 tokens-per-active-parameter budget, peak LR falling as 1/sqrt(width). Byte-level tokens of the
@@ -8,9 +8,9 @@ Python installation's own source code and prose, mixed 70/30. The rungs span 82x
 the hero proxy is 4.9x the largest rung.
 """
 
-from ladder.costs import param_counts
+from core.costs import param_counts
 from ladder.experiment import Experiment
-from ladder.rules import moe_model, run_spec
+from core.rules import moe_model, run_spec
 
 SEQ, BATCH = 128, 8
 TOKENS_PER_ACTIVE = 20

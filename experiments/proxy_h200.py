@@ -2,15 +2,15 @@
 proxy, planned to fit in about 20 GPU-minutes at the 12% MFU the torch engine measured on these
 shapes (bf16, capacity mode).
 
-Same rules as experiments/marin_535b.py (ladder.rules.moe_model) with 64 routed experts top-8
+Same rules as experiments/marin_535b.py (core.rules.moe_model) with 64 routed experts top-8
 inside a latent of d/2, 2 shared experts, head dim 64, capacity factors 1.15 over 3 waves on 8
 emulated EP shards, a 512-token sliding window in 1,024-token sequences, z-loss 1e-4, 1% warmup
 then linear decay to 5% of peak, 5 tokens per active parameter. Byte-level real text.
 """
 
-from ladder.costs import param_counts
+from core.costs import param_counts
 from ladder.experiment import Experiment
-from ladder.rules import moe_model, run_spec
+from core.rules import moe_model, run_spec
 
 SEQ, BATCH = 1024, 64
 TOKENS_PER_ACTIVE = 5

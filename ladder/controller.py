@@ -30,7 +30,7 @@ from rich.table import Table
 from ladder import ledger
 from ladder.errors import LadderError
 from ladder.experiment import Experiment, load_experiment
-from ladder.spec import Spec
+from core.spec import Spec
 
 DEFER_POLL_S = 2.0
 STOP_GRACE_S = 10.0  # how long a Ctrl-C waits for workers to stop at a step before ray.cancel

@@ -6,7 +6,7 @@ from __future__ import annotations
 from pydantic import ValidationError
 from rich.console import Console
 
-from ladder.spec import SpecError, format_validation_error
+from core.spec import SpecError, format_validation_error
 
 
 class LadderError(Exception):

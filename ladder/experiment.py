@@ -9,7 +9,8 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ladder.spec import Spec, SpecError
+from core.spec import Spec, SpecError
+from engines.registry import engine_names
 
 
 @dataclass(frozen=True)
@@ -63,4 +64,14 @@ def load_experiment(path: str | Path) -> Experiment:
         raise SpecError(f"{origin}: defines no EXPERIMENT = Experiment(...)")
     if not exp.path:
         object.__setattr__(exp, "path", str(origin))
+    for spec in exp.all_specs():
+        check_engine(spec)
     return exp
+
+
+def check_engine(spec: Spec) -> Spec:
+    """Engine names are checked where engines are chosen (here and in the CLI), not inside Spec."""
+    names = engine_names()
+    if spec.engine not in names:
+        raise SpecError(f"{spec.name}: unknown engine {spec.engine!r}; registered engines: {', '.join(sorted(names))}")
+    return spec

@@ -36,16 +36,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
-from engines.base import METRICS_FILE, read_status
-from ladder.fsutil import atomic_write_json, atomic_write_text
+from core.rundir import METRICS_FILE, SPEC_FILE, RunDir
+from engines.base import read_status
+from core.fsutil import atomic_write_json, atomic_write_text
 
 if TYPE_CHECKING:
     import pandas as pd
 
     from ladder.experiment import Experiment
-    from ladder.spec import Spec
+    from core.spec import Spec
 
-SPEC_FILE = "spec.yaml"
 TRACKING_FILE = "tracking.json"
 STATES = ("pending", "running", "finished", "failed", "diverged")
 
@@ -78,27 +78,9 @@ def write_spec_file(run_dir: Path, spec: "Spec") -> None:
 
 
 # ---- run state -----------------------------------------------------------------------------
-def last_metrics(run_dir: str | Path, chunk: int = 16384) -> dict | None:
+def last_metrics(run_dir: str | Path) -> dict | None:
     """The last complete record of metrics.jsonl, read from the file's end (cheap on long runs)."""
-    path = Path(run_dir) / METRICS_FILE
-    try:
-        with open(path, "rb") as f:
-            f.seek(0, os.SEEK_END)
-            size = f.tell()
-            back = min(size, chunk)
-            while True:
-                f.seek(size - back)
-                lines = f.read(back).splitlines()
-                for raw in reversed(lines[1:] if back < size else lines):
-                    try:
-                        return json.loads(raw)
-                    except json.JSONDecodeError:
-                        continue  # a torn line from a killed writer
-                if back >= size:
-                    return None
-                back = min(size, back * 4)
-    except FileNotFoundError:
-        return None
+    return RunDir(run_dir).last_metrics()
 
 
 def final_step(spec: "Spec") -> int:
@@ -187,7 +169,7 @@ def records(
 ) -> list[RunRecord]:
     """One record per spec: the run dirs under root, plus the specs of an experiment file that
     have no run dir yet (pending). `experiment` is a name, an experiment file or an Experiment."""
-    from ladder.spec import load_spec
+    from core.spec import load_spec
 
     root = ladder_root(root)
     exp_obj = as_experiment(experiment)
@@ -232,7 +214,7 @@ def runs_frame(
 def as_experiment(experiment) -> "Experiment | None":
     """An Experiment from an Experiment, an experiment file or a module name; None for a bare name."""
     from ladder.experiment import Experiment, load_experiment
-    from ladder.spec import SpecError
+    from core.spec import SpecError
 
     if experiment is None or isinstance(experiment, Experiment):
         return experiment

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ladder.spec import Spec
+from core.spec import Spec
 
 DEFAULT_SOURCES = (
     {"name": "code", "builtin": "python_code", "weight": 0.7},

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from mlflow import MlflowClient
 
     from ladder.experiment import Experiment
-    from ladder.spec import Spec
+    from core.spec import Spec
 
 SENTINEL_KEY = "loss"
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
@@ -586,7 +586,7 @@ class SyncResult:
 def sync_runs(root: str | Path | None = None, experiment: str | None = None, tracking_uri: str | None = None) -> list[SyncResult]:
     """Upload to MLflow whatever of each run dir it lacks; runs a live worker is training are
     left to that worker."""
-    from ladder.spec import load_spec
+    from core.spec import load_spec
 
     root = ledger.ladder_root(root)
     uri = resolve_tracking_uri(tracking_uri, root)

@@ -48,9 +48,9 @@ from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.params import is_buffer
 from engines.jax.moe import EP_AXIS, capacities
 from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
-from ladder.costs import flops_per_token
-from ladder.schedule import lr_at
-from ladder.spec import OptimSpec, Spec
+from core.costs import flops_per_token
+from core.schedule import lr_at
+from core.spec import OptimSpec, Spec
 
 EXPERT_SUFFIXES = (".moe.experts.w_gate", ".moe.experts.w_up", ".moe.experts.w_down")
 

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from engines.params import init_arrays, is_buffer, tensor_shapes
-from ladder.spec import ModelSpec
+from core.spec import ModelSpec
 
 Params = dict[str, jax.Array]
 

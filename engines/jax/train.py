@@ -1,7 +1,7 @@
 """The pure, jit-compiled train and eval steps.
 
 train_step(state, tokens_BS1, lr) -> (state, metrics): the learning rate is an argument (from
-ladder.schedule.lr_at, outside), never an optax schedule of its own, so the one LR function
+core.schedule.lr_at, outside), never an optax schedule of its own, so the one LR function
 rules both engines. AdamW is optax's own construction (scale_by_adam, decoupled weight decay on
 matrices only, times -lr) after clip_by_global_norm; the grad norm reported is the one before
 clipping. The router-bias buffers move by sign balancing after the update, outside the gradient.
@@ -19,7 +19,7 @@ from jax.sharding import Mesh
 
 from engines.jax.model import ModelConfig, Params, forward
 from engines.jax.moe import make_moe_fn
-from ladder.spec import OptimSpec
+from core.spec import OptimSpec
 
 
 class TrainState(NamedTuple):

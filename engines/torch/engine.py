@@ -55,8 +55,8 @@ from engines.checkpoint import (
 from engines.data import TokenStream
 from engines.lookahead import close_step, train_loop
 from engines.torch.model import MoETransformer, init_params, loss_terms
-from ladder.schedule import lr_at
-from ladder.spec import Spec
+from core.schedule import lr_at
+from core.spec import Spec
 
 METRIC_KEYS = ("loss", "z_loss", "aux_loss", "router_z_loss", "drop_frac_send", "drop_frac_recv",
                "expert_load_max", "router_entropy", "total_loss")
@@ -70,7 +70,7 @@ def default_device() -> torch.device:
 
 def _flops_per_token(spec: Spec, seq_len: int) -> float:
     try:
-        from ladder.costs import flops_per_token
+        from core.costs import flops_per_token
     except ImportError:
         return 0.0
     return float(flops_per_token(spec, seq_len))

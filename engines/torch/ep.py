@@ -53,7 +53,7 @@ from engines.torch.fast import (
     moe_route,
 )
 from engines.torch.model import Experts, MoETransformer, attention_mask, group_counts, partial_inverse, rope_tables
-from ladder.spec import ModelSpec
+from core.spec import ModelSpec
 
 EXPERT_MARK = ".moe.experts."
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}

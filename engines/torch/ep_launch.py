@@ -32,8 +32,8 @@ import engines
 from engines.base import METRICS_FILE, DivergedError, StepMetrics, emulated_ep_note, read_status
 from engines.checkpoint import latest_checkpoint, missing_parent_checkpoint
 from engines.torch.ep import NO_MULTICAST, EPError
-from ladder.fsutil import atomic_write_text
-from ladder.spec import Spec
+from core.fsutil import atomic_write_text
+from core.spec import Spec
 
 LAYOUTS = ("auto", "emulate", "processes")
 SPEC_FILE = "ep_spec.json"

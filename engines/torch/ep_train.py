@@ -60,9 +60,9 @@ from engines.torch.ep import (
     step_metrics,
 )
 from engines.torch.model import init_params
-from ladder.fsutil import atomic_write_json
-from ladder.schedule import lr_at
-from ladder.spec import Spec
+from core.fsutil import atomic_write_json
+from core.schedule import lr_at
+from core.spec import Spec
 
 ENGINE_NAME = "torch"
 SUMMARY_FILE = "ep.json"
@@ -281,7 +281,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from pydantic import ValidationError
 
-    from ladder.spec import SpecError, format_validation_error, load_spec
+    from core.spec import SpecError, format_validation_error, load_spec
 
     try:
         spec = load_spec(args.spec)

@@ -36,7 +36,7 @@ import torch
 from engines.torch import adamw_kernel
 from engines.torch.adamw_kernel import adamw_launch, kernel_usable
 from engines.torch.model import MoETransformer
-from ladder.spec import BF16_MOMENTS_MAX_BETA2
+from core.spec import BF16_MOMENTS_MAX_BETA2
 
 
 def default_kernel() -> str:

@@ -38,7 +38,7 @@ from torch import nn
 
 from engines.dispatch_ref import capacities
 from engines.params import init_arrays, tensor_shapes
-from ladder.spec import ModelSpec
+from core.spec import ModelSpec
 
 # ---- parameters ---------------------------------------------------------------------------------
 

@@ -35,7 +35,7 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
 def load_inputs(run: str | None, metrics: str | None, spec_path: str | None, root: str | None,
                 loss_col: str | None):
     from analysis.metrics_io import check_spec_matches, read_metrics_frame, resolve_run
-    from ladder.spec import load_spec
+    from core.spec import load_spec
 
     ref = resolve_run(run, metrics, root)
     df = read_metrics_frame(ref.metrics_path, {"loss": loss_col} if loss_col else None)

@@ -22,7 +22,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ladder.errors import LadderError
-from ladder.fsutil import json_safe
+from core.fsutil import json_safe
 
 _LIST_OPTIONS = ("--train", "--predict")
 
@@ -109,7 +109,7 @@ def register(app: typer.Typer) -> None:
         Curves of several sizes fit a size law; a predicted file's params says which size to predict.
         """
         from analysis.curves import CurveError, MODELS, fit_curves, relative_errors
-        from ladder.fsutil import atomic_write_text
+        from core.fsutil import atomic_write_text
 
         lists = _split_lists(list(ctx.args))
         train, predict = [Path(p) for p in lists["--train"]], [Path(p) for p in lists["--predict"]]

@@ -50,9 +50,9 @@ def register(app: typer.Typer) -> None:
         """Fit the laws and the curve model on the finished rungs; forecast the hero (forecast.json + plot)."""
         from analysis.forecast import forecast
         from analysis.report import plot_law
-        from ladder import costs
+        from core import costs
         from ladder.experiment import load_experiment
-        from ladder.fsutil import atomic_write_json
+        from core.fsutil import atomic_write_json
         from ladder.ledger import ladder_root
 
         exp = load_experiment(experiment)
@@ -114,7 +114,7 @@ def register(app: typer.Typer) -> None:
         """A self-contained HTML report (plots as PNG files beside it)."""
         from analysis.metrics_io import read_metrics_frame
         from analysis.report import build_report
-        from ladder import costs
+        from core import costs
         from ladder.experiment import load_experiment
         from ladder.ledger import ladder_root, run_dir_for
 

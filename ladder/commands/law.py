@@ -13,7 +13,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ladder.errors import LadderError
-from ladder.fsutil import json_safe
+from core.fsutil import json_safe
 
 
 def _load(file: Path, cols: dict[str, str], loss_col: str, drop_highest: int, min_rows: int):

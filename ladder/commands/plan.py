@@ -8,9 +8,9 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from ladder import costs
-from ladder.experiment import load_experiment
-from ladder.spec import Spec
+from core import costs
+from core.spec import Spec, load_spec
+from ladder.experiment import check_engine, load_experiment
 
 
 def plan_rows(experiment: str) -> tuple[list[dict], dict]:
@@ -68,7 +68,5 @@ def register(app: typer.Typer) -> None:
     @app.command("validate")
     def validate_cmd(path: str = typer.Argument(..., help="spec YAML or JSON")) -> None:
         """Validate a spec file and print its id."""
-        from ladder.spec import load_spec
-
-        spec = load_spec(path)
+        spec = check_engine(load_spec(path))
         print(f"{spec.name}: ok, id {spec.id}, {spec.total_steps} steps")

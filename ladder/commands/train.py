@@ -27,7 +27,7 @@ def register(app: typer.Typer) -> None:
         from engines.base import DivergedError
         from engines.registry import engine_names, get_engine
         from ladder.errors import LadderError
-        from ladder.spec import load_spec
+        from core.spec import load_spec
 
         spec = load_spec(spec_path)
         if engine is not None:

@@ -21,8 +21,8 @@ from engines.base import read_metrics
 from engines.checkpoint import init_from_checkpoint, step_dir_name
 from engines.registry import get_engine
 from ladder.presets import micro_spec
-from ladder.schedule import lr_at
-from ladder.spec import load_spec, save_spec
+from core.schedule import lr_at
+from core.spec import load_spec, save_spec
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS_PER_STEP = 512  # micro spec: 8 sequences of 64 tokens

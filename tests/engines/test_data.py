@@ -8,7 +8,7 @@ import pytest
 
 from engines.data import DataError, TokenStream, load_source
 from ladder.presets import micro_spec
-from ladder.spec import SourceSpec
+from core.spec import SourceSpec
 
 
 def _digest(arrays) -> str:

@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent(
     from engines.data import TokenStream
     from engines.base import read_metrics
     from ladder.presets import micro_spec
-    from ladder.schedule import lr_at
+    from core.schedule import lr_at
 
     configure_jax()
     assert len(jax.devices()) == 4, jax.devices()

@@ -16,7 +16,7 @@ import pytest
 from engines.base import read_metrics, read_status
 from engines.checkpoint import latest_checkpoint, load_checkpoint
 from ladder.presets import micro_spec
-from ladder.spec import save_spec
+from core.spec import save_spec
 
 pytestmark = pytest.mark.slow
 

@@ -42,7 +42,7 @@ def test_metrics_file_holds_every_step_once_with_evals_where_due(run):
     for key in ("loss", "grad_norm", "lr", "z_loss", "aux_loss", "router_entropy", "expert_load_max",
                 "tokens_per_s", "mfu"):
         assert all(np.isfinite(r[key]) and r[key] > 0 for r in rows), key
-    assert rows[0]["lr"] == pytest.approx(SPEC.optim.peak_lr / 5)  # warmup from ladder.schedule
+    assert rows[0]["lr"] == pytest.approx(SPEC.optim.peak_lr / 5)  # warmup from core.schedule
     # the grad norm is logged before clipping: early steps exceed the clip threshold
     assert max(r["grad_norm"] for r in rows) > SPEC.optim.grad_clip
     assert {"router_z_loss", "total_loss"} <= set(rows[0]["extra"])

@@ -47,7 +47,7 @@ def plugin_path(tmp_path):
 
 def test_a_plugin_engine_is_found_validated_and_trains(plugin_path, tmp_path):
     from ladder.presets import micro_spec
-    from ladder.spec import save_spec
+    from core.spec import save_spec
 
     spec_file = save_spec(micro_spec(**{"data.total_tokens": 64 * 8 * 5}), tmp_path / "s.yaml")
     env = {**os.environ, "PYTHONPATH": f"{plugin_path}{os.pathsep}{ROOT}"}

@@ -4,7 +4,7 @@ import subprocess
 import sys
 
 from ladder.presets import micro_spec
-from ladder.spec import save_spec
+from core.spec import save_spec
 
 
 def test_a_missing_data_source_is_named_and_nothing_is_trained(tmp_path):

@@ -109,7 +109,7 @@ def test_ladder_train_runs_the_ranks(tmp_path):
     import subprocess
     import sys
 
-    from ladder.spec import save_spec
+    from core.spec import save_spec
 
     path = save_spec(SPEC, tmp_path / "spec.yaml")
     env = dict(os.environ, **CPU_ENV, MOE_LADDER_TORCH_EP="processes")
@@ -123,7 +123,7 @@ def test_ladder_train_runs_the_ranks(tmp_path):
 KILLED_DRIVER = """
 import sys
 from engines.torch.engine import TorchEngine
-from ladder.spec import load_spec
+from core.spec import load_spec
 for m in TorchEngine("cpu").train(load_spec(sys.argv[1]), sys.argv[2]):
     print(m.step, flush=True)
 """
@@ -138,7 +138,7 @@ def test_a_sigkilled_launcher_takes_every_rank_with_it(tmp_path):
     import sys
     import time
 
-    from ladder.spec import save_spec
+    from core.spec import save_spec
 
     long = SPEC.model_copy(update={"data": SPEC.data.model_copy(update={"total_tokens": 2000 * 64 * 8})})
     path = save_spec(long, tmp_path / "spec.yaml")

@@ -14,7 +14,7 @@ from engines.base import read_metrics, read_status
 from engines.checkpoint import init_from_checkpoint, latest_checkpoint, load_checkpoint
 from engines.torch.engine import TorchEngine
 from ladder.presets import micro_spec
-from ladder.spec import save_spec
+from core.spec import save_spec
 
 LADDER = [sys.executable, "-m", "ladder.cli", "train"]
 SPEC = micro_spec(**{"data.total_tokens": 64 * 8 * 80, "run.checkpoint_every": 20, "run.eval_every": 20})

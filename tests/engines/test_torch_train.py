@@ -59,7 +59,7 @@ def test_metrics_file_holds_every_step_once_with_evals_where_due(dropless_run):
                 "tokens_per_s", "mfu"):
         assert all(np.isfinite(r[key]) and r[key] >= 0 for r in rows), key
     assert all(r["mfu"] > 0 and r["tokens_per_s"] > 0 for r in rows)
-    assert rows[0]["lr"] == pytest.approx(SPEC.optim.peak_lr / 5)  # warmup from ladder.schedule
+    assert rows[0]["lr"] == pytest.approx(SPEC.optim.peak_lr / 5)  # warmup from core.schedule
 
 
 def test_run_ends_finished_with_the_newest_checkpoints_kept(dropless_run):

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ladder import costs
+from core import costs
 from ladder.presets import micro_spec
 
 ROOT = Path(__file__).resolve().parents[2]

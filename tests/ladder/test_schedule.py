@@ -2,8 +2,8 @@ import numpy as np
 import pytest
 
 from ladder.presets import micro_spec
-from ladder.schedule import lr_at, lr_ratio
-from ladder.spec import Rejoin, ScheduleSpec
+from core.schedule import lr_at, lr_ratio
+from core.spec import Rejoin, ScheduleSpec
 
 
 def test_marin_default_warms_up_one_percent_then_decays_linearly_to_five_percent():

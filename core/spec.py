@@ -251,16 +251,6 @@ class Spec(_Frozen):
     run: RunSettings = RunSettings()
     lineage: Lineage = Lineage()
 
-    @field_validator("engine")
-    @classmethod
-    def _known_engine(cls, v: str) -> str:
-        from engines.registry import engine_names
-
-        names = engine_names()
-        if v not in names:
-            raise ValueError(f"unknown engine {v!r}; registered engines: {', '.join(sorted(names))}")
-        return v
-
     @model_validator(mode="after")
     def _cross(self) -> "Spec":
         if self.data.tokenizer == "bytes" and self.model.vocab_size < 256:
@@ -338,7 +328,7 @@ def load_spec(path: str | Path) -> Spec:
 
 
 def save_spec(spec: Spec, path: str | Path) -> Path:
-    from ladder.fsutil import atomic_write_text
+    from core.fsutil import atomic_write_text
 
     path = Path(path)
     return atomic_write_text(path, spec.to_json() if path.suffix == ".json" else spec.to_yaml())

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ladder.spec import ModelSpec, Spec
+from core.spec import ModelSpec, Spec
 
 
 def moe_model(

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 
-from ladder.spec import HardwareSpec, ModelSpec, Spec
+from core.spec import HardwareSpec, ModelSpec, Spec
 
 BYTES_BF16 = 2
 # bf16 weights + bf16 grads + fp32 master + fp32 Adam m and v.

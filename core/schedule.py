@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from ladder.spec import ScheduleSpec, Spec
+from core.spec import ScheduleSpec, Spec
 
 
 def _decay(frac: np.ndarray, shape: str) -> np.ndarray:

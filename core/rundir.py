@@ -1,0 +1,187 @@
+"""The run directory: the one owner of its file names and formats.
+
+    run_dir/
+        spec.yaml        the spec the run trains (rewritten only when its text changes)
+        metrics.jsonl    one JSON record per step, appended and flushed as made: the source of truth
+        status.json      {"state": pending | running | finished | diverged | failed, ...}
+        checkpoints/     step-NNNNNNNN/ directories, written by the engine
+
+Readers of metrics.jsonl never fail on a bad line: a torn last line (a killed writer) is skipped
+silently; any other line that is not a JSON object (bad bytes, a corrupt record mid-file) is skipped
+with one warning naming the file and the line number.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+from core.fsutil import atomic_write_json, atomic_write_text
+
+SPEC_FILE = "spec.yaml"
+METRICS_FILE = "metrics.jsonl"
+STATUS_FILE = "status.json"
+CHECKPOINTS_DIR = "checkpoints"
+
+Warn = Callable[[str], None]
+
+
+def _stderr(msg: str) -> None:
+    print(f"warning: {msg}", file=sys.stderr)
+
+
+def parse_metrics_lines(raw: bytes, path: Path | str, warn: Warn | None = _stderr,
+                        first_line: int = 1, torn_tail_ok: bool = True) -> list[dict]:
+    """Records of metrics.jsonl bytes. Bad lines are skipped; each one but a torn final line is
+    reported through `warn` with the file and line number."""
+    lines = raw.split(b"\n")
+    has_newline_end = raw.endswith(b"\n")
+    if has_newline_end:
+        lines = lines[:-1]
+    out: list[dict] = []
+    for i, line in enumerate(lines):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line.decode("utf-8"))
+            if not isinstance(rec, dict):
+                raise ValueError("not a JSON object")
+        except (UnicodeDecodeError, ValueError) as err:
+            last = i == len(lines) - 1 and not has_newline_end
+            if not (last and torn_tail_ok) and warn is not None:
+                why = "not UTF-8" if isinstance(err, UnicodeDecodeError) else "not a JSON record"
+                warn(f"{path}:{first_line + i}: skipped a bad metrics line ({why})")
+            continue
+        out.append(rec)
+    return out
+
+
+class RunDir:
+    """One run's directory. Cheap to make; touches the disk only when asked."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
+    # ---- paths ---------------------------------------------------------------------------
+    @property
+    def spec_path(self) -> Path:
+        return self.path / SPEC_FILE
+
+    @property
+    def metrics_path(self) -> Path:
+        return self.path / METRICS_FILE
+
+    @property
+    def status_path(self) -> Path:
+        return self.path / STATUS_FILE
+
+    @property
+    def checkpoints(self) -> Path:
+        return self.path / CHECKPOINTS_DIR
+
+    # ---- spec.yaml -----------------------------------------------------------------------
+    def write_spec_text(self, text: str) -> None:
+        if not self.spec_path.exists() or self.spec_path.read_text() != text:
+            atomic_write_text(self.spec_path, text)
+
+    # ---- status.json ---------------------------------------------------------------------
+    def read_status(self) -> dict:
+        try:
+            st = json.loads(self.status_path.read_text())
+        except FileNotFoundError:
+            return {"state": "pending"}
+        except (OSError, UnicodeDecodeError, ValueError):
+            _stderr(f"{self.status_path}: unreadable status, treated as failed")
+            return {"state": "failed", "error": "unreadable status.json"}
+        return st if isinstance(st, dict) else {"state": "failed", "error": "status.json is not an object"}
+
+    def write_status(self, state: str, **info: Any) -> None:
+        """state: running | finished | diverged | failed."""
+        atomic_write_json(self.status_path, {"state": state, **info})
+
+    # ---- metrics.jsonl -------------------------------------------------------------------
+    def read_metrics(self, warn: Warn | None = _stderr) -> list[dict]:
+        try:
+            raw = self.metrics_path.read_bytes()
+        except FileNotFoundError:
+            return []
+        return parse_metrics_lines(raw, self.metrics_path, warn)
+
+    def metrics_rows(self) -> int:
+        return len(self.read_metrics(warn=None))
+
+    def last_metrics(self, chunk: int = 16384) -> dict | None:
+        """The last complete record, read from the file's end (cheap on long runs)."""
+        try:
+            with open(self.metrics_path, "rb") as f:
+                f.seek(0, os.SEEK_END)
+                size = f.tell()
+                back = min(size, chunk)
+                while True:
+                    f.seek(size - back)
+                    lines = f.read(back).splitlines()
+                    for raw in reversed(lines[1:] if back < size else lines):
+                        try:
+                            rec = json.loads(raw.decode("utf-8"))
+                        except (UnicodeDecodeError, ValueError):
+                            continue
+                        if isinstance(rec, dict):
+                            return rec
+                    if back >= size:
+                        return None
+                    back = min(size, back * 4)
+        except FileNotFoundError:
+            return None
+
+    def truncate_metrics(self, keep_below_step: int) -> None:
+        """Keep only complete records with step < keep_below_step (bad lines are dropped)."""
+        if not self.metrics_path.exists():
+            return
+        kept = [r for r in self.read_metrics() if _step(r) < keep_below_step]
+        atomic_write_text(self.metrics_path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+
+    def metrics_writer(self, resume_step: int) -> "MetricsWriter":
+        return MetricsWriter(self, resume_step)
+
+
+def _step(rec: dict) -> float:
+    s = rec.get("step")
+    return s if isinstance(s, (int, float)) and not isinstance(s, bool) else math.inf
+
+
+class MetricsWriter:
+    """Appends records to metrics.jsonl, flushed per record. On resume, records at or past the
+    resume step are dropped first, so the file never holds a step twice."""
+
+    def __init__(self, run: RunDir | str | Path, resume_step: int):
+        self.run = run if isinstance(run, RunDir) else RunDir(run)
+        self.path = self.run.metrics_path
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.run.truncate_metrics(resume_step)
+        self._f = open(self.path, "a")
+
+    def write_line(self, line: str) -> None:
+        self._f.write(line + "\n")
+        self._f.flush()
+
+    def write(self, record: Any) -> None:
+        self.write_line(record.to_json() if hasattr(record, "to_json") else json.dumps(record, allow_nan=True))
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def iter_run_dirs(root: str | Path) -> Iterator[RunDir]:
+    """Run directories (those holding a spec.yaml) under root, sorted."""
+    root = Path(root)
+    if not root.is_dir():
+        return
+    for p in sorted(root.rglob(SPEC_FILE)):
+        yield RunDir(p.parent)
