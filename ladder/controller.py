@@ -284,6 +284,7 @@ def submit(
     tracking: bool = True,
     console: Console | None = None,
     show_progress: bool = True,
+    local: bool = False,
 ) -> SubmitResult:
     """Run an experiment's selected specs on Ray; see `ladder submit --help`."""
     t_start = time.perf_counter()
@@ -311,6 +312,10 @@ def submit(
             _catch_up(console, root, tracking_uri, exp, backlog)
         result.wall_s = time.perf_counter() - t_start
         return result
+
+    if local:
+        hint = resume_hint(exp, only, engine, None, include_hero, tracking_uri, root) + " --local"
+        return _submit_local(exp, planned, todo, result, root, tracking_uri, tracking, console, show_progress, t_start, hint)
 
     import ray
 
@@ -364,6 +369,46 @@ def submit(
     finally:
         if started:
             ray.shutdown()
+
+
+def _submit_local(exp: Experiment, planned: list[Planned], todo: list[Planned], result: SubmitResult, root: Path,
+                  tracking_uri: str | None, tracking: bool, console: Console, show_progress: bool,
+                  t_start: float, hint: str) -> SubmitResult:
+    """`--local`: the runs one after another in subprocesses here, no Ray (ladder.local)."""
+    from ladder.local import dispatch_local, infeasible, local_gpus
+    from ladder.progress import SweepDisplay
+
+    why = infeasible([p.spec for p in todo], local_gpus(), os.cpu_count() or 1)
+    if why:
+        raise LadderError("refused before training anything, this machine can never run these: " + " | ".join(why))
+    for p in todo:
+        ledger.write_spec_file(p.run_dir, p.spec)
+    owner = uuid.uuid4().hex
+    ctx: dict[str, Any] = {"root": str(root), "owner": owner}
+    mirror = None
+    if tracking:
+        mirror = _Mirror(console, root, tracking_uri, exp, [p.spec for p in todo], owner)
+        result.tracking_uri, result.parent_run_id = mirror.uri, mirror.parent_run_id
+        for p in _untracked(root, tracking_uri, planned):
+            mirror.ended(p, "finished")
+    n_skip = len(planned) - len(todo)
+    if n_skip:
+        console.print(f"{exp.name}: {n_skip} spec(s) already finished, skipped", highlight=False)
+    display = SweepDisplay([(p.spec.id, p.spec.name, p.spec.total_steps) for p in todo], console, show_progress)
+    try:
+        with display:
+            dispatch_local(todo, ctx, result, display, mirror)
+    except KeyboardInterrupt:
+        result.interrupted = True
+        if mirror is not None:
+            mirror.close(result, "KILLED", timeout_s=20)
+        console.print(f"interrupted: the run stopped at its last checkpoint. Resume with:\n  {hint}", highlight=False)
+        raise
+    if mirror is not None:
+        mirror.close(result, "FINISHED" if result.ok else "FAILED")
+    result.wall_s = time.perf_counter() - t_start
+    console.print(summary_table(exp, result), highlight=False)
+    return result
 
 
 def _untracked(root: Path, tracking_uri: str | None, planned: list[Planned]) -> list[Planned]:

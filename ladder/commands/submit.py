@@ -22,6 +22,7 @@ def register(app: typer.Typer) -> None:
         root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
         retries: int = typer.Option(3, "--retries", help="Ray retries of a run whose worker or node is lost"),
         no_tracking: bool = typer.Option(False, "--no-tracking", help="do not log to MLflow (ladder sync can upload later)"),
+        local: bool = typer.Option(False, "--local", help="no Ray: the runs one after another in subprocesses on this machine"),
     ) -> None:
         """Train the experiment's rungs (finished ones are skipped, interrupted ones resume)."""
         from ladder.controller import submit
@@ -39,6 +40,7 @@ def register(app: typer.Typer) -> None:
                 root=root,
                 retries=retries,
                 tracking=not no_tracking,
+                local=local,
             )
         except KeyboardInterrupt:
             raise SystemExit(130)  # the controller already said how to resume

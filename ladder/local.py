@@ -1,0 +1,152 @@
+"""`ladder submit --local`: an experiment's runs one after another in subprocesses on this machine,
+without Ray. For a single GPU workstation, or a GPU box where Ray is not installed.
+
+Same ledger as the Ray controller: the same run directories, claims (a second submission, local or
+Ray, waits for or skips a spec this one holds), resume from the newest checkpoint, the same MLflow
+mirror of each run dir, and the same progress display (read from each run's metrics.jsonl).
+
+Each run is `python -m ladder.local_worker` in its own process, so a crash, a CUDA error or an
+out-of-memory kill ends that run alone; its output goes to run_dir/worker.log. Ctrl-C asks the
+running worker to stop at its next step (the ledger's stop marker), as the Ray controller does.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from core.rundir import RunDir
+from ladder import ledger
+
+POLL_S = 0.5
+STOP_GRACE_S = 30.0
+WORKER_LOG = "worker.log"
+
+
+def local_gpus() -> int:
+    """CUDA devices torch sees here (0 without torch or a driver)."""
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return torch.cuda.device_count()
+    except Exception:  # a broken driver offers no GPU
+        return 0
+
+
+def infeasible(specs: list, gpus: int, cpus: int) -> list[str]:
+    """Why each spec cannot run on this machine (one line each; empty when all can)."""
+    out = []
+    for s in specs:
+        if s.hardware.task_gpus > gpus:
+            out.append(f"spec {s.name} ({s.id}) asks for {s.hardware.task_gpus:g} GPU per run; this machine has {gpus}")
+        if s.hardware.task_cpus > cpus:
+            out.append(f"spec {s.name} ({s.id}) asks for {s.hardware.task_cpus:g} CPU per run; this machine has {cpus}")
+    return out
+
+
+def _progress(run_dir: Path, pid: int) -> dict | None:
+    rec = RunDir(run_dir).last_metrics()
+    if rec is None or not isinstance(rec.get("step"), int):
+        return None
+    return {"step": rec["step"] + 1, "loss": rec.get("loss"), "tokens_per_s": rec.get("tokens_per_s"),
+            "host": socket.gethostname(), "pid": pid}
+
+
+def _failed(p, note: str) -> dict:
+    return {"spec_id": p.spec.id, "name": p.spec.name, "outcome": "failed", "note": note}
+
+
+def _log_tail(path: Path, n: int = 3) -> str:
+    try:
+        lines = [l for l in path.read_text(errors="replace").splitlines() if l.strip()]
+    except OSError:
+        return ""
+    return " | ".join(lines[-n:])[-300:]
+
+
+def run_one(p, ctx: dict, display, mirror) -> dict:
+    """Train one planned spec in a worker subprocess; returns the worker's outcome record."""
+    p.run_dir.mkdir(parents=True, exist_ok=True)
+    log_path = p.run_dir / WORKER_LOG
+    fd, out_path = tempfile.mkstemp(prefix=".outcome.", suffix=".json", dir=p.run_dir)
+    os.close(fd)
+    job = {"spec": p.spec.model_dump_json(), "run_dir": str(p.run_dir), "ctx": ctx, "out": out_path}
+    started = False
+    try:
+        with open(log_path, "ab") as log:
+            proc = subprocess.Popen([sys.executable, "-m", "ladder.local_worker"], stdin=subprocess.PIPE,
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd())
+            proc.stdin.write(json.dumps(job).encode())
+            proc.stdin.close()
+            try:
+                while proc.poll() is None:
+                    upd = _progress(p.run_dir, proc.pid)
+                    if upd is not None:
+                        if not started and mirror is not None:
+                            mirror.started(p)
+                        started = True
+                        display.update(p.spec.id, upd)
+                    time.sleep(POLL_S)
+            except KeyboardInterrupt:
+                ledger.request_stop(ctx["root"], ctx["owner"])
+                try:
+                    proc.wait(timeout=STOP_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    proc.terminate()
+                    proc.wait(timeout=15)
+                finally:
+                    ledger.clear_stop(ctx["root"], ctx["owner"])
+                raise
+        try:
+            out = json.loads(Path(out_path).read_text())
+        except (OSError, ValueError):
+            out = None
+        if not isinstance(out, dict):
+            out = _failed(p, f"worker exited with status {proc.returncode} (see {log_path}): {_log_tail(log_path)}")
+        return out
+    finally:
+        Path(out_path).unlink(missing_ok=True)
+
+
+def dispatch_local(todo: list, ctx: dict, result: Any, display, mirror) -> None:
+    """Run `todo` one after another; a spec another submission holds is waited for once the
+    others are done, then skipped if that submission finished it."""
+    queue = list(todo)
+    waited: set[str] = set()
+    while queue:
+        p = queue.pop(0)
+        holder = ledger.live_claim(ctx["root"], p.spec.id)
+        if holder is not None and holder.get("owner") != ctx["owner"]:
+            display.waiting(p.spec.id, f"held by another submission ({holder.get('host')} pid {holder.get('pid')}); waiting")
+            if queue or p.spec.id not in waited:
+                waited.add(p.spec.id)
+                queue.append(p)
+                if not queue[:-1]:
+                    time.sleep(5 * POLL_S)
+                continue
+        if ledger.is_finished(p.run_dir, p.spec):
+            out = {"spec_id": p.spec.id, "name": p.spec.name, "outcome": "skipped", "note": "finished by another submission"}
+        else:
+            out = run_one(p, ctx, display, mirror)
+            if out.get("outcome") == "busy":
+                queue.append(p)
+                continue
+        result.outcomes[p.spec.id] = out
+        if mirror is not None:
+            if out["outcome"] == "skipped":
+                mirror.adopt(p)
+            else:
+                mirror.ended(p, out["outcome"])
+        bits = [f"loss {out['loss']:.4f}"] if out.get("loss") is not None else []
+        if out.get("note"):
+            bits.append(str(out["note"])[:160])
+        display.done(p.spec.id, out["outcome"], "  ".join(bits))
