@@ -17,8 +17,15 @@ centred on its mean (a_k is optimised as the log of term k at the data's geometr
 decorrelates a_k from alpha_k and makes the grid independent of the units of N, D or C.
 
 Uncertainty: a nonparametric bootstrap (points resampled with replacement, each refit started from
-the full-data optimum); intervals are percentiles of the refits, and predictions carry intervals
-from the same draws.
+the full-data optimum); parameter intervals are percentiles of the refits. A prediction's interval
+is for a held-out point, not only for the mean law: the spread of the refits' log predictions and the
+scatter of the points about the law (robust sd of the log residuals, inflated by n/(n - Q)) added in
+quadrature, on log loss. analysis.law_backtest measures the coverage that interval reaches on points
+the fit never saw.
+
+Honesty: every fit carries `warnings` (analysis.fitwarn): the floor E at its bound 0, an exponent at
+a bound, no more points than parameters, fewer than three distinct sizes, bootstrap refits that
+disagree wildly. `converged` is False when the optimum sits on a bound.
 
 Shape legend: S starts, Q parameters (2K+1), K power terms, R data rows, B bootstrap draws.
 """
@@ -33,6 +40,9 @@ from typing import Any, ClassVar, Sequence
 
 import numpy as np
 from scipy.optimize import minimize
+from scipy.stats import norm
+
+from analysis import fitwarn
 
 try:  # a transitive dependency (scikit-learn via mlflow); without it the fit is only slower
     from threadpoolctl import threadpool_limits
@@ -66,6 +76,10 @@ _N_LOCAL = 8  # L-BFGS runs from this many best grid starts
 # the data means the optimiser ran off to a degenerate limit instead of a finite optimum.
 _MAX_EXPONENT = 10.0
 _MIN_TERM_SHARE = 1e-6
+# The floor E is on its bound (0) when it is below this share of the smallest loss: the data show no
+# floor, and E = 6e-11 is the optimiser running down the bound, not an estimate.
+_FLOOR_BOUND_SHARE = 1e-3
+_MIN_EXPONENT = 1e-3  # an exponent this close to 0 sits on its bound
 
 
 class FitError(ValueError):
@@ -230,10 +244,16 @@ class _PowerFit:
     seconds: float
     message: str = ""
     huber_delta: float = HUBER_DELTA
+    warnings: list[str] = field(default_factory=list)
+    resid_sd: float = 0.0  # robust sd of the log residuals, inflated by n / (n - Q)
+    sizes: int = 0  # distinct values of the first variable (model sizes, or compute budgets)
+    x_max: float = math.inf  # largest value of the first variable in the data
+    extrap_sd: float = 0.0  # log-loss sd per e-fold of the first variable beyond x_max (backtested)
 
     _TERMS: ClassVar[tuple[str, ...]] = ()
     _EXPS: ClassVar[tuple[str, ...]] = ()
     _LAW: ClassVar[str] = ""
+    _KIND: ClassVar[str] = ""
 
     def __getattr__(self, name: str) -> float:
         params = self.__dict__.get("params", {})
@@ -260,8 +280,12 @@ class _PowerFit:
         point = self._eval(self._vector(), arrs)
         level = self.level if level is None else level
         if len(self.draws):
-            draws_BR = self._eval(self.draws, arrs)
-            lo, hi = np.quantile(draws_BR, [(1 - level) / 2, (1 + level) / 2], axis=0)
+            with np.errstate(invalid="ignore", divide="ignore"):
+                logd_BR = np.log(self._eval(self.draws, arrs))
+            rho_R = np.maximum(np.log(arrs[0] / self.x_max), 0.0) if math.isfinite(self.x_max) else 0.0
+            var_R = np.nanvar(logd_BR, axis=0) + self.resid_sd**2 + (self.extrap_sd * rho_R) ** 2
+            half = float(norm.ppf(0.5 + level / 2)) * np.sqrt(var_R)
+            lo, hi = point * np.exp(-half), point * np.exp(half)
         else:
             lo = hi = np.full_like(point, np.nan)
         if scalar:
@@ -269,7 +293,7 @@ class _PowerFit:
         return {"loss": point, "lo": lo, "hi": hi}
 
     def to_dict(self) -> dict[str, Any]:
-        d: dict[str, Any] = {"law": self._LAW}
+        d: dict[str, Any] = {"law": self._LAW, "kind": self._KIND}
         d.update({k: float(v) for k, v in self.params.items()})
         d["ci"] = {k: list(v) for k, v in self.ci.items()}
         d.update(
@@ -281,10 +305,38 @@ class _PowerFit:
             n_bootstrap=self.n_bootstrap,
             n_bootstrap_failed=self.n_bootstrap_failed,
             seconds=self.seconds,
+            warnings=list(self.warnings),
+            resid_sd=self.resid_sd,
+            x_max=self.x_max,
+            extrap_sd=self.extrap_sd,
+            interval=("prediction interval for a held-out point, on log loss: the bootstrap refits' spread, the "
+                      "points' robust residual scatter and, beyond the largest fitted x, extrap_sd per e-fold of "
+                      "x (backtested: refit on x <= max/4, error on the rest), added in quadrature"),
+            draws=[[float(v) for v in row] for row in self.draws],
         )
         if self.message:
             d["message"] = self.message
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "_PowerFit":
+        """A fit read back from its to_dict() JSON (predictions need only parameters and draws)."""
+        keys = ("E", *cls._TERMS, *cls._EXPS)
+        try:
+            params = {k: float(d[k]) for k in keys}
+            draws = np.asarray(d.get("draws") or [], dtype=np.float64).reshape(-1, len(keys))
+            return cls(
+                params=params, ci={k: list(v) for k, v in d.get("ci", {}).items()}, draws=draws,
+                n_points=int(d.get("n_points", 0)), loss=float(d.get("loss", math.nan)),
+                converged=bool(d.get("converged", False)), level=float(d.get("ci_level", 0.95)),
+                n_bootstrap=int(d.get("n_bootstrap", len(draws))), n_bootstrap_failed=int(d.get("n_bootstrap_failed", 0)),
+                seconds=float(d.get("seconds", 0.0)), message=str(d.get("message", "")),
+                huber_delta=float(d.get("huber_delta", HUBER_DELTA)), warnings=list(d.get("warnings", [])),
+                resid_sd=float(d.get("resid_sd", 0.0)), x_max=float(d.get("x_max") or math.inf),
+                extrap_sd=float(d.get("extrap_sd", 0.0)),
+            )
+        except (KeyError, TypeError, ValueError) as e:
+            raise FitError(f"not a {cls._LAW} fit: {e}") from None
 
 
 @dataclass
@@ -294,6 +346,7 @@ class LawFit(_PowerFit):
     _TERMS: ClassVar[tuple[str, ...]] = ("A", "B")
     _EXPS: ClassVar[tuple[str, ...]] = ("alpha", "beta")
     _LAW: ClassVar[str] = "L(N, D) = E + A/N^alpha + B/D^beta"
+    _KIND: ClassVar[str] = "law"
 
     def predict(self, N, D, level: float | None = None) -> dict[str, Any]:
         """Loss at (N, D) with a bootstrap interval: {"loss", "lo", "hi"} (floats or arrays)."""
@@ -330,6 +383,7 @@ class EnvelopeFit(_PowerFit):
     _TERMS: ClassVar[tuple[str, ...]] = ("A",)
     _EXPS: ClassVar[tuple[str, ...]] = ("alpha",)
     _LAW: ClassVar[str] = "L(C) = E + A*C^-alpha"
+    _KIND: ClassVar[str] = "envelope"
 
     def predict(self, C, level: float | None = None) -> dict[str, Any]:
         return self._predict([C], level)
@@ -343,6 +397,7 @@ class MoELawFit(_PowerFit):
     _TERMS: ClassVar[tuple[str, ...]] = ("A", "G", "B")
     _EXPS: ClassVar[tuple[str, ...]] = ("alpha", "gamma", "beta")
     _LAW: ClassVar[str] = "L(N_active, N_total, D) = E + A/N_active^alpha + G/N_total^gamma + B/D^beta"
+    _KIND: ClassVar[str] = "moe"
 
     def predict(self, N_active, N_total, D, level: float | None = None) -> dict[str, Any]:
         return self._predict([N_active, N_total, D], level)
@@ -443,16 +498,27 @@ def _run_fit(
     best = _fit_terms(X_KR, y_R, None, delta, max_iter)
     why = None if best.ok else f"L-BFGS stopped without an optimum ({best.message}, {best.nit} iterations)"
     why = why or _degeneracy(best.p_Q, X_KR, y_R, terms)
-    converged = why is None
-    if not converged and strict:
+    usable = why is None
+    if not usable and strict:
         raise FitError(f"the fit did not converge to a usable law: {why}")
 
     theta_Q = natural(best.p_Q)
     keys = ("E", *names, *exps)
     params = {k: float(v) for k, v in zip(keys, theta_Q)}
+    warnings = _bound_warnings(params, exps, float(np.exp(y_R.min())))
+    converged = usable and not warnings  # an optimum on a bound is not a converged estimate
+    if why:
+        warnings.insert(0, f"no usable law: {why}")
+    warnings += fitwarn.too_few_points(n, len(keys))
+    n_sizes = len(np.unique(np.round(logx_KR[0], 6)))
+    warnings += fitwarn.too_few_sizes(n_sizes, f"distinct values of {terms[0][2]}")
+    pred_R = np.log(natural_eval(theta_Q, xs))
+    r_R = y_R - pred_R
+    dof = max(n - len(keys), 1)
+    resid_sd = float(1.4826 * np.median(np.abs(r_R - np.median(r_R))) * math.sqrt(n / dof)) if n > len(keys) else 0.0
 
     draws, failed = [], 0
-    if converged and n_bootstrap > 0:
+    if usable and n_bootstrap > 0:
         rng = np.random.default_rng(seed)
         for _ in range(n_bootstrap):
             w_R = np.bincount(rng.integers(0, n, n), minlength=n).astype(np.float64)
@@ -463,11 +529,64 @@ def _run_fit(
                 failed += 1
     draws_BQ = natural(np.array(draws)) if draws else np.empty((0, len(keys)))
     ci = {k: (_quantiles(draws_BQ[:, i], level) if len(draws_BQ) else [math.nan, math.nan]) for i, k in enumerate(keys)}
+    warnings += fitwarn.bootstrap_disagreement(ci, len(draws), failed, positive=keys)
+    extrap_sd = _extrapolation_sd(xs, loss, terms, delta=delta, max_iter=max_iter) if usable and n_bootstrap > 0 else 0.0
+    message = why or ("; ".join(warnings[:1]) if not converged else "")
     return dict(
         params=params, ci=ci, draws=draws_BQ, n_points=n, loss=best.loss, converged=converged,
         level=level, n_bootstrap=len(draws), n_bootstrap_failed=failed,
-        seconds=time.perf_counter() - t0, message=why or "", huber_delta=delta,
+        seconds=time.perf_counter() - t0, message=message, huber_delta=delta,
+        warnings=warnings, resid_sd=resid_sd, sizes=n_sizes, x_max=float(np.max(xs[0])), extrap_sd=extrap_sd,
     )
+
+
+EXTRAP_FACTOR = 4.0
+
+
+def _extrapolation_sd(xs, loss, terms, *, delta, max_iter) -> float:
+    """Log-loss error per e-fold of extrapolation in the first variable: refit on the points with
+    x <= max/4 and predict the rest; sqrt(sum e^2 / sum rho^2), rho = log(x / largest fitted x).
+    0 when too few points lie on either side."""
+    x = xs[0]
+    train = x <= np.max(x) / EXTRAP_FACTOR * (1 + 1e-9)
+    n_q = 2 * len(terms) + 1
+    if train.sum() < n_q + 2 or (~train).sum() < 1:
+        return 0.0
+    sub = _run_fit([a[train] for a in xs], loss[train], terms, delta=delta, n_bootstrap=0, level=0.9, seed=0,
+                   strict=False, max_iter=max_iter)
+    if sub["message"] and not sub["params"]:
+        return 0.0
+    theta = np.array([sub["params"][k] for k in ("E", *(t[0] for t in terms), *(t[1] for t in terms))])
+    pred = natural_eval(theta, [a[~train] for a in xs])
+    if not np.all(np.isfinite(pred)) or np.any(pred <= 0):
+        return 0.0
+    e = np.log(loss[~train]) - np.log(pred)
+    rho = np.log(x[~train] / np.max(x[train]))
+    return float(math.sqrt(np.sum(e * e) / max(np.sum(rho * rho), 1e-12)))
+
+
+def natural_eval(theta_Q: np.ndarray, xs: Sequence[np.ndarray]) -> np.ndarray:
+    """E + sum_k A_k x_k^-alpha_k for natural parameters (E, A_1.., alpha_1..)."""
+    K = len(xs)
+    out = np.full(len(xs[0]), theta_Q[0])
+    for k in range(K):
+        out = out + theta_Q[1 + k] * xs[k] ** -theta_Q[1 + K + k]
+    return out
+
+
+def _bound_warnings(params: dict[str, float], exps: Sequence[str], loss_min: float) -> list[str]:
+    """The floor at its bound 0 and exponents at theirs (0 and _MAX_EXPONENT)."""
+    out = []
+    if params["E"] < _FLOOR_BOUND_SHARE * loss_min:
+        out.append(f"E = {params['E']:.3g} is at its lower bound 0: this data shows no loss floor, and the law's "
+                   "extrapolation falls without limit")
+    for k in exps:
+        v = params[k]
+        if v < _MIN_EXPONENT:
+            out.append(f"{k} = {v:.3g} is at its lower bound 0")
+        elif v > _MAX_EXPONENT * (1 - fitwarn.NEAR_BOUND_REL):
+            out.append(f"{k} = {v:.3g} is at its upper bound {_MAX_EXPONENT:g}")
+    return out
 
 
 def fit_law(
