@@ -1,5 +1,11 @@
-"""`ladder law fit` (L(N, D) = E + A/N^alpha + B/D^beta, or its MoE form with a total-parameter term)
-and `ladder law envelope` (L(C) = E + A*C^-alpha) over a user's CSV file."""
+"""`ladder law fit` (L(N, D) = E + A/N^alpha + B/D^beta, or its MoE form with a total-parameter term),
+`ladder law envelope` (L(C) = E + A*C^-alpha), `ladder law predict` (a saved fit at held-out points,
+with intervals) and `ladder law isoflop` (Chinchilla's approach 2) over a user's CSV file.
+
+Rows can be filtered with `--where COL=VALUE` (repeatable, all must hold); several `--loss-col`
+fit one law each. Every fit's JSON and table carry its `warnings` and, unless `--no-backtest`, the
+coverage and width of its intervals on points it never saw (analysis.law_backtest).
+"""
 
 from __future__ import annotations
 
@@ -8,24 +14,68 @@ import math
 from pathlib import Path
 from typing import List, Optional
 
+import numpy as np
+import pandas as pd
 import typer
 from rich.console import Console
 from rich.table import Table
 
-from ladder.errors import LadderError
 from core.fsutil import json_safe
+from ladder.errors import LadderError
+
+# The analysis modules (scipy, matplotlib) load when a law command runs, not with every `ladder` command.
+_KINDS = ("law", "envelope", "moe")
 
 
-def _load(file: Path, cols: dict[str, str], loss_col: str, drop_highest: int, min_rows: int):
-    """Read and validate the CSV (every named column numeric, finite, positive), then drop the
-    `drop_highest` highest-loss rows."""
+def _parse_where(where: list[str] | None) -> list[tuple[str, str]]:
+    out = []
+    for w in where or []:
+        col, eq, value = w.partition("=")
+        if not eq or not col.strip():
+            raise LadderError(f"--where {w!r}: expected COL=VALUE")
+        out.append((col.strip(), value.strip()))
+    return out
+
+
+def _apply_where(df: pd.DataFrame, file: Path, where: list[tuple[str, str]]) -> pd.DataFrame:
+    for col, value in where:
+        if col not in df.columns:
+            raise LadderError(f"{file}: --where names column {col!r}, which is not in the file "
+                              f"(columns: {', '.join(map(repr, df.columns))})")
+        num = pd.to_numeric(df[col], errors="coerce")
+        try:
+            v = float(value)
+        except ValueError:
+            v = None
+        if v is not None and num.notna().all():
+            keep = np.isclose(num.to_numpy(dtype=np.float64), v, rtol=1e-9, atol=0.0)
+        else:
+            keep = df[col].astype(str).str.strip() == value
+        df = df[keep]
+        if not len(df):
+            raise LadderError(f"{file}: no row has {col} = {value}")
+    return df
+
+
+def _load(file: Path, cols: dict[str, str], loss_col: str, drop_highest: int, min_rows: int,
+          where: list[tuple[str, str]] = ()):
+    """Read the CSV, keep the rows --where selects, validate the named columns (numeric, finite,
+    positive), then drop the `drop_highest` highest-loss rows."""
     from analysis.csvio import TableError, read_table
 
     if drop_highest < 0:
         raise LadderError(f"--drop-highest must be >= 0, got {drop_highest}")
     needed = [*cols.values(), loss_col]
     try:
-        df = read_table(file, needed, positive=needed)
+        if not where:
+            df = read_table(file, needed, positive=needed)
+        else:
+            df = _apply_where(read_table(file, []), file, where).reset_index(drop=True)
+            missing = [c for c in needed if c not in df.columns]
+            if missing:
+                raise TableError(f"{file}: missing column(s) {', '.join(map(repr, missing))} "
+                                 f"(columns present: {', '.join(map(repr, df.columns))})")
+            df = _validate(df, file, needed)
     except TableError as e:
         raise LadderError(str(e)) from None
     if drop_highest >= len(df):
@@ -37,6 +87,19 @@ def _load(file: Path, cols: dict[str, str], loss_col: str, drop_highest: int, mi
         raise LadderError(
             f"{file}: {len(df)} row(s){dropped}, but the law has {min_rows} parameters: need at least {min_rows} rows"
         )
+    return df
+
+
+def _validate(df: pd.DataFrame, file: Path, cols: list[str]) -> pd.DataFrame:
+    from analysis.csvio import TableError
+
+    for c in cols:
+        v = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=np.float64)
+        bad = ~np.isfinite(v) | (v <= 0)
+        if bad.any():
+            i = int(np.flatnonzero(bad)[0])
+            raise TableError(f"{file}: column {c!r} must be positive and finite, selected row {i + 1} has {df[c].iloc[i]!r}")
+        df[c] = v
     return df
 
 
@@ -53,6 +116,10 @@ def _fmt(v: float) -> str:
     return "-" if v is None or not math.isfinite(v) else f"{v:.4g}"
 
 
+def _pct(v) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
 def _render(d: dict, title: str, extra: list[str]) -> None:
     console = Console()
     t = Table(title=title, header_style="bold")
@@ -64,11 +131,74 @@ def _render(d: dict, title: str, extra: list[str]) -> None:
     console.print(t)
     console.print(
         f"{d['n_points']} points, Huber (delta {d['huber_delta']:g}) sum {d['loss']:.6g}, "
-        f"{d['n_bootstrap']} bootstrap refits ({d['n_bootstrap_failed']} failed), {d['seconds']:.2f} s",
+        f"{d['n_bootstrap']} bootstrap refits ({d['n_bootstrap_failed']} failed), {d['seconds']:.2f} s, "
+        f"converged {d['converged']}",
         highlight=False,
     )
     for line in extra:
         console.print(line, highlight=False)
+    _render_backtest(console, d.get("backtest"))
+    _render_warnings(console, d.get("warnings"))
+
+
+def _render_backtest(console: Console, bt: dict | None) -> None:
+    for key, label in (("cross_validation", "held-out points"), ("extrapolation", "4x beyond the fitted")):
+        b = (bt or {}).get(key)
+        if not b or "coverage" not in b:
+            continue
+        console.print(f"backtest, {label} ({b['method']}, {b['n']} points): mean error {_pct(b['mean_abs_rel_err'])}, "
+                      f"{100 * b['level']:.0f}% intervals hold {_pct(b['coverage'])}, mean width {_pct(b['mean_rel_width'])}",
+                      highlight=False)
+
+
+def _render_warnings(console: Console, warnings: list[str] | None) -> None:
+    if not warnings:
+        console.print("warnings: none", highlight=False)
+    for w in warnings or []:
+        console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+
+
+def _backtest(fit_fn, cols, loss, level, seed) -> dict:
+    from analysis import law_backtest
+
+    return {
+        "cross_validation": law_backtest.cross_validate(fit_fn, cols, loss, level=level, seed=seed),
+        "extrapolation": law_backtest.extrapolate(fit_fn, cols, loss, level=level, seed=seed),
+    }
+
+
+def _png_path(png: Path | None, loss_col: str, several: bool) -> Path | None:
+    if png is None:
+        return None
+    if not several:
+        return png
+    safe = "".join(ch if ch.isalnum() or ch in "-_." else "_" for ch in loss_col)
+    return png.with_name(f"{png.stem}-{safe}{png.suffix or '.png'}")
+
+
+def _emit(docs: list[dict], as_json: bool, render) -> None:
+    docs = [json_safe(d) for d in docs]
+    if as_json:
+        print(json.dumps(docs[0] if len(docs) == 1 else {"fits": docs}, indent=2))
+        return
+    for d in docs:
+        render(d)
+
+
+def _check_common(level: float, bootstrap: int) -> None:
+    if not 0 < level < 1:
+        raise LadderError(f"--level must be in (0, 1), got {level}")
+    if bootstrap < 0:
+        raise LadderError(f"--bootstrap must be >= 0, got {bootstrap}")
+
+
+def _positive_list(name: str, values: list[float] | None) -> np.ndarray | None:
+    if not values:
+        return None
+    a = np.asarray(values, dtype=np.float64)
+    if np.any(~np.isfinite(a)) or np.any(a <= 0):
+        raise LadderError(f"{name} must be positive and finite")
+    return a
 
 
 def register(app: typer.Typer) -> None:
@@ -85,7 +215,8 @@ def register(app: typer.Typer) -> None:
         ),
         tokens_col: Optional[str] = typer.Option(None, "--tokens-col", help="column of training tokens D"),
         flops_col: Optional[str] = typer.Option(None, "--flops-col", help="column of training FLOPs C (D = C / 6N)"),
-        loss_col: str = typer.Option(..., "--loss-col", help="column of final losses"),
+        loss_col: List[str] = typer.Option(..., "--loss-col", help="column of final losses (repeatable: one fit each)"),
+        where: Optional[List[str]] = typer.Option(None, "--where", help="COL=VALUE: keep only these rows (repeatable)"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
         drop_highest: int = typer.Option(0, "--drop-highest", help="drop the K highest-loss rows first"),
         bootstrap: int = typer.Option(200, "--bootstrap", help="bootstrap refits for the intervals (0: none)"),
@@ -94,82 +225,219 @@ def register(app: typer.Typer) -> None:
         budget: Optional[List[float]] = typer.Option(
             None, "--budget", help="FLOP budget C for the compute-optimal N*, D* (repeatable)"
         ),
+        backtest: bool = typer.Option(True, "--backtest/--no-backtest",
+                                      help="refit on held-out splits and report interval coverage and width"),
+        png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
     ) -> None:
         """Fit L(N, D) = E + A/N^alpha + B/D^beta (Huber on log loss, L-BFGS, bootstrap intervals)."""
+        from analysis import fitplots, law_backtest
         from analysis.laws import fit_law, fit_moe_law
-
         if (tokens_col is None) == (flops_col is None):
             raise LadderError("give exactly one of --tokens-col (D) or --flops-col (C, with D = C / 6N)")
-        if not 0 < level < 1:
-            raise LadderError(f"--level must be in (0, 1), got {level}")
-        if bootstrap < 0:
-            raise LadderError(f"--bootstrap must be >= 0, got {bootstrap}")
+        _check_common(level, bootstrap)
         if budget and any(not (c > 0 and math.isfinite(c)) for c in budget):
             raise LadderError("--budget must be a positive number of FLOPs")
         if budget and total_col:
             raise LadderError("--budget needs a fixed sparsity: it is not defined for the --total-params-col law")
+        conds = _parse_where(where)
         second = tokens_col if tokens_col is not None else flops_col
         cols = {"N": params_col, "D": second, **({"N_total": total_col} if total_col else {})}
-        df = _load(file, cols, loss_col, drop_highest, min_rows=7 if total_col else 5)
-        N = df[params_col].to_numpy()
-        D = df[tokens_col].to_numpy() if tokens_col is not None else df[flops_col].to_numpy() / (6.0 * N)
-        L = df[loss_col].to_numpy()
-        opts = dict(n_bootstrap=bootstrap, level=level, seed=seed)
-        if total_col:
-            fit = _fit_or_explain(fit_moe_law, file, N, df[total_col].to_numpy(), D, L, **opts)
-        else:
-            fit = _fit_or_explain(fit_law, file, N, D, L, **opts)
+        docs = []
+        for lc in loss_col:
+            df = _load(file, cols, lc, drop_highest, min_rows=7 if total_col else 5, where=conds)
+            N = df[params_col].to_numpy()
+            D = df[tokens_col].to_numpy() if tokens_col is not None else df[flops_col].to_numpy() / (6.0 * N)
+            L = df[lc].to_numpy()
+            opts = dict(n_bootstrap=bootstrap, level=level, seed=seed)
+            if total_col:
+                Nt = df[total_col].to_numpy()
+                fit = _fit_or_explain(fit_moe_law, file, N, Nt, D, L, **opts)
+                fn, xs = (lambda a, t, d, l, **k: fit_moe_law(a, t, d, l, strict=True, **k)), [N, Nt, D]
+            else:
+                fit = _fit_or_explain(fit_law, file, N, D, L, **opts)
+                fn, xs = law_backtest.fit_n_d, [N, D]
+            d = fit.to_dict()
+            d["data"] = {
+                "file": str(file), "params_col": params_col, "total_params_col": total_col,
+                "tokens_col": tokens_col, "flops_col": flops_col, "where": dict(conds),
+                "loss_col": lc, "dropped_highest": drop_highest,
+            }
+            if budget:
+                d["compute_optimal"] = [{"C": c, **fit.compute_optimal(c)} for c in budget]
+            if backtest and fit.converged:
+                d["backtest"] = _backtest(fn, xs, L, level, seed)
+            path = _png_path(png, lc, len(loss_col) > 1)
+            if path is not None:
+                d["png"] = str(fitplots.plot_law_fit(fit, N, D, L, path, f"{fit._LAW}  ({file.name}, {lc})"))
+            docs.append(d)
 
-        d = fit.to_dict()
-        d["data"] = {
-            "file": str(file), "params_col": params_col, "total_params_col": total_col,
-            "tokens_col": tokens_col, "flops_col": flops_col,
-            "loss_col": loss_col, "dropped_highest": drop_highest,
-        }
-        if budget:
-            d["compute_optimal"] = [{"C": c, **fit.compute_optimal(c)} for c in budget]
-        d = json_safe(d)
-        if as_json:
-            print(json.dumps(d, indent=2))
-            return
-        extra = []
-        if "optimal_N_exponent" in d:
-            extra.append(f"compute-optimal: N* ~ C^{d['optimal_N_exponent']:.3f}, D* ~ C^{d['optimal_D_exponent']:.3f}")
-        for row in d.get("compute_optimal", []):
-            ci = row.get("loss_ci") or [None, None]
-            extra.append(
-                f"C = {row['C']:.3g}: N* = {row['N']:.3g}, D* = {row['D']:.3g}, "
-                f"loss {row['loss']:.4g} [{_fmt(ci[0])}, {_fmt(ci[1])}]"
-            )
-        _render(d, f"{d['law']}  ({file.name})", extra)
+        def render(d):
+            extra = []
+            if "optimal_N_exponent" in d:
+                extra.append(f"compute-optimal: N* ~ C^{d['optimal_N_exponent']:.3f}, D* ~ C^{d['optimal_D_exponent']:.3f}")
+            for row in d.get("compute_optimal", []):
+                ci = row.get("loss_ci") or [None, None]
+                extra.append(
+                    f"C = {row['C']:.3g}: N* = {row['N']:.3g}, D* = {row['D']:.3g}, "
+                    f"loss {row['loss']:.4g} [{_fmt(ci[0])}, {_fmt(ci[1])}]"
+                )
+            _render(d, f"{d['law']}  ({file.name}, {d['data']['loss_col']})", extra)
+
+        _emit(docs, as_json, render)
 
     @law_app.command("envelope")
     def envelope_cmd(
         file: Path = typer.Argument(..., help="CSV with one row per compute budget (its best run)"),
         flops_col: str = typer.Option(..., "--flops-col", help="column of training FLOPs C"),
-        loss_col: str = typer.Option(..., "--loss-col", help="column of losses"),
+        loss_col: List[str] = typer.Option(..., "--loss-col", help="column of losses (repeatable: one fit each)"),
+        where: Optional[List[str]] = typer.Option(None, "--where", help="COL=VALUE: keep only these rows (repeatable)"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
         drop_highest: int = typer.Option(0, "--drop-highest", help="drop the K highest-loss rows first"),
         bootstrap: int = typer.Option(200, "--bootstrap", help="bootstrap refits for the intervals (0: none)"),
         level: float = typer.Option(0.95, "--level", help="interval coverage"),
         seed: int = typer.Option(0, "--seed", help="bootstrap seed"),
+        backtest: bool = typer.Option(True, "--backtest/--no-backtest",
+                                      help="refit on held-out splits and report interval coverage and width"),
+        png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
     ) -> None:
         """Fit the compute envelope L(C) = E + A*C^-alpha."""
+        from analysis import fitplots, law_backtest
         from analysis.laws import fit_envelope
+        _check_common(level, bootstrap)
+        conds = _parse_where(where)
+        docs = []
+        for lc in loss_col:
+            df = _load(file, {"C": flops_col}, lc, drop_highest, min_rows=3, where=conds)
+            C, L = df[flops_col].to_numpy(), df[lc].to_numpy()
+            fit = _fit_or_explain(fit_envelope, file, C, L, n_bootstrap=bootstrap, level=level, seed=seed)
+            d = fit.to_dict()
+            d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": lc, "where": dict(conds),
+                         "dropped_highest": drop_highest}
+            if backtest and fit.converged:
+                d["backtest"] = _backtest(law_backtest.fit_c, [C], L, level, seed)
+            path = _png_path(png, lc, len(loss_col) > 1)
+            if path is not None:
+                d["png"] = str(fitplots.plot_envelope_fit(fit, C, L, path, f"{file.name}, {lc}"))
+            docs.append(d)
+        _emit(docs, as_json, lambda d: _render(d, f"{d['law']}  ({file.name}, {d['data']['loss_col']})", []))
 
-        if not 0 < level < 1:
+    @law_app.command("predict")
+    def predict_cmd(
+        fit_file: Path = typer.Argument(..., help="a fit's JSON (from `ladder law fit/envelope --json`)"),
+        params: Optional[List[float]] = typer.Option(None, "--params", help="parameter count N (repeatable)"),
+        total_params: Optional[List[float]] = typer.Option(None, "--total-params", help="total parameters (MoE law)"),
+        tokens: Optional[List[float]] = typer.Option(None, "--tokens", help="training tokens D (repeatable)"),
+        flops: Optional[List[float]] = typer.Option(None, "--flops", help="training FLOPs C (repeatable; D = C / 6N)"),
+        level: Optional[float] = typer.Option(None, "--level", help="interval coverage (default: the fit's)"),
+        as_json: bool = typer.Option(False, "--json"),
+    ) -> None:
+        """Predict a saved fit at held-out points, with prediction intervals."""
+        from analysis.laws import EnvelopeFit, FitError, LawFit, MoELawFit
+
+        classes = {"law": LawFit, "envelope": EnvelopeFit, "moe": MoELawFit}
+        try:
+            doc = json.loads(fit_file.read_text())
+        except json.JSONDecodeError as e:
+            raise LadderError(f"{fit_file}: not valid JSON ({e})") from None
+        if isinstance(doc, dict) and "fits" in doc:
+            raise LadderError(f"{fit_file}: holds several fits; save one (a single --loss-col) to predict from it")
+        kind = doc.get("kind") if isinstance(doc, dict) else None
+        if kind not in _KINDS:
+            raise LadderError(f"{fit_file}: not a law fit (no 'kind' of {', '.join(_KINDS)}; refit with this version)")
+        if level is not None and not 0 < level < 1:
             raise LadderError(f"--level must be in (0, 1), got {level}")
-        if bootstrap < 0:
-            raise LadderError(f"--bootstrap must be >= 0, got {bootstrap}")
-        df = _load(file, {"C": flops_col}, loss_col, drop_highest, min_rows=3)
-        fit = _fit_or_explain(
-            fit_envelope, file, df[flops_col].to_numpy(), df[loss_col].to_numpy(),
-            n_bootstrap=bootstrap, level=level, seed=seed,
-        )
+        try:
+            fit = classes[kind].from_dict(doc)
+        except FitError as e:
+            raise LadderError(f"{fit_file}: {e}") from None
+        N, Nt, D, C = (_positive_list(n, v) for n, v in
+                       (("--params", params), ("--total-params", total_params), ("--tokens", tokens), ("--flops", flops)))
+        try:
+            if kind == "envelope":
+                if C is None or any(x is not None for x in (N, Nt, D)):
+                    raise LadderError("an envelope fit predicts from --flops C alone")
+                rows = {"C": C}
+                p = fit.predict(C, level=level)
+            else:
+                if N is None or (D is None) == (C is None):
+                    raise LadderError("give --params N and exactly one of --tokens D or --flops C")
+                N_b, second = np.broadcast_arrays(N, D if D is not None else C)
+                D_b = second if D is not None else second / (6.0 * N_b)
+                rows = {"N": N_b, "D": D_b}
+                if kind == "moe":
+                    if Nt is None:
+                        raise LadderError("the MoE law needs --total-params too")
+                    rows["N_total"] = np.broadcast_to(Nt, N_b.shape)
+                    p = fit.predict(N_b, rows["N_total"], D_b, level=level)
+                else:
+                    p = fit.predict(N_b, D_b, level=level)
+        except ValueError as e:
+            if isinstance(e, LadderError):
+                raise
+            raise LadderError(f"cannot broadcast the given values: {e}") from None
+        n = len(np.atleast_1d(p["loss"]))
+        out = {"fit": str(fit_file), "law": doc.get("law"), "level": level or fit.level,
+               "interval": doc.get("interval"), "warnings": list(fit.warnings) + (
+                   [] if fit.converged else ["the saved fit did not converge"]),
+               "predictions": [{**{k: float(np.atleast_1d(v)[i]) for k, v in rows.items()},
+                                "loss": float(np.atleast_1d(p["loss"])[i]), "lo": float(np.atleast_1d(p["lo"])[i]),
+                                "hi": float(np.atleast_1d(p["hi"])[i])} for i in range(n)]}
+        out = json_safe(out)
+        if as_json:
+            print(json.dumps(out, indent=2))
+            return
+        console = Console()
+        t = Table(title=f"{out['law']}  ({fit_file.name})", header_style="bold")
+        cols = list(rows) + ["loss", f"{100 * out['level']:.0f}% interval"]
+        for c in cols:
+            t.add_column(c, justify="right")
+        for r in out["predictions"]:
+            t.add_row(*[f"{r[k]:.4g}" for k in rows], _fmt(r["loss"]), f"[{_fmt(r['lo'])}, {_fmt(r['hi'])}]")
+        console.print(t)
+        _render_warnings(console, out["warnings"])
+
+    @law_app.command("isoflop")
+    def isoflop_cmd(
+        file: Path = typer.Argument(..., help="CSV with one row per training run"),
+        params_col: str = typer.Option(..., "--params-col", help="column of parameter counts N"),
+        flops_col: str = typer.Option(..., "--flops-col", help="column of training FLOPs C"),
+        loss_col: str = typer.Option(..., "--loss-col", help="column of final losses"),
+        where: Optional[List[str]] = typer.Option(None, "--where", help="COL=VALUE: keep only these rows (repeatable)"),
+        tol: float = typer.Option(0.05, "--group-tol", help="runs within this many decades of C share a budget"),
+        budget: Optional[List[float]] = typer.Option(None, "--budget", help="FLOP budget for N*, D* (repeatable)"),
+        as_json: bool = typer.Option(False, "--json"),
+        png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the profiles and minima here"),
+    ) -> None:
+        """IsoFLOP profiles (Chinchilla approach 2): a loss minimum per budget, then N*(C) and D*(C)."""
+        from analysis import fitplots
+        from analysis.isoflop import IsoflopError, fit_isoflop, group_budgets
+        if not tol > 0:
+            raise LadderError(f"--group-tol must be positive, got {tol}")
+        df = _load(file, {"N": params_col, "C": flops_col}, loss_col, 0, min_rows=3, where=_parse_where(where))
+        N, C, L = df[params_col].to_numpy(), df[flops_col].to_numpy(), df[loss_col].to_numpy()
+        try:
+            fit = fit_isoflop(N, C, L, tol=tol)
+        except IsoflopError as e:
+            raise LadderError(f"{file}: {e}") from None
         d = fit.to_dict()
-        d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": loss_col, "dropped_highest": drop_highest}
+        d["data"] = {"file": str(file), "params_col": params_col, "flops_col": flops_col, "loss_col": loss_col,
+                     "group_tol": tol}
+        if budget:
+            d["compute_optimal"] = [fit.optimal(float(c)) for c in _positive_list("--budget", budget)]
+        if png is not None:
+            d["png"] = str(fitplots.plot_isoflop(N, C, L, group_budgets(C, tol), fit, png))
         d = json_safe(d)
         if as_json:
             print(json.dumps(d, indent=2))
             return
-        _render(d, f"{d['law']}  ({file.name})", [])
+        console = Console()
+        t = Table(title=f"IsoFLOP minima ({file.name})", header_style="bold")
+        for c in ("C", "runs", "N*", "D*", "loss at N*"):
+            t.add_column(c, justify="right")
+        for m in d["minima"]:
+            t.add_row(f"{m['C']:.3g}", str(m["runs"]), f"{m['N']:.3g}", f"{m['D']:.3g}", f"{m['loss']:.4g}")
+        console.print(t)
+        console.print(f"N* ~ C^{d['a']:.3f} (se {_fmt(d['a_se'])}), D* ~ C^{d['b']:.3f}", highlight=False)
+        for r in d.get("compute_optimal", []):
+            console.print(f"C = {r['C']:.3g}: N* = {r['N']:.3g}, D* = {r['D']:.3g}", highlight=False)
+        _render_warnings(console, d["warnings"])
