@@ -26,7 +26,10 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-__all__ = ["MetricsError", "RunRef", "read_metrics_frame", "resolve_metrics_path", "resolve_run", "check_spec_matches", "ALIASES"]
+from analysis.metric_names import MetricNames
+
+__all__ = ["MetricsError", "RunRef", "read_metrics_frame", "finish_frame", "tokens_from_spec", "resolve_metrics_path",
+           "resolve_run", "check_spec_matches", "ALIASES"]
 
 METRICS_FILE = "metrics.jsonl"
 
@@ -130,23 +133,61 @@ def _numeric(df: pd.DataFrame, col: str, path: Path, allow_missing: bool) -> Non
     df[col] = num.astype(np.float64)
 
 
-def read_metrics_frame(path: str | Path, columns: Mapping[str, str] | None = None) -> pd.DataFrame:
+WANDB_STAT_SUFFIXES = ("__MIN", "__MAX")
+
+
+def normalise_wandb_export(df: pd.DataFrame, origin: str) -> pd.DataFrame:
+    """A W&B panel export ("Export panel data as CSV": `Step`, `<run> - <metric>`, and
+    `<run> - <metric>__MIN` / `__MAX` when points were bucketed) -> `Step` and `<metric>` columns.
+    A CSV of another shape is returned as it is; one with several runs is refused (export one)."""
+    cols = [str(c) for c in df.columns]
+    runs: dict[str, list[str]] = {}
+    for c in cols:
+        if " - " in c:
+            run, _ = c.split(" - ", 1)
+            runs.setdefault(run, []).append(c)
+    if not runs or not any(c.lower() == "step" for c in cols):
+        return df
+    if len(runs) > 1:
+        raise MetricsError(
+            f"{origin}: a W&B export with {len(runs)} runs ({', '.join(sorted(runs))}); export one run's panel, "
+            "or name the columns with --metric-names"
+        )
+    drop = [c for c in cols if c.endswith(WANDB_STAT_SUFFIXES)]
+    df = df.drop(columns=drop)
+    return df.rename(columns={c: c.split(" - ", 1)[1] for c in df.columns if " - " in str(c)})
+
+
+def read_metrics_frame(path: str | Path, columns: Mapping[str, str] | None = None,
+                       names: MetricNames | None = None) -> pd.DataFrame:
+    """A run's metrics frame from a run dir, a metrics.jsonl or a CSV (a W&B panel export too);
+    `names` maps another stack's metric names onto this project's first."""
     path = resolve_metrics_path(path)
     if path.suffix in (".jsonl", ".json", ".ndjson"):
         df = _read_jsonl(path)
     elif path.suffix in (".csv", ".tsv", ".txt"):
-        df = _read_csv(path)
+        df = normalise_wandb_export(_read_csv(path), str(path))
     else:
         raise MetricsError(f"{path}: unknown metrics format {path.suffix!r} (expected .jsonl or .csv)")
+    return finish_frame(df, path, columns, names)
+
+
+def finish_frame(df: pd.DataFrame, path: str | Path, columns: Mapping[str, str] | None = None,
+                 names: MetricNames | None = None) -> pd.DataFrame:
+    """Name map, aliases, numeric checks, one row per step sorted by step (`path` names the
+    origin in errors: a file, or mlflow:RUN_ID)."""
     if df.empty:
         raise MetricsError(f"{path}: no metric records")
+    if names is not None:
+        df = names.apply(df)
     df = _rename(df, path, columns)
     for need in ("step", "loss"):
         if need not in df.columns:
             raise MetricsError(
-                f"{path}: no {need} column (looked for {', '.join(repr(a) for a in ALIASES[need])}; "
-                f"columns present: {', '.join(repr(c) for c in df.columns)})"
-                + ("; name it with --loss-col" if need == "loss" else "")
+                f"{path}: no {need} column (looked for {', '.join(repr(a) for a in ALIASES[need])}"
+                + (f" and the names of {names.label}" if names is not None else "")
+                + f"; columns present: {', '.join(repr(c) for c in df.columns)})"
+                + ("; name it with --loss-col or --metric-names" if need == "loss" else "")
             )
     _numeric(df, "step", path, allow_missing=False)
     # A NaN/inf loss is data (the monitor flags it); an empty loss cell in a CSV is read as NaN too.
@@ -164,6 +205,32 @@ def read_metrics_frame(path: str | Path, columns: Mapping[str, str] | None = Non
         raise MetricsError(f"{path}: column 'step' row {r + 1}: {steps[r]:g} is not a non-negative whole number")
     df["step"] = df["step"].astype(np.int64)
     df = df.drop_duplicates("step", keep="last").sort_values("step", kind="stable").reset_index(drop=True)
+    return df
+
+
+def tokens_from_spec(df: pd.DataFrame, spec: Any) -> pd.DataFrame:
+    """Add `tokens` (seen after each step) from the spec's batch x sequence schedule when the run
+    logged steps only. Steps count from 0 (this project) or 1 (a stack whose first logged step is
+    1 counts steps done), so tokens = (step + offset) x tokens per step, with the ungated context
+    stages of the spec (they keep tokens per step at batch_size x seq_len, rounded as the engines
+    do)."""
+    if "tokens" in df.columns and np.isfinite(df["tokens"].to_numpy(dtype=np.float64)).any():
+        return df
+    d = spec.data
+    total = spec.total_steps
+    starts = sorted((int(c.start_frac * total), c.seq_len) for c in d.context_stages if not c.gated)
+    steps = df["step"].to_numpy(dtype=np.int64)
+    done = steps + (1 if len(steps) and steps.min() == 0 else 0)  # steps done after each record
+    # tokens after `done` steps: the base tokens per step until each stage, each stage's after
+    bounds = [(0, d.seq_len)] + starts
+    tok = np.zeros(len(done), dtype=np.float64)
+    for i, (start, seq) in enumerate(bounds):
+        end = bounds[i + 1][0] if i + 1 < len(bounds) else None
+        per = max(1, d.batch_size * d.seq_len // seq) * seq
+        n = np.clip(done - start, 0, None if end is None else end - start)
+        tok += n * per
+    df = df.copy()
+    df["tokens"] = tok
     return df
 
 

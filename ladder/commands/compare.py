@@ -32,17 +32,33 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
     return out
 
 
-def load_inputs(run: str | None, metrics: str | None, spec_path: str | None, root: str | None,
-                loss_col: str | None):
-    from analysis.metrics_io import check_spec_matches, read_metrics_frame, resolve_run
+def open_inputs(run: str | None, metrics: str | None, spec_path: str | None, root: str | None,
+                loss_col: str | None, tracking_uri: str | None = None, metric_names: str | None = None):
+    """(source, frame, spec): the run's metrics through its source, and its spec (--spec, else the
+    run's own: its run dir's spec.yaml, or the spec artifact of an MLflow run this project logged)."""
+    from analysis.metric_names import load_metric_names
+    from analysis.metrics_io import check_spec_matches, tokens_from_spec
+    from analysis.sources import FileSource, open_source
     from core.spec import load_spec
 
-    ref = resolve_run(run, metrics, root)
-    df = read_metrics_frame(ref.metrics_path, {"loss": loss_col} if loss_col else None)
-    spec = load_spec(spec_path) if spec_path else ref.spec
+    names = load_metric_names(metric_names)
+    src = open_source(run, metrics, root=root, tracking_uri=tracking_uri, names=names,
+                      columns={"loss": loss_col} if loss_col else None)
+    df = src.read()
+    spec = load_spec(spec_path) if spec_path else src.spec
     if spec is not None:
-        check_spec_matches(spec, df, ref)
-    return ref, df, spec
+        df = tokens_from_spec(df, spec)
+        check_spec_matches(spec, df, src.ref if isinstance(src, FileSource) else None)
+    return src, df, spec
+
+
+def load_inputs(run: str | None, metrics: str | None, spec_path: str | None, root: str | None,
+                loss_col: str | None, tracking_uri: str | None = None, metric_names: str | None = None):
+    """(ref, frame, spec) for a run dir or metrics file; (source, frame, spec) for an MLflow run."""
+    from analysis.sources import FileSource
+
+    src, df, spec = open_inputs(run, metrics, spec_path, root, loss_col, tracking_uri, metric_names)
+    return (src.ref if isinstance(src, FileSource) else src), df, spec
 
 
 def render(report, console: Console, title: str) -> None:
@@ -76,10 +92,10 @@ def render(report, console: Console, title: str) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("compare")
     def compare_cmd(
-        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, or a run directory"),
+        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, a run directory, or mlflow:RUN_ID"),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV (step, loss, ...)"),
         forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json from `ladder forecast`"),
-        spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec (default: the run dir's spec file)"),
+        spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec (default: the run's own spec.yaml)"),
         follow: bool = typer.Option(False, "--follow", help="re-read as the run grows until it finishes"),
         interval: float = typer.Option(10.0, "--interval", help="seconds between reads with --follow"),
         max_wait: Optional[float] = typer.Option(None, "--max-wait", help="stop following after this many seconds"),
@@ -89,9 +105,13 @@ def register(app: typer.Typer) -> None:
         overrides: Optional[list[str]] = typer.Option(None, "--set", help="threshold override NAME=VALUE (repeatable)"),
         tokens_per_s: Optional[float] = typer.Option(None, "--tokens-per-s", help="planned throughput"),
         loss_col: Optional[str] = typer.Option(None, "--loss-col", help="the CSV's loss column, if not a usual name"),
+        metric_names: Optional[str] = typer.Option(
+            None, "--metric-names", help="the stack's metric names: olmo-core, levanter, marin, torchtitan, or a YAML map"),
+        tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI of an mlflow:RUN_ID"),
         root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
     ) -> None:
         """Flag where a run leaves its forecast: band, spikes, grad norm, drops, router entropy, NaN, throughput."""
+        from analysis.metrics_io import tokens_from_spec
         from analysis.monitor import MonitorSettings, load_forecast, monitor, plot_report
 
         settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
@@ -104,42 +124,45 @@ def register(app: typer.Typer) -> None:
         start = time.monotonic()
         while True:
             try:
-                ref, df, spec = load_inputs(run, metrics, spec_path, root, loss_col)
+                src, df, spec = open_inputs(run, metrics, spec_path, root, loss_col, tracking_uri, metric_names)
                 break
             except ValueError as e:
                 # --follow on a run that has not logged yet: wait for its first records
-                waiting = follow and ("no metrics.jsonl" in str(e) or "no metric records" in str(e))
+                waiting = follow and any(w in str(e) for w in ("no metrics.jsonl", "no metric records", "no step with a loss",
+                                                               "no metric this project reads"))
                 if not waiting or (max_wait is not None and time.monotonic() - start >= max_wait):
                     raise
                 console.print(f"[dim]waiting for the run's first metrics ({e})[/]", highlight=False)
                 time.sleep(interval)
         seen: set[tuple[str, int]] = set()
         while True:
-            report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=ref.status())
+            report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=src.status())
             if follow:
                 for f in report.flags:
                     if (f.kind, f.first_step) not in seen:
                         seen.add((f.kind, f.first_step))
                         console.print(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/] {f.kind} @ {f.first_step}: "
                                       f"{f.evidence.get('text', '')}", highlight=False)
-                state = ref.status().get("state")
+                state = src.status().get("state")
                 console.print(f"[dim]step {report.summary.get('step')} ({state or 'no status'})[/]", highlight=False)
                 done = state in TERMINAL_STATES
                 timed_out = max_wait is not None and time.monotonic() - start >= max_wait
                 if not (done or timed_out):
                     time.sleep(interval)
-                    from analysis.metrics_io import read_metrics_frame
-
-                    df = read_metrics_frame(ref.metrics_path, {"loss": loss_col} if loss_col else None)
+                    df = src.read()
+                    if spec is not None:
+                        df = tokens_from_spec(df, spec)
                     continue
             break
         if png:
-            plot_report(df, report, fc, png, title=f"{ref.label}: worst flag {report.worst or 'none'}")
+            plot_report(df, report, fc, png, title=f"{src.label}: worst flag {report.worst or 'none'}")
         if as_json:
-            print(json.dumps({"run": ref.label, "metrics": str(ref.metrics_path), **report.to_dict(),
+            described = src.describe()
+            print(json.dumps({"run": src.label, **({"metrics": described["metrics"]} if "metrics" in described else {}),
+                              "source": described, **report.to_dict(),
                               **({"png": str(Path(png))} if png else {})}, indent=2, default=str))
         else:
-            render(report, console, f"compare: {ref.label}")
+            render(report, console, f"compare: {src.label}")
             if png:
                 console.print(f"plot: {png}")
         if report.critical:

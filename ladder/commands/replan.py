@@ -104,7 +104,7 @@ def register(app: typer.Typer) -> None:
     def replan_cmd(
         run: Optional[str] = typer.Argument(None, help="spec id in the ledger, or a run directory"),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV"),
-        spec_path: str = typer.Option(..., "--spec", help="the run's spec YAML"),
+        spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec YAML (default: the run's own spec.yaml)"),
         deadline: Optional[str] = typer.Option(None, "--deadline", help="finish by this date (ISO, UTC if no zone)"),
         days: Optional[float] = typer.Option(None, "--days", help="finish within this many days from now"),
         tokens_per_s: Optional[float] = typer.Option(None, "--tokens-per-s", help="throughput to plan with (default: measured)"),
@@ -115,6 +115,9 @@ def register(app: typer.Typer) -> None:
         settings_path: Optional[str] = typer.Option(None, "--settings", help="YAML of monitor thresholds"),
         overrides: Optional[list[str]] = typer.Option(None, "--set", help="monitor threshold NAME=VALUE (repeatable)"),
         loss_col: Optional[str] = typer.Option(None, "--loss-col", help="the CSV's loss column, if not a usual name"),
+        metric_names: Optional[str] = typer.Option(
+            None, "--metric-names", help="the stack's metric names: olmo-core, levanter, marin, torchtitan, or a YAML map"),
+        tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI of an mlflow:RUN_ID"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
         apply: Optional[int] = typer.Option(None, "--apply", help="submit option N as a continuation of the run"),
         root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
@@ -132,7 +135,9 @@ def register(app: typer.Typer) -> None:
         settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
         due = parse_deadline(deadline, days, now)
         fc = load_forecast(forecast) if forecast else None
-        ref, df, spec = load_inputs(run, metrics, spec_path, root, loss_col)
+        ref, df, spec = load_inputs(run, metrics, spec_path, root, loss_col, tracking_uri, metric_names)
+        if spec is None:
+            raise LadderError(f"{run or metrics}: no spec.yaml beside the run; give --spec (`ladder spec from-run` writes one)")
         try:
             state = RunState.build(df, spec, ref, tokens_per_s=tokens_per_s, forecast=fc, settings=settings, now=now)
             plan = make_replan(state, due, force=force, lr_factor=lr_factor)

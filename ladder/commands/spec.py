@@ -1,0 +1,54 @@
+"""`ladder spec from-run`: a spec YAML for a run another stack trains, from its config file, so the
+forecast, the schedule-aware band and `replan` work for it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+spec_app = typer.Typer(help="Specs for runs this project did not launch.", no_args_is_help=True)
+
+
+def parse_sets(pairs: list[str] | None) -> dict:
+    """["data.total_tokens=1e12", "hardware.n_gpus=64"] -> {dotted: value} (YAML scalars)."""
+    import yaml
+
+    out = {}
+    for p in pairs or []:
+        if "=" not in p:
+            raise ValueError(f"--set {p!r}: expected FIELD=VALUE, e.g. --set data.total_tokens=1000000000")
+        k, v = p.split("=", 1)
+        val = yaml.safe_load(v)
+        if isinstance(val, float) and val.is_integer() and "e" in v.lower():
+            val = int(val)  # 1e12 tokens is a whole number
+        out[k.strip()] = val
+    return out
+
+
+@spec_app.command("from-run")
+def from_run_cmd(
+    config: Path = typer.Option(..., "--config", help="the stack's config file (OLMo-core: the experiment's config.json)"),
+    name: str = typer.Option(..., "--name", help="the spec's name (letters, digits, . _ + -)"),
+    stack: str = typer.Option("olmo-core", "--stack", help="which stack wrote the config (olmo-core)"),
+    out: Path = typer.Option(..., "--out", help="where to write the spec YAML"),
+    sets: Optional[list[str]] = typer.Option(None, "--set", help="change or add a field, FIELD=VALUE (repeatable)"),
+    role: str = typer.Option("hero", "--role", help="rung, hero or branch"),
+) -> None:
+    """Write a spec YAML for a run another stack trains, from its config file and a few flags."""
+    from core.fsutil import atomic_write_text
+    from ladder.stack_config import STACKS, load_stack_config, spec_from_olmo_core
+
+    if stack not in STACKS:
+        raise ValueError(f"--stack {stack!r}: known stacks are {', '.join(STACKS)}")
+    if out.is_dir():
+        raise ValueError(f"--out {out}: is a directory; give the spec file's path")
+    spec = spec_from_olmo_core(load_stack_config(config), name, {"role": role, **parse_sets(sets)}, str(config))
+    atomic_write_text(out, spec.to_yaml())
+    typer.echo(f"{out}: spec {spec.name} ({spec.id}), {spec.total_steps} steps of {spec.data.tokens_per_step} tokens, "
+               f"{spec.schedule.decay} decay to {spec.schedule.min_lr_ratio:g} x {spec.optim.peak_lr:g}")
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(spec_app, name="spec")

@@ -1,0 +1,237 @@
+"""A spec for a run another stack trains, from that stack's own config file.
+
+    spec = spec_from_olmo_core(json.load(open("config.json")), name="olmoe-1b7b", overrides={...})
+
+OLMo-core writes its experiment config as JSON (`ConfigSaverCallback`, `config.json` in every
+checkpoint directory, and the same dict as the W&B / Comet run config): `Config.as_config_dict()`
+of an `ExperimentConfig` (src/olmo_core/internal/experiment.py: model, dataset, data_loader,
+train_module, trainer, init_seed), each nested config with its class under `_CLASS_`. Read from it:
+
+| spec | OLMo-core |
+|---|---|
+| model.d_model, n_layers, vocab_size, init_std | model.d_model, n_layers, vocab_size, init_std |
+| model.n_heads, n_kv_heads, head_dim, rope_theta | model.block.attention.n_heads, n_kv_heads, head_dim, rope.theta |
+| model.n_routed_experts, top_k, expert_hidden | model.block.feed_forward_moe.num_experts, router.top_k, hidden_size |
+| model.n_shared_experts, shared_hidden | feed_forward_moe.shared_mlp (one, its hidden_size) |
+| model.latent_dim | feed_forward_moe.latent_moe.latent_dim |
+| model.router_kind | feed_forward_moe.router.gating_function (softmax, sigmoid) |
+| model.dispatch, capacity factors | feed_forward_moe.capacity_factor (none: dropless) |
+| data.seq_len | dataset.sequence_length (else train_module.max_sequence_length) |
+| data.batch_size | data_loader.global_batch_size (tokens) / seq_len |
+| data.total_tokens | trainer.max_duration (tokens, or steps x batch tokens) |
+| optim.peak_lr, beta1, beta2, eps, weight_decay | train_module.optim.lr, betas, eps, weight_decay |
+| optim.grad_clip, z_loss | train_module.max_grad_norm, z_loss_multiplier |
+| optim.aux_loss, router_z_loss | feed_forward_moe.lb_loss_weight, z_loss_weight |
+| schedule | train_module.scheduler: CosWithWarmup -> cosine, LinearWithWarmup -> linear, WSD -> wsd, ConstantWithWarmup -> constant; warmup (steps) or warmup_fraction; alpha_f (or WSD's decay_min_lr / lr) -> min_lr_ratio; WSD decay_fraction -> decay_start_frac |
+| seed | init_seed |
+
+A dense model (feed_forward, no feed_forward_moe) becomes one routed expert, top-1. The data
+source is named after the dataset's mix (or `data`) with the dataset's paths as given: the spec
+describes the run; it is not a recipe to train it here. Anything missing, or to be changed, comes
+from `overrides` ({"data.total_tokens": ..., "hardware.n_gpus": ...}). Every problem is a
+StackConfigError naming the field.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from core.spec import Spec, SpecError, format_validation_error, spec_from_dict
+
+__all__ = ["STACKS", "StackConfigError", "load_stack_config", "spec_from_olmo_core"]
+
+STACKS = ("olmo-core",)
+
+
+class StackConfigError(ValueError):
+    """A stack config that cannot become a spec; the message names the file and field."""
+
+
+def _get(d: Any, path: str, origin: str, default: Any = ..., types: tuple = (int, float)) -> Any:
+    node = d
+    for part in path.split("."):
+        if not isinstance(node, dict) or part not in node or node[part] is None:
+            if default is ...:
+                raise StackConfigError(f"{origin}: no {path} in the config")
+            return default
+        node = node[part]
+    if types and not (isinstance(node, types) and not isinstance(node, bool)):
+        raise StackConfigError(f"{origin}: {path} is {node!r}, expected a number")
+    return node
+
+
+def _class(d: Any) -> str:
+    return str((d or {}).get("_CLASS_", "")).rsplit(".", 1)[-1] if isinstance(d, dict) else ""
+
+
+def _block(model: dict, origin: str) -> dict:
+    block = model.get("block")
+    if not isinstance(block, dict):
+        raise StackConfigError(f"{origin}: no model.block in the config")
+    if "attention" in block or "sequence_mixer" in block or "feed_forward_moe" in block or "feed_forward" in block:
+        return block
+    # a named set of blocks (block_pattern): the first MoE block, else the first block
+    named = [b for b in block.values() if isinstance(b, dict)]
+    if not named:
+        raise StackConfigError(f"{origin}: model.block holds no block config")
+    return next((b for b in named if b.get("feed_forward_moe")), named[0])
+
+
+def _model(cfg: dict, origin: str) -> dict:
+    model = cfg.get("model")
+    if not isinstance(model, dict):
+        raise StackConfigError(f"{origin}: no model section (is this an OLMo-core experiment config.json?)")
+    d_model = _get(model, "d_model", origin)
+    block = _block(model, origin)
+    attn = block.get("attention") or block.get("sequence_mixer") or {}
+    n_heads = _get(attn, "n_heads", origin + " model.block.attention", 16)
+    n_kv = _get(attn, "n_kv_heads", origin + " model.block.attention", n_heads)
+    out: dict[str, Any] = {
+        "n_layers": _get(model, "n_layers", origin),
+        "d_model": d_model,
+        "n_heads": n_heads,
+        "n_kv_heads": n_kv,
+        "head_dim": _get(attn, "head_dim", origin, d_model // n_heads),
+        "vocab_size": _get(model, "vocab_size", origin),
+        "init_std": _get(model, "init_std", origin, 0.02),
+        "rope_theta": _get(attn, "rope.theta", origin, 10000.0),
+        "norm_eps": _get(block, "layer_norm.eps", origin, 1e-5),
+    }
+    moe = block.get("feed_forward_moe")
+    if isinstance(moe, dict):
+        gating = str(_get(moe, "router.gating_function", origin, "softmax", types=(str,))).lower()
+        shared = moe.get("shared_mlp")
+        cf = _get(moe, "capacity_factor", origin, None)
+        out.update({
+            "n_routed_experts": _get(moe, "num_experts", origin + " model.block.feed_forward_moe", 1),
+            "top_k": _get(moe, "router.top_k", origin + " model.block.feed_forward_moe", 1),
+            "expert_hidden": _get(moe, "hidden_size", origin + " model.block.feed_forward_moe", 256),
+            "router_kind": "sigmoid" if "sigmoid" in gating else "softmax",
+            "n_shared_experts": 1 if isinstance(shared, dict) else 0,
+            "shared_hidden": _get(shared, "hidden_size", origin, 0) if isinstance(shared, dict) else 0,
+            "router_bias_balancing": _get(moe, "router.bias_gamma", origin, None) is not None,
+        })
+        latent = _get(moe, "latent_moe.latent_dim", origin, None)
+        if latent is not None:
+            out["latent_dim"] = latent
+        if cf is not None:
+            out.update({"dispatch": "capacity", "capacity_factor_send": max(float(cf), 1.0),
+                        "capacity_factor_recv": max(float(cf), 1.0)})
+    else:
+        ff = block.get("feed_forward")
+        if not isinstance(ff, dict):
+            raise StackConfigError(f"{origin}: model.block has neither feed_forward_moe nor feed_forward")
+        out.update({"n_routed_experts": 1, "top_k": 1, "expert_hidden": _get(ff, "hidden_size", origin)})
+    return out
+
+
+def _schedule(tm: dict, peak_lr: float, origin: str) -> dict:
+    sch = tm.get("scheduler")
+    if not isinstance(sch, dict):
+        return {"decay": "constant", "warmup_steps": 0, "min_lr_ratio": 1.0}
+    kind = _class(sch)
+    out: dict[str, Any] = {}
+    warm = sch.get("warmup", sch.get("warmup_steps"))
+    if warm is not None:
+        out["warmup_steps"] = int(warm)
+    elif sch.get("warmup_fraction") is not None:
+        out["warmup_frac"] = float(sch["warmup_fraction"])
+    else:
+        out["warmup_steps"] = 0
+    if kind == "CosWithWarmup":
+        out.update({"decay": "cosine", "min_lr_ratio": float(sch.get("alpha_f", 0.1))})
+    elif kind == "LinearWithWarmup":
+        out.update({"decay": "linear", "min_lr_ratio": float(sch.get("alpha_f", 0.1))})
+    elif kind == "WSD":
+        out.update({"decay": "wsd", "min_lr_ratio": float(sch.get("decay_min_lr", 0.0)) / peak_lr,
+                    "decay_start_frac": 1.0 - float(sch.get("decay_fraction") or 0.1)})
+    elif kind in ("ConstantWithWarmup", "ConstantScheduler"):
+        out.update({"decay": "constant", "min_lr_ratio": 1.0})
+    else:
+        raise StackConfigError(f"{origin}: train_module.scheduler {kind or '(no _CLASS_)'} is not one this project "
+                               "models (CosWithWarmup, LinearWithWarmup, WSD, ConstantWithWarmup); give --set schedule.*")
+    return out
+
+
+def spec_from_olmo_core(cfg: dict, name: str, overrides: dict[str, Any] | None = None, origin: str = "config") -> Spec:
+    if not isinstance(cfg, dict):
+        raise StackConfigError(f"{origin}: an OLMo-core config is a JSON object")
+    tm = cfg.get("train_module")
+    if not isinstance(tm, dict):
+        raise StackConfigError(f"{origin}: no train_module section (is this an OLMo-core experiment config.json?)")
+    seq = _get(cfg, "dataset.sequence_length", origin, None) or _get(tm, "max_sequence_length", origin, None)
+    if seq is None:
+        raise StackConfigError(f"{origin}: no dataset.sequence_length nor train_module.max_sequence_length")
+    batch_tokens = _get(cfg, "data_loader.global_batch_size", origin)
+    if batch_tokens % seq:
+        raise StackConfigError(f"{origin}: data_loader.global_batch_size {batch_tokens} is not a multiple of the "
+                               f"sequence length {seq}")
+    total = None
+    dur = (cfg.get("trainer") or {}).get("max_duration")
+    if isinstance(dur, dict) and dur.get("value") is not None:
+        unit = str(dur.get("unit", "steps"))
+        if unit == "tokens":
+            total = int(dur["value"])
+        elif unit == "steps":
+            total = int(dur["value"]) * int(batch_tokens)
+    overrides = dict(overrides or {})
+    if total is None and "data.total_tokens" not in overrides:
+        raise StackConfigError(f"{origin}: trainer.max_duration is not in tokens or steps; give --set data.total_tokens=N")
+    optim = tm.get("optim") or {}
+    peak = _get(optim, "lr", origin + " train_module.optim")
+    betas = optim.get("betas") or [0.9, 0.999]
+    moe = (_block(cfg["model"], origin) if isinstance(cfg.get("model"), dict) else {}).get("feed_forward_moe") or {}
+    data_cfg = cfg.get("dataset") or {}
+    paths = tuple(str(p) for p in (data_cfg.get("paths") or ()) if isinstance(p, str))
+    mix = data_cfg.get("mix")
+    tok = str(_get(data_cfg, "tokenizer.identifier", origin, "bytes", types=(str,))).rsplit("/", 1)[-1]
+    spec_dict: dict[str, Any] = {
+        "name": name,
+        "seed": int(_get(cfg, "init_seed", origin, 0)),
+        "model": _model(cfg, origin),
+        "data": {
+            "sources": [{"name": str(mix or "data"), "weight": 1.0, "paths": list(paths or (str(mix or origin),))}],
+            "tokenizer": tok,
+            "seq_len": int(seq),
+            "batch_size": int(batch_tokens) // int(seq),
+            "total_tokens": int(total or batch_tokens),
+        },
+        "optim": {
+            "peak_lr": float(peak), "beta1": float(betas[0]), "beta2": float(betas[1]),
+            "eps": float(optim.get("eps", 1e-8)), "weight_decay": float(optim.get("weight_decay", 0.01)),
+            "grad_clip": float(tm.get("max_grad_norm") or 1e9),
+            "z_loss": float(tm.get("z_loss_multiplier") or 0.0),
+            "aux_loss": float(moe.get("lb_loss_weight") or 0.0),
+            "router_z_loss": float(moe.get("z_loss_weight") or 0.0),
+        },
+        "schedule": _schedule(tm, float(peak), origin),
+    }
+    try:
+        spec = spec_from_dict(spec_dict, origin)
+        return spec.replace(**overrides) if overrides else spec
+    except ValidationError as e:
+        raise StackConfigError(f"{origin}: invalid spec: {format_validation_error(e)}") from None
+    except SpecError as e:
+        raise StackConfigError(str(e)) from None
+    except KeyError as e:
+        raise StackConfigError(f"{origin}: --set names an unknown field {e}") from None
+
+
+def load_stack_config(path: str | Path) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise StackConfigError(f"{p}: no such config file")
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            return yaml.safe_load(p.read_text())
+        return json.loads(p.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise StackConfigError(f"{p}: not valid JSON ({e})") from None
+    except Exception as e:  # yaml.YAMLError
+        raise StackConfigError(f"{p}: not readable ({str(e).splitlines()[0]})") from None
