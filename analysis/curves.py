@@ -46,10 +46,27 @@ Model size: curves may carry `params` (N, the model's parameter count). With sev
 per-curve parameters scale with N: L0(N) = E + a (N/N_ref)^-p (p fixed at CHINCHILLA_ALPHA with two
 sizes, fitted with three or more), log A, log alpha and log B linear in log N, C, beta, gamma shared.
 With ONE size there is nothing to learn the scaling from, so predicting another size uses a prior
-(stated here, reported by `CurveFit.to_dict`): Chinchilla's L(N) = E + A_N/N^0.34 (Hoffmann et al.
-2022: E 1.69, A_N 406.4, alpha 0.34), rescaled to pass through the fitted L0 at the fitted size, gives
-L0(N); A, alpha, B, C, beta, gamma are kept (in Chinchilla's additive form the data term does not
-depend on N).
+(stated here, reported by `CurveFit.to_dict`, chosen by `size_prior`):
+- "kaplan" (default): the whole curve scales as (N / N_fit)^-0.076, Kaplan et al. (2020)'s
+  L(N) = (N_c / N)^0.076, a relative change that needs no loss floor;
+- "chinchilla": Chinchilla's L(N) = E + A_N/N^0.34 (Hoffmann et al. 2022: E 1.69, A_N 406.4, alpha 0.34),
+  rescaled to pass through the fitted L0 at the fitted size, gives L0(N); A, alpha, B, C, beta, gamma
+  are kept (in Chinchilla's additive form the data term does not depend on N).
+The two published laws disagree by about 0.03 in relative loss per e-fold of N near 1e8 parameters
+(Kaplan's slope 0.076, Epoch's refit of Chinchilla ~0.11 there); a band at another size adds that
+(SIZE_PRIOR_SD per e-fold, as a relative sd) in quadrature. On the multipower curves (25M <-> 100M)
+the Kaplan prior errs by about 1% and the Chinchilla prior by about 5.6%: that data informed the
+default, so those curves are no independent test of it.
+
+Bands (`CurveFit.band`): the training residuals' relative scatter, the bootstrap refits' spread, an
+extrapolation term in LR area and, at another size, the size term, added in quadrature; the
+non-bootstrap parts are scaled by a calibration factor measured leave-one-curve-out on the training
+curves (refit without each curve, predict it: the factor makes `level` of the held-out points fall
+inside). With a single curve there is nothing to leave out, the factor is 1 and a warning says so.
+
+Warnings (`CurveFit.warnings`): parameters on a bound of their search range (`converged` is then
+False), a fit of fewer than three sizes that predicts another size, an uncalibrated band, bootstrap
+refits that disagree wildly.
 
 Learning rates: `lr` is either one value per logged step (sampled schedule: linear between samples,
 before the first sample a linear warmup from 0 at step 0) or a dense per-step array (lr[s] is the
@@ -69,6 +86,9 @@ from typing import Any, Sequence
 import numpy as np
 from scipy.optimize import minimize
 from scipy.signal import lfilter
+from scipy.stats import norm
+
+from analysis import fitwarn
 
 try:  # a transitive dependency (scikit-learn via mlflow); without it the fit is only slower
     from threadpoolctl import threadpool_limits
@@ -93,8 +113,12 @@ BLOCK_RATIO = 1.0 / 8  # farther ones in blocks of width ~ distance * BLOCK_RATI
 LRA_MOMENTUM = 0.999  # Tissue et al.'s lambda
 GAMMA_MAX = 1.0
 
-# One-size prior for predicting another model size (see the module docstring).
+# One-size priors for predicting another model size (see the module docstring).
 CHINCHILLA_E, CHINCHILLA_A, CHINCHILLA_ALPHA = 1.69, 406.4, 0.34
+KAPLAN_ALPHA_N = 0.076
+SIZE_PRIORS = ("kaplan", "chinchilla")
+SIZE_PRIOR_SD = 0.03  # relative loss sd per e-fold of N away from the fitted sizes
+CALIB_MIN, CALIB_MAX = 0.5, 10.0
 
 _EVAL_CHUNK = 1 << 21  # (evaluated steps x blocks) per chunk when predicting long dense curves
 
@@ -564,6 +588,12 @@ class CurveFit:
     extrap_rel: float = 0.0  # backtested relative error per e-fold of LR area beyond the training curves
     s1_max: float | None = None  # largest LR area (S1 + S_W) a training curve reached
     info: dict = field(default_factory=dict)
+    size_prior: str = "kaplan"  # one size: how another size is predicted (module docstring)
+    sizes: list = field(default_factory=list)  # the training curves' sizes (params), when given
+    calib: float = 1.0  # leave-one-curve-out calibration factor of the band's non-bootstrap parts
+    calibration: dict = field(default_factory=dict)  # how calib was measured
+    converged: bool = True  # False when a parameter sits on a bound of its search range
+    warnings: list = field(default_factory=list)
 
     @property
     def _law(self) -> _SizeLaw:
@@ -590,9 +620,23 @@ class CurveFit:
                 raise CurveError("this fit depends on model size (curves of several sizes): pass params=N")
             return law.theta(z, math.log(float(params)))[0]
         th = z.copy()
-        if params is not None and self.size_n is not None and float(params) != self.size_n:
+        if self.size_prior == "chinchilla" and params is not None and self.size_n is not None and float(params) != self.size_n:
             th[0] = _prior_l0(th[0], self.size_n, float(params))
         return th
+
+    def _size_factor(self, params: float | None) -> float:
+        """The Kaplan prior's ratio of losses at `params` and at the one training size."""
+        if self.law_kind != "none" or self.size_prior != "kaplan" or params is None or self.size_n is None:
+            return 1.0
+        return (float(params) / self.size_n) ** -KAPLAN_ALPHA_N
+
+    def size_efolds(self, params: float | None) -> float:
+        """e-folds of N from `params` to the nearest training size (0 inside their range or unknown)."""
+        if params is None or not self.sizes:
+            return 0.0
+        x = math.log(float(params))
+        lo, hi = math.log(min(self.sizes)), math.log(max(self.sizes))
+        return max(x - hi, lo - x, 0.0)
 
     def predict(self, steps, lr, params: float | None = None, _z: np.ndarray | None = None) -> np.ndarray:
         steps_n = _check_steps(steps, "predict")
@@ -603,33 +647,50 @@ class CurveFit:
         chunk = max(1, _EVAL_CHUNK // max(n_blocks, 1))
         for i in range(0, len(steps_n), chunk):
             out[i : i + chunk] = _Design(self.model, steps_n[i : i + chunk], lr_T).predict(th)
-        return out
+        return out * self._size_factor(params)
 
     def predict_curve(self, curve: Curve) -> np.ndarray:
         return self.predict(curve.step, curve.lr_per_step, params=curve.params)
 
     def band(self, steps, lr, params: float | None = None, level: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
-        """(lo, hi) around predict(), normal quantiles at `level` of three parts added in quadrature:
-        the training residuals' relative scatter; the bootstrap refits' spread and an extrapolation
-        term (both when fitted with n_boot > 0): extrap_rel x log(S1(t) / s1_max) beyond the largest
-        LR area of the training curves, extrap_rel backtested on the curves themselves (fit on each
-        curve's first half of LR area, error on the second half). Extrapolation to another model
-        size is not in the band."""
-        from scipy.stats import norm
-
+        """(lo, hi) around predict(), normal quantiles at `level` of parts added in quadrature: the
+        training residuals' relative scatter; an extrapolation term extrap_rel x log(S1(t) / s1_max)
+        beyond the largest LR area of the training curves (extrap_rel backtested on the curves
+        themselves: fit on each curve's first half of LR area, error on the second half); these two
+        scaled by the leave-one-curve-out calibration factor `calib`; at a size outside
+        the training sizes, SIZE_PRIOR_SD per e-fold of N; and the bootstrap refits' spread."""
         pred = self.predict(steps, lr, params)
         zq = float(norm.ppf(0.5 + level / 2))
+        var = self._model_var(steps, lr, params, pred) * self.calib**2 + self._size_var(params, pred)
+        if self.boot_z is not None and len(self.boot_z) >= 2:
+            draws = np.stack([self.predict(steps, lr, params, _z=zb) for zb in self.boot_z])
+            var = var + draws.var(0, ddof=1)
+        half = zq * np.sqrt(var)
+        return pred - half, pred + half
+
+    def _model_var(self, steps, lr, params, pred: np.ndarray) -> np.ndarray:
         var = (self.resid_rel_std * pred) ** 2
         if self.extrap_rel > 0 and self.s1_max:
             steps_n = _check_steps(steps, "band")
             s1_n = np.cumsum(_dense_lr(steps_n, lr, "band"))[steps_n]
             rho_n = np.maximum(np.log(np.maximum(s1_n, 1e-300) / self.s1_max), 0.0)
             var = var + (self.extrap_rel * rho_n * pred) ** 2
-        if self.boot_z is not None and len(self.boot_z) >= 2:
-            draws = np.stack([self.predict(steps, lr, params, _z=zb) for zb in self.boot_z])
-            var = var + draws.var(0, ddof=1)
-        half = zq * np.sqrt(var)
-        return pred - half, pred + half
+        return var
+
+    def _size_var(self, params, pred: np.ndarray) -> np.ndarray:
+        return (SIZE_PRIOR_SD * self.size_efolds(params) * pred) ** 2
+
+    def predict_warnings(self, params: float | None) -> list[str]:
+        """What a reader of a prediction at size `params` must know."""
+        out = []
+        if self.size_efolds(params) > 0:
+            if self.law_kind == "none":
+                out.append(f"predicting size {float(params):.3g} from one training size {self.size_n:.3g}: the size "
+                           f"dependence is the {self.size_prior} prior, not fitted")
+            else:
+                out.append(f"size {float(params):.3g} lies {self.size_efolds(params):.2f} e-folds outside the fitted "
+                           f"sizes: the size law is extrapolated")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         d = {
@@ -645,9 +706,21 @@ class CurveFit:
             "s1_max": self.s1_max,
             "boot_z": None if self.boot_z is None else [[float(v) for v in row] for row in self.boot_z],
             "info": self.info,
+            "sizes": list(self.sizes),
+            "prior": self.size_prior,
+            "calib": self.calib,
+            "calibration": self.calibration,
+            "converged": self.converged,
+            "warnings": list(self.warnings),
+            "band_method": ("normal quantiles of: (relative residual scatter and extrapolation in LR area, backtested "
+                            "per curve) x calib (leave-one-curve-out), "
+                            f"{SIZE_PRIOR_SD} relative per e-fold of N outside the fitted sizes, and the bootstrap "
+                            "refits' variance, in quadrature"),
         }
         if self.law_kind == "none":
             d["size_prior"] = (
+                f"one training size: another size N gets the whole curve x (N/N_fit)^-{KAPLAN_ALPHA_N} (Kaplan et al. 2020)"
+                if self.size_prior == "kaplan" else
                 f"one training size: another size N gets L0(N) = E + (L0 - E) (N/N_fit)^-{CHINCHILLA_ALPHA} with "
                 f"E/L0 from Chinchilla's L(N) = {CHINCHILLA_E} + {CHINCHILLA_A}/N^{CHINCHILLA_ALPHA} at N_fit; "
                 "the other parameters are kept"
@@ -676,6 +749,12 @@ class CurveFit:
                 extrap_rel=float(d.get("extrap_rel", 0.0)),
                 s1_max=d.get("s1_max"),
                 info=dict(d.get("info", {})),
+                size_prior=str(d.get("prior", "chinchilla")),
+                sizes=list(d.get("sizes") or []),
+                calib=float(d.get("calib", 1.0)),
+                calibration=dict(d.get("calibration") or {}),
+                converged=bool(d.get("converged", True)),
+                warnings=list(d.get("warnings") or []),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise CurveError(f"not a curve fit: {e}") from None
@@ -708,18 +787,105 @@ def fit_curves(
     seed: int = 0,
     joint: bool = False,
     exact: bool = False,
+    size_prior: str = "kaplan",
+    calibrate: bool | None = None,
+    level: float = 0.9,
 ) -> CurveFit:
     """Fit `model` ("mpl" or "lra") to `curves` with shared parameters (a size law across sizes when
     the curves carry several `params` values). n_boot > 0 adds block-bootstrap refits for bands.
     joint=True fits the Multi-Power Law's B together with the rest (one stage) instead of from the
     instant model; exact=True evaluates LD term by term (slow; for checking the lumping).
+    size_prior: "kaplan" or "chinchilla", how a one-size fit predicts another size. calibrate (default:
+    with n_boot > 0) measures the band's calibration factor leave-one-curve-out at `level`.
     Raises CurveError for unusable input, CurveFitError when the fit does not converge."""
+    if size_prior not in SIZE_PRIORS:
+        raise CurveError(f"unknown size prior {size_prior!r}; choose one of {', '.join(SIZE_PRIORS)}")
+    if not 0 < level < 1:
+        raise CurveError(f"level must be in (0, 1), got {level}")
+    calibrate = n_boot > 0 if calibrate is None else calibrate
     # L-BFGS-B makes thousands of tiny BLAS calls; a multi-threaded BLAS spins its threads on each
     # one and on a busy machine runs many times slower than one thread.
     if threadpool_limits is None:
-        return _fit_curves(curves, model, n_boot, seed, joint, exact)
+        fit = _fit_curves(curves, model, n_boot, seed, joint, exact)
+        return _finish(fit, curves, model, joint, size_prior, calibrate, level)
     with threadpool_limits(limits=1, user_api="blas"):
-        return _fit_curves(curves, model, n_boot, seed, joint, exact)
+        fit = _fit_curves(curves, model, n_boot, seed, joint, exact)
+        return _finish(fit, curves, model, joint, size_prior, calibrate, level)
+
+
+def _finish(fit: CurveFit, curves, model, joint, size_prior, calibrate, level) -> CurveFit:
+    """The size prior, the band's calibration and the warnings."""
+    fit.size_prior = size_prior
+    fit.sizes = list(fit.info.get("sizes") or [])
+    if fit.law_kind == "none":
+        fit.warnings.append("one training size: a prediction at another size rests on the "
+                            f"{size_prior} prior (analysis.curves), not on this data")
+    elif fit.law_kind == "two":
+        fit.warnings += fitwarn.too_few_sizes(2, "sizes for the size law")
+    if calibrate:
+        fit.calib, fit.calibration = _calibrate(fit, list(curves), model, joint, size_prior, level)
+        if fit.calibration.get("n_points", 0) == 0:
+            fit.warnings.append(f"band not calibrated: {fit.calibration.get('why', 'no curve could be left out')}")
+    if fit.boot_z is not None and len(fit.boot_z) >= 4:
+        nat = np.array([_natural_row(fit.names, z) for z in fit.boot_z])
+        ci = {k: list(np.quantile(nat[:, i], [0.05, 0.95])) for i, k in enumerate(fit.names)}
+        pos = [k for k in fit.names if k in _LOG_BOUNDS or k in ("a", "p")]
+        fit.warnings += fitwarn.bootstrap_disagreement(ci, len(fit.boot_z), 0, positive=pos)
+    fit.info["converged"] = fit.converged
+    return fit
+
+
+def _bound_warnings(names, z, bounds) -> list[str]:
+    """Parameters on a bound of their search range, in natural units (fixed ones left out)."""
+    out = []
+    for k, v, (lo, hi) in zip(names, z, bounds):
+        if lo is not None and hi is not None and lo >= hi:
+            continue
+        logged = k in _LOG_BOUNDS or k in ("a", "p")
+        nat = (lambda x: math.exp(x)) if logged else (lambda x: x)
+        w = fitwarn.at_bounds({k: v}, {k: (lo, hi)})
+        if w:
+            side = "lower" if "lower" in w[0] else "upper"
+            b = lo if side == "lower" else hi
+            out.append(f"{k} = {nat(v):.4g} is at its {side} bound {nat(b):.4g}: the optimum may lie beyond it")
+    return out
+
+
+def _natural_row(names, z) -> list[float]:
+    return [float(math.exp(v)) if k in _LOG_BOUNDS or k in ("a", "p") else float(v) for k, v in zip(names, z)]
+
+
+def _calibrate(fit: CurveFit, curves, model, joint, size_prior, level) -> tuple[float, dict]:
+    """Leave-one-curve-out: refit without each curve (no bootstrap), predict it with that fit's
+    non-bootstrap sd; the factor is the `level` quantile of |error| / sd over the held-out points,
+    divided by the normal quantile, kept in [CALIB_MIN, CALIB_MAX]. A curve that is its size's only
+    one is not left out (that would test the size law, not the schedule model)."""
+    if len(curves) < 2:
+        return 1.0, {"method": "leave-one-curve-out", "n_points": 0, "why": "one training curve, none to leave out"}
+    zq = float(norm.ppf(0.5 + level / 2))
+    ratios = []
+    for i, c in enumerate(curves):
+        rest = curves[:i] + curves[i + 1:]
+        if c.params is not None and c.params not in {x.params for x in rest}:
+            continue
+        try:
+            sub = _fit_curves(rest, model, 0, 0, joint, False)
+            designs = [_Design(model, x.step, x.lr_per_step) for x in rest]
+            sub.extrap_rel = _backtest_extrapolation(rest, designs, model, joint)
+            sub.size_prior, sub.sizes = size_prior, list(sub.info.get("sizes") or [])
+            pred = sub.predict_curve(c)
+        except CurveError:
+            continue
+        sd = np.sqrt(sub._model_var(c.step, c.lr_per_step, c.params, pred) + sub._size_var(c.params, pred))
+        ok = sd > 0
+        ratios.append(np.abs(c.loss[ok] - pred[ok]) / sd[ok])
+    if not ratios:
+        why = "every curve is its size's only one" if fit.law_kind != "none" else "no refit succeeded"
+        return 1.0, {"method": "leave-one-curve-out", "n_points": 0, "why": why}
+    r = np.concatenate(ratios)
+    k = float(np.clip(np.quantile(r, level) / zq, CALIB_MIN, CALIB_MAX))
+    return k, {"method": "leave-one-curve-out", "n_curves": len(ratios), "n_points": int(len(r)), "level": level,
+               "factor": k, "coverage_uncalibrated": float(np.mean(r <= zq))}
 
 
 def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
@@ -785,6 +951,8 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
 
     fit = CurveFit(model=model, names=law.names, z=best.x, law_kind=kind, log_nref=log_nref,
                    size_n=sizes[0] if len(sizes) == 1 else None)
+    fit.warnings += _bound_warnings(law.names, best.x, bounds)
+    fit.converged = not fit.warnings
     rel = []
     per_curve = []
     for c, des, log_n in zip(curves, designs, log_ns):
@@ -812,7 +980,7 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
         "n_curves": len(curves),
         "sizes": sizes,
         "iterations": int(best.nit),
-        "converged": True,
+        "converged": fit.converged,
         "train": per_curve,
         "seconds": round(time.perf_counter() - t0, 3),
     }

@@ -183,7 +183,7 @@ def test_two_sizes_fit_a_size_law_that_predicts_each_size():
 
 
 def test_one_size_predicts_another_size_with_the_stated_chinchilla_prior():
-    fit = fit_curves([_load("25M", n, 25e6) for n in TRAIN])
+    fit = fit_curves([_load("25M", n, 25e6) for n in TRAIN], size_prior="chinchilla")
     L0 = fit.curve_params()["L0"]
     red = cv.CHINCHILLA_A * 25e6 ** -cv.CHINCHILLA_ALPHA
     E = L0 * cv.CHINCHILLA_E / (cv.CHINCHILLA_E + red)
@@ -194,6 +194,56 @@ def test_one_size_predicts_another_size_with_the_stated_chinchilla_prior():
     same = _load("25M", "constant_24000", 25e6)
     assert np.array_equal(fit.predict_curve(same), fit.predict(same.step, same.lr_per_step))
     assert "Chinchilla" in fit.to_dict()["size_prior"]
+
+
+def test_one_size_kaplan_prior_scales_the_whole_curve():
+    fit = fit_curves([_load("25M", n, 25e6) for n in TRAIN])
+    c = _load("100M", "cosine_72000", 1e8)
+    at_25m = fit.predict(c.step, c.lr_per_step, params=25e6)
+    assert np.allclose(fit.predict_curve(c), at_25m * 4.0 ** -cv.KAPLAN_ALPHA_N, rtol=1e-12)
+    assert "Kaplan" in fit.to_dict()["size_prior"]
+
+
+@pytest.mark.slow
+def test_cross_size_25M_to_100M_mean_error_and_band_coverage():
+    """Fit the 25M protocol curves, predict all nine 100M curves (4x up) told only N: the mean error
+    bench/forecast_backtest.py reports (1.2%), and a 90% band that holds them."""
+    fit = fit_curves([_load("25M", n, 25e6) for n in TRAIN], n_boot=8)
+    errs, cover = [], []
+    for n in TRAIN + TEST:
+        c = _load("100M", n, 1e8)
+        pred = fit.predict_curve(c)
+        lo, hi = fit.band(c.step, c.lr_per_step, params=1e8)
+        errs.append(np.mean(np.abs(pred / c.loss - 1)))
+        cover.append(np.mean((c.loss >= lo) & (c.loss <= hi)))
+    assert np.mean(errs) < 0.0135
+    assert np.mean(cover) >= 0.9
+    assert any("kaplan prior" in w for w in fit.warnings + fit.predict_warnings(1e8))
+
+
+@pytest.mark.slow
+def test_in_size_band_is_calibrated_leave_one_curve_out_and_covers_unseen_schedules():
+    fit = fit_curves([_load("100M", n) for n in TRAIN], n_boot=8)
+    assert fit.calibration["method"] == "leave-one-curve-out" and fit.calibration["n_curves"] == 3
+    cover = []
+    for n in TEST:
+        c = _load("100M", n)
+        lo, hi = fit.band(c.step, c.lr_per_step)
+        cover.append(np.mean((c.loss >= lo) & (c.loss <= hi)))
+    assert 0.85 <= np.mean(cover) and min(cover) >= 0.8
+
+
+def test_a_parameter_on_its_bound_is_a_warning_and_not_converged():
+    fit = fit_curves([_load("25M", n) for n in TRAIN])
+    assert fit.params["gamma"] == pytest.approx(cv.GAMMA_MAX)
+    assert fit.converged is False
+    assert any(w.startswith("gamma = 1 is at its upper bound") for w in fit.warnings)
+    assert fit.to_dict()["converged"] is False
+
+
+def test_a_single_curve_band_says_it_is_not_calibrated():
+    fit = fit_curves([_load("25M", "cosine_24000")], n_boot=2)
+    assert fit.calib == 1.0 and any("not calibrated" in w for w in fit.warnings)
 
 
 # ---- API details ---------------------------------------------------------------------------------
