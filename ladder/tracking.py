@@ -94,18 +94,28 @@ def _artifact_location(uri: str) -> str | None:
     return None  # a server decides where artifacts go
 
 
+# The MLflow UI opens an experiment by this tag (EXPERIMENT_KIND_TAG_KEY in mlflow's
+# server/js/src/experiment-tracking/utils/ExperimentKindUtils.ts); untagged, it may open the GenAI
+# view (traces, an assistant panel). custom_model_development opens "Model training": the runs.
+EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
+EXPERIMENT_KIND = "custom_model_development"
+
+
 def experiment_id(uri: str, name: str) -> str:
     c = client(uri)
     exp = c.get_experiment_by_name(name)
     if exp is None:
         try:
-            return c.create_experiment(name, artifact_location=_artifact_location(uri))
+            return c.create_experiment(name, artifact_location=_artifact_location(uri),
+                                       tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
         except Exception:
             exp = c.get_experiment_by_name(name)  # created concurrently by another process
             if exp is None:
                 raise
     if exp.lifecycle_stage == "deleted":
         c.restore_experiment(exp.experiment_id)
+    if EXPERIMENT_KIND_TAG not in exp.tags:  # made before the tag was set here
+        c.set_experiment_tag(exp.experiment_id, EXPERIMENT_KIND_TAG, EXPERIMENT_KIND)
     return exp.experiment_id
 
 
