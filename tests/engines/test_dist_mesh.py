@@ -1,0 +1,178 @@
+"""A (data x expert) mesh of real processes (gloo on the CPU) against the one-device engine,
+which emulates the spec's expert shards: dp2 x ep2 over 4 processes gives its losses, gradient
+norms and drops at every step, and its weights at the end; a run resumes from its sharded
+checkpoint to the bit; a sharded checkpoint exports to the engine-neutral format, and 2 processes
+(dp1 x ep2) continue from the export.
+
+The 4-process runs are forked from one driver process, which saves the torch import per rank."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from engines.base import read_metrics, read_status
+from engines.checkpoint import init_from_checkpoint, latest_checkpoint, load_checkpoint
+from engines.torch.dist.checkpoint import export, latest_sharded, read_full
+from engines.torch.engine import TorchEngine
+from ladder.presets import micro_spec
+from core.spec import save_spec
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+PY = sys.executable
+
+# capacity factors of 1 and init_std 0.3 (as tests/engines/test_torch_ep.py): both drop bounds
+# bite, and the routed experts move the loss well beyond the tolerances
+SPEC = micro_spec("mesh", **{"model.ep_size": 2, "model.dispatch": "capacity", "model.n_waves": 2,
+                             "model.capacity_factor_send": 1.0, "model.capacity_factor_recv": 1.0,
+                             "model.init_std": 0.3, "model.router_bias_balancing": True,
+                             "model.router_bias_rate": 0.01, "data.total_tokens": 6 * 64 * 8,
+                             "run.eval_every": 3, "run.checkpoint_every": 3})
+
+DRIVER = textwrap.dedent(
+    """
+    import json, multiprocessing as mp, os, socket, sys
+    import torch._dynamo  # AdamW imports it lazily (seconds); once here, not once per rank
+    from engines.torch.dist import train
+
+    def worker(rank, world, port, argv):
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
+                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        os._exit(train.main(argv))
+
+    codes = []
+    for world, argv in json.loads(sys.argv[1]):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [mp.get_context("fork").Process(target=worker, args=(r, world, port, argv)) for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(240)
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+                p.join()
+        codes.append([p.exitcode for p in procs])
+    print("CODES " + json.dumps(codes))
+    """
+)
+
+
+def _env() -> dict:
+    return dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1", PYTHONPATH=str(ROOT))
+
+
+def _args(root: Path, run: str, *extra: str) -> list[str]:
+    return [str(root / "mesh.yaml"), "--run-dir", str(root / run), "--device", "cpu", *extra]
+
+
+def _drive(jobs: list) -> list:
+    proc = subprocess.run([PY, "-c", DRIVER, json.dumps(jobs)], cwd=ROOT, env=_env(), capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("CODES "))[6:])
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("mesh")
+    save_spec(SPEC, root / "mesh.yaml")
+    list(TorchEngine("cpu").train(SPEC, root / "single"))  # also fills the token cache
+    # dp2 x ep2 in one go; the same stopped after step 3, then continued on the same mesh
+    codes = _drive([[4, _args(root, "full4")], [4, _args(root, "half4", "--steps", "3")],
+                    [4, _args(root, "half4")]])
+    assert codes == [[0] * 4] * 3
+    # the stopped run's step-3 shards exported, and dp1 x ep2 continuing from the export alone
+    exported = export(root / "half4", step=3)
+    init_from_checkpoint(root / "from_export2", exported, metrics_from=root / "half4")
+    assert _drive([[2, _args(root, "from_export2")]]) == [[0, 0]]
+    return root
+
+
+def test_dp2_ep2_gives_the_single_process_losses_and_gradient_norms(runs):
+    single, mesh = read_metrics(runs / "single"), read_metrics(runs / "full4")
+    assert [r["step"] for r in mesh] == list(range(6))
+    for key in ("loss", "grad_norm", "aux_loss", "z_loss", "router_entropy", "expert_load_max"):
+        np.testing.assert_allclose([r[key] for r in mesh], [r[key] for r in single], rtol=2e-5, err_msg=key)
+    for key in ("router_z_loss", "total_loss"):
+        np.testing.assert_allclose([r["extra"][key] for r in mesh], [r["extra"][key] for r in single],
+                                   rtol=2e-5, err_msg=key)
+    np.testing.assert_allclose([r["eval_loss"] for r in mesh if r["eval_loss"] is not None],
+                               [r["eval_loss"] for r in single if r["eval_loss"] is not None], rtol=2e-5)
+
+
+def test_dp2_ep2_drops_exactly_what_the_emulated_shards_drop(runs):
+    single, mesh = read_metrics(runs / "single"), read_metrics(runs / "full4")
+    for key in ("drop_frac_send", "drop_frac_recv"):
+        assert [r[key] for r in mesh] == [r[key] for r in single], key
+        assert all(r[key] > 0 for r in single), key  # both bounds bite: the equality is not vacuous
+
+
+def test_the_exported_final_shards_hold_the_single_process_weights(runs):
+    ref, ref_opt, _ = load_checkpoint(latest_checkpoint(runs / "single"))
+    got, got_opt, state = read_full(latest_sharded(runs / "full4"))
+    assert state["step"] == 6 and state["mesh"] == {"dp": 2, "ep": 2, "world": 4}
+    assert sorted(got) == sorted(ref)
+    for k in ref:  # AdamW turns an expert's near-zero gradient, summed over the data ranks in
+        # another order, into up to ~1% of one update (3e-3): atol 5e-5
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=5e-5, err_msg=k)
+    assert int(got_opt["step"]) == int(ref_opt["step"]) == 6
+    for k in ("m/blocks.1.moe.experts.w_up", "v/blocks.0.moe.router", "m/embed.weight"):
+        np.testing.assert_allclose(got_opt[k], ref_opt[k], rtol=1e-3, atol=1e-8, err_msg=k)
+
+
+def test_each_rank_holds_its_expert_shard_split_over_data_and_a_quarter_of_the_rest(runs):
+    summary = json.loads((runs / "full4" / "mesh.json").read_text())
+    assert (summary["world_size"], summary["dp"], summary["ep"], summary["backend"]) == (4, 2, 2, "gloo")
+    assert [(r["data"], r["expert"], r["experts"]) for r in summary["ranks"]] == [
+        (0, 0, [0, 4]), (0, 1, [4, 8]), (1, 0, [0, 4]), (1, 1, [4, 8])]
+    n_params = sum(a.size for a in load_checkpoint(latest_checkpoint(runs / "single"))[0].values()
+                   if a.ndim > 1 or a.size != SPEC.model.n_routed_experts)
+    held = sum(r["params_bytes"] for r in summary["ranks"])
+    assert held == 4 * n_params  # fp32, every parameter on exactly one rank
+    assert max(r["params_bytes"] for r in summary["ranks"]) < 0.4 * 4 * n_params
+
+
+def test_a_resumed_mesh_run_ends_in_the_uninterrupted_runs_state_to_the_bit(runs):
+    full, _, _ = read_full(latest_sharded(runs / "full4"))
+    resumed, _, _ = read_full(latest_sharded(runs / "half4"))
+    for k in full:
+        assert np.array_equal(full[k], resumed[k]), k
+    key = ("step", "loss", "grad_norm", "drop_frac_send", "drop_frac_recv", "eval_loss")
+    assert ([[r[k] for k in key] for r in read_metrics(runs / "half4")]
+            == [[r[k] for k in key] for r in read_metrics(runs / "full4")])
+    assert read_status(runs / "half4")["state"] == "finished"
+
+
+def test_two_ranks_continue_four_ranks_export_to_the_single_process_result(runs):
+    single, cont = read_metrics(runs / "single"), read_metrics(runs / "from_export2")
+    assert [r["step"] for r in cont] == list(range(6))
+    np.testing.assert_allclose([r["loss"] for r in cont], [r["loss"] for r in single], rtol=2e-5)
+    assert [r["drop_frac_recv"] for r in cont] == [r["drop_frac_recv"] for r in single]
+    assert json.loads((runs / "from_export2" / "mesh.json").read_text())["world_size"] == 2
+    ref, _, _ = load_checkpoint(latest_checkpoint(runs / "single"))
+    got, _, _ = read_full(latest_sharded(runs / "from_export2"))
+    for k in ref:
+        np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=5e-5, err_msg=k)
+
+
+def test_a_process_count_that_is_no_mesh_is_one_clear_line(runs, tmp_path):
+    env = dict(_env(), WORLD_SIZE="3", RANK="0", LOCAL_RANK="0")
+    proc = subprocess.run([PY, "-m", "engines.torch.dist.train", *_args(runs, "x")[:1], "--run-dir",
+                           str(tmp_path / "run"), "--device", "cpu"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: 3 process(es) do not form a (data x expert) mesh")
+    assert "Traceback" not in proc.stderr
+    assert not (tmp_path / "run").exists()
