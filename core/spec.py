@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any, Literal
 
@@ -20,7 +21,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 IDENTITY_FIELDS = ("model", "data", "optim", "schedule", "engine", "seed")
 # fields added after spec ids were in use: in the identity only when set off their default, so
 # that every earlier spec keeps its id (and its ledger entries)
-LATE_FIELDS = {("optim", "moments"): "fp32"}
+LATE_FIELDS = {("optim", "moments"): "fp32", ("data", "max_epochs"): 1.0}
 # bf16 moments round each update to 8 significant bits: the second moment's step change,
 # (1 - beta2) * (g^2 - v), must stay above that rounding (2^-8 of v) for gradients near its mean
 BF16_MOMENTS_MAX_BETA2 = 0.99
@@ -95,8 +96,9 @@ class ModelSpec(_Frozen):
 class SourceSpec(_Frozen):
     name: str = Field(min_length=1)
     weight: float
-    builtin: Literal["python_code", "python_docs"] | None = Field(
-        default=None, description="text every machine has: the Python installation's own source or prose"
+    builtin: Literal["python_code", "python_docs", "packages_python", "packages_docs", "packages_native"] | None = Field(
+        default=None, description="text every machine has: the Python installation's own source or prose, or "
+        "a part of the corpus `ladder data corpus` builds from installed packages (packages_*)"
     )
     paths: tuple[str, ...] = Field(default=(), description="txt / jsonl / parquet files or globs")
     text_key: str = "text"
@@ -129,7 +131,9 @@ class ContextStage(_Frozen):
 
 class DataSpec(_Frozen):
     sources: tuple[SourceSpec, ...] = Field(min_length=1)
-    tokenizer: Literal["bytes", "llama3"] = "bytes"
+    tokenizer: str = Field(default="bytes", description="bytes, a Hugging Face tokenizer.json path, or a preset "
+                           "name (llama3, ...) resolving to a local file (engines.tokenizer)")
+    max_epochs: float = Field(default=1.0, gt=0, description="the most passes over any source a run may make")
     seq_len: int = Field(gt=0)
     batch_size: int = Field(gt=0, description="sequences per step")
     total_tokens: int = Field(gt=0)
@@ -140,6 +144,9 @@ class DataSpec(_Frozen):
     @model_validator(mode="after")
     def _mixture(self) -> "DataSpec":
         names = [s.name for s in self.sources]
+        tok = self.tokenizer
+        if not (tok == "bytes" or tok.endswith(".json") or re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9._+-]*", tok)):
+            raise ValueError(f"tokenizer {tok!r}: use bytes, a path to a tokenizer.json, or a preset name such as llama3")
         if len(set(names)) != len(names):
             raise ValueError(f"source names must be unique (got {names})")
         if sum(s.weight for s in self.sources) <= 0:

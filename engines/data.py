@@ -2,233 +2,100 @@
 
 API
 ---
-    stream = TokenStream.from_spec(spec)       # loads (or builds and caches) every source
+    stream = TokenStream.from_spec(spec)       # opens (or prepares) every source's token shards
     x_BS1 = stream.batch(step)                 # np.int32 [B, S+1]: inputs x[:, :-1], targets x[:, 1:]
+    x_bS1 = stream.batch(step, rank=r, world=R)  # rank r's rows of that batch, only they are read
     x_BS1 = stream.eval_batch(i)               # the i-th held-out batch (fixed mixture, fixed shape)
-    stream.mixture_at(step)                    # {source name: normalised weight} in effect at `step`
-    stream.seq_len_at(step), stream.batch_size_at(step)
-    stream.fingerprint                         # hash of the token content of every source
+    stream.mixture_at(step), stream.seq_len_at(step), stream.batch_size_at(step)
+    stream.epochs()                            # {source: passes over its training windows in the run}
+    stream.fingerprint                         # hash of the tokenizer and every source's tokens
     stream.state(step)                         # what a checkpoint's state.json records about the data
-    load_source(source_spec, ...)              # one source's SourceTokens (train / eval arrays)
+    load_source(source_spec, ...)              # one source's SourceTokens (memory-mapped shards)
+    schedule_epochs(data, total_steps, train_tokens)  # the same epochs from token counts alone
 
-Determinism. `batch(step)` depends only on (seed, step, the mixture in effect at that step,
-the sequence length at that step) and the sources' token arrays: there is no iterator state.
-Each step owns a counter-based generator, Philox keyed by SeedSequence([seed, DATA_TAG, step]);
-its first 2*B raw 64-bit outputs decide, per row b, the source (raw[2b] mapped to [0, 1) and
-compared with the cumulative mixture weights, sources in spec order) and the window start
-(raw[2b+1] modulo the number of start positions in that source's training split). Resume is
-therefore exact, and a replan that changes the mix from step s on leaves steps < s unchanged.
-Raw Philox outputs are used (not Generator.random / integers) so the stream does not depend on
-numpy's sampling algorithms.
+Tokens. spec.data.tokenizer is bytes, a tokenizer.json, or a preset (engines.tokenizer). Every
+source is tokenized once into memory-mapped shards (engines.shards): documents end with the
+tokenizer's end-of-text id, and training reads windows straight from the np.memmap parts.
+
+Held-out split. The last max(ceil(eval_fraction * n), K) tokens of each source are held out for
+eval_batch, K = max_seq_len + 1 with max_seq_len the largest sequence length of any context stage,
+gated or not, so the split does not move when a stage opens. Training never touches them.
+
+Windows without replacement. The training part of a source is cut into n_blocks = split // K
+non-overlapping blocks of K tokens; at sequence length S a block holds m = K // (S + 1) windows
+of S + 1 tokens (m = 1 without context stages). A run is a list of segments (ranges of steps
+with one mixture, batch size and sequence length: the phases' and ungated context stages' start
+steps cut it). Within a segment that began at step a, the first n = B * (t - a) rows are shared
+out by the cumulative mixture: source i owns floor(W_i * n) - floor(W_{i-1} * n) of them (W_i the
+normalised weights summed over sources 0..i in spec order; W_last = 1), so a step's rows per
+source, and every source's cursor at any step, are closed-form (O(segments) to compute). Source
+i's c-th window of a segment lies in its block b = b0 + c // m at offset (c % m) * (S + 1), where
+b0 counts the blocks earlier segments used (a block is never reused after a stage change). The
+block is looked up through a stateless pseudo-random permutation of the source's blocks (a
+Feistel network keyed by (seed, source name, epoch), cycle-walked onto [0, n_blocks)), epoch =
+b // n_blocks: a window comes back only after every block of its source has been read, i.e.
+past one epoch. A step's rows are then put in a pseudo-random order keyed by (seed, step), so
+every data-parallel rank's share (`batch(step, rank=r, world=R)`: rows [r*B//R, (r+1)*B//R)) is a
+mixture too. `batch(step)` is a pure function of (seed, step, spec data): there is no iterator
+state, resume is exact, and a replan that changes the mix from step s on leaves steps < s alone.
 
 Mixture. The sources' weights apply until the first phase; a phase (spec.data.phases) takes
 effect at step floor(start_frac * total_steps) with its own weights, sources it does not name
-get weight 0. Weights are normalised per step.
+get weight 0. Sequence length: spec.data.seq_len until the first ungated context stage whose
+start step floor(start_frac * total_steps) has been reached (gated stages wait for a replan).
+Tokens per step stay constant: batch_size_at(step) = max(1, batch_size * seq_len // seq_len_at(step)).
 
-Sequence length. spec.data.seq_len until the first ungated context stage
-(spec.data.context_stages with gated=False) whose start step floor(start_frac * total_steps)
-has been reached; gated stages wait for a replan that ungates them. Tokens per step stay
-constant: batch_size_at(step) = max(1, batch_size * seq_len // seq_len_at(step)).
+Eval. eval_batch(i) draws windows with uniform starts in each source's held-out tail (Philox
+keyed by (seed, EVAL_TAG, i); raw outputs, so nothing depends on numpy's sampling algorithms).
 
-Sources. `builtin: python_code` is the Python installation's own standard library source
-(sysconfig stdlib dir, *.py, without site-packages / dist-packages / test directories, so a
-fresh venv of the same Python reads the same files), capped at BUILTIN_CODE_CAP bytes.
-`builtin: python_docs` is prose the same installation ships: the reference manual text in
-pydoc_data/topics.py (one document per topic) and the stdlib's *.txt / *.rst / *.md / README* /
-LICENSE* files (same exclusions). Documents are ordered by a hash of their name (so the
-held-out tail is a spread of documents, not the alphabet's end) and joined by DOC_SEP.
-`paths:` are files or globs (~ expanded, sorted): .txt .text .md .rst .py are read as raw bytes,
-.jsonl / .ndjson take each line's `text_key` field, .parquet the `text_key` column.
-
-Tokens. tokenizer "bytes": a token is a byte (vocab 256), arrays are uint8. Each source's
-array is cached under $MOE_LADDER_CACHE (default ~/.cache/moe-ladder)/tokens/, keyed by a hash
-of the tokenizer, the source's origin and each file's (path, size, mtime); written atomically.
-
-Held-out split. The last max(ceil(eval_fraction * n), max_seq_len + 1) tokens of each source
-are held out for eval_batch; training windows never touch them (disjoint by construction).
-max_seq_len is the largest sequence length of any context stage, gated or not, so the split
-does not move when a stage opens.
-
-Errors. A missing source (no file matches, unreadable, missing text_key) or an empty or too
-short one raises DataError (a ValueError) whose message names the source.
+Errors. A missing, empty or too short source, a bad tokenizer, a token id at or above
+model.vocab_size, a truncated shard or one whose fingerprint no longer matches raises DataError
+(a ValueError) whose message names the source and the file.
 """
 
 from __future__ import annotations
 
-import ast
-import glob
 import hashlib
-import json
 import math
 import os
-import sysconfig
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Iterable
 
 import numpy as np
 
 from core.spec import DataSpec, SourceSpec, Spec
+from engines.shards import ShardSet, prepare
+from engines.sources import DataError, cache_dir  # noqa: F401  (re-exported: engines catch DataError here)
+from engines.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
-DOC_SEP = 0  # byte 0 never occurs in text; it marks a document boundary (an end-of-text token)
-DATA_TAG = 0x64617461  # "data"
 EVAL_TAG = 0x6576616C  # "eval"
-BUILTIN_CODE_CAP = 8 * 2**20
-CACHE_VERSION = 1
-TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
-JSONL_SUFFIXES = (".jsonl", ".ndjson")
-PARQUET_SUFFIXES = (".parquet",)
-_EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
+ROW_TAG = 0x726F7773  # "rows"
+FEISTEL_ROUNDS = 6
+_M64 = (1 << 64) - 1
 
 
-class DataError(ValueError):
-    """A data source that cannot be read; the message names the source."""
+def default_workers() -> int:
+    return max(1, min(8, os.cpu_count() or 1))
 
 
-def cache_dir() -> Path:
-    return Path(os.environ.get("MOE_LADDER_CACHE") or Path.home() / ".cache" / "moe-ladder")
-
-
-# ---- documents -------------------------------------------------------------------------------
-
-
-def _stdlib_dir() -> Path:
-    # In a venv sysconfig's "stdlib" already points into the base installation.
-    return Path(sysconfig.get_paths()["stdlib"])
-
-
-def _walk(root: Path, want) -> list[Path]:
-    out = []
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _EXCLUDED_DIRS)
-        for f in sorted(filenames):
-            if want(f):
-                out.append(Path(dirpath) / f)
-    return out
-
-
-def _hash_order(named: Iterable[tuple[str, object]]) -> list[tuple[str, object]]:
-    return sorted(named, key=lambda kv: (hashlib.sha1(kv[0].encode()).hexdigest(), kv[0]))
-
-
-def _python_code_files() -> list[tuple[str, Path]]:
-    root = _stdlib_dir()
-    files = _walk(root, lambda f: f.endswith(".py"))
-    chosen, total = [], 0
-    for rel, path in _hash_order((str(p.relative_to(root)), p) for p in files):
-        if total >= BUILTIN_CODE_CAP:
-            break
-        chosen.append((rel, path))
-        total += path.stat().st_size
-    return chosen
-
-
-def _is_prose_file(name: str) -> bool:
-    return name.endswith((".txt", ".rst", ".md")) or name.startswith(("README", "LICENSE"))
-
-
-def _python_docs_files() -> list[tuple[str, Path]]:
-    root = _stdlib_dir()
-    files = [p for p in _walk(root, _is_prose_file)]
-    topics = root / "pydoc_data" / "topics.py"
-    if topics.exists():
-        files.append(topics)
-    return [(str(p.relative_to(root)), p) for p in files]
-
-
-def _pydoc_topics(path: Path) -> list[tuple[str, bytes]]:
-    """The reference manual's topics, read as a literal (the file is not imported)."""
-    tree = ast.parse(path.read_bytes())
-    for node in tree.body:
-        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "topics" for t in node.targets):
-            topics = ast.literal_eval(node.value)
-            return [(f"pydoc_data/topics.py#{k}", v.encode()) for k, v in sorted(topics.items())]
-    return []
-
-
-def _user_files(source: SourceSpec) -> list[Path]:
-    files: list[Path] = []
-    for pattern in source.paths:
-        expanded = os.path.expanduser(pattern)
-        matches = sorted(glob.glob(expanded, recursive=True)) if glob.has_magic(expanded) else [expanded]
-        matches = [m for m in matches if not Path(m).is_dir()]
-        if not matches or not all(Path(m).exists() for m in matches):
-            raise DataError(f"data source {source.name!r}: no file matches {pattern!r}")
-        for m in matches:
-            suffix = Path(m).suffix.lower()
-            if suffix not in TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES:
-                raise DataError(
-                    f"data source {source.name!r}: {m} has an unsupported type {suffix or '(no suffix)'!r}; "
-                    f"use {', '.join(TEXT_SUFFIXES + JSONL_SUFFIXES + PARQUET_SUFFIXES)}"
-                )
-            files.append(Path(m).resolve())
-    return files
-
-
-def _read_jsonl(source: SourceSpec, path: Path) -> list[bytes]:
-    docs = []
-    with open(path, "rb") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as err:
-                raise DataError(f"data source {source.name!r}: {path}:{lineno} is not valid JSON ({err.msg})") from err
-            if not isinstance(rec, dict) or source.text_key not in rec:
-                raise DataError(f"data source {source.name!r}: {path}:{lineno} has no {source.text_key!r} field")
-            text = rec[source.text_key]
-            if not isinstance(text, str):
-                raise DataError(f"data source {source.name!r}: {path}:{lineno} field {source.text_key!r} is not text")
-            docs.append(text.encode())
-    return docs
-
-
-def _read_parquet(source: SourceSpec, path: Path) -> list[bytes]:
-    import pyarrow.parquet as pq
-
-    try:
-        table = pq.read_table(path, columns=[source.text_key])
-    except Exception as err:  # pyarrow raises several types for a missing column or a bad file
-        raise DataError(
-            f"data source {source.name!r}: cannot read column {source.text_key!r} from {path}: {err}"
-        ) from err
-    return [t.encode() for t in table.column(source.text_key).to_pylist() if t]
-
-
-def _documents(source: SourceSpec) -> tuple[list[tuple[str, Path]], callable]:
-    """(files with their names, a reader returning [(doc name, bytes)] for one file)."""
-    if source.builtin == "python_code":
-        return _python_code_files(), lambda name, p: [(name, p.read_bytes())]
-    if source.builtin == "python_docs":
-
-        def read(name, p):
-            return _pydoc_topics(p) if name.endswith("topics.py") else [(name, p.read_bytes())]
-
-        return _python_docs_files(), read
-    files = [(str(p), p) for p in _user_files(source)]
-
-    def read_user(name, p):
-        suffix = p.suffix.lower()
-        if suffix in JSONL_SUFFIXES:
-            return [(f"{name}:{i}", d) for i, d in enumerate(_read_jsonl(source, p))]
-        if suffix in PARQUET_SUFFIXES:
-            return [(f"{name}:{i}", d) for i, d in enumerate(_read_parquet(source, p))]
-        return [(name, p.read_bytes())]
-
-    return files, read_user
-
-
-# ---- per-source token arrays -----------------------------------------------------------------
+# ---- sources ---------------------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
 class SourceTokens:
     name: str
-    tokens: np.ndarray  # uint8 [n], the whole source
+    shards: ShardSet
     split: int  # tokens[:split] train, tokens[split:] held out
-    digest: str  # sha256 of the token bytes
+    digest: str
     n_docs: int
+
+    @property
+    def n_tokens(self) -> int:
+        return self.shards.n_tokens
+
+    @property
+    def tokens(self) -> np.ndarray:
+        """Every token in memory (small sources and tests; training reads the shards)."""
+        return self.shards.to_array()
 
     @property
     def train(self) -> np.ndarray:
@@ -236,86 +103,151 @@ class SourceTokens:
 
     @property
     def eval(self) -> np.ndarray:
-        return self.tokens[self.split :]
+        return self.tokens[self.split:]
 
 
-def _cache_key(source: SourceSpec, tokenizer: str, files: list[tuple[str, Path]]) -> str:
-    h = hashlib.sha256()
-    origin = {"builtin": source.builtin, "text_key": source.text_key, "tokenizer": tokenizer, "v": CACHE_VERSION}
-    if source.builtin == "python_code":
-        origin["cap"] = BUILTIN_CODE_CAP
-    h.update(json.dumps(origin, sort_keys=True).encode())
-    for name, p in files:
-        st = p.stat()
-        h.update(f"{name}\0{p}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
-    return h.hexdigest()[:24]
+def held_out(n: int, eval_fraction: float, min_eval: int) -> int:
+    return max(math.ceil(eval_fraction * n), min_eval)
 
 
-def _tokenize(source: SourceSpec, tokenizer: str, files, read) -> tuple[np.ndarray, int]:
-    if tokenizer != "bytes":
-        raise DataError(
-            f"data source {source.name!r}: tokenizer {tokenizer!r} is not available offline; use tokenizer: bytes"
-        )
-    docs: list[tuple[str, bytes]] = []
-    for name, p in files:
-        try:
-            docs.extend(read(name, p))
-        except OSError as err:
-            raise DataError(f"data source {source.name!r}: cannot read {p}: {err.strerror or err}") from err
-    if source.builtin is not None:
-        docs = _hash_order(docs)  # user files keep their sorted order (the user may care about it)
-    docs = [(n, d.replace(b"\0", b"")) for n, d in docs if d]
-    if not docs:
-        return np.zeros(0, np.uint8), 0
-    sep = bytes([DOC_SEP])
-    blob = sep.join(d for _, d in docs) + sep
-    return np.frombuffer(blob, dtype=np.uint8).copy(), len(docs)
-
-
-def _atomic_save_npy(path: Path, arr: np.ndarray, meta: dict) -> None:
-    from core.fsutil import atomic_write_json
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "wb") as f:
-        np.save(f, arr)
-        f.flush()
-        os.fsync(f.fileno())
-    atomic_write_json(path.with_suffix(".json"), meta)
-    os.replace(tmp, path)  # the array last: its presence means the metadata is there too
-
-
-def load_source(source: SourceSpec, tokenizer: str = "bytes", eval_fraction: float = 0.01,
-                min_eval: int = 2, use_cache: bool = True) -> SourceTokens:
-    """One source's tokens with its held-out split (the last max(ceil(f*n), min_eval) tokens)."""
-    files, read = _documents(source)
-    if not files:
-        raise DataError(f"data source {source.name!r}: no files found for {source.builtin or source.paths}")
-    key = _cache_key(source, tokenizer, files)
-    path = cache_dir() / "tokens" / f"{source.builtin or 'files'}-{key}.npy"
-    tokens = None
-    if use_cache and path.exists():
-        try:
-            tokens = np.load(path, mmap_mode="r")
-            meta = json.loads(path.with_suffix(".json").read_text())
-            digest, n_docs = meta["digest"], meta["n_docs"]
-        except (OSError, ValueError, KeyError):
-            tokens = None  # a damaged cache entry is rebuilt
-    if tokens is None:
-        tokens, n_docs = _tokenize(source, tokenizer, files, read)
-        digest = hashlib.sha256(tokens.tobytes()).hexdigest()
-        if use_cache and len(tokens):
-            _atomic_save_npy(path, tokens, {"digest": digest, "n_docs": n_docs, "source": source.name})
-    n = len(tokens)
-    if n == 0:
-        raise DataError(f"data source {source.name!r} is empty (no text in {source.builtin or source.paths})")
-    n_eval = max(math.ceil(eval_fraction * n), min_eval)
+def load_source(source: SourceSpec, tokenizer: str | Tokenizer = "bytes", eval_fraction: float = 0.01,
+                min_eval: int = 2, vocab_limit: int | None = None, workers: int | None = None) -> SourceTokens:
+    """One source's tokens (prepared into shards on first use) with its held-out split."""
+    try:
+        tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
+    except TokenizerError as err:
+        raise DataError(f"data source {source.name!r}: {err}") from err
+    if vocab_limit is not None and tok.vocab_size > vocab_limit:
+        raise DataError(f"data source {source.name!r}: tokenizer {tok.describe()} has {tok.vocab_size:,} ids, "
+                        f"more than model.vocab_size {vocab_limit:,}")
+    shards = prepare(source, tok, workers=workers, vocab_limit=vocab_limit)
+    n = shards.n_tokens
+    n_eval = held_out(n, eval_fraction, min_eval)
     if n - n_eval < min_eval:
         raise DataError(
             f"data source {source.name!r} has {n} tokens: too few for a training and a held-out split "
             f"of at least {min_eval} tokens each (sequence length + 1)"
         )
-    return SourceTokens(source.name, tokens, n - n_eval, digest, n_docs)
+    return SourceTokens(source.name, shards, n - n_eval, shards.digest, shards.n_docs)
+
+
+# ---- the schedule of windows -----------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Segment:
+    start: int  # first step
+    end: int | None  # first step after it (None: open-ended)
+    weights: tuple[float, ...]  # normalised, sources in spec order
+    batch: int
+    window: int  # S + 1
+    per_block: int  # windows a block holds, K // window
+
+    def rows(self, n: int) -> np.ndarray:
+        """Rows of each source among the segment's first n rows: int64 [sources]."""
+        cum = np.cumsum(self.weights)
+        cum[-1] = 1.0
+        f = np.floor(cum * float(n)).astype(np.int64)
+        f[-1] = n
+        return np.diff(np.concatenate([[0], f]))
+
+
+def _mixture(data: DataSpec, phase_starts, step: int) -> dict[str, float]:
+    weights = {s.name: s.weight for s in data.sources}
+    for start, phase in phase_starts:
+        if step >= start:
+            weights = {s.name: phase.weights.get(s.name, 0.0) for s in data.sources}
+    total = sum(weights.values())
+    return {n: w / total for n, w in weights.items()}
+
+
+def max_seq_len(data: DataSpec) -> int:
+    return max([data.seq_len] + [c.seq_len for c in data.context_stages])
+
+
+def segments(data: DataSpec, total_steps: int) -> list[Segment]:
+    phase_starts = sorted(((int(p.start_frac * total_steps), p) for p in data.phases), key=lambda sp: sp[0])
+    stages = sorted((int(c.start_frac * total_steps), c.seq_len) for c in data.context_stages if not c.gated)
+    block = max_seq_len(data) + 1
+    cuts = sorted({0} | {s for s, _ in phase_starts} | {s for s, _ in stages})
+    out = []
+    for k, a in enumerate(cuts):
+        seq = data.seq_len
+        for s, L in stages:
+            if a >= s:
+                seq = L
+        mix = _mixture(data, phase_starts, a)
+        out.append(Segment(a, cuts[k + 1] if k + 1 < len(cuts) else None, tuple(mix[s.name] for s in data.sources),
+                           max(1, data.batch_size * data.seq_len // seq), seq + 1, block // (seq + 1)))
+    return out
+
+
+def _blocks_before(segs: list[Segment], n_sources: int) -> list[np.ndarray]:
+    """Per segment: blocks each source used in all earlier segments."""
+    out, used = [], np.zeros(n_sources, np.int64)
+    for g in segs:
+        out.append(used.copy())
+        if g.end is not None:
+            w = g.rows(g.batch * (g.end - g.start))
+            used = used + -(-w // g.per_block)
+    return out
+
+
+def schedule_epochs(data: DataSpec, total_steps: int, train_tokens: dict[str, int]) -> dict[str, float]:
+    """Passes over each source's training blocks that `total_steps` steps make (1.0: every window once)."""
+    block = max_seq_len(data) + 1
+    used = np.zeros(len(data.sources), np.float64)
+    for g in segments(data, total_steps):
+        end = total_steps if g.end is None else min(g.end, total_steps)
+        if end > g.start:
+            used += g.rows(g.batch * (end - g.start)) / g.per_block
+    return {s.name: (float(used[i]) / max(1, train_tokens[s.name] // block)) for i, s in enumerate(data.sources)}
+
+
+def train_tokens_of(n_tokens: int, data: DataSpec) -> int:
+    """Training tokens of a source of n_tokens (the held-out tail taken off)."""
+    return n_tokens - held_out(n_tokens, data.eval_fraction, max_seq_len(data) + 1)
+
+
+# ---- a stateless permutation -----------------------------------------------------------------
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser on uint64 arrays (wrapping arithmetic)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def _key(*parts: int | str) -> int:
+    h = hashlib.sha256(":".join(str(p) for p in parts).encode()).digest()
+    return int.from_bytes(h[:8], "little")
+
+
+def permute(x: np.ndarray, n: int, key: int) -> np.ndarray:
+    """A bijection of [0, n) keyed by `key`, applied to x (int64): a balanced Feistel network on the
+    smallest even number of bits that holds n, cycle-walked back into [0, n)."""
+    x = np.asarray(x, np.int64)
+    if n <= 1:
+        return np.zeros_like(x)
+    half = max(1, ((n - 1).bit_length() + 1) // 2)
+    mask = np.uint64((1 << half) - 1)
+    keys = [np.uint64(_key(key, r) & _M64) for r in range(FEISTEL_ROUNDS)]
+
+    def rounds(v: np.ndarray) -> np.ndarray:
+        left, right = v >> np.uint64(half), v & mask
+        for k in keys:
+            left, right = right, left ^ (_mix64(right ^ k) & mask)
+        return (left << np.uint64(half)) | right
+
+    y = rounds(x.astype(np.uint64))
+    out = y >= np.uint64(n)
+    while out.any():  # cycle walking: the domain is at most 4n, so a few rounds on average
+        y[out] = rounds(y[out])
+        out = y >= np.uint64(n)
+    return y.astype(np.int64)
 
 
 # ---- the stream -------------------------------------------------------------------------------
@@ -330,84 +262,121 @@ def _unit(raw: np.ndarray) -> np.ndarray:
 
 
 class TokenStream:
-    def __init__(self, data: DataSpec, seed: int, total_steps: int, use_cache: bool = True):
+    def __init__(self, data: DataSpec, seed: int, total_steps: int, vocab_size: int | None = None,
+                 workers: int | None = None):
         self.data = data
         self.seed = seed
         self.total_steps = total_steps
         self.names = [s.name for s in data.sources]
-        self.max_seq_len = max([data.seq_len] + [c.seq_len for c in data.context_stages])
+        self.max_seq_len = max_seq_len(data)
+        self.block = self.max_seq_len + 1
+        try:
+            self.tokenizer = load_tokenizer(data.tokenizer)
+        except TokenizerError as err:
+            raise DataError(str(err)) from err
+        workers = default_workers() if workers is None else workers
         self.sources = {
-            s.name: load_source(s, data.tokenizer, data.eval_fraction, self.max_seq_len + 1, use_cache)
+            s.name: load_source(s, self.tokenizer, data.eval_fraction, self.block, vocab_size, workers)
             for s in data.sources
         }
-        self._phase_starts = sorted(((int(p.start_frac * total_steps), p) for p in data.phases), key=lambda sp: sp[0])
-        self._stages = sorted(
-            (int(c.start_frac * total_steps), c.seq_len) for c in data.context_stages if not c.gated
-        )
+        self.n_blocks = np.asarray([self.sources[n].split // self.block for n in self.names], np.int64)
+        self._segments = segments(data, total_steps)
+        self._before = _blocks_before(self._segments, len(self.names))
+        self._perm_keys = [_key(seed, "blocks", n) for n in self.names]
 
     @classmethod
-    def from_spec(cls, spec: Spec, use_cache: bool = True) -> "TokenStream":
-        return cls(spec.data, spec.seed, spec.total_steps, use_cache)
+    def from_spec(cls, spec: Spec, use_cache: bool = True, workers: int | None = None) -> "TokenStream":
+        return cls(spec.data, spec.seed, spec.total_steps, spec.model.vocab_size, workers)
 
     # ---- schedule of the stream ----
+    def _segment(self, step: int) -> int:
+        g = 0
+        while g + 1 < len(self._segments) and step >= self._segments[g + 1].start:
+            g += 1
+        return g
+
     def mixture_at(self, step: int) -> dict[str, float]:
-        weights = {s.name: s.weight for s in self.data.sources}
-        for start, phase in self._phase_starts:
-            if step >= start:
-                weights = {n: phase.weights.get(n, 0.0) for n in self.names}
-        total = sum(weights.values())
-        return {n: w / total for n, w in weights.items()}
+        return dict(zip(self.names, self._segments[self._segment(step)].weights))
 
     def base_mixture(self) -> dict[str, float]:
         total = sum(s.weight for s in self.data.sources)
         return {s.name: s.weight / total for s in self.data.sources}
 
     def seq_len_at(self, step: int) -> int:
-        seq = self.data.seq_len
-        for start, s in self._stages:
-            if step >= start:
-                seq = s
-        return seq
+        return self._segments[self._segment(step)].window - 1
 
     def batch_size_at(self, step: int) -> int:
-        return max(1, self.data.batch_size * self.data.seq_len // self.seq_len_at(step))
+        return self._segments[self._segment(step)].batch
+
+    def epochs(self, total_steps: int | None = None) -> dict[str, float]:
+        steps = self.total_steps if total_steps is None else total_steps
+        return schedule_epochs(self.data, steps, {n: self.sources[n].split for n in self.names})
 
     # ---- batches ----
-    def _sample(self, bitgen: np.random.Philox, mixture: dict[str, float], batch: int, seq: int,
-                split: str) -> np.ndarray:
-        raw = bitgen.random_raw(2 * batch).reshape(batch, 2)
-        u_B = _unit(raw[:, 0])
-        cum = np.cumsum([mixture[n] for n in self.names])
-        cum[-1] = np.inf  # rounding never leaves a row without a source
-        src_B = np.searchsorted(cum, u_B, side="right")
-        out_BS1 = np.empty((batch, seq + 1), dtype=np.int32)
-        for i, name in enumerate(self.names):
-            rows = np.nonzero(src_B == i)[0]
-            if len(rows) == 0:
-                continue
-            arr = getattr(self.sources[name], split)
-            n_starts = len(arr) - seq
-            starts = (raw[rows, 1] % np.uint64(n_starts)).astype(np.int64)
-            windows = np.lib.stride_tricks.sliding_window_view(arr, seq + 1)
-            out_BS1[rows] = windows[starts]
-        return out_BS1
+    def window_starts(self, step: int) -> tuple[np.ndarray, np.ndarray]:
+        """(source index, start token) of every row of `step`'s batch, in batch order: int64 [B] each."""
+        return self._rows(step, 0, None)
 
-    def batch(self, step: int) -> np.ndarray:
-        """Training batch of `step` (0-based): int32 [B, S+1]."""
+    def _rows(self, step: int, lo: int, hi: int | None) -> tuple[np.ndarray, np.ndarray]:
+        g = self._segment(step)
+        seg = self._segments[g]
+        B = seg.batch
+        hi = B if hi is None else hi
+        n0 = seg.batch * (step - seg.start)
+        c0, c1 = seg.rows(n0), seg.rows(n0 + B)  # windows each source used before / after this step
+        slot_ends = np.cumsum(c1 - c0)
+        slots = permute(np.arange(lo, hi), B, _key(self.seed, ROW_TAG, step))  # this rank's rows' slots
+        src = np.searchsorted(slot_ends, slots, side="right")
+        c = c0[src] + (slots - (slot_ends[src] - (c1 - c0)[src]))  # the window's index in its segment
+        block = self._before[g][src] + c // seg.per_block
+        starts = np.empty(len(slots), np.int64)
+        for i in np.unique(src):
+            rows = np.nonzero(src == i)[0]
+            nb = int(self.n_blocks[i])
+            epoch, local = np.divmod(block[rows], nb)
+            phys = np.empty_like(local)
+            for e in np.unique(epoch):
+                at = epoch == e
+                phys[at] = permute(local[at], nb, _key(self._perm_keys[i], int(e)))
+            starts[rows] = phys * self.block + (c[rows] % seg.per_block) * seg.window
+        return src, starts
+
+    def batch(self, step: int, rank: int = 0, world: int = 1) -> np.ndarray:
+        """Training batch of `step` (0-based): int32 [B, S+1]; with world > 1, rank's rows
+        [rank*B//world, (rank+1)*B//world) of it, read without reading the others."""
         if step < 0:
             raise ValueError(f"step must be >= 0 (got {step})")
-        return self._sample(_philox(self.seed, DATA_TAG, step), self.mixture_at(step),
-                            self.batch_size_at(step), self.seq_len_at(step), "train")
+        if not 0 <= rank < world:
+            raise ValueError(f"rank must be in [0, {world}) (got {rank})")
+        B, window = self.batch_size_at(step), self.seq_len_at(step) + 1
+        src, starts = self._rows(step, rank * B // world, (rank + 1) * B // world)
+        out_BS1 = np.empty((len(src), window), np.int32)
+        for i in np.unique(src):
+            rows = np.nonzero(src == i)[0]
+            out_BS1[rows] = self.sources[self.names[i]].shards.gather(starts[rows], window)
+        return out_BS1
 
     def eval_batch(self, i: int) -> np.ndarray:
         """The i-th held-out batch: base mixture, spec.data.seq_len and batch_size, int32 [B, S+1]."""
-        return self._sample(_philox(self.seed, EVAL_TAG, i), self.base_mixture(),
-                            self.data.batch_size, self.data.seq_len, "eval")
+        batch, window = self.data.batch_size, self.data.seq_len + 1
+        raw = _philox(self.seed, EVAL_TAG, i).random_raw(2 * batch).reshape(batch, 2)
+        cum = np.cumsum([self.base_mixture()[n] for n in self.names])
+        cum[-1] = np.inf  # rounding never leaves a row without a source
+        src_B = np.searchsorted(cum, _unit(raw[:, 0]), side="right")
+        out_BS1 = np.empty((batch, window), np.int32)
+        for k, name in enumerate(self.names):
+            rows = np.nonzero(src_B == k)[0]
+            if len(rows):
+                st = self.sources[name]
+                n_starts = st.n_tokens - st.split - window + 1
+                starts = st.split + (raw[rows, 1] % np.uint64(n_starts)).astype(np.int64)
+                out_BS1[rows] = st.shards.gather(starts, window)
+        return out_BS1
 
     # ---- identity ----
     @property
     def fingerprint(self) -> str:
-        h = hashlib.sha256()
+        h = hashlib.sha256(f"tokenizer:{self.tokenizer.digest}\n".encode())
         for n in self.names:
             h.update(f"{n}:{self.sources[n].digest}:{self.sources[n].split}\n".encode())
         return h.hexdigest()[:16]
@@ -420,9 +389,15 @@ class TokenStream:
     def unigram_entropy(self) -> float:
         """Entropy (nats) of the token unigram distribution of the base mixture's training data:
         the loss of a model that ignores context."""
-        p = np.zeros(256 if self.data.tokenizer == "bytes" else 0, np.float64)
+        p = np.zeros(self.tokenizer.vocab_size, np.float64)
         for n, w in self.base_mixture().items():
-            counts = np.bincount(np.asarray(self.sources[n].train), minlength=len(p)).astype(np.float64)
+            counts = np.zeros(len(p), np.float64)
+            sh, left = self.sources[n].shards, self.sources[n].split
+            for part in sh.parts:
+                take = min(left, len(part))
+                if take > 0:
+                    counts += np.bincount(np.asarray(part[:take]), minlength=len(p))[: len(p)]
+                left -= take
             p += w * counts / counts.sum()
         p = p[p > 0]
         return float(-(p * np.log(p)).sum())

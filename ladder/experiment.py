@@ -11,6 +11,7 @@ from pathlib import Path
 
 from core.spec import Spec, SpecError
 from engines.registry import engine_names
+from engines.tokenizer import check_vocab
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,7 @@ def load_experiment(path: str | Path) -> Experiment:
         object.__setattr__(exp, "path", str(origin))
     for spec in exp.all_specs():
         check_engine(spec)
+        check_vocab(spec)  # model.vocab_size holds every id of its tokenizer (when the file is here)
     return exp
 
 

@@ -10,6 +10,8 @@ from rich.table import Table
 
 from core import costs
 from core.spec import Spec, load_spec
+from engines.epochs import spec_epochs
+from engines.tokenizer import check_vocab
 from ladder.experiment import check_engine, load_experiment
 
 
@@ -17,6 +19,8 @@ def plan_rows(experiment: str) -> tuple[list[dict], dict]:
     exp = load_experiment(experiment)
     specs = [*exp.rungs, *([exp.hero] if exp.hero else [])]
     rows = costs.plan(specs, exp.hero)
+    for row, spec in zip(rows, specs):
+        row["data"] = spec_epochs(spec)  # tokenizer, epochs over each source, and how the counts are known
     summary = {"experiment": exp.name}
     if exp.hero:
         summary["ladder_share_of_hero"] = costs.ladder_share(list(exp.rungs), exp.hero)
@@ -29,7 +33,7 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
     console = console or (Console() if sys.stdout.isatty() else Console(width=170))
     t = Table(title=f"plan: {summary['experiment']}", header_style="bold")
     for col in ("rung", "layers", "d", "total", "active", "tokens", "tok/act", "FLOPs", "% hero",
-                "mem/GPU", "a2a B/tok", "GPUs", "GPU-h", "days"):
+                "mem/GPU", "a2a B/tok", "GPUs", "GPU-h", "days", "epochs"):
         t.add_column(col, justify="right")
     for r in rows:
         share = f"{100 * r['share_of_hero']:.3g}%" if r["share_of_hero"] is not None else "-"
@@ -38,6 +42,7 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
             costs.fmt_count(r["active_params"]), costs.fmt_count(r["tokens"]), f"{r['tokens_per_active_param']:.0f}",
             costs.fmt_sci(r["flops"]), share, f"{r['memory_per_gpu_gb']:.1f} GB" + ("" if r["memory_fits"] else " !"),
             f"{r['a2a_bytes_per_token'] / 1e6:.2f} MB", str(r["gpus"]), f"{r['gpu_hours']:.3g}", f"{r['days']:.3g}",
+            _max_epochs(r.get("data")),
         )
     console.print(t)
     mfu = {r["mfu"] for r in rows}
@@ -45,6 +50,33 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
     console.print(f"GPU-hours and days at MFU {', '.join(f'{m:.0%}' for m in sorted(mfu))} on {', '.join(sorted(systems))}.")
     if "ladder_share_of_hero" in summary:
         console.print(f"ladder compute: {100 * summary['ladder_share_of_hero']:.2f}% of the hero's.")
+    _print_data(rows, console)
+
+
+def _max_epochs(data: dict | None) -> str:
+    known = [x for x in (data or {}).get("epochs", {}).values() if x is not None]
+    if not known:
+        return "?"
+    mark = "" if all(b == "shards" or b.startswith("manifest") for b in data["basis"].values()) else "~"
+    return f"{mark}{max(known):.2f}" + (" !" if max(known) > data["max_epochs"] + 1e-9 else "")
+
+
+def _print_data(rows: list[dict], console: Console) -> None:
+    """Tokenizer and source token counts (shared by the rows), then each row's epochs per source."""
+    seen = []
+    for r in rows:
+        d = r.get("data")
+        if not d:
+            continue
+        line = f"data: tokenizer {d['tokenizer']}; " + ", ".join(
+            f"{n} {costs.fmt_count(c) if c is not None else '?'} tokens ({d['basis'][n]})" for n, c in d["source_tokens"].items())
+        if line not in seen:
+            seen.append(line)
+            console.print(line, highlight=False, markup=False)
+    console.print("epochs per source: " + "; ".join(
+        f"{r['name']} " + " ".join(f"{n} {x:.2f}" if x is not None else f"{n} ?" for n, x in r["data"]["epochs"].items())
+        for r in rows if r.get("data")) + " (~: estimated source size; !: above data.max_epochs)",
+        highlight=False, markup=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -68,5 +100,5 @@ def register(app: typer.Typer) -> None:
     @app.command("validate")
     def validate_cmd(path: str = typer.Argument(..., help="spec YAML or JSON")) -> None:
         """Validate a spec file and print its id."""
-        spec = check_engine(load_spec(path))
+        spec = check_vocab(check_engine(load_spec(path)))
         print(f"{spec.name}: ok, id {spec.id}, {spec.total_steps} steps")

@@ -26,7 +26,9 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train the experiment's rungs (finished ones are skipped, interrupted ones resume)."""
         from ladder.controller import submit
+        from ladder.datacheck import refuse_repeats
 
+        refuse_repeats(experiment, only=only, include_hero=include_hero)  # data seen twice: one line, exit 2
         try:
             result = submit(
                 experiment,

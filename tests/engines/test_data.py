@@ -2,6 +2,8 @@ import hashlib
 import json
 import subprocess
 import sys
+import sysconfig
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -32,7 +34,7 @@ def test_batches_are_identical_in_another_process():
     code = (
         "import hashlib, numpy as np\n"
         "from engines.data import TokenStream\nfrom ladder.presets import micro_spec\n"
-        "st = TokenStream.from_spec(micro_spec(), use_cache=False)\n"
+        "st = TokenStream.from_spec(micro_spec())\n"
         "h = hashlib.sha256()\n"
         "for a in [st.batch(s) for s in (0, 7, 99)] + [st.eval_batch(0)]: h.update(np.ascontiguousarray(a).tobytes())\n"
         "print(h.hexdigest())\n"
@@ -135,3 +137,94 @@ def test_builtin_domains_are_real_code_and_real_prose():
     assert code.count(b"def ") > 100 and code.count(b"import ") > 50
     assert b"Python Software Foundation" in docs and docs.count(b" the ") > 1000
     assert len(st.sources["code"].tokens) > 4 * 2**20
+
+
+# ---- windows without replacement ------------------------------------------------------------
+
+
+def _words_source(tmp_path, n_bytes: int, name: str = "w"):
+    rng = np.random.default_rng(1)
+    p = tmp_path / f"{name}.txt"
+    p.write_bytes(rng.integers(97, 123, n_bytes, dtype=np.uint8).tobytes())
+    return {"name": name, "weight": 1.0, "paths": [str(p)]}
+
+
+def test_no_training_window_repeats_before_every_window_of_its_source_was_read(tmp_path):
+    spec = micro_spec(**{"data.sources": [_words_source(tmp_path, 65 * 8 * 30)], "data.eval_fraction": 0.02})
+    st = TokenStream.from_spec(spec)
+    n_blocks = int(st.n_blocks[0])
+    steps = n_blocks // spec.data.batch_size
+    starts = np.concatenate([st.window_starts(s)[1] for s in range(steps)])
+    assert len(np.unique(starts)) == len(starts) == steps * spec.data.batch_size  # one epoch: all distinct
+    assert set(starts) <= set(range(0, n_blocks * st.block, st.block))
+    two = np.concatenate([st.window_starts(s)[1] for s in range(2 * n_blocks // spec.data.batch_size)])
+    _, seen = np.unique(two, return_counts=True)  # two epochs: every window once, then once more
+    assert len(seen) == n_blocks and seen.max() == 2
+
+
+def test_each_steps_rows_per_source_follow_the_cumulative_mixture(tmp_path):
+    srcs = [_words_source(tmp_path, 40_000, "a") | {"weight": 0.7}, _words_source(tmp_path, 40_000, "b") | {"weight": 0.3}]
+    st = TokenStream.from_spec(micro_spec(**{"data.sources": srcs}))
+    counts = np.zeros(2, np.int64)
+    for s in range(50):
+        src, _ = st.window_starts(s)
+        counts += np.bincount(src, minlength=2)
+        assert np.all(np.abs(counts - np.array([0.7, 0.3]) * 8 * (s + 1)) < 1.0 + 1e-9)
+
+
+def test_a_rank_reads_its_share_of_the_batch_and_the_shares_make_the_batch():
+    st = TokenStream.from_spec(micro_spec())
+    whole = st.batch(7)
+    parts = [st.batch(7, rank=r, world=3) for r in range(3)]
+    assert [len(p) for p in parts] == [2, 3, 3]
+    assert np.array_equal(np.concatenate(parts), whole)
+
+
+def test_an_opened_context_stage_reads_blocks_no_earlier_step_read(tmp_path):
+    spec = micro_spec(**{"data.sources": [_words_source(tmp_path, 200_000)],
+                         "data.context_stages": [{"start_frac": 0.5, "seq_len": 128, "gated": False}]})
+    st = TokenStream.from_spec(spec)
+    half = spec.total_steps // 2
+    before = {int(s) // st.block for k in range(half) for s in st.window_starts(k)[1]}
+    after = {int(s) // st.block for k in range(half, spec.total_steps) for s in st.window_starts(k)[1]}
+    assert st.seq_len_at(half) == 128 and st.batch(half).shape == (4, 129)
+    assert before and after and not before & after
+
+
+def test_the_block_permutation_is_a_bijection_for_any_size():
+    from engines.data import permute
+
+    for n in (1, 2, 3, 17, 1000, 4097):
+        p = permute(np.arange(n), n, key=12345)
+        assert sorted(p.tolist()) == list(range(n))
+    assert not np.array_equal(permute(np.arange(1000), 1000, 1), permute(np.arange(1000), 1000, 2))
+
+
+def test_plan_time_epochs_equal_the_streams_own(tmp_path):
+    from engines.data import schedule_epochs
+
+    spec = micro_spec(**{"data.sources": [_words_source(tmp_path, 30_000)]})
+    st = TokenStream.from_spec(spec)
+    assert st.epochs() == schedule_epochs(spec.data, spec.total_steps, {"w": st.sources["w"].split})
+    n_blocks = int(st.n_blocks[0])
+    assert st.epochs()["w"] == pytest.approx(spec.total_steps * spec.data.batch_size / n_blocks)
+
+
+def test_a_bpe_stream_is_deterministic_below_its_vocabulary_and_fingerprints_its_tokenizer(tmp_path):
+    from tests.tokfix import build_tokenizer
+
+    tok = str(build_tokenizer(tmp_path / "tok.json"))
+    text = [{"name": "t", "weight": 1.0, "paths": [str(Path(sysconfig.get_paths()["stdlib"]) / "argparse.py")]}]
+    spec = micro_spec(**{"data.tokenizer": tok, "model.vocab_size": 512, "data.sources": text})
+    st = TokenStream.from_spec(spec)
+    x = st.batch(3)
+    assert x.max() < 512 and np.array_equal(x, TokenStream.from_spec(spec).batch(3))
+    assert st.fingerprint != TokenStream.from_spec(micro_spec(**{"data.sources": text})).fingerprint
+
+
+def test_a_tokenizer_larger_than_the_model_vocabulary_is_a_data_error(tmp_path):
+    from tests.tokfix import build_tokenizer
+
+    tok = str(build_tokenizer(tmp_path / "tok.json"))
+    with pytest.raises(DataError, match="more than model.vocab_size 256"):
+        TokenStream.from_spec(micro_spec(**{"data.tokenizer": tok}))
