@@ -1,8 +1,25 @@
-"""Both engines against the Hugging Face OLMoE trainer, side by side in one process on one GPU.
+"""Both engines against the Hugging Face OLMoE trainer, OLMo-core 3 and torchtitan, side by side in
+one process on one GPU.
 
     PYTHONPATH=. python3 bench/engines_h200.py                      # the main table
+    PYTHONPATH=. python3 bench/engines_h200.py --only ref,olmo-core,torchtitan,torch,jax --repeat 2
+    PYTHONPATH=. python3 bench/engines_h200.py --shape d768 --only torch,torch_cap --profile torch,torch_cap
     PYTHONPATH=. python3 bench/engines_h200.py --scaling            # + 8/128 experts, seq 8192
     PYTHONPATH=. python3 bench/engines_h200.py --only torch,jax --steps 5
+
+Peers (bench/peers.py; `ai2-olmo-core` 3.0.0 and `torchtitan` 0.3.0 must be importable): OLMo-core's
+MoE transformer with its train module and optimizer, torchtitan's Qwen3 MoE with its
+parallelisation, compile, CUDA graph and AdamW, each at its own recommended settings; every
+peer's exact configuration is written into its row's info. `--tiny` without a GPU builds both
+peers on the meta device and checks their parameter counts against the bench's (a row each,
+variant `<peer>_meta`).
+
+`--shape d768` is Marin's d768 rung (core.rules.moe_model(768, 8): vocab 128,256, 384 experts
+top-8 of width 384 inside a latent of 384, 2 shared experts, 8 layers, 6 heads / 1 KV head of 128,
+window 2,048), sequence 4,096, batch 8, on one GPU (one expert shard; capacity factors 1.15).
+`--profile NAMES` profiles those torch variants for a few more steps after their timed ones and
+groups the GPU kernel time by name into attention, experts, router and dispatch, head and loss,
+optimizer, dense GEMMs and the rest (<out>/breakdown.md).
 
 The shape (OLMoE-like): vocab 50,304, d_model 1,024, 12 layers, 16 heads x 64 (full MHA), 64 routed
 experts top-8 of hidden 512, no shared experts, no latent, sequence 4,096, batch 4, dropless; the
@@ -19,7 +36,9 @@ over the same timed batches again with each step read before the next is launche
 reads a step after launching the next, engines/lookahead.py; the reference's loop here too).
 
 Results are appended to <out>/results.jsonl as each variant finishes (so a run cut short keeps what
-it measured) and the tables are written to <out>/table.md.
+it measured) and the tables are written to <out>/table.md after every variant. The column "vs
+faster peer" is the row's tokens/s over the faster of OLMo-core and torchtitan at the same shape
+in the same process.
 """
 
 from __future__ import annotations
@@ -54,6 +73,31 @@ BASE_MODEL = {
 TINY_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "vocab_size": 512,
               "n_routed_experts": 16, "top_k": 2, "expert_hidden": 32}
 DEVICE = "cuda"
+PEERS = ("olmo-core", "torchtitan")
+
+
+def d768_model(tiny: bool = False) -> dict:
+    """Marin's d768 rung on one GPU (core.rules.moe_model(768, 8), one expert shard); --tiny: the
+    same rules at d 64 (latent, 2 shared experts, 1 KV head, a window)."""
+    from core.rules import moe_model
+
+    if tiny:
+        m = moe_model(64, 2, head_dim=16, vocab_size=512, n_routed_experts=16, top_k=2, window=64, ep_size=1,
+                      dispatch="dropless")
+    else:
+        m = moe_model(768, 8, ep_size=1, dispatch="dropless")
+    return m.model_dump()
+
+
+def shape_of(name: str, tiny: bool) -> tuple[tuple, int, int, dict]:
+    """(row key, sequence, batch, model overrides) of a bench shape: olmoe or d768."""
+    if name == "olmoe":
+        seq, batch = (128, 2) if tiny else (4096, 4)
+        return (f"E{BASE_MODEL['n_routed_experts']}", seq), seq, batch, {}
+    if name == "d768":
+        seq, batch = (128, 2) if tiny else (4096, 8)
+        return ("d768", seq), seq, batch, d768_model(tiny)
+    raise ValueError(name)
 
 
 def sync():
@@ -85,13 +129,18 @@ def make_spec(n_steps: int, seq: int = 4096, batch: int = 4, engine: str = "torc
 
 
 def independent_flops_per_token(m: dict, seq: int) -> float:
-    """6 x (attention + router + top-k experts + lm head) + 3 x causal attention (QK^T and AV)."""
+    """6 x (attention + router + latent projections + top-k experts + shared experts + lm head)
+    + 3 x causal (windowed) attention (QK^T and AV)."""
     d, L = m["d_model"], m["n_layers"]
+    dl = m.get("latent_dim") or d
     attn = d * m["n_heads"] * m["head_dim"] * 2 + d * m["n_kv_heads"] * m["head_dim"] * 2
-    active = L * (attn + d * m["n_routed_experts"] + m["top_k"] * 3 * d * m["expert_hidden"])
+    latent = 2 * d * m["latent_dim"] if m.get("latent_dim") else 0
+    shared = m.get("n_shared_experts", 0) * 3 * d * (m.get("shared_hidden") or 0)
+    active = L * (attn + d * m["n_routed_experts"] + latent + m["top_k"] * 3 * dl * m["expert_hidden"] + shared)
     lm_head = d * m["vocab_size"]
-    mean_ctx = (seq + 1) / 2
-    return 6.0 * (active + lm_head) + 3.0 * (2 * 2 * L * mean_ctx * m["n_heads"] * m["head_dim"])
+    w = min(m.get("attention_window") or seq, seq)
+    keys = sum(min(i + 1, w) for i in range(seq))
+    return 6.0 * (active + lm_head) + 3.0 * (2 * 2 * L * (keys / seq) * m["n_heads"] * m["head_dim"])
 
 
 # ---- the matmul ceiling ----------------------------------------------------------------------------
@@ -289,7 +338,7 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None):
 
 
 def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None,
-              adamw_block: int | None = None):
+              adamw_block: int | None = None, profile_steps: int = 0):
     import torch
 
     from engines.torch import adamw_kernel, fast
@@ -308,6 +357,9 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
                     "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
                     "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]])),
                     "tokens_per_s_read_at_once": read_at_once_tps(launch, read, batches[warmup:], sync)}
+            if profile_steps:  # after the timed steps, so the profiler costs them nothing
+                info["breakdown"] = step_breakdown(launch, read, batches[warmup:], spec.model.model_dump(),
+                                                   profile_steps)
             del launch, read
             return [o[0] for o in out], dt, t_warm, info
     finally:
@@ -339,6 +391,130 @@ def run_jax(spec, batches, warmup, env: dict | None = None, compiler_options: di
         close()
 
 
+def run_peer(spec, batches, warmup, peer: str, **kw):
+    """One peer (bench/peers.py) at its own settings: its trainer's step per batch."""
+    import torch
+
+    import peers
+
+    trainer = {"olmo-core": peers.olmo_trainer, "torchtitan": peers.titan_trainer}[peer]
+    try:
+        torch._dynamo.reset()
+        launch, read, info = trainer(spec, DEVICE, **kw)
+        out, dt, t_warm = timed_loop(launch, read, batches, warmup, sync)
+        info["tokens_per_s_read_at_once"] = read_at_once_tps(launch, read, batches[warmup:], sync)
+        del launch, read
+        return out, dt, t_warm, info
+    finally:
+        try:
+            from torchtitan.distributed.cudagraph import cudagraph_teardown
+
+            cudagraph_teardown()
+        except Exception:  # noqa: BLE001 - not imported, or nothing captured
+            pass
+        torch._dynamo.reset()
+        gc.collect()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
+# ---- where the torch step's time goes -----------------------------------------------------------------
+
+BREAKDOWN = (  # first match wins, on lower-cased kernel names
+    ("optimizer", r"adamw|fused_adam|multi_tensor|foreach|lpnorm|l2norm|_amp_"),
+    ("attention", r"flash|fmha|cudnn|sdpa|attn|attention"),
+    ("head and loss", r"xent|cross_entropy|log_softmax|nll_loss"),
+    ("experts", r"grouped|_gmm|ragged|swiglu"),
+    ("router and dispatch", r"topk|sort|radix|scan|cumsum|histc|bincount|index|gather|scatter|cub::|softmax"),
+    ("dense GEMM", r"gemm|nvjet|sm90|xmma|cutlass|cublas|matmul"),
+    ("other elementwise (norms, RoPE, casts)", r"triton|elementwise|vectorized|reduce|copy|cast|fill|memset|memcpy"),
+)
+
+
+def kernel_category(name: str) -> str:
+    import re
+
+    low = name.lower()
+    for cat, pat in BREAKDOWN:
+        if re.search(pat, low):
+            return cat
+    return "other"
+
+
+def gemm_owner(shapes, m: dict) -> str | None:
+    """Which part of the model a dense matmul belongs to, from its input shapes: the output head
+    (a vocabulary-wide dimension), the router (an experts-wide one), else attention and the
+    other dense projections."""
+    dims = {d for sh in shapes or [] for d in (sh or [])}
+    if m["vocab_size"] in dims:
+        return "head and loss"
+    if m["n_routed_experts"] in dims:
+        return "router and dispatch"
+    return None
+
+
+def step_breakdown(launch, read, batches, m: dict, steps: int) -> dict:
+    """The GPU kernel time of `steps` more steps under torch.profiler, grouped by kernel name
+    (BREAKDOWN); dense GEMMs launched by an aten matmul whose input shapes name the head or the
+    router are counted there (under CUDA graph replays the profiler sees no launching op, and they
+    stay in "dense GEMM")."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = DEVICE == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    sync()
+    with profile(activities=acts, record_shapes=True) as prof:
+        t0 = time.perf_counter()
+        run_steps(launch, read, batches[:steps])
+        sync()
+        wall = time.perf_counter() - t0
+    cats: dict[str, float] = {}
+    kern: dict[str, float] = {}
+    dev_type = torch.autograd.DeviceType.CUDA
+    for ev in prof.events():
+        if cuda and ev.device_type == dev_type and not getattr(ev, "is_user_annotation", False):
+            t = ev.device_time_total if hasattr(ev, "device_time_total") else ev.cuda_time_total
+            kern[ev.name] = kern.get(ev.name, 0.0) + t
+            c = kernel_category(ev.name)
+            cats[c] = cats.get(c, 0.0) + t
+    moved: dict[str, float] = {}
+    if cuda:  # dense GEMMs by their launching op's shapes
+        for ev in prof.events():
+            if ev.device_type == dev_type or not ev.name.startswith("aten::") or not ev.kernels:
+                continue
+            owner = gemm_owner(getattr(ev, "input_shapes", None), m)
+            if owner is None:
+                continue
+            for k in ev.kernels:
+                if kernel_category(k.name) == "dense GEMM":
+                    moved[owner] = moved.get(owner, 0.0) + k.duration
+    for owner, t in moved.items():
+        cats["dense GEMM"] = cats.get("dense GEMM", 0.0) - t
+        cats[owner] = cats.get(owner, 0.0) + t
+    busy = sum(kern.values())
+    return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy / 1e3 / steps,
+            "categories_ms_per_step": {c: v / 1e3 / steps for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
+            "moved_by_shape_ms_per_step": {c: v / 1e3 / steps for c, v in moved.items()},
+            "top_kernels_ms_per_step": [(k[:150], kernel_category(k), v / 1e3 / steps)
+                                        for k, v in sorted(kern.items(), key=lambda kv: -kv[1])[:25]]}
+
+
+def breakdown_md(variant: str, key, b: dict) -> str:
+    lines = [f"### {variant} at {key[0]} seq {key[1]}: {b['wall_ms_per_step']:.1f} ms/step wall, "
+             f"{b['kernel_ms_per_step']:.1f} ms/step of GPU kernels ({b['steps']} profiled steps)", "",
+             "| part of the step | ms/step | share of kernel time |", "|---|---:|---:|"]
+    busy = max(b["kernel_ms_per_step"], 1e-9)
+    for c, v in b["categories_ms_per_step"].items():
+        lines.append(f"| {c} | {v:.2f} | {v / busy:.1%} |")
+    if b["moved_by_shape_ms_per_step"]:
+        lines += ["", "Dense GEMMs counted by their op's shapes: " + ", ".join(
+            f"{c} {v:.2f} ms" for c, v in b["moved_by_shape_ms_per_step"].items())]
+    lines += ["", "| kernel | part | ms/step |", "|---|---|---:|"]
+    lines += [f"| `{k}` | {c} | {v:.2f} |" for k, c, v in b["top_kernels_ms_per_step"]]
+    return "\n".join(lines) + "\n"
+
+
 # ---- driver ------------------------------------------------------------------------------------------
 
 
@@ -357,6 +533,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=560.0, help="skip what would start after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--tiny", action="store_true", help="a tiny model (a smoke run; the CPU if no GPU)")
+    ap.add_argument("--shape", default="olmoe", choices=("olmoe", "d768"), help="the shape of the --only list")
+    ap.add_argument("--d768", default="", help="variants to run at the d768 shape after the --only list")
+    ap.add_argument("--profile", default="", help="torch variants whose step is profiled after timing")
+    ap.add_argument("--profile-steps", type=int, default=3)
     args = ap.parse_args(argv)
 
     import torch
@@ -399,6 +579,10 @@ def main(argv=None) -> int:
         rows.append(row)
         with open(results_path, "a") as f:
             f.write(json.dumps(row) + "\n")
+        (out / "table.md").write_text(format_tables(rows, ceiling, env, args))  # kept if cut short
+        if "breakdown" in row.get("info", {}):
+            with open(out / "breakdown.md", "a") as f:
+                f.write(breakdown_md(row["variant"], row["key"], row["info"]["breakdown"]) + "\n")
 
     def run_variant(name, runner, spec, batches, key, **kw):
         if time.perf_counter() - T_START > args.budget_s:
@@ -425,6 +609,10 @@ def main(argv=None) -> int:
                 run_variant(name + "_fallback", runner, spec, batches, key,
                             options={"attn_backend": None, "grouped_mm_weights": "kmajor"},
                             env={"MOE_LADDER_TORCH_MASTER": "0"})
+            if name == "torchtitan" and DEVICE == "cuda":  # its CUDA graph capture failed? run without
+                run_variant("torchtitan_nographs", runner, spec, batches, key, peer="torchtitan", cuda_graphs=False)
+            if name == "olmo-core" and DEVICE == "cuda":  # its compile failed? run eager
+                run_variant("olmo-core_eager", runner, spec, batches, key, peer="olmo-core", compile_=False)
             return
         S = spec.data.seq_len
         n_tok = args.steps * spec.data.batch_size * S
@@ -515,6 +703,8 @@ def main(argv=None) -> int:
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
         "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
+        # the peers at their own recommended settings (bench/peers.py)
+        "olmo-core": (run_peer, {"peer": "olmo-core"}), "torchtitan": (run_peer, {"peer": "torchtitan"}),
         "jax_bf16moments": (run_jax, {"optim": {"moments": "bf16"}}),
         # the expert matmuls with one Mosaic-GPU tile configuration (fast.MGPU) instead of the
         # per-matmul ones tuned by bench/tune_mgpu.py
@@ -523,8 +713,12 @@ def main(argv=None) -> int:
         "jax_cublas": (run_jax, {"compiler_options": {"xla_gpu_enable_triton_gemm": False}}),
     }
 
+    profiled = {n for n in args.profile.split(",") if n}
+
     def sweep(names, key, seq=4096, batch=4, **model):
         spec0 = make_spec(n_total, seq=seq, batch=batch, **model)
+        if DEVICE == "cpu" and any(n in PEERS for n in names):  # the peers' shapes without a GPU
+            record_meta(spec0, key)
         stream = TokenStream.from_spec(spec0)
         batches = [stream.batch(i) for i in range(n_total)]
         f_ind = independent_flops_per_token(spec0.model.model_dump(), seq)
@@ -535,16 +729,44 @@ def main(argv=None) -> int:
             cap = name.endswith("_cap")
             spec = make_spec(n_total, seq=seq, batch=batch, engine="jax" if name.startswith("jax") else "torch",
                              optim=kw.pop("optim", None), **{**model, "dispatch": "capacity" if cap else "dropless"})
+            if DEVICE == "cpu" and name in PEERS:  # CUDA only (bench/peers.py): the meta rows above
+                continue
+            if name in profiled and runner is run_torch:
+                kw["profile_steps"] = args.profile_steps
             run_variant(name, runner, spec, batches, key, **kw)
+
+    def record_meta(spec0, key):
+        import peers
+
+        try:
+            got = peers.meta_shapes(spec0)
+        except ImportError as err:
+            got = {"error": f"peers not importable: {err}"}
+        for peer in PEERS:
+            p = got.get(peer, {"error": got.get("error")})
+            row = {"variant": f"{peer}_meta", "key": list(key), "meta": p, "ours_params": got.get("ours_params")}
+            if "error" in p:
+                row["error"] = p["error"]
+            log(f"{peer} on the meta device at {key}: {p}")
+            record(row)
 
     main_names = [n for n in args.only.split(",") if n]
     unknown = set(main_names) - set(runners)
     if unknown:
         print(f"unknown variants {sorted(unknown)}; known: {sorted(runners)}", file=sys.stderr)
         return 2
+    d768_names = [n for n in args.d768.split(",") if n]
+    unknown = set(d768_names) - set(runners)
+    if unknown:
+        print(f"unknown variants {sorted(unknown)}; known: {sorted(runners)}", file=sys.stderr)
+        return 2
+    key, s_main, b_main, m_main = shape_of(args.shape, args.tiny)
+    sweep(main_names * max(args.repeat, 1), key, seq=s_main, batch=b_main, **m_main)
+    if d768_names:
+        key, s2, b2, m2 = shape_of("d768", args.tiny)
+        sweep(d768_names, key, seq=s2, batch=b2, **m2)
     seq, batch = (128, 2) if args.tiny else (4096, 4)
     E = BASE_MODEL["n_routed_experts"]
-    sweep(main_names * max(args.repeat, 1), (f"E{E}", seq), seq=seq, batch=batch)
     if args.scaling:  # engine by engine, so a cut-off run has whole scaling rows of the first ones
         for name in [n for n in args.scaling_engines.split(",") if n]:
             shapes = {"E/8": ((f"E{E // 8}", seq), seq, batch, {"n_routed_experts": E // 8}),
@@ -560,34 +782,65 @@ def main(argv=None) -> int:
     return 0
 
 
+def shape_order(k) -> tuple:
+    name = k[0]
+    return (k[1], 1 if name.startswith("d") else 0, int(name[1:]) if name[1:].isdigit() else 0, name)
+
+
+def faster_peer(rows, key) -> tuple[str, float] | None:
+    """The peer (OLMo-core or torchtitan, any of its rows) with the most tokens/s at this key."""
+    best = None
+    for r in rows:
+        base = r["variant"].split("_")[0]
+        if base in PEERS and tuple(r["key"]) == tuple(key) and "tokens_per_s" in r:
+            if best is None or r["tokens_per_s"] > best[1]:
+                best = (r["variant"], r["tokens_per_s"])
+    return best
+
+
 def format_tables(rows, ceiling, env, args) -> str:
     lines = [f"GPU {env['gpu']}; torch {env['torch']}, transformers {env['transformers']}, jax {env.get('jax')}; "
              f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s; {args.warmup} warm-up + {args.steps} timed steps.", ""]
-    lines.append("| shape | variant | tokens/s | model TFLOP/s | MFU | peak GiB | vs reference | warm-up s | "
-                 "loss first -> last timed | tokens/s, each step read at once |")
-    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---|---:|")
+    lines.append("| shape | variant | tokens/s | model TFLOP/s | MFU | peak GiB | vs reference | vs faster peer | "
+                 "warm-up s | loss first -> last timed | tokens/s, each step read at once |")
+    lines.append("|---|---|---:|---:|---:|---:|---:|---:|---:|---|---:|")
     for r in rows:
         shape = f"{r['key'][0]} seq {r['key'][1]}"
+        if "meta" in r and "error" not in r:
+            p = r["meta"]
+            lines.append(f"| {shape} | {r['variant']} | meta device: {p.get('params', 0):,} parameters "
+                         f"(the bench's {r.get('ours_params') or 0:,}) | | | | | | | | |")
+            continue
         if "error" in r:
-            lines.append(f"| {shape} | {r['variant']} | failed: {r['error'][:120]} | | | | | | | |")
+            lines.append(f"| {shape} | {r['variant']} | failed: {r['error'][:120]} | | | | | | | | |")
             continue
         vs = f"{r['vs_ref']:.2f}x" if r.get("vs_ref") else "-"
+        peer = faster_peer(rows, r["key"])
+        vp = f"{r['tokens_per_s'] / peer[1]:.2f}x" if peer else "-"
         tl = r["timed_losses"]
         once = r["info"].get("tokens_per_s_read_at_once")
         at_once = f"{once:,.0f}" if once else "-"
         lines.append(f"| {shape} | {r['variant']} | {r['tokens_per_s']:,.0f} | {r['tflops']:.0f} | {r['mfu']:.1%} | "
-                     f"{r['peak_gib']:.1f} | {vs} | {r['warmup_s']:.0f} | {tl[0]:.3f} -> {tl[-1]:.3f} | {at_once} |")
+                     f"{r['peak_gib']:.1f} | {vs} | {vp} | {r['warmup_s']:.0f} | {tl[0]:.3f} -> {tl[-1]:.3f} | "
+                     f"{at_once} |")
     ok = [r for r in rows if "tokens_per_s" in r]
-    keys = sorted({tuple(r["key"]) for r in ok}, key=lambda k: (k[1], int(k[0][1:])))
-    if len(keys) > 1:
+    keys = sorted({tuple(r["key"]) for r in ok}, key=shape_order)
+    peer_keys = [k for k in keys if faster_peer(rows, k)]
+    if peer_keys:
+        lines += ["", "Faster peer per shape: " + "; ".join(
+            f"{k[0]} seq {k[1]}: {faster_peer(rows, k)[0]} {faster_peer(rows, k)[1]:,.0f} tokens/s" for k in peer_keys)]
+    if len(keys) > 1 and any(k[0].startswith("E") for k in keys) and len({k for k in keys if k[0].startswith("E")}) > 1:
+        ekeys = [k for k in keys if k[0].startswith("E")]
         variants = list(dict.fromkeys(r["variant"] for r in ok))
         tps = {(r["variant"], tuple(r["key"])): r["tokens_per_s"] for r in ok}
         lines += ["", "Scaling (tokens/s; in brackets the change against the first shape of the row):", "",
-                  "| variant | " + " | ".join(f"{k[0]} seq {k[1]}" for k in keys) + " |",
-                  "|---|" + "---:|" * len(keys)]
+                  "| variant | " + " | ".join(f"{k[0]} seq {k[1]}" for k in ekeys) + " |",
+                  "|---|" + "---:|" * len(ekeys)]
         for v in variants:
-            base = next((tps[(v, k)] for k in keys if (v, k) in tps), None)
-            cells = [f"{tps[(v, k)]:,.0f} ({tps[(v, k)] / base - 1:+.1%})" if (v, k) in tps else "-" for k in keys]
+            base = next((tps[(v, k)] for k in ekeys if (v, k) in tps), None)
+            if base is None:
+                continue
+            cells = [f"{tps[(v, k)]:,.0f} ({tps[(v, k)] / base - 1:+.1%})" if (v, k) in tps else "-" for k in ekeys]
             lines.append(f"| {v} | " + " | ".join(cells) + " |")
     lines.append("")
     lines.append("Losses, every step (warm-up steps first):")
@@ -595,6 +848,15 @@ def format_tables(rows, ceiling, env, args) -> str:
         if "losses" in r:
             lines.append(f"- {r['key'][0]} seq {r['key'][1]} {r['variant']}: "
                          + " ".join(f"{v:.3f}" for v in r["losses"]))
+    configs = [r for r in rows if r.get("info", {}).get("config")]
+    if configs:
+        lines += ["", "Peer configurations (as run):"]
+        seen = set()
+        for r in configs:
+            c = json.dumps(r["info"]["config"], sort_keys=True)
+            if (r["variant"], c) not in seen:
+                seen.add((r["variant"], c))
+                lines.append(f"- {r['key'][0]} {r['variant']}: `{c}`")
     return "\n".join(lines) + "\n"
 
 
