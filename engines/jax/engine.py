@@ -20,7 +20,6 @@ accumulation (routing, norms, softmaxes and losses in fp32), as the torch engine
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from functools import lru_cache
 from pathlib import Path
@@ -32,25 +31,14 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from engines.base import MetricsWriter, StepMetrics, emulated_ep_note, write_status
-from engines.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    missing_parent_checkpoint,
-    remove_checkpoints,
-    save_checkpoint,
-    warn_if_other_data,
-)
+from core.spec import OptimSpec, Spec
+from engines.base import StepMetrics, emulated_ep_note
 from engines.data import TokenStream
-from engines.lookahead import close_step, train_loop
 from engines.jax.model import ModelConfig, init_params, param_shapes
-from engines.params import is_buffer
 from engines.jax.moe import EP_AXIS, capacities
 from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
-from core.costs import flops_per_token
-from core.schedule import lr_at
-from core.spec import OptimSpec, Spec
+from engines.params import is_buffer
+from engines.trainer import FINITE_KEYS, Trainer
 
 EXPERT_SUFFIXES = (".moe.experts.w_gate", ".moe.experts.w_up", ".moe.experts.w_down")
 
@@ -160,35 +148,65 @@ def place(state: TrainState, mesh: Mesh | None) -> TrainState:
     return jax.tree_util.tree_map_with_path(put, state)
 
 
-def check_same_run(spec: Spec, info: dict, path: Path) -> None:
-    """A checkpoint continues this spec's run: the same spec id, its lineage parent's, or the
-    same spec written by another engine (the id hashes the engine name)."""
-    ckpt_id = info.get("spec_id")
-    if ckpt_id is None or ckpt_id in (spec.id, spec.lineage.parent_id):
-        return
-    other = info.get("engine")
-    if other and other != spec.engine:
-        try:
-            if spec.replace(engine=other).id == ckpt_id:
-                return
-        except Exception:  # the other engine is not installed here: the ids cannot match
-            pass
-    raise CheckpointError(
-        f"{path} belongs to spec {ckpt_id}, not this spec ({spec.id}); use another --run-dir, "
-        f"--no-resume to start over, or set lineage.parent_id to continue it"
-    )
-
-
 # ---- the engine -----------------------------------------------------------------------------
+
+
+class JaxStep:
+    """The JAX engine's step module (engines/trainer.py): one process, one device or a mesh."""
+
+    engine = "jax"
+    lead = True
+    lookahead = True
+    synchronous = False  # JAX dispatches asynchronously: a step's time is the time between reads
+
+    def __init__(self, spec: Spec, cfg: ModelConfig, mesh: Mesh | None):
+        self.spec, self.cfg, self.mesh = spec, cfg, mesh
+        self.devices = mesh.size if mesh is not None else 1
+        self.train_step, self.eval_step, self.tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
+        self.state: TrainState | None = None
+
+    def init_fresh(self) -> None:
+        params, buffers = init_params(self.cfg, self.spec.seed)
+        self.state = place(TrainState(params, buffers, self.tx.init(params)), self.mesh)
+
+    def load_arrays(self, params: dict, opt: dict, origin: str) -> None:
+        self.state = place(state_from_arrays(self.cfg, self.tx, params, opt, origin), self.mesh)
+
+    def save_arrays(self) -> tuple[dict, dict]:
+        return state_to_arrays(self.state)
+
+    def launch(self, step: int, batch_BS1: np.ndarray, lr: float):
+        # the state goes in donated: the step's output is the only state from here on
+        self.state, m = self.train_step(self.state, put_batch(batch_BS1, self.mesh), jnp.float32(lr))
+        return m
+
+    def read(self, m) -> tuple[dict[str, float], bool]:
+        m = {k: float(v) for k, v in jax.device_get(m).items()}  # the step's one host sync
+        return m, all(np.isfinite(m[k]) for k in FINITE_KEYS)
+
+    def evaluate(self, stream: TokenStream) -> float:
+        st = self.state
+        losses = [float(self.eval_step(st.params, st.buffers, put_batch(stream.eval_batch(i), self.mesh)))
+                  for i in range(self.spec.run.eval_batches)]
+        return float(np.mean(losses))
+
+    def agree(self, value):
+        return value
+
+    def extra(self) -> dict:
+        return {}
+
+    def finish(self, first_step: int, steps: int) -> None:
+        pass
 
 
 class JaxEngine:
     name = "jax"
 
-    def train(self, spec: Spec, run_dir: str | Path, resume: bool = True) -> Iterator[StepMetrics]:
+    def step_module(self, spec: Spec) -> JaxStep:
+        """The step module of this spec on the devices JAX sees (a mesh where the pooled-wave
+        transport can run between them)."""
         configure_jax()
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         cfg = ModelConfig.from_spec(spec.model)
         if jax.default_backend() == "gpu":
             cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # fp32 weights, bf16 matmuls
@@ -197,79 +215,10 @@ class JaxEngine:
         mesh = make_mesh(cfg)
         note = emulation_warning(spec.name, cfg, len(jax.devices()), jax.default_backend())
         if note:
-            warnings.warn(note, stacklevel=2)
-        train_step, eval_step, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
-        stream = TokenStream.from_spec(spec)
-        if not resume:
-            remove_checkpoints(run_dir)
+            warnings.warn(note, stacklevel=3)
+        return JaxStep(spec, cfg, mesh)
 
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is not None:
-            model, opt, info = load_checkpoint(ckpt)
-            check_same_run(spec, info, ckpt)
-            try:
-                state = state_from_arrays(cfg, tx, model, opt, str(ckpt))
-            except ValueError as err:
-                raise CheckpointError(str(err)) from err
-            start, tokens = int(info["step"]), int(info.get("tokens", int(info["step"]) * spec.data.tokens_per_step))
-            warn_if_other_data(ckpt, info, stream.fingerprint)
-        elif spec.lineage.resume_step is not None:
-            raise missing_parent_checkpoint(spec, run_dir)
-        else:
-            params, buffers = init_params(cfg, spec.seed)
-            state = TrainState(params, buffers, tx.init(params))
-            start, tokens = 0, 0
-        state = place(state, mesh)
-        n_devices = mesh.size if mesh is not None else 1
-
-        def save(step: int, tokens: int) -> None:
-            model, opt = state_to_arrays(state)
-            info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
-                    "data": stream.state(step)}
-            save_checkpoint(run_dir, step, model, opt, info, keep=spec.run.keep_checkpoints)
-
-        def evaluate() -> float:
-            losses = [float(eval_step(state.params, state.buffers, put_batch(stream.eval_batch(i), mesh)))
-                      for i in range(spec.run.eval_batches)]
-            return float(np.mean(losses))
-
-        write_status(run_dir, "running", step=start, engine=self.name, spec_id=spec.id)
-        if ckpt is None:
-            save(0, 0)  # the initial weights: another engine (or a replan) can start from them
-        writer = MetricsWriter(run_dir, start)
-        total = spec.total_steps
-        lrs = lr_at(spec, np.arange(total))
-        t_prev = time.perf_counter()
-
-        def launch(step: int):
-            nonlocal state
-            batch = stream.batch(step)
-            # the state goes in donated: the step's output is the only state from here on
-            state, m = train_step(state, put_batch(batch, mesh), jnp.float32(lrs[step]))
-            return m, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1
-
-        def read(step: int, handle) -> StepMetrics:
-            nonlocal tokens, t_prev
-            m, n_tok, seq = handle
-            m = jax.device_get(m)  # the step's one host sync
-            now = time.perf_counter()
-            tokens += n_tok
-            tps = n_tok / max(now - t_prev, 1e-9)
-            rec = StepMetrics(
-                step=step, tokens=tokens, loss=float(m["loss"]), grad_norm=float(m["grad_norm"]),
-                lr=float(lrs[step]), z_loss=float(m["z_loss"]), aux_loss=float(m["aux_loss"]),
-                drop_frac_send=float(m["drop_frac_send"]), drop_frac_recv=float(m["drop_frac_recv"]),
-                expert_load_max=float(m["expert_load_max"]), router_entropy=float(m["router_entropy"]),
-                tokens_per_s=tps,
-                mfu=flops_per_token(spec, seq) * tps / (spec.hardware.peak_flops * n_devices),
-                time=time.time(),
-                extra={"router_z_loss": float(m["router_z_loss"]), "total_loss": float(m["total_loss"])},
-            )
-            finite = bool(np.isfinite(rec.loss) and np.isfinite(m["total_loss"]) and np.isfinite(rec.grad_norm))
-            close_step(rec, finite, spec, run_dir, self.name, writer, evaluate, lambda done: save(done, tokens))
-            t_prev = time.perf_counter()
-            return rec
-
+    def train(self, spec: Spec, run_dir: str | Path, resume: bool = True) -> Iterator[StepMetrics]:
         # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite step
         # ends the run at its record, and no state after it is ever saved
-        yield from train_loop(spec, run_dir, self.name, start, launch, read, writer, lambda: tokens)
+        yield from Trainer(spec, run_dir, self.step_module(spec)).fit(resume)

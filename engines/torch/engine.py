@@ -42,26 +42,12 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from engines.base import MetricsWriter, StepMetrics, write_status
-from engines.checkpoint import (
-    CheckpointError,
-    latest_checkpoint,
-    load_checkpoint,
-    missing_parent_checkpoint,
-    remove_checkpoints,
-    save_checkpoint,
-    warn_if_other_data,
-)
-from engines.data import TokenStream
-from engines.lookahead import close_step, train_loop
-from engines.torch.model import MoETransformer, init_params, loss_terms
-from core.schedule import lr_at
+from core.costs import flops_per_token
 from core.spec import Spec
-
-METRIC_KEYS = ("loss", "z_loss", "aux_loss", "router_z_loss", "drop_frac_send", "drop_frac_recv",
-               "expert_load_max", "router_entropy", "total_loss")
-VALUE_KEYS = METRIC_KEYS + ("grad_norm",)  # the order of a step's values on the device
-FINITE_KEYS = ("loss", "total_loss", "grad_norm")  # a step that makes any of these NaN/inf is not applied
+from engines.base import StepMetrics
+from engines.data import TokenStream
+from engines.torch.model import MoETransformer, init_params, loss_terms
+from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS, Trainer  # noqa: F401 (the order of a step's values)
 
 
 def default_device() -> torch.device:
@@ -69,10 +55,6 @@ def default_device() -> torch.device:
 
 
 def _flops_per_token(spec: Spec, seq_len: int) -> float:
-    try:
-        from core.costs import flops_per_token
-    except ImportError:
-        return 0.0
     return float(flops_per_token(spec, seq_len))
 
 
@@ -154,17 +136,6 @@ def launch_step(model: MoETransformer, loss_fn, x: torch.Tensor, spec: Spec,
     else:
         grad_norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), spec.optim.grad_clip)
     return torch.stack([out["metrics"][k].float() for k in METRIC_KEYS] + [grad_norm.float()]), out
-
-
-def step_record(step: int, tokens: int, lr: float, m: dict, tps: float, mfu: float, **extra) -> StepMetrics:
-    """A step's StepMetrics from finish_step's metric values."""
-    return StepMetrics(
-        step=step, tokens=tokens, loss=m["loss"], grad_norm=m["grad_norm"], lr=lr,
-        z_loss=m["z_loss"], aux_loss=m["aux_loss"], drop_frac_send=m["drop_frac_send"],
-        drop_frac_recv=m["drop_frac_recv"], expert_load_max=m["expert_load_max"],
-        router_entropy=m["router_entropy"], tokens_per_s=tps, mfu=mfu, time=time.time(),
-        extra={"router_z_loss": m["router_z_loss"], "total_loss": m["total_loss"], **extra},
-    )
 
 
 def to_device(batch: np.ndarray, device: torch.device) -> torch.Tensor:
@@ -274,21 +245,67 @@ def optimizer_from_numpy(model: MoETransformer, opt: torch.optim.AdamW, arrays: 
     opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 
-def _check_same_run(spec: Spec, info: dict, path: Path) -> None:
-    ckpt_id = info.get("spec_id")
-    if ckpt_id is None or ckpt_id in (spec.id, spec.lineage.parent_id):
-        return
-    other_engine = info.get("engine")
-    if other_engine and other_engine != spec.engine:
-        try:
-            if spec.replace(engine=other_engine).id == ckpt_id:
-                return  # the same run, written by the other engine
-        except Exception:
-            pass
-    raise CheckpointError(
-        f"{path} belongs to spec {ckpt_id}, not this spec ({spec.id}); use another --run-dir, "
-        f"--no-resume to start over, or set lineage.parent_id to continue it"
-    )
+class TorchStep:
+    """The torch engine's step module (engines/trainer.py) on one device."""
+
+    engine = "torch"
+    devices = 1
+    lead = True
+    lookahead = True
+
+    def __init__(self, spec: Spec, device: torch.device):
+        self.spec, self.device = spec, device
+        # CPU ops run as they are launched, so a step's time there is its launch and read; on a
+        # GPU the host learns when a step ended only at its read, so it is the time between reads
+        self.synchronous = device.type == "cpu"
+        self.model = MoETransformer(spec.model).to(device)
+        self.opt = build_optimizer(self.model, spec)
+        self.loss_fn = None
+
+    def _ready(self) -> None:
+        self.loss_fn = make_loss_fn(self.model, self.device, self.opt)
+
+    def init_fresh(self) -> None:
+        self.model.load_numpy(init_params(self.spec.model, self.spec.seed))
+        self._ready()
+
+    def load_arrays(self, params: dict, opt: dict, origin: str) -> None:
+        self.model.load_numpy(params)
+        optimizer_from_numpy(self.model, self.opt, opt)
+        self._ready()
+
+    def save_arrays(self) -> tuple[dict, dict]:
+        return self.model.to_numpy(), optimizer_to_numpy(self.model, self.opt)
+
+    def launch(self, step: int, batch_BS1: np.ndarray, lr: float) -> HostCopy:
+        x = to_device(batch_BS1, self.device)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        vals, out = launch_step(self.model, self.loss_fn, x, self.spec, self.opt)
+        return queue_update(self.model, self.opt, vals, out, self.spec)
+
+    def read(self, pending: HostCopy) -> tuple[dict[str, float], bool]:
+        return read_step(self.opt, pending)
+
+    def evaluate(self, stream: TokenStream) -> float:
+        model, device = self.model, self.device
+        model.eval()
+        losses = []
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            for i in range(self.spec.run.eval_batches):
+                x = torch.from_numpy(stream.eval_batch(i)).to(device, dtype=torch.long)
+                losses.append(loss_terms(model, x, self.spec.optim)[1]["metrics"]["loss"])
+        model.train()
+        return float(torch.stack(losses).mean())
+
+    def agree(self, value):
+        return value
+
+    def extra(self) -> dict:
+        return {}
+
+    def finish(self, first_step: int, steps: int) -> None:
+        pass
 
 
 class TorchEngine:
@@ -298,106 +315,21 @@ class TorchEngine:
         self.device = torch.device(device) if device is not None else None
 
     def train(self, spec: Spec, run_dir: str | Path, resume: bool = True) -> Iterator[StepMetrics]:
-        run_dir = Path(run_dir)
-        run_dir.mkdir(parents=True, exist_ok=True)
         device = self.device or default_device()
         from engines.torch.ep_launch import emulation_warning, train_processes, use_processes
 
         if use_processes(spec, device):  # real expert parallel: model.ep_size processes
-            yield from train_processes(spec, run_dir, resume, device)
+            yield from train_processes(spec, Path(run_dir), resume, device)
             return
         note = emulation_warning(spec, device)
         if note:
             warnings.warn(note, stacklevel=2)
-        cuda = device.type == "cuda"
         threads_before = torch.get_num_threads()
-        if not cuda and cpu_threads(spec):
+        if device.type != "cuda" and cpu_threads(spec):
             torch.set_num_threads(cpu_threads(spec))
         try:
-            yield from self._train(spec, run_dir, resume, device)
+            # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite
+            # step ends the run at its record, and no state after it is ever saved
+            yield from Trainer(spec, run_dir, TorchStep(spec, device)).fit(resume)
         finally:
             torch.set_num_threads(threads_before)
-
-    def _train(self, spec: Spec, run_dir: Path, resume: bool, device: torch.device) -> Iterator[StepMetrics]:
-        cuda = device.type == "cuda"
-        stream = TokenStream.from_spec(spec)
-        if not resume:
-            remove_checkpoints(run_dir)
-
-        model = MoETransformer(spec.model).to(device)
-        opt = build_optimizer(model, spec)
-        ckpt = latest_checkpoint(run_dir)
-        if ckpt is not None:
-            params, opt_arrays, info = load_checkpoint(ckpt)
-            _check_same_run(spec, info, ckpt)
-            try:
-                model.load_numpy(params)
-            except ValueError as err:
-                raise CheckpointError(f"{ckpt}: {err}") from err
-            optimizer_from_numpy(model, opt, opt_arrays)
-            start = int(info["step"])
-            tokens = int(info.get("tokens", start * spec.data.tokens_per_step))
-            warn_if_other_data(ckpt, info, stream.fingerprint)
-        elif spec.lineage.resume_step is not None:
-            raise missing_parent_checkpoint(spec, run_dir)
-        else:
-            model.load_numpy(init_params(spec.model, spec.seed))
-            start, tokens = 0, 0
-
-        loss_fn = make_loss_fn(model, device, opt)
-
-        def save(done: int) -> None:
-            info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": self.name,
-                    "data": stream.state(done)}
-            save_checkpoint(run_dir, done, model.to_numpy(), optimizer_to_numpy(model, opt), info,
-                            keep=spec.run.keep_checkpoints)
-
-        def evaluate() -> float:
-            model.eval()
-            losses = []
-            with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-                for i in range(spec.run.eval_batches):
-                    x = torch.from_numpy(stream.eval_batch(i)).to(device, dtype=torch.long)
-                    losses.append(loss_terms(model, x, spec.optim)[1]["metrics"]["loss"])
-            model.train()
-            return float(torch.stack(losses).mean())
-
-        total = spec.total_steps
-        lrs = lr_at(spec, np.arange(total))
-        write_status(run_dir, "running", step=start, engine=self.name, spec_id=spec.id)
-        if ckpt is None:
-            save(0)
-        writer = MetricsWriter(run_dir, start)
-        t_prev = time.perf_counter()
-        # CPU ops run as they are launched, so a step's time there is its launch and read; on a
-        # GPU the host learns when a step ended only at its read, so it is the time between reads
-        synchronous = device.type == "cpu"
-
-        def launch(step: int):
-            t0 = time.perf_counter()
-            batch = stream.batch(step)
-            x = to_device(batch, device)
-            lr = float(lrs[step])
-            for g in opt.param_groups:
-                g["lr"] = lr
-            vals, out = launch_step(model, loss_fn, x, spec, opt)
-            pending = queue_update(model, opt, vals, out, spec)
-            return pending, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
-
-        def read(step: int, handle) -> StepMetrics:
-            nonlocal tokens, t_prev
-            pending, lr, n_tok, seq, launch_s = handle
-            t_read = time.perf_counter()
-            m, finite = read_step(opt, pending)
-            tokens += n_tok
-            now = time.perf_counter()
-            tps = n_tok / max(launch_s + now - t_read if synchronous else now - t_prev, 1e-9)
-            rec = step_record(step, tokens, lr, m, tps,
-                              mfu=_flops_per_token(spec, seq) * tps / spec.hardware.peak_flops)
-            close_step(rec, finite, spec, run_dir, self.name, writer, evaluate, save)
-            t_prev = time.perf_counter()
-            return rec
-
-        # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite step
-        # ends the run at its record, and no state after it is ever saved
-        yield from train_loop(spec, run_dir, self.name, start, launch, read, writer, lambda: tokens)

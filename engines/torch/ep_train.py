@@ -22,7 +22,6 @@ import os
 import resource
 import sys
 import time
-import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -30,19 +29,19 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from engines.base import DivergedError, MetricsWriter, StepMetrics, write_status
-from engines.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, remove_checkpoints, save_checkpoint
+from core.fsutil import atomic_write_json
+from core.spec import Spec
+from engines.base import DivergedError, StepMetrics
+from engines.checkpoint import CheckpointError
 from engines.data import DataError, TokenStream
 from engines.torch.engine import (
     METRIC_KEYS,
-    _check_same_run,
-    _flops_per_token,
     build_optimizer,
     cpu_threads,
-    finish_step,
-    step_record,
     optimizer_from_numpy,
     optimizer_to_numpy,
+    queue_update,
+    read_step,
 )
 from engines.torch.ep import (
     Counters,
@@ -60,9 +59,7 @@ from engines.torch.ep import (
     step_metrics,
 )
 from engines.torch.model import init_params
-from core.fsutil import atomic_write_json
-from core.schedule import lr_at
-from core.spec import Spec
+from engines.trainer import Trainer
 
 ENGINE_NAME = "torch"
 SUMMARY_FILE = "ep.json"
@@ -82,133 +79,82 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
 
 
-def train_ep(spec: Spec, run_dir: str | Path, ctx: EPContext, resume: bool = True, stop_after: int | None = None,
-             checkpoints: bool = True) -> Iterator[StepMetrics]:
-    """Yields every step's StepMetrics on every rank (the same global values); rank 0 writes them."""
-    run_dir = Path(run_dir)
-    lead = ctx.rank == 0
-    m = spec.model
-    check_layout(m, ctx.size, spec.data.batch_size)
-    if ctx.device.type == "cpu" and cpu_threads(spec):
-        torch.set_num_threads(cpu_threads(spec))
-    if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        stream = TokenStream.from_spec(spec)  # rank 0 fills the token cache; the others then read it
-        if not resume and checkpoints:
-            remove_checkpoints(run_dir)
-    dist.barrier(group=ctx.group)
-    if not lead:
-        stream = TokenStream.from_spec(spec)
-    found = [str(latest_checkpoint(run_dir) or "") if lead and resume else ""]
-    dist.broadcast_object_list(found, src=0, group=ctx.group)
-    ckpt = Path(found[0]) if found[0] else None
+class EPStep:
+    """The expert-parallel step module (engines/trainer.py): this rank's experts, the pooled-wave
+    all-to-all between ranks, gradients all-reduced; every rank computes the same global values.
+    Each step is read before the next is launched (its collectives already synchronise)."""
 
-    model = build_local_model(m, ctx)
-    opt = build_optimizer(model, spec, working=False)  # its own sharded loss reads the fp32 masters
-    if ckpt is not None:
-        params, opt_arrays, info = load_checkpoint(ckpt)
-        _check_same_run(spec, info, ckpt)
-        try:
-            load_local(model, params, ctx)
-        except ValueError as err:
-            raise CheckpointError(f"{ckpt}: {err}") from err
-        optimizer_from_numpy(model, opt, local_slice(opt_arrays, m, ctx))
-        start = int(info["step"])
-        tokens = int(info.get("tokens", start * spec.data.tokens_per_step))
-        seen = (info.get("data") or {}).get("fingerprint")
-        if lead and seen and seen != stream.fingerprint:
-            warnings.warn(f"{ckpt} was trained on different data: the resumed run is not a replay", stacklevel=2)
-    else:
-        load_local(model, init_params(m, spec.seed), ctx)
-        start, tokens = 0, 0
-    loss_fn = EPLoss(model, ctx)
+    engine = ENGINE_NAME
+    lookahead = False
+    synchronous = False
 
-    def save(done: int) -> None:
-        full_params = gather_experts(model.to_numpy(), ctx)
-        full_opt = gather_experts(optimizer_to_numpy(model, opt), ctx)
-        if lead:
-            info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": ENGINE_NAME,
-                    "data": stream.state(done), "ep_world_size": ctx.size}
-            save_checkpoint(run_dir, done, full_params, full_opt, info, keep=spec.run.keep_checkpoints)
+    def __init__(self, spec: Spec, ctx: EPContext, run_dir: Path):
+        self.spec, self.ctx, self.run_dir = spec, ctx, run_dir
+        self.lead = ctx.rank == 0
+        self.devices = ctx.size
+        self.model = build_local_model(spec.model, ctx)
+        self.opt = build_optimizer(self.model, spec, working=False)  # its own sharded loss reads the fp32 masters
+        self.loss_fn = EPLoss(self.model, ctx)
 
-    def evaluate() -> float:
+    def init_fresh(self) -> None:
+        load_local(self.model, init_params(self.spec.model, self.spec.seed), self.ctx)
+
+    def load_arrays(self, params: dict, opt: dict, origin: str) -> None:
+        load_local(self.model, params, self.ctx)
+        optimizer_from_numpy(self.model, self.opt, local_slice(opt, self.spec.model, self.ctx))
+
+    def save_arrays(self) -> tuple[dict, dict] | None:
+        full_params = gather_experts(self.model.to_numpy(), self.ctx)
+        full_opt = gather_experts(optimizer_to_numpy(self.model, self.opt), self.ctx)
+        return (full_params, full_opt) if self.lead else None
+
+    def launch(self, step: int, batch_BS1: np.ndarray, lr: float):
+        spec, model, opt, ctx = self.spec, self.model, self.opt, self.ctx
+        n_tok = batch_BS1.shape[0] * (batch_BS1.shape[1] - 1)
+        x = torch.from_numpy(_shard(batch_BS1, ctx, f"batch of step {step}")).to(ctx.device, dtype=torch.long)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        total_r, out = self.loss_fn(model, x, spec.optim, n_tok)
+        total_r.backward()
+        grad_norm, sums = reduce_and_clip(model, ctx, spec.optim.grad_clip,
+                                          torch.stack([out["aux_r"], out["total_r"]]).float())
+        metrics = step_metrics(out, sums[0], sums[1])
+        vals = torch.stack([metrics[k].float() for k in METRIC_KEYS] + [grad_norm.float()])
+        return queue_update(model, opt, vals, {"load_LE": out["load_LE"]}, spec)
+
+    def read(self, pending) -> tuple[dict[str, float], bool]:
+        return read_step(self.opt, pending)
+
+    def evaluate(self, stream: TokenStream) -> float:
         losses = []
         with torch.no_grad():
-            for i in range(spec.run.eval_batches):
+            for i in range(self.spec.run.eval_batches):
                 batch = stream.eval_batch(i)
-                x = torch.from_numpy(_shard(batch, ctx, "eval batch")).to(ctx.device, dtype=torch.long)
-                _, out = loss_fn(model, x, spec.optim, batch.shape[0] * (batch.shape[1] - 1))
+                x = torch.from_numpy(_shard(batch, self.ctx, "eval batch")).to(self.ctx.device, dtype=torch.long)
+                _, out = self.loss_fn(self.model, x, self.spec.optim, batch.shape[0] * (batch.shape[1] - 1))
                 losses.append(out["global"]["loss"])
         return float(torch.stack(losses).mean())
 
-    total = spec.total_steps
-    end = total if stop_after is None else min(stop_after, total)
-    lrs = lr_at(spec, np.arange(total))
-    n_dev = ctx.size
-    if lead:
-        write_status(run_dir, "running", step=start, engine=ENGINE_NAME, spec_id=spec.id, ep_world_size=n_dev)
-    if ckpt is None and checkpoints:
-        save(0)
-    writer = MetricsWriter(run_dir, start) if lead else None
-    saved_at = start
-    try:
-        t_prev = time.perf_counter()
-        for step in range(start, end):
-            batch = stream.batch(step)
-            n_tok = batch.shape[0] * (batch.shape[1] - 1)
-            x = torch.from_numpy(_shard(batch, ctx, f"batch of step {step}")).to(ctx.device, dtype=torch.long)
-            lr = float(lrs[step])
-            for g in opt.param_groups:
-                g["lr"] = lr
-            total_r, out = loss_fn(model, x, spec.optim, n_tok)
-            total_r.backward()
-            grad_norm, sums = reduce_and_clip(model, ctx, spec.optim.grad_clip,
-                                              torch.stack([out["aux_r"], out["total_r"]]).float())
-            metrics = step_metrics(out, sums[0], sums[1])
-            vals = torch.stack([metrics[k].float() for k in METRIC_KEYS] + [grad_norm.float()])
-            mv, finite = finish_step(model, opt, vals, {"load_LE": out["load_LE"]}, spec)
-            tokens += n_tok
-            dt = max(time.perf_counter() - t_prev, 1e-9)
-            tps = n_tok / dt
-            rec = step_record(step, tokens, lr, mv, tps,
-                              mfu=_flops_per_token(spec, x.shape[1] - 1) * tps / (spec.hardware.peak_flops * n_dev),
-                              ep_world_size=n_dev)
-            if not finite:
-                if lead:
-                    writer.write(rec)
-                    write_status(run_dir, "diverged", step=step, engine=ENGINE_NAME, spec_id=spec.id,
-                                 loss=rec.loss, grad_norm=rec.grad_norm,
-                                 last_checkpoint=str(latest_checkpoint(run_dir)))
-                raise DivergedError(f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
-                                    f"the last good checkpoint is {latest_checkpoint(run_dir)}")
-            done = step + 1
-            if done % spec.run.eval_every == 0 or done == total:
-                rec.eval_loss = evaluate()
-            if lead:
-                writer.write(rec)
-            if checkpoints and (done % spec.run.checkpoint_every == 0 or done == end):
-                save(done)
-                saved_at = done
-            t_prev = time.perf_counter()
-            yield rec
-    except DivergedError:
-        raise
-    except BaseException as err:
-        if lead and not isinstance(err, GeneratorExit):
-            write_status(run_dir, "failed", engine=ENGINE_NAME, spec_id=spec.id, error=f"{type(err).__name__}: {err}")
-        raise
-    finally:
-        if writer is not None:
-            writer.close()
-    write_summary(run_dir, model, ctx, first_step=start, steps=end - start)
-    if lead:
-        if end == total:
-            write_status(run_dir, "finished", step=total, engine=ENGINE_NAME, spec_id=spec.id, tokens=tokens,
-                         ep_world_size=n_dev)
-        else:
-            write_status(run_dir, "running", step=end, engine=ENGINE_NAME, spec_id=spec.id, stopped_at=end,
-                         last_checkpoint=str(latest_checkpoint(run_dir)) if saved_at == end else None,
-                         ep_world_size=n_dev)
+    def agree(self, value):
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self.ctx.group)
+        return box[0]
+
+    def extra(self) -> dict:
+        return {"ep_world_size": self.ctx.size}
+
+    def finish(self, first_step: int, steps: int) -> None:
+        write_summary(self.run_dir, self.model, self.ctx, first_step=first_step, steps=steps)
+
+
+def train_ep(spec: Spec, run_dir: str | Path, ctx: EPContext, resume: bool = True, stop_after: int | None = None,
+             checkpoints: bool = True) -> Iterator[StepMetrics]:
+    """Yields every step's StepMetrics on every rank (the same global values); rank 0 writes them."""
+    check_layout(spec.model, ctx.size, spec.data.batch_size)
+    if ctx.device.type == "cpu" and cpu_threads(spec):
+        torch.set_num_threads(cpu_threads(spec))
+    module = EPStep(spec, ctx, Path(run_dir))
+    yield from Trainer(spec, run_dir, module, stop_after=stop_after, checkpoints=checkpoints).fit(resume)
 
 
 def write_summary(run_dir: Path, model, ctx: EPContext, first_step: int, steps: int) -> None:

@@ -1,0 +1,294 @@
+"""The trainer harness: the one training loop of every engine.
+
+An engine supplies a step module (what one step is, on its framework and devices); the Trainer
+does everything around the steps, the same way for each of them:
+
+    init and resume     the newest checkpoint of the run dir, checked to belong to this spec
+                        (check_same_run), or the initial weights (saved as step_00000000); a
+                        continuation (lineage.resume_step) that was never seeded is refused
+    the step loop       engines/lookahead.py: step s + 1 is launched before step s is read,
+                        except where an eval, a checkpoint or the end needs the state at once
+    eval and checkpoint every run.eval_every / run.checkpoint_every updates and at the end
+    divergence          a non-finite step is recorded, status.json says "diverged" and the run
+                        raises DivergedError; nothing after the last checkpoint is ever saved
+    status and metrics  status.json (running -> finished | failed | diverged) and metrics.jsonl
+                        through core.rundir (MetricsWriter: one record a step, flushed)
+
+The step module interface (StepModule below) is what the torch engine, the JAX engine and the
+multi-process expert-parallel path (engines/torch/ep_train.py) implement. In a multi-process
+run every process runs the Trainer with its own module; only the lead (rank 0) writes the run
+dir, and `agree` hands every process the lead's decisions (the checkpoint to resume from).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any, Iterator, Protocol
+
+import numpy as np
+
+from core.costs import flops_per_token
+from core.rundir import RunDir
+from core.schedule import lr_at
+from core.spec import Spec
+from engines.base import DivergedError, StepMetrics
+from engines.checkpoint import (
+    CheckpointError,
+    latest_checkpoint,
+    load_checkpoint,
+    missing_parent_checkpoint,
+    remove_checkpoints,
+    save_checkpoint,
+    warn_if_other_data,
+)
+from engines.data import TokenStream
+from engines.lookahead import lookahead_steps
+
+# a step's values by name, as StepModule.read returns them
+METRIC_KEYS = ("loss", "z_loss", "aux_loss", "router_z_loss", "drop_frac_send", "drop_frac_recv",
+               "expert_load_max", "router_entropy", "total_loss")
+VALUE_KEYS = METRIC_KEYS + ("grad_norm",)
+FINITE_KEYS = ("loss", "total_loss", "grad_norm")  # a step that makes any of these NaN/inf is not applied
+
+
+class StepModule(Protocol):
+    """One engine's step, on its framework and devices."""
+
+    engine: str  # the engine name written into status.json and the checkpoints
+    devices: int  # devices one step runs on (the MFU's denominator)
+    lead: bool  # whether this process writes the run dir
+    lookahead: bool  # whether step s + 1 may be launched before step s is read
+    synchronous: bool  # a step's time is its launch and read (CPU) rather than the time between reads
+
+    def init_fresh(self) -> None:
+        """The initial weights of the spec's seed."""
+
+    def load_arrays(self, params: dict[str, np.ndarray], opt: dict[str, np.ndarray], origin: str) -> None:
+        """The state of a checkpoint (engine-neutral arrays); ValueError when they do not fit."""
+
+    def save_arrays(self) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray]] | None:
+        """(params, optimizer state) as engine-neutral arrays; None on a process that does not
+        write (called on every process: gathering them may be collective)."""
+
+    def launch(self, step: int, batch_BS1: np.ndarray, lr: float) -> Any:
+        """Queue step `step` (forward, backward, update) without waiting for it."""
+
+    def read(self, handle: Any) -> tuple[dict[str, float], bool]:
+        """The step's values by VALUE_KEYS and whether it was finite: its one host sync."""
+
+    def evaluate(self, stream: TokenStream) -> float:
+        """Mean loss over the spec's held-out batches."""
+
+    def agree(self, value: Any) -> Any:
+        """The lead's `value` on every process (the identity for one process)."""
+
+    def extra(self) -> dict:
+        """What this module adds to status.json, the checkpoint info and every record's extra."""
+
+    def finish(self, first_step: int, steps: int) -> None:
+        """Called on every process after the last step of this launch."""
+
+
+def check_same_run(spec: Spec, info: dict, path: Path) -> None:
+    """A checkpoint continues this spec's run: the same spec id, its lineage parent's, or the
+    same spec written by another engine (the id hashes the engine name)."""
+    ckpt_id = info.get("spec_id")
+    if ckpt_id is None or ckpt_id in (spec.id, spec.lineage.parent_id):
+        return
+    other = info.get("engine")
+    if other and other != spec.engine:
+        try:
+            if spec.replace(engine=other).id == ckpt_id:
+                return
+        except Exception:  # the other engine is not installed here: the ids cannot match
+            pass
+    raise CheckpointError(
+        f"{path} belongs to spec {ckpt_id}, not this spec ({spec.id}); use another --run-dir, "
+        f"--no-resume to start over, or set lineage.parent_id to continue it"
+    )
+
+
+class LearningRates:
+    """lr_at(spec, step) computed a block of steps at a time: nothing is allocated in proportion
+    to the run's length (a block is computed as a slice of the whole arange would be)."""
+
+    BLOCK = 4096
+
+    def __init__(self, spec: Spec):
+        self.spec = spec
+        self._block, self._values = -1, np.empty(0)
+
+    def __call__(self, step: int) -> float:
+        b = step // self.BLOCK
+        if b != self._block:
+            lo = b * self.BLOCK
+            hi = min(lo + self.BLOCK, self.spec.total_steps)
+            self._block, self._values = b, lr_at(self.spec, np.arange(lo, hi))
+        return float(self._values[step - b * self.BLOCK])
+
+
+def record(step: int, tokens: int, lr: float, m: dict[str, float], tps: float, mfu: float, **extra) -> StepMetrics:
+    """A step's StepMetrics from its values by name (VALUE_KEYS)."""
+    return StepMetrics(
+        step=step, tokens=tokens, loss=m["loss"], grad_norm=m["grad_norm"], lr=lr,
+        z_loss=m["z_loss"], aux_loss=m["aux_loss"], drop_frac_send=m["drop_frac_send"],
+        drop_frac_recv=m["drop_frac_recv"], expert_load_max=m["expert_load_max"],
+        router_entropy=m["router_entropy"], tokens_per_s=tps, mfu=mfu, time=time.time(),
+        extra={"router_z_loss": m["router_z_loss"], "total_loss": m["total_loss"], **extra},
+    )
+
+
+class Trainer:
+    """Trains `spec` in `run_dir` with `module`'s steps; fit() yields every step's StepMetrics.
+
+    stop_after: end this launch after that step of the schedule (with a checkpoint; the LR
+    still follows the whole schedule); checkpoints False: write none (benchmarks); stream: the
+    token stream (default: the spec's, engines/data.TokenStream; anything with its batch,
+    eval_batch, state and fingerprint)."""
+
+    def __init__(self, spec: Spec, run_dir: str | Path, module: StepModule, stop_after: int | None = None,
+                 checkpoints: bool = True, stream: TokenStream | None = None):
+        self.spec, self.run, self.module = spec, RunDir(run_dir), module
+        total = spec.total_steps
+        self.end = total if stop_after is None else min(stop_after, total)
+        self.checkpoints = checkpoints
+        self.tokens = 0
+        self.stream = stream
+
+    # ---- cadence -------------------------------------------------------------------------
+    def eval_due(self, done: int) -> bool:
+        return done % self.spec.run.eval_every == 0 or done == self.spec.total_steps
+
+    def save_due(self, done: int) -> bool:
+        if not self.checkpoints:
+            return False
+        return done % self.spec.run.checkpoint_every == 0 or done == self.spec.total_steps or done == self.end
+
+    def settles(self, step: int) -> bool:
+        """Whether something needs the state right after `step` (0-based): an eval, a checkpoint,
+        the end of this launch, or a module that reads every step before the next."""
+        done = step + 1
+        return not self.module.lookahead or self.eval_due(done) or self.save_due(done) or done == self.end
+
+    # ---- the run -------------------------------------------------------------------------
+    def _status(self, state: str, **info) -> None:
+        if self.module.lead:
+            self.run.write_status(state, engine=self.module.engine, spec_id=self.spec.id, **info,
+                                  **self.module.extra())
+
+    def _open_stream(self) -> TokenStream:
+        # the lead fills the token cache first; the others then read it
+        if self.module.lead:
+            self.run.path.mkdir(parents=True, exist_ok=True)
+        stream = self.stream
+        if stream is None and self.module.lead:
+            stream = TokenStream.from_spec(self.spec)
+        self.module.agree(None)
+        if stream is None:
+            stream = TokenStream.from_spec(self.spec)
+        return stream
+
+    def _restore(self, resume: bool) -> Path | None:
+        """Load the newest checkpoint (or the initial weights); returns the checkpoint used."""
+        spec, module = self.spec, self.module
+        if module.lead and not resume and self.checkpoints:
+            remove_checkpoints(self.run.path)
+        found = str(latest_checkpoint(self.run.path) or "") if module.lead and resume else ""
+        found = module.agree(found)
+        ckpt = Path(found) if found else None
+        if ckpt is None:
+            if spec.lineage.resume_step is not None:
+                raise missing_parent_checkpoint(spec, self.run.path)
+            module.init_fresh()
+            self.start, self.tokens = 0, 0
+            return None
+        params, opt, info = load_checkpoint(ckpt)
+        check_same_run(spec, info, ckpt)
+        try:
+            module.load_arrays(params, opt, str(ckpt))
+        except ValueError as err:
+            raise CheckpointError(str(err) if str(err).startswith(str(ckpt)) else f"{ckpt}: {err}") from err
+        self.start = int(info["step"])
+        self.tokens = int(info.get("tokens", self.start * spec.data.tokens_per_step))
+        if module.lead:
+            warn_if_other_data(ckpt, info, self.stream.fingerprint)
+        return ckpt
+
+    def save(self, done: int) -> None:
+        arrays = self.module.save_arrays()
+        if self.module.lead:
+            params, opt = arrays
+            info = {"tokens": self.tokens, "spec_id": self.spec.id, "spec_name": self.spec.name,
+                    "engine": self.module.engine, "data": self.stream.state(done), **self.module.extra()}
+            save_checkpoint(self.run.path, done, params, opt, info, keep=self.spec.run.keep_checkpoints)
+
+    def fit(self, resume: bool = True) -> Iterator[StepMetrics]:
+        spec, module = self.spec, self.module
+        self.stream = self._open_stream()
+        ckpt = self._restore(resume)
+        start = self.start
+        self._status("running", step=start)
+        if ckpt is None and self.checkpoints:
+            self.save(0)  # the initial weights: another engine (or a replan) can start from them
+        writer = self.run.metrics_writer(start) if module.lead else None
+        lrs = LearningRates(spec)
+        t_prev = time.perf_counter()
+
+        def launch(step: int):
+            t0 = time.perf_counter()
+            batch = self.stream.batch(step)
+            lr = lrs(step)
+            handle = module.launch(step, batch, lr)
+            return handle, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
+
+        def read(step: int, launched) -> StepMetrics:
+            nonlocal t_prev
+            handle, lr, n_tok, seq, launch_s = launched
+            t_read = time.perf_counter()
+            m, finite = module.read(handle)
+            self.tokens += n_tok
+            now = time.perf_counter()
+            tps = n_tok / max(launch_s + now - t_read if module.synchronous else now - t_prev, 1e-9)
+            mfu = float(flops_per_token(spec, seq)) * tps / (spec.hardware.peak_flops * module.devices)
+            rec = record(step, self.tokens, lr, m, tps, mfu, **module.extra())
+            self._close_step(rec, finite, writer)
+            t_prev = time.perf_counter()
+            return rec
+
+        try:
+            yield from lookahead_steps(start, self.end, launch, read, self.settles)
+        except DivergedError:
+            raise
+        except BaseException as err:
+            if not isinstance(err, GeneratorExit):
+                self._status("failed", error=f"{type(err).__name__}: {err}")
+            raise
+        finally:
+            if writer is not None:
+                writer.close()
+        module.finish(start, self.end - start)
+        if self.end == spec.total_steps:
+            self._status("finished", step=spec.total_steps, tokens=self.tokens)
+        else:
+            last = latest_checkpoint(self.run.path) if self.save_due(self.end) else None
+            self._status("running", step=self.end, stopped_at=self.end, last_checkpoint=str(last) if last else None)
+
+    def _close_step(self, rec: StepMetrics, finite: bool, writer) -> None:
+        """What follows reading a step: a non-finite step is recorded, marks the run "diverged"
+        and raises DivergedError; otherwise the eval where due, the record, and the checkpoint
+        where due (in that order: a checkpoint never precedes its step's record)."""
+        if not finite:
+            last = latest_checkpoint(self.run.path)
+            if writer is not None:
+                writer.write(rec)
+            self._status("diverged", step=rec.step, loss=rec.loss, grad_norm=rec.grad_norm, last_checkpoint=str(last))
+            raise DivergedError(f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {rec.step}; "
+                                f"the last good checkpoint is {last}")
+        done = rec.step + 1
+        if self.eval_due(done):
+            rec.eval_loss = self.module.evaluate(self.stream)
+        if writer is not None:
+            writer.write(rec)
+        if self.save_due(done):
+            self.save(done)
