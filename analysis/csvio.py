@@ -62,6 +62,9 @@ def read_table(
         raise TableError(f"{path}: not a readable CSV ({str(e).strip().splitlines()[0]})") from None
 
     df.columns = [str(c).strip() for c in df.columns]
+    twice = sorted({c for c in df.columns if list(df.columns).count(c) > 1})
+    if twice:
+        raise TableError(f"{path}: column(s) {', '.join(repr(c) for c in twice)} appear more than once in the header")
     missing = [c for c in required if c not in df.columns]
     if missing:
         have = ", ".join(repr(c) for c in df.columns) or "none"

@@ -48,6 +48,21 @@ class RungRun:
         return float(ev.iloc[-1])
 
     @property
+    def final_eval_warning(self) -> str | None:
+        """Why final_loss is not the eval at the run's last step (NaN, inf or not a number there)."""
+        m = self.metrics
+        if "eval_loss" not in m or not len(m):
+            return None
+        last = m.loc[m["step"].idxmax()]
+        ev = pd.to_numeric(pd.Series([last["eval_loss"]]), errors="coerce").iloc[0]
+        if np.isfinite(ev):
+            return None
+        finite = m[np.isfinite(pd.to_numeric(m["eval_loss"], errors="coerce"))]
+        used = f"the eval at step {int(finite['step'].iloc[-1])} ({self.final_loss:.4f})" if len(finite) else "no eval"
+        return (f"rung {self.spec.name}: the eval_loss of its last step {int(last['step'])} is {last['eval_loss']!r}, "
+                f"not a finite number; the law uses {used} instead")
+
+    @property
     def flops(self) -> float:
         return costs.total_flops(self.spec)
 
@@ -232,4 +247,7 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> dict:
         out["curve_model_error"] = f"{type(e).__name__}: {e}"
         out["trajectory"] = scaled_rung_trajectory(rungs, hero, final)
     out["grad_norm"] = grad_norm_envelope(rungs, hero)
+    substituted = [w for w in (r.final_eval_warning for r in rungs) if w]
+    if substituted:
+        out.setdefault("warnings", []).extend(substituted)
     return out

@@ -27,6 +27,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.metric_names import MetricNames
+from core.rundir import parse_metrics_lines
 
 __all__ = ["MetricsError", "RunRef", "read_metrics_frame", "finish_frame", "tokens_from_spec", "resolve_metrics_path",
            "resolve_run", "check_spec_matches", "ALIASES"]
@@ -67,19 +68,9 @@ def resolve_metrics_path(path: str | Path) -> Path:
 
 
 def _read_jsonl(path: Path) -> pd.DataFrame:
+    """Records of a metrics.jsonl; bad lines are skipped with a warning naming file:line (core.rundir)."""
     records = []
-    lines = path.read_text().splitlines()
-    for i, line in enumerate(lines):
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            if i == len(lines) - 1:
-                continue  # a torn final line from a writer killed mid-record
-            raise MetricsError(f"{path}: line {i + 1} is not valid JSON") from None
-        if not isinstance(rec, dict):
-            raise MetricsError(f"{path}: line {i + 1} is not a JSON object")
+    for rec in parse_metrics_lines(path.read_bytes(), path):
         extra = rec.pop("extra", None)
         if isinstance(extra, dict):
             for k, v in extra.items():

@@ -217,7 +217,10 @@ def build_report(
     flags: list[dict],
     replan: list[dict],
     recommendation: str | None = None,
+    hero_finished: bool = True,
 ) -> Path:
+    """hero_finished: whether the hero's run is finished (its status and its final step); an
+    unfinished hero is reported at its last step against the forecast trajectory there."""
     out.mkdir(parents=True, exist_ok=True)
     roles = {r["name"]: r["role"] for r in plan}
     finals = {}
@@ -227,7 +230,7 @@ def build_report(
             finals[name] = float(ev.iloc[-1])
     hero_name = next((r["name"] for r in plan if r["role"] == "hero"), None)
     hero_df = runs.get(hero_name) if hero_name else None
-    hero_actual = finals.get(hero_name) if hero_name else None
+    hero_actual = finals.get(hero_name) if hero_name and hero_finished else None
 
     imgs = {
         "law": plot_law(out, plan, finals, forecast, hero_actual),
@@ -236,7 +239,7 @@ def build_report(
         "grad_norm": plot_grad_norm(out, runs, roles, forecast),
         "router": plot_router(out, runs, roles),
     }
-    verdict = verdict_text(forecast, hero_actual, hero_df)
+    verdict = verdict_text(forecast, hero_actual, hero_df if not hero_finished else None)
     plan_cols = ["name", "role", "layers", "d_model", "total_params", "active_params", "steps", "tokens", "flops", "share_of_hero"]
     sections = [
         ("plan", "Plan", _table(plan, plan_cols)),
@@ -275,17 +278,49 @@ def _law_table(forecast: dict | None) -> str:
     return out
 
 
-def verdict_text(forecast: dict | None, actual: float | None, hero_df) -> tuple[str, bool]:
-    """The plain statement of the hero's actual final loss against the forecast interval."""
+LIVE_WINDOW = 25  # steps whose mean train loss stands for a live hero's loss (the plot's smoothing)
+
+
+def verdict_text(forecast: dict | None, actual: float | None, live_df=None) -> tuple[str, bool]:
+    """The plain statement of the hero's final eval loss against the forecast interval; for a hero
+    still running (live_df: its metrics so far, actual None), its step and its recent train loss
+    against the forecast trajectory at that step."""
     if not forecast or "hero" not in forecast:
         return "No forecast yet: run `ladder forecast` on the finished rungs.", False
     fl = forecast["hero"]["final_loss"]
     level = int(round(100 * fl.get("level", 0.9)))
     if actual is None:
-        return (f"Hero forecast: final loss {fl['mean']:.4f} ({level}% interval {fl['lo']:.4f} to {fl['hi']:.4f}); "
-                "the hero has no final eval loss yet."), False
+        final = f"final loss forecast {fl['mean']:.4f} ({level}% interval {fl['lo']:.4f} to {fl['hi']:.4f})"
+        live = live_verdict(forecast, live_df)
+        if live is not None:
+            return f"{live[0]}; {final}.", live[1]
+        return f"Hero forecast: {final}; the hero has no final eval loss yet.", False
     err = (actual - fl["mean"]) / actual
     inside = fl["lo"] <= actual <= fl["hi"]
     where = "inside" if inside else "OUTSIDE"
     return (f"Hero final eval loss {actual:.4f} vs forecast {fl['mean']:.4f} ({level}% interval {fl['lo']:.4f} to "
             f"{fl['hi']:.4f}): error {100 * err:+.2f}%, {where} the interval."), inside
+
+
+def live_verdict(forecast: dict, df) -> tuple[str, bool] | None:
+    """"Hero at step s of S: train loss x vs forecast y (band) ..." for an unfinished hero, or None
+    when there is no step or no forecast trajectory to compare with."""
+    if df is None or not len(df) or "step" not in df or "loss" not in df:
+        return None
+    total = forecast["hero"].get("total_steps")
+    d = df[["step", "loss"]].apply(pd.to_numeric, errors="coerce").dropna().sort_values("step")
+    d = d[np.isfinite(d["loss"])]
+    if not len(d):
+        return None
+    step = int(d["step"].iloc[-1])
+    head = f"Hero at step {step + 1} of {total}: not finished" if total else f"Hero at step {step + 1}: not finished"
+    tr = forecast.get("trajectory") or {}
+    steps, lo, mid, hi = (np.asarray(tr.get(k) or [], dtype=float) for k in ("step", "lo", "loss", "hi"))
+    loss = float(d["loss"].iloc[-LIVE_WINDOW:].mean())
+    if not len(steps) or step < steps[0] or step > steps[-1]:
+        return f"{head}, train loss {loss:.4f} (mean of the last {min(LIVE_WINDOW, len(d))} steps); no forecast at that step", False
+    f_mid, f_lo, f_hi = (float(np.interp(step, steps, a)) for a in (mid, lo, hi))
+    inside = f_lo <= loss <= f_hi
+    return (f"{head}, train loss {loss:.4f} (mean of the last {min(LIVE_WINDOW, len(d))} steps) vs forecast "
+            f"{f_mid:.4f} at that step (band {f_lo:.4f} to {f_hi:.4f}): {100 * (loss - f_mid) / loss:+.2f}%, "
+            f"{'inside' if inside else 'OUTSIDE'} the band"), inside

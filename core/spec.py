@@ -12,10 +12,10 @@ import json
 import math
 import re
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 # Sections that change the training result; everything else is a run argument.
 IDENTITY_FIELDS = ("model", "data", "optim", "schedule", "engine", "seed")
@@ -27,8 +27,31 @@ LATE_FIELDS = {("optim", "moments"): "fp32", ("data", "max_epochs"): 1.0}
 BF16_MOMENTS_MAX_BETA2 = 0.99
 
 
+# a name becomes a path component (run dirs, analysis dirs): letters, digits and . _ + - only,
+# starting with a letter or digit, so it can name neither a parent directory nor a subdirectory
+NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._+-]{0,199}$"
+
+
+def check_name(name: str, what: str = "name") -> str:
+    """name if it is a safe path component (NAME_PATTERN), else ValueError saying why."""
+    if not isinstance(name, str) or not re.fullmatch(NAME_PATTERN, name):
+        raise ValueError(f"{what} {name!r} is not a safe name: use 1-200 letters, digits, '.', '_', '+' or '-', "
+                         "starting with a letter or digit (it becomes a directory name)")
+    return name
+
+
 class _Frozen(BaseModel):
-    model_config = ConfigDict(frozen=True, extra="forbid")
+    # every float finite (no inf or NaN), and no boolean where a number is due (YAML's `true` is not 1)
+    model_config = ConfigDict(frozen=True, extra="forbid", allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_for_number(cls, v: Any, info: ValidationInfo) -> Any:
+        if isinstance(v, bool):
+            ann = cls.model_fields[info.field_name].annotation
+            if ann is not bool and bool not in get_args(ann):
+                raise ValueError(f"expected a number, got the boolean {str(v).lower()}")
+        return v
 
 
 class ModelSpec(_Frozen):
@@ -246,7 +269,7 @@ class Lineage(_Frozen):
 
 
 class Spec(_Frozen):
-    name: str = Field(min_length=1, description="rung name, e.g. d768")
+    name: str = Field(min_length=1, description="rung name, e.g. d768 (letters, digits, . _ + -)")
     role: Literal["rung", "hero", "branch"] = "rung"
     engine: str = "torch"
     seed: int = Field(default=0, ge=0)
@@ -257,6 +280,11 @@ class Spec(_Frozen):
     hardware: HardwareSpec = HardwareSpec()
     run: RunSettings = RunSettings()
     lineage: Lineage = Lineage()
+
+    @field_validator("name")
+    @classmethod
+    def _safe_name(cls, v: str) -> str:
+        return check_name(v, "spec name")
 
     @model_validator(mode="after")
     def _cross(self) -> "Spec":
@@ -326,7 +354,13 @@ def load_spec(path: str | Path) -> Spec:
     path = Path(path)
     if not path.exists():
         raise SpecError(f"{path}: no such spec file")
-    text = path.read_text()
+    if path.is_dir():
+        raise SpecError(f"{path}: is a directory, not a spec file")
+    try:
+        text = path.read_text()
+    except (OSError, UnicodeDecodeError) as err:
+        raise SpecError(f"{path}: cannot read the spec file ({type(err).__name__}: {err})") from err
+
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as err:

@@ -22,14 +22,15 @@ import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from rich.console import Console
 from rich.table import Table
 
-from ladder import ledger
+from ladder import ledger, localray
 from ladder.errors import LadderError
 from ladder.experiment import Experiment, load_experiment
+from ladder.preflight import check_memory
 from core.spec import Spec
 
 DEFER_POLL_S = 2.0
@@ -240,23 +241,22 @@ def _local_resources() -> dict[str, float]:
     return {"CPU": float(os.cpu_count() or 1), "GPU": float(gpus)}
 
 
-def _start_ray(address: str | None) -> bool:
-    """Connect or start; True when this call started Ray (and should shut it down)."""
+def _start_ray(address: str | None, timeout_s: float | None = None) -> "Callable[[], None] | None":
+    """Connect or start; the shutdown to call when this call started or joined Ray, else None."""
     import ray
 
     if ray.is_initialized():
-        return False
+        return None
     address = address or os.environ.get("RAY_ADDRESS")
     kwargs: dict[str, Any] = dict(include_dashboard=False, logging_level=logging.ERROR, log_to_driver=True)
     try:
         if address:
-            ray.init(address=address, **kwargs)
-        else:
-            # "local": a fresh instance, never a stale cluster this machine happens to have
-            ray.init(address="local", num_cpus=os.cpu_count() or 1, **kwargs)
+            localray.join(address, localray.ray_timeout_s(timeout_s), **kwargs)
+            return ray.shutdown
+        # "local": a fresh instance on 127.0.0.1, never a stale cluster this machine happens to have
+        return localray.LocalRay(os.cpu_count() or 1, **kwargs).shutdown
     except (ConnectionError, ValueError, RuntimeError) as err:
         raise LadderError(f"cannot start or join Ray{f' at {address}' if address else ''}: {err}") from err
-    return True
 
 
 def resume_hint(exp: Experiment, only, engine, address, include_hero, tracking_uri, root) -> str:
@@ -285,6 +285,7 @@ def submit(
     console: Console | None = None,
     show_progress: bool = True,
     local: bool = False,
+    ray_timeout: float | None = None,
 ) -> SubmitResult:
     """Run an experiment's selected specs on Ray; see `ladder submit --help`."""
     t_start = time.perf_counter()
@@ -297,6 +298,9 @@ def submit(
     todo = [p for p in planned if p.action == "run"]
     if max_concurrent is not None and max_concurrent < 1:
         raise LadderError(f"--max-concurrent must be at least 1 (got {max_concurrent})")
+    if retries < 0:
+        raise LadderError(f"--retries must be at least 0 (got {retries})")
+    check_memory([p.spec for p in todo])
 
     if dry_run:
         console.print(plan_table(exp, planned))
@@ -322,7 +326,7 @@ def submit(
     if not (address or os.environ.get("RAY_ADDRESS") or ray.is_initialized()):
         # the local Ray will have this machine's resources: refuse before paying for its start-up
         check_feasible([p.spec for p in todo], [{"Resources": _local_resources()}])
-    started = _start_ray(address)
+    stop_ray = _start_ray(address, ray_timeout)
     try:
         check_feasible([p.spec for p in todo], ray.nodes())
         for p in todo:
@@ -367,8 +371,8 @@ def submit(
             )
         return result
     finally:
-        if started:
-            ray.shutdown()
+        if stop_ray is not None:
+            stop_ray()
 
 
 def _submit_local(exp: Experiment, planned: list[Planned], todo: list[Planned], result: SubmitResult, root: Path,

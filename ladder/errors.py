@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 
 from pydantic import ValidationError
 from rich.console import Console
@@ -13,33 +14,63 @@ class LadderError(Exception):
     """A problem with the user's input or environment; the message says what and where."""
 
 
-USER_ERRORS = (LadderError, SpecError, FileNotFoundError, KeyError, ValueError)
+# OSError: a path that is a directory where a file is due (or the reverse), no permission, a full
+# disk, an unreachable host; its message names the path.
+USER_ERRORS = (LadderError, SpecError, OSError, KeyError, ValueError)
+EXIT_USAGE = 2
+EXIT_INTERNAL = 1
+
+
+def one_line(text: str, limit: int = 1000) -> str:
+    """Text as a single line (newlines folded), at most `limit` characters."""
+    flat = " ".join(str(text).split())
+    return flat if len(flat) <= limit else flat[: limit - 3] + "..."
+
+
+def describe(e: BaseException) -> str:
+    """The one line a user error prints."""
+    if isinstance(e, ValidationError):
+        return f"invalid spec: {format_validation_error(e)}"
+    if isinstance(e, KeyError) and e.args:
+        return str(e.args[0])
+    if isinstance(e, OSError) and e.strerror and not isinstance(e, (LadderError, SpecError)):
+        names = " -> ".join(str(n) for n in (e.filename, e.filename2) if n is not None)
+        return f"{names}: {e.strerror}" if names else e.strerror
+    return str(e) or type(e).__name__
 
 
 def run_cli(app) -> int:
-    err = Console(stderr=True)
+    err = Console(stderr=True, soft_wrap=True)
+
+    def say(msg: str) -> None:
+        err.print(f"error: {one_line(msg)}", style="red", highlight=False, markup=False)
+
     try:
         # without standalone mode, click hands back typer.Exit(n)'s code as the return value
         rv = app(standalone_mode=False)
         return rv if isinstance(rv, int) else 0
     except SystemExit as e:  # typer.Exit and friends
-        return int(e.code or 0)
-    except ValidationError as e:
-        err.print(f"[red]error:[/red] invalid spec: {format_validation_error(e)}")
-        return 2
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except USER_ERRORS as e:
-        msg = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
-        err.print(f"error: {msg}", style="red", highlight=False, markup=False)
-        return 2
+        say(describe(e))
+        return EXIT_USAGE
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
-    except Exception as e:  # click usage errors
-        import click
-
-        if isinstance(e, click.exceptions.ClickException):
-            e.show()
-            return e.exit_code
-        if isinstance(e, click.exceptions.Abort):
+    except Exception as e:
+        # click's exceptions, or those of the copy of click that typer ships (typer._click): by name
+        kinds = {c.__name__ for c in type(e).__mro__}
+        if "UsageError" in kinds:
+            ctx = getattr(e, "ctx", None)
+            hint = f" (see `{ctx.command_path} --help`)" if ctx is not None else ""
+            say(e.format_message() + hint)
+            return EXIT_USAGE
+        if "ClickException" in kinds:
+            say(e.format_message())
+            return getattr(e, "exit_code", EXIT_INTERNAL)
+        if "Abort" in kinds:
             return 130
-        raise
+        if os.environ.get("LADDER_DEBUG"):
+            raise
+        say(f"internal error: {type(e).__name__}: {e} (set LADDER_DEBUG=1 for the traceback)")
+        return EXIT_INTERNAL

@@ -6,10 +6,13 @@ from __future__ import annotations
 import importlib.util
 import re
 import sys
+import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from core.spec import Spec, SpecError
+from pydantic import ValidationError
+
+from core.spec import Spec, SpecError, check_name, format_validation_error
 from engines.registry import engine_names
 from engines.tokenizer import check_vocab
 
@@ -24,6 +27,10 @@ class Experiment:
     extras: tuple[Spec, ...] = field(default=())  # e.g. cooldown branches
 
     def __post_init__(self):
+        try:
+            check_name(self.name, "experiment name")
+        except ValueError as err:
+            raise SpecError(str(err)) from None
         names = [s.name for s in self.all_specs()]
         if len(set(names)) != len(names):
             raise SpecError(f"experiment {self.name!r}: spec names must be unique (got {names})")
@@ -51,14 +58,21 @@ def load_experiment(path: str | Path) -> Experiment:
     if p.suffix == ".py" or p.exists():
         if not p.exists():
             raise SpecError(f"{p}: no such experiment file")
+        if not p.is_file():
+            raise SpecError(f"{p}: is a directory, not an experiment file")
         mod_name = f"_ladder_experiment_{p.stem}"
         spec = importlib.util.spec_from_file_location(mod_name, p)
         module = importlib.util.module_from_spec(spec)
         sys.modules[mod_name] = module
-        spec.loader.exec_module(module)
         origin = str(p)
+        _run_experiment_code(lambda: spec.loader.exec_module(module), origin)
     else:
-        module = importlib.import_module(str(path))
+        if not re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*(\.[A-Za-z_][A-Za-z0-9_]*)*", str(path)):
+            raise SpecError(f"{path}: no such experiment file (nor a module name)")
+        try:
+            module = _run_experiment_code(lambda: importlib.import_module(str(path)), str(path))
+        except ModuleNotFoundError as err:
+            raise SpecError(f"{path}: no such experiment file or module ({err})") from None
         origin = getattr(module, "__file__", str(path))
     exp = getattr(module, "EXPERIMENT", None)
     if not isinstance(exp, Experiment):
@@ -69,6 +83,33 @@ def load_experiment(path: str | Path) -> Experiment:
         check_engine(spec)
         check_vocab(spec)  # model.vocab_size holds every id of its tokenizer (when the file is here)
     return exp
+
+
+def _run_experiment_code(run, origin: str):
+    """Run an experiment module's code; whatever it raises (or a sys.exit) becomes one SpecError
+    naming the file, with the line of the experiment file where it happened."""
+    try:
+        return run()
+    except SpecError as err:
+        raise SpecError(f"{origin}: {err}" if origin not in str(err) else str(err)) from None
+    except ValidationError as err:
+        raise SpecError(f"{origin}: invalid spec: {format_validation_error(err)}{_where(err, origin)}") from None
+    except SyntaxError as err:
+        raise SpecError(f"{err.filename or origin}:{err.lineno}: syntax error: {err.msg}") from None
+    except ModuleNotFoundError as err:
+        if err.name == origin:
+            raise
+        raise SpecError(f"{origin}: cannot import {err.name!r} ({err}){_where(err, origin)}") from None
+    except SystemExit as err:
+        raise SpecError(f"{origin}: the experiment file called sys.exit({err.code!r}) while loading") from None
+    except Exception as err:
+        raise SpecError(f"{origin}: raised {type(err).__name__}: {err}{_where(err, origin)}") from None
+
+
+def _where(err: BaseException, origin: str) -> str:
+    """" (line N)" of the innermost frame in the experiment file, if it is there."""
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).name == Path(origin).name]
+    return f" (line {frames[-1].lineno})" if frames else ""
 
 
 def check_engine(spec: Spec) -> Spec:

@@ -39,6 +39,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from core.rundir import METRICS_FILE, SPEC_FILE, RunDir
 from engines.base import read_status
 from core.fsutil import atomic_write_json, atomic_write_text
+from ladder.errors import LadderError
 
 if TYPE_CHECKING:
     import pandas as pd
@@ -54,7 +55,10 @@ STATES = ("pending", "running", "finished", "failed", "diverged")
 def ladder_root(root: str | Path | None = None) -> Path:
     """--root, else $LADDER_ROOT, else ./.ladder; always absolute (workers run elsewhere)."""
     chosen = root or os.environ.get("LADDER_ROOT") or ".ladder"
-    return Path(chosen).expanduser().resolve()
+    path = Path(chosen).expanduser().resolve()
+    if path.exists() and not path.is_dir():
+        raise LadderError(f"ladder root {path} is a file, not a directory (--root or $LADDER_ROOT)")
+    return path
 
 
 def runs_dir(root: str | Path) -> Path:
@@ -65,8 +69,19 @@ def locks_dir(root: str | Path) -> Path:
     return Path(root) / "locks"
 
 
+def inside(root: str | Path, *parts: str) -> Path:
+    """root / parts, refused (LadderError) unless it resolves to a path strictly inside root: a name
+    in a path the ledger builds can never reach a parent directory or another experiment's runs."""
+    base = Path(root).resolve()
+    path = Path(root).joinpath(*parts)
+    bad_part = any(p in ("", ".", "..") or "/" in p or "\\" in p for p in parts)
+    if bad_part or not path.resolve().is_relative_to(base) or path.resolve() == base:
+        raise LadderError(f"refused: {'/'.join(parts)!r} does not stay inside {base}")
+    return path
+
+
 def run_dir_for(root: str | Path, experiment: str, spec: "Spec") -> Path:
-    return runs_dir(root) / experiment / f"{spec.name}-{spec.id}"
+    return inside(runs_dir(root), experiment, f"{spec.name}-{spec.id}")
 
 
 def write_spec_file(run_dir: Path, spec: "Spec") -> None:
@@ -79,8 +94,11 @@ def write_spec_file(run_dir: Path, spec: "Spec") -> None:
 
 # ---- run state -----------------------------------------------------------------------------
 def last_metrics(run_dir: str | Path) -> dict | None:
-    """The last complete record of metrics.jsonl, read from the file's end (cheap on long runs)."""
-    return RunDir(run_dir).last_metrics()
+    """The last complete record of metrics.jsonl with an integer step, read from the file's end
+    (cheap on long runs)."""
+    rec = RunDir(run_dir).last_metrics()
+    step = None if rec is None else rec.get("step")
+    return rec if isinstance(step, int) and not isinstance(step, bool) else None
 
 
 def final_step(spec: "Spec") -> int:
@@ -157,7 +175,7 @@ def iter_run_dirs(root: Path, experiment: str | None = None) -> Iterable[tuple[s
     base = runs_dir(root)
     exps = [experiment] if experiment else sorted(p.name for p in base.glob("*") if p.is_dir())
     for exp in exps:
-        for d in sorted((base / exp).glob("*")):
+        for d in sorted(inside(base, exp).glob("*")):
             if (d / SPEC_FILE).exists():
                 yield exp, d
 
@@ -233,9 +251,10 @@ def as_experiment(experiment) -> "Experiment | None":
 def read_tracking(run_dir: str | Path) -> dict[str, dict[str, Any]]:
     p = Path(run_dir) / TRACKING_FILE
     try:
-        return json.loads(p.read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
+        data = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
         return {}
+    return {k: v for k, v in data.items() if isinstance(v, dict)} if isinstance(data, dict) else {}
 
 
 _tracking_lock = threading.Lock()
@@ -263,12 +282,12 @@ def stale_after_s() -> float:
 
 
 def _lock_path(root: str | Path, spec_id: str) -> Path:
-    return locks_dir(root) / f"{spec_id}.lock"
+    return inside(locks_dir(root), f"{spec_id}.lock")
 
 
 def stop_path(root: str | Path, owner: str) -> Path:
     """The marker by which a submission asks its workers to stop (checked at every step)."""
-    return locks_dir(root) / f"stop-{owner}"
+    return inside(locks_dir(root), f"stop-{owner}")
 
 
 def request_stop(root: str | Path, owner: str) -> None:

@@ -29,6 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from core.rundir import parse_metrics_lines
 from engines.base import METRICS_FILE
 from ladder import ledger
 
@@ -270,7 +271,7 @@ class MetricsTail:
     or truncated (an engine resuming rewrites it), which is safe because uploads skip by step."""
 
     def __init__(self, path: Path):
-        self.path, self._ino, self._offset = path, None, 0
+        self.path, self._ino, self._offset, self._line = path, None, 0, 1
 
     def read(self) -> list[dict]:
         try:
@@ -278,7 +279,7 @@ class MetricsTail:
         except FileNotFoundError:
             return []
         if st.st_ino != self._ino or st.st_size < self._offset:
-            self._ino, self._offset = st.st_ino, 0
+            self._ino, self._offset, self._line = st.st_ino, 0, 1
         if st.st_size == self._offset:
             return []
         with open(self.path, "rb") as f:
@@ -286,12 +287,8 @@ class MetricsTail:
             data = f.read()
         end = data.rfind(b"\n") + 1  # leave a half-written last line for next time
         self._offset += end
-        out = []
-        for raw in data[:end].splitlines():
-            try:
-                out.append(json.loads(raw))
-            except json.JSONDecodeError:
-                continue
+        out = parse_metrics_lines(data[:end], self.path, first_line=self._line)
+        self._line += data[:end].count(b"\n")
         return out
 
 

@@ -17,7 +17,6 @@ parent-death signal (Linux), so a retry never meets a second writer.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -33,6 +32,7 @@ from engines.base import METRICS_FILE, DivergedError, StepMetrics, emulated_ep_n
 from engines.checkpoint import latest_checkpoint, missing_parent_checkpoint
 from engines.torch.ep import NO_MULTICAST, EPError
 from core.fsutil import atomic_write_text
+from core.rundir import parse_metrics_lines
 from core.spec import Spec
 
 LAYOUTS = ("auto", "emulate", "processes")
@@ -100,8 +100,12 @@ def _read_new(path: Path, offset: int, start: int, since: float) -> tuple[list[S
         chunk = f.read()
     recs = []
     for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):  # a torn last record waits
-        rec = json.loads(line) if line.strip() else None
-        if rec is not None and rec["step"] >= start:
+        got = parse_metrics_lines(line, path, warn=None)
+        if not got and line.strip():  # a bad line: say where (counting lines only then)
+            with open(path, "rb") as f:
+                parse_metrics_lines(line, path, first_line=f.read(offset).count(b"\n") + 1)
+        rec = got[0] if got else None
+        if rec is not None and rec.get("step", -1) >= start:
             if rec["time"] < since:
                 break
             recs.append(StepMetrics.from_dict(rec))

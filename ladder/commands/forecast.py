@@ -9,11 +9,34 @@ import typer
 from rich.console import Console
 
 from ladder.errors import LadderError
+from ladder.ledger import inside
 
 
 def analysis_dir(root: Path, experiment: str) -> Path:
     """Where an experiment's forecast, comparison and replans live (beside its runs)."""
-    return root / "analysis" / experiment
+    return inside(Path(root) / "analysis", experiment)
+
+
+def load_analysis_json(path: Path) -> dict | None:
+    """A JSON object the analysis wrote (forecast, compare, replan), None when absent; anything
+    else is a LadderError naming the file."""
+    if not path.exists():
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise LadderError(f"{path}: not readable JSON ({err}); rerun the command that writes it") from None
+    if not isinstance(data, dict):
+        raise LadderError(f"{path}: expected a JSON object, found a {type(data).__name__}; rerun the command that writes it")
+    return data
+
+
+def check_forecast(fc: dict, path: Path) -> None:
+    """A forecast.json the report can read: hero.final_loss with numeric mean, lo and hi."""
+    fl = fc.get("hero", {}).get("final_loss") if isinstance(fc.get("hero"), dict) else None
+    if not isinstance(fl, dict) or not all(isinstance(fl.get(k), (int, float)) and not isinstance(fl.get(k), bool)
+                                           for k in ("mean", "lo", "hi")):
+        raise LadderError(f"{path}: not a forecast (no hero.final_loss with mean, lo and hi); rerun `ladder forecast`")
 
 
 def finished_rungs(root: Path, exp, holdout: str | None = None):
@@ -79,6 +102,8 @@ def register(app: typer.Typer) -> None:
                 log_artifact_to_parent(exp, out / "law.png", None, tracking_uri, r)
             except Exception as e:  # the forecast file is the record; tracking can catch up later
                 Console(stderr=True).print(f"warning: could not log the forecast to MLflow: {e}", style="yellow")
+        for w in fc.get("warnings") or []:
+            Console(stderr=True).print(f"warning: {w}", style="yellow", highlight=False, markup=False)
         if as_json:
             print(json.dumps(fc, default=float))
             return
@@ -116,7 +141,7 @@ def register(app: typer.Typer) -> None:
         from analysis.report import build_report
         from core import costs
         from ladder.experiment import load_experiment
-        from ladder.ledger import ladder_root, run_dir_for
+        from ladder.ledger import is_finished, ladder_root, run_dir_for
 
         exp = load_experiment(experiment)
         r = ladder_root(root)
@@ -128,14 +153,17 @@ def register(app: typer.Typer) -> None:
             if m.exists() and m.stat().st_size:
                 runs[s.name] = read_metrics_frame(m)
         adir = analysis_dir(r, exp.name)
-        load = lambda name: json.loads((adir / name).read_text()) if (adir / name).exists() else None  # noqa: E731
-        forecast = load("forecast.json")
-        compare = load("compare.json") or {}
-        replan = load("replan.json") or {}
-        flags = compare.get("flags", []) if isinstance(compare, dict) else []
-        options = replan.get("options", []) if isinstance(replan, dict) else []
-        rows = [{k: v for k, v in o.items() if not isinstance(v, (dict, list))} for o in options]
-        page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.get("recommendation"))
+        forecast = load_analysis_json(adir / "forecast.json")
+        if forecast is not None:
+            check_forecast(forecast, adir / "forecast.json")
+        compare = load_analysis_json(adir / "compare.json") or {}
+        replan = load_analysis_json(adir / "replan.json") or {}
+        flags = [f for f in compare.get("flags", []) if isinstance(f, dict)] if isinstance(compare.get("flags"), list) else []
+        options = replan.get("options", []) if isinstance(replan.get("options"), list) else []
+        rows = [{k: v for k, v in o.items() if not isinstance(v, (dict, list))} for o in options if isinstance(o, dict)]
+        hero_finished = exp.hero is None or is_finished(run_dir_for(r, exp.name, exp.hero), exp.hero)
+        page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.get("recommendation"),
+                            hero_finished=hero_finished)
         if not no_tracking and forecast is not None:
             try:
                 from ladder.tracking import log_artifact_to_parent

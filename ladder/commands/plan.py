@@ -13,6 +13,7 @@ from core.spec import Spec, load_spec
 from engines.epochs import spec_epochs
 from engines.tokenizer import check_vocab
 from ladder.experiment import check_engine, load_experiment
+from ladder.preflight import memory_problem
 
 
 def plan_rows(experiment: str) -> tuple[list[dict], dict]:
@@ -102,3 +103,7 @@ def register(app: typer.Typer) -> None:
         """Validate a spec file and print its id."""
         spec = check_vocab(check_engine(load_spec(path)))
         print(f"{spec.name}: ok, id {spec.id}, {spec.total_steps} steps")
+        problem = memory_problem(spec)
+        if problem:
+            Console(stderr=True).print(f"warning: {problem}; `ladder train` and `ladder submit` refuse it",
+                                       style="yellow", highlight=False, markup=False)

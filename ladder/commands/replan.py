@@ -57,11 +57,8 @@ def render(plan, console: Console) -> None:
     console.print(f"[bold]recommendation:[/] {plan.recommendation}", highlight=False)
 
 
-def apply_option(plan, n: int, root: Optional[str], console: Console) -> dict:
-    """Submit option n (1-based) as a continuation of the run through the controller."""
-    from engines.checkpoint import step_dir_name
-    from ladder import ledger
-
+def check_apply(plan, n: int):
+    """Option n (1-based) if it can be applied; else LadderError (before anything is written)."""
     if not 1 <= n <= len(plan.options):
         raise LadderError(f"--apply {n}: there are options 1..{len(plan.options)}")
     opt = plan.options[n - 1]
@@ -69,6 +66,15 @@ def apply_option(plan, n: int, root: Optional[str], console: Console) -> dict:
         raise LadderError("--apply 1 (keep): nothing to submit; the run goes on as it is")
     if not opt.allowed or opt.spec is None:
         raise LadderError(f"--apply {n} ({opt.kind}) is refused: {opt.note}")
+    return opt
+
+
+def apply_option(plan, n: int, root: Optional[str], console: Console) -> dict:
+    """Submit option n (1-based) as a continuation of the run through the controller."""
+    from engines.checkpoint import step_dir_name
+    from ladder import ledger
+
+    opt = check_apply(plan, n)
     parent_dir = plan.state.run_dir
     if parent_dir is None:
         raise LadderError("--apply needs the run's directory (its checkpoints): give RUN_ID, not --metrics of a file elsewhere")
@@ -131,6 +137,8 @@ def register(app: typer.Typer) -> None:
 
         if not 0 < lr_factor < 1:
             raise LadderError(f"--lr-factor must be between 0 and 1 (got {lr_factor})")
+        if days is not None and not 0 < days <= 36500:
+            raise LadderError(f"--days must be a positive number of days up to 36500 (got {days})")
         now = time.time()
         settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
         due = parse_deadline(deadline, days, now)
@@ -143,6 +151,8 @@ def register(app: typer.Typer) -> None:
             plan = make_replan(state, due, force=force, lr_factor=lr_factor)
         except ReplanError as e:
             raise LadderError(str(e)) from None
+        if apply is not None:
+            check_apply(plan, apply)
         if out is None:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
             base = ref.run_dir if ref.run_dir is not None else Path(".")

@@ -27,6 +27,7 @@ def register(app: typer.Typer) -> None:
         from engines.base import DivergedError
         from engines.registry import engine_names, get_engine
         from ladder.errors import LadderError
+        from ladder.preflight import check_memory
         from core.spec import load_spec
 
         spec = load_spec(spec_path)
@@ -34,7 +35,10 @@ def register(app: typer.Typer) -> None:
             if engine not in engine_names():
                 raise LadderError(f"unknown engine {engine!r}; registered engines: {', '.join(sorted(engine_names()))}")
             spec = spec.replace(engine=engine)
+        check_memory([spec])
         run_dir = run_dir or Path("runs") / f"{spec.name}-{spec.id}"
+        if run_dir.exists() and not run_dir.is_dir():
+            raise LadderError(f"--run-dir {run_dir}: is a file, not a directory")
         eng = get_engine(spec.engine)
         console = Console(stderr=True)
         last = None

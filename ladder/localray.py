@@ -1,0 +1,197 @@
+"""Ray for the controller: a local instance bound to 127.0.0.1 that leaves nothing behind, or a
+cluster joined within a bounded time.
+
+Local: Ray turns 127.0.0.1 into the machine's outward address unless it is told it runs no
+cluster (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0, read by the driver and every process it starts), so
+the GCS, raylet, agents and workers listen on loopback only. Ray's own processes share the
+driver's fate, but the raylet's dashboard and runtime-env agents outlive a driver killed with
+SIGKILL (adopted by init, ~210 MB). A reaper process, started in its own session, holds a pipe
+from the driver: when the pipe closes (the driver exited, however it died) it waits a grace period
+for Ray's own shutdown and kills whichever of the recorded processes are still there (checked by
+their kernel start time, so a reused pid is never hit).
+
+Joining: `address` (or RAY_ADDRESS) host:port must accept a TCP connection within
+LADDER_RAY_TIMEOUT_S seconds (default 30), or the submission stops with one line; Ray itself
+would retry for minutes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from ladder.errors import LadderError
+
+RAY_TIMEOUT_ENV = "LADDER_RAY_TIMEOUT_S"
+DEFAULT_RAY_TIMEOUT_S = 30.0
+REAP_GRACE_S = 5.0
+_NO_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+def ray_timeout_s(given: float | None = None) -> float:
+    """--ray-timeout, else $LADDER_RAY_TIMEOUT_S, else 30; a positive finite number of seconds."""
+    raw = given if given is not None else os.environ.get(RAY_TIMEOUT_ENV, DEFAULT_RAY_TIMEOUT_S)
+    try:
+        value = float(raw)
+    except ValueError:
+        raise LadderError(f"{RAY_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+    if not 0 < value < 1e6:
+        raise LadderError(f"the Ray connection timeout must be a positive number of seconds (got {raw})")
+    return value
+
+
+# ---- joining -------------------------------------------------------------------------------------
+def host_port(address: str) -> tuple[str, int] | None:
+    """(host, port) of "host:port" or "ray://host:port"; None for "auto" and other forms Ray resolves."""
+    text = address.removeprefix("ray://").strip()
+    host, sep, port = text.rpartition(":")
+    if not sep:
+        return None
+    if not port.isdigit() or not 0 < int(port) < 65536 or not host:
+        raise LadderError(f"Ray address {address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def wait_reachable(address: str, timeout_s: float) -> None:
+    """Return once address's host:port accepts a TCP connection; LadderError after timeout_s."""
+    hp = host_port(address)
+    if hp is None:
+        return
+    deadline = time.monotonic() + timeout_s
+    last: OSError | None = None
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            break
+        try:
+            with socket.create_connection(hp, timeout=min(5.0, left)):
+                return
+        except OSError as err:
+            last = err
+        time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
+    why = last.strerror or type(last).__name__ if last is not None else "timed out"
+    raise LadderError(f"cannot reach Ray at {address} within {timeout_s:g} s ({why}); is its head node up? "
+                      f"(--ray-timeout or ${RAY_TIMEOUT_ENV} sets the wait)")
+
+
+def join(address: str, timeout_s: float, **kwargs) -> None:
+    import ray
+
+    wait_reachable(address, timeout_s)
+    ray.init(address=address, **kwargs)
+
+
+# ---- local ---------------------------------------------------------------------------------------
+class LocalRay:
+    """ray.init of a fresh local instance on 127.0.0.1 with a reaper; shutdown() undoes it."""
+
+    def __init__(self, num_cpus: int, **kwargs):
+        import ray
+        from ray._private import ray_constants
+
+        self._env_before = os.environ.get(_NO_CLUSTER_ENV)
+        self._cluster_before = ray_constants.ENABLE_RAY_CLUSTER
+        os.environ[_NO_CLUSTER_ENV] = "0"  # the processes Ray starts read it at import
+        ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray already
+        try:
+            ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
+        except BaseException:
+            self._restore()
+            raise
+        self.reaper = start_reaper(descendants(os.getpid()))
+
+    def _restore(self) -> None:
+        from ray._private import ray_constants
+
+        ray_constants.ENABLE_RAY_CLUSTER = self._cluster_before
+        if self._env_before is None:
+            os.environ.pop(_NO_CLUSTER_ENV, None)
+        else:
+            os.environ[_NO_CLUSTER_ENV] = self._env_before
+
+    def shutdown(self) -> None:
+        import ray
+
+        try:
+            ray.shutdown()
+        finally:
+            self._restore()
+            if self.reaper is not None and self.reaper.stdin is not None:
+                self.reaper.stdin.close()  # the reaper finds everything gone and exits
+
+
+def proc_start(pid: int) -> str | None:
+    """The kernel's start time of pid (clock ticks since boot), or None if it is gone."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2 :].split()[19]
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """(pid, start time) of every process below pid, from /proc (empty where there is no /proc)."""
+    children: dict[int, list[int]] = {}
+    for p in Path("/proc").glob("[0-9]*"):
+        try:
+            stat = (p / "stat").read_text()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
+        children.setdefault(ppid, []).append(int(p.name))
+    out, todo = [], list(children.get(pid, []))
+    while todo:
+        c = todo.pop()
+        start = proc_start(c)
+        if start is not None:
+            out.append((c, start))
+        todo.extend(children.get(c, []))
+    return out
+
+
+def start_reaper(procs: list[tuple[int, str]]) -> subprocess.Popen | None:
+    if not procs:
+        return None
+    args = [f"{pid}:{start}" for pid, start in procs]
+    return subprocess.Popen([sys.executable, "-m", "ladder.localray", *args], stdin=subprocess.PIPE,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+                            close_fds=True)
+
+
+def reap(procs: list[tuple[int, str]], grace_s: float = REAP_GRACE_S) -> list[int]:
+    """Wait for the driver's pipe to close, then kill the recorded processes still alive; their pids."""
+    try:
+        while sys.stdin.buffer.read(4096):
+            pass
+    except (OSError, ValueError):
+        pass
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(proc_start(pid) == start for pid, start in procs):
+        time.sleep(0.2)
+    killed = []
+    for pid, start in procs:
+        if proc_start(pid) == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                pass
+    return killed
+
+
+def _main(argv: list[str]) -> None:
+    procs = []
+    for a in argv:
+        pid, _, start = a.partition(":")
+        procs.append((int(pid), start))
+    reap(procs)
+
+
+if __name__ == "__main__":
+    _main(sys.argv[1:])
