@@ -112,7 +112,8 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Flag where a run leaves its forecast: band, spikes, grad norm, drops, router entropy, NaN, throughput."""
         from analysis.metrics_io import tokens_from_spec
-        from analysis.monitor import MonitorSettings, load_forecast, monitor, plot_report
+        from analysis.monitor import MonitorSettings, load_forecast, monitor
+        from analysis.monitor_plot import plot_report
 
         settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
         fc = load_forecast(forecast) if forecast else None

@@ -1,0 +1,77 @@
+"""The parts of a forecast.json (`ladder forecast`) that the monitor and the replanner read.
+
+    fc = load_forecast("forecast.json")   # Forecast: the loss trajectory with its band, the grad-norm
+                                          # envelope when there is one, the hero and the curve model
+
+Every problem raises ValueError naming the file and the field.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["Forecast", "load_forecast"]
+
+
+@dataclass
+class Forecast:
+    """The parts of forecast.json the monitor and the replanner read."""
+
+    path: str
+    traj_step: np.ndarray
+    traj_tokens: np.ndarray | None
+    traj_loss: np.ndarray
+    traj_lo: np.ndarray
+    traj_hi: np.ndarray
+    gn_step: np.ndarray | None = None
+    gn_mean: np.ndarray | None = None
+    gn_lo: np.ndarray | None = None
+    gn_hi: np.ndarray | None = None
+    hero: dict[str, Any] = field(default_factory=dict)
+    curve_model: dict[str, Any] | None = None
+    raw: dict[str, Any] = field(default_factory=dict)
+
+
+def _arr(d: dict, key: str, where: str, path: Path) -> np.ndarray:
+    if key not in d:
+        raise ValueError(f"{path}: forecast has no {where}.{key}")
+    try:
+        a = np.asarray([np.nan if v is None else v for v in d[key]], dtype=np.float64)
+    except (TypeError, ValueError):
+        raise ValueError(f"{path}: forecast {where}.{key} is not a list of numbers") from None
+    return a
+
+
+def load_forecast(path: str | Path) -> Forecast:
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such forecast file")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(raw, dict) or "trajectory" not in raw:
+        raise ValueError(f"{path}: not a forecast (no 'trajectory' section)")
+    tr = raw["trajectory"]
+    step = _arr(tr, "step", "trajectory", path)
+    loss = _arr(tr, "loss", "trajectory", path)
+    lo = _arr(tr, "lo", "trajectory", path)
+    hi = _arr(tr, "hi", "trajectory", path)
+    if not (len(step) == len(loss) == len(lo) == len(hi)) or len(step) < 2:
+        raise ValueError(f"{path}: trajectory step/loss/lo/hi must be lists of one length >= 2")
+    if np.any(np.diff(step) <= 0):
+        raise ValueError(f"{path}: trajectory steps must be strictly increasing")
+    tokens = _arr(tr, "tokens", "trajectory", path) if "tokens" in tr else None
+    fc = Forecast(str(path), step, tokens, loss, lo, hi, hero=raw.get("hero") or {}, curve_model=raw.get("curve_model"), raw=raw)
+    gn = raw.get("grad_norm")
+    if isinstance(gn, dict) and gn.get("step"):
+        fc.gn_step = _arr(gn, "step", "grad_norm", path)
+        fc.gn_mean = _arr(gn, "mean", "grad_norm", path)
+        fc.gn_lo = _arr(gn, "lo", "grad_norm", path) if "lo" in gn else None
+        fc.gn_hi = _arr(gn, "hi", "grad_norm", path) if "hi" in gn else None
+    return fc
