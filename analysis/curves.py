@@ -68,9 +68,11 @@ Warnings (`CurveFit.warnings`): parameters on a bound of their search range (`co
 False), a fit of fewer than three sizes that predicts another size, an uncalibrated band, bootstrap
 refits that disagree wildly.
 
-Learning rates: `lr` is either one value per logged step (sampled schedule: linear between samples,
-before the first sample a linear warmup from 0 at step 0) or a dense per-step array (lr[s] is the
-LR of step s, len > last step), e.g. core.schedule.lr_at(spec, np.arange(spec.total_steps)).
+Learning rates: see analysis.curve_data (one value per logged step, or a dense per-step array).
+
+Modules: curve_data (curves and schedules), curve_design (schedule features and the models'
+predictions), curve_sizelaw (size law and one-size priors), curve_optim (objective, starts, L-BFGS),
+this one (the fit, its bootstrap, bands, calibration and warnings).
 
 Shape legend: n evaluated steps, T steps of a dense schedule, b lumped LR-change blocks per step,
 P model parameters (7 mpl / 4 lra), Z fitted coordinates (P plus the size-law terms), K bootstrap draws.
@@ -84,11 +86,14 @@ from dataclasses import dataclass, field
 from typing import Any, Sequence
 
 import numpy as np
-from scipy.optimize import minimize
-from scipy.signal import lfilter
 from scipy.stats import norm
 
 from analysis import fitwarn
+from analysis.curve_data import Curve, CurveError, CurveFitError, check_steps, dense_lr, lr_per_step_from_samples
+from analysis.curve_design import GAMMA_MAX, LOG_BOUNDS, MODEL_PARAMS, MODELS, EVAL_CHUNK, Design, block_distances
+from analysis.curve_optim import bounds_for, clip_to, fit_one_size, fix_bound, lbfgs, linearised_start, sized_start
+from analysis.curve_sizelaw import (CHINCHILLA_A, CHINCHILLA_ALPHA, CHINCHILLA_E, KAPLAN_ALPHA_N, SIZE_PRIOR_SD,
+                                    SIZE_PRIORS, SizeLaw, prior_l0)
 
 try:  # a transitive dependency (scikit-learn via mlflow); without it the fit is only slower
     from threadpoolctl import threadpool_limits
@@ -100,476 +105,16 @@ __all__ = [
     "CurveError",
     "CurveFit",
     "CurveFitError",
+    "GAMMA_MAX",
+    "KAPLAN_ALPHA_N",
     "MODELS",
+    "SIZE_PRIORS",
     "fit_curves",
     "lr_per_step_from_samples",
     "relative_errors",
 ]
 
-MODELS = ("mpl", "lra")
-HUBER_DELTA = 1e-2  # on log loss; see the module docstring
-DENSE_STEPS = 32  # LR changes this close to an evaluated step enter LD one by one
-BLOCK_RATIO = 1.0 / 8  # farther ones in blocks of width ~ distance * BLOCK_RATIO
-LRA_MOMENTUM = 0.999  # Tissue et al.'s lambda
-GAMMA_MAX = 1.0
-
-# One-size priors for predicting another model size (see the module docstring).
-CHINCHILLA_E, CHINCHILLA_A, CHINCHILLA_ALPHA = 1.69, 406.4, 0.34
-KAPLAN_ALPHA_N = 0.076
-SIZE_PRIORS = ("kaplan", "chinchilla")
-SIZE_PRIOR_SD = 0.03  # relative loss sd per e-fold of N away from the fitted sizes
-CALIB_MIN, CALIB_MAX = 0.5, 10.0
-
-_EVAL_CHUNK = 1 << 21  # (evaluated steps x blocks) per chunk when predicting long dense curves
-
-
-class CurveError(ValueError):
-    """Curves or schedules that cannot be used as given; the message names the problem."""
-
-
-class CurveFitError(CurveError):
-    """A fit that did not converge or cannot describe the curves; it says so instead of numbers."""
-
-
-# ---- learning rates --------------------------------------------------------------------------------
-
-
-def lr_per_step_from_samples(step, lr, total_steps: int | None = None) -> np.ndarray:
-    """Dense per-step LR from samples at logged steps: linear between samples, before the first
-    sample a linear warmup from 0 at step 0, after the last one flat. Length total_steps (default
-    last step + 1)."""
-    step_n = np.asarray(step, dtype=np.float64)
-    lr_n = np.asarray(lr, dtype=np.float64)
-    if step_n.ndim != 1 or lr_n.shape != step_n.shape or len(step_n) == 0:
-        raise CurveError(f"lr samples: need one LR per step, got {lr_n.shape} LRs for {step_n.shape} steps")
-    T = int(step_n[-1]) + 1 if total_steps is None else int(total_steps)
-    if step_n[0] > 0:
-        step_n, lr_n = np.r_[0.0, step_n], np.r_[0.0, lr_n]
-    return np.interp(np.arange(T, dtype=np.float64), step_n, lr_n)
-
-
-def _dense_lr(steps_n: np.ndarray, lr, what: str) -> np.ndarray:
-    """Either a dense per-step array (len > last step) or one sample per step (densified)."""
-    lr = np.asarray(lr, dtype=np.float64)
-    if lr.ndim != 1:
-        raise CurveError(f"{what}: lr must be one-dimensional, got shape {lr.shape}")
-    if not np.all(np.isfinite(lr)):
-        raise CurveError(f"{what}: lr has NaN or infinite values")
-    if np.any(lr < 0):
-        raise CurveError(f"{what}: lr has negative values")
-    last = int(steps_n[-1])
-    if len(lr) > last:
-        return lr
-    if len(lr) == len(steps_n):
-        return lr_per_step_from_samples(steps_n, lr)
-    raise CurveError(
-        f"{what}: lr has {len(lr)} values: give one per logged step ({len(steps_n)}) "
-        f"or a per-step schedule covering step {last} (at least {last + 1} values)"
-    )
-
-
-def _check_steps(step, what: str) -> np.ndarray:
-    s = np.asarray(step)
-    if s.ndim != 1 or len(s) == 0:
-        raise CurveError(f"{what}: need a non-empty 1-D array of steps")
-    sf = np.asarray(s, dtype=np.float64)
-    if not np.all(np.isfinite(sf)):
-        raise CurveError(f"{what}: steps have NaN or infinite values")
-    if np.any(sf < 0) or np.any(sf != np.round(sf)):
-        raise CurveError(f"{what}: steps must be non-negative integers")
-    if np.any(np.diff(sf) <= 0):
-        i = int(np.flatnonzero(np.diff(sf) <= 0)[0]) + 1
-        raise CurveError(f"{what}: steps must be strictly increasing; step {sf[i]:g} follows {sf[i - 1]:g}")
-    return sf.astype(np.int64)
-
-
-@dataclass
-class Curve:
-    """One loss curve: logged `step`s, the schedule (`lr`: one value per logged step, or a dense
-    per-step array), `loss` at those steps (None for a curve only to be predicted) and optionally
-    the model's parameter count `params`."""
-
-    step: Any
-    lr: Any
-    loss: Any = None
-    params: float | None = None
-    name: str = ""
-
-    def __post_init__(self):
-        what = f"curve {self.name!r}" if self.name else "curve"
-        self.step = _check_steps(self.step, what)
-        self.lr_per_step = _dense_lr(self.step, self.lr, what)
-        self.lr = np.asarray(self.lr, dtype=np.float64)
-        if self.loss is not None:
-            y = np.asarray(self.loss, dtype=np.float64)
-            if y.shape != self.step.shape:
-                raise CurveError(f"{what}: {len(y)} losses for {len(self.step)} steps")
-            if not np.all(np.isfinite(y)):
-                raise CurveError(f"{what}: loss has NaN or infinite values")
-            if np.any(y <= 0):
-                raise CurveError(f"{what}: loss must be positive (the fit is on log loss)")
-            self.loss = y
-        if self.params is not None:
-            p = float(self.params)
-            if not math.isfinite(p) or p <= 0:
-                raise CurveError(f"{what}: params must be a positive parameter count, got {self.params!r}")
-            self.params = p
-        if self.lr_per_step[self.step].max() <= 0:
-            raise CurveError(f"{what}: the learning rate is zero at every logged step")
-
-    @classmethod
-    def from_schedule(cls, step, lr_per_step, loss=None, params=None, name: str = "") -> "Curve":
-        """A curve whose schedule is a dense per-step LR array (lr_per_step[s] for step s)."""
-        step = _check_steps(step, f"curve {name!r}")
-        lr_per_step = np.asarray(lr_per_step, dtype=np.float64)
-        if len(lr_per_step) <= step[-1]:
-            raise CurveError(f"curve {name!r}: lr_per_step has {len(lr_per_step)} values, steps reach {step[-1]}")
-        return cls(step=step, lr=lr_per_step, loss=loss, params=params, name=name)
-
-
-# ---- per-curve design: everything that does not depend on the model's parameters --------------------
-
-
-def _block_distances(T: int) -> np.ndarray:
-    d = list(range(DENSE_STEPS + 1))
-    x = float(DENSE_STEPS)
-    while d[-1] < T:
-        x = max(x * (1.0 + BLOCK_RATIO), d[-1] + 1.0)
-        d.append(int(math.ceil(x)))
-    return np.asarray(d, dtype=np.int64)
-
-
-def _lumped_changes(steps_n: np.ndarray, eta_T: np.ndarray, exact: bool = False):
-    """LR changes d_k = eta_{k-1} - eta_k (k >= 1) seen from each evaluated step t, lumped into
-    blocks: returns D_nb (summed change), le_nb (mean log eta_k), lS_nb (log S_k(t)), zero D where a
-    block is empty. exact=True gives one block per change (the O(T x n) reference)."""
-    P_T = np.cumsum(eta_T)
-    d_T = np.zeros_like(eta_T)
-    d_T[1:] = eta_T[:-1] - eta_T[1:]
-    ev = np.flatnonzero(d_T)
-    n = len(steps_n)
-    if len(ev) == 0:
-        z = np.zeros((n, 0))
-        return z, z, z
-    dE, aE, lE, PE = d_T[ev], np.abs(d_T[ev]), np.log(eta_T[ev]), P_T[ev - 1]
-    if exact:
-        dist = np.arange(int(steps_n[-1]) + 2)
-    else:
-        dist = _block_distances(int(steps_n[-1]) + 1)
-    t_n1 = steps_n[:, None]
-    # block j of step t holds the changes at k in (t - dist[j+1], t - dist[j]]
-    hi_nb = np.searchsorted(ev, t_n1 - dist[None, :-1], side="right")
-    lo_nb = np.searchsorted(ev, t_n1 - dist[None, 1:], side="right")
-    keep_nb = hi_nb > lo_nb
-    cols = keep_nb.any(0)
-    hi_nb, lo_nb, keep_nb = hi_nb[:, cols], lo_nb[:, cols], keep_nb[:, cols]
-
-    single_nb = (hi_nb - lo_nb) == 1
-    first_nb = np.minimum(lo_nb, len(ev) - 1)
-
-    def block_sum(v_e: np.ndarray) -> np.ndarray:
-        # O(1) per block from cumulative sums; a block of one change takes its value directly, so
-        # the near blocks (and tiny changes after large sums) keep full precision
-        c_e = np.concatenate([[0.0], np.cumsum(v_e)])
-        out = np.where(single_nb, v_e[first_nb], c_e[hi_nb] - c_e[lo_nb])
-        return np.where(keep_nb, out, 0.0)
-
-    A_nb = np.where(keep_nb, block_sum(aE), 1.0)
-    D_nb = block_sum(dE)
-    le_nb = block_sum(aE * lE) / A_nb
-    Pk_nb = block_sum(aE * PE) / A_nb
-    S_nb = np.where(keep_nb, P_T[steps_n][:, None] - Pk_nb, 1.0)
-    S_nb = np.maximum(S_nb, eta_T[eta_T > 0].min() * 1e-6)
-    return D_nb, np.where(keep_nb, le_nb, 0.0), np.log(S_nb)
-
-
-class _Design:
-    """Schedule features of one curve at its evaluated steps, for one model."""
-
-    def __init__(self, model: str, steps_n: np.ndarray, lr_T: np.ndarray, exact: bool = False):
-        if len(lr_T) <= steps_n[-1]:
-            raise CurveError(f"the schedule has {len(lr_T)} steps, the curve reaches step {steps_n[-1]}")
-        eta_T = np.asarray(lr_T[: int(steps_n[-1]) + 1], dtype=np.float64)
-        peak = float(eta_T.max())
-        if peak <= 0:
-            raise CurveError("the learning rate is zero everywhere")
-        eta_T = np.maximum(eta_T, peak * 1e-12)  # LR 0 (warmup start, decay to 0) -> G = 1 there
-        S1_n = np.cumsum(eta_T)[steps_n]
-        self.model = model
-        self.n = len(steps_n)
-        self.logS1_n = np.log(np.maximum(S1_n, peak * 1e-12))
-        self.eta_n = eta_T[steps_n]
-        if model == "mpl":
-            self.D_nb, self.le_nb, self.lS_nb = _lumped_changes(steps_n, eta_T, exact)
-        else:
-            d_T = np.zeros_like(eta_T)
-            d_T[1:] = eta_T[:-1] - eta_T[1:]
-            inc = np.flatnonzero(d_T[1:] > 0)  # warmup = the initial non-decreasing run
-            d_T[: inc[0] + 1 if len(inc) else len(d_T)] = 0.0
-            m_T = lfilter([1.0], [1.0, -LRA_MOMENTUM], d_T)
-            self.S2_n = np.cumsum(m_T)[steps_n]
-
-    def predict(self, th: np.ndarray, grad: bool = False):
-        """pred_n (and dpred/dtheta, n x P) for natural-coordinate theta (see _MODEL_PARAMS)."""
-        if self.model == "mpl":
-            L0, lA, lal, lB, lC, lbe, lga = th
-            A, al, B, be, ga = np.exp([lA, lal, lB, lbe, lga])
-            pw_n = np.exp(lA - al * self.logS1_n)
-            if self.D_nb.shape[1] == 0:
-                LD_n = np.zeros(self.n)
-                dC_n = dbe_n = dga_n = LD_n
-            else:
-                a_nb = lC - ga * self.le_nb + self.lS_nb
-                logu_nb = np.logaddexp(0.0, a_nb)
-                omG_nb = np.exp(-be * logu_nb)
-                LD_n = (self.D_nb * (1.0 - omG_nb)).sum(1)
-                if grad:
-                    w_nb = be * omG_nb * np.exp(a_nb - logu_nb) * self.D_nb  # dG/dlogC, weighted
-                    dC_n = w_nb.sum(1)
-                    dga_n = -(w_nb * self.le_nb).sum(1) * ga
-                    dbe_n = (self.D_nb * omG_nb * logu_nb).sum(1) * be
-            pred = L0 + pw_n - B * LD_n
-            if not grad:
-                return pred
-            J = np.stack(
-                [np.ones(self.n), pw_n, -pw_n * self.logS1_n * al, -B * LD_n, -B * dC_n, -B * dbe_n, -B * dga_n], 1
-            )
-            return pred, J
-        L0, lA, lal, lC = th
-        al, C = math.exp(lal), math.exp(lC)
-        pw_n = np.exp(lA - al * self.logS1_n)
-        pred = L0 + pw_n - C * self.S2_n
-        if not grad:
-            return pred
-        J = np.stack([np.ones(self.n), pw_n, -pw_n * self.logS1_n * al, -C * self.S2_n], 1)
-        return pred, J
-
-
-# Natural coordinates: L0 and the logs of the positive parameters.
-_MODEL_PARAMS = {
-    "mpl": ("L0", "A", "alpha", "B", "C", "beta", "gamma"),
-    "lra": ("L0", "A", "alpha", "C"),
-}
-_LOG_BOUNDS = {  # bounds on log(parameter): keep exp() finite and the fit physical
-    "A": (-12.0, 8.0),
-    "alpha": (math.log(0.01), math.log(3.0)),
-    "B": (-12.0, 16.0),
-    "C": (-25.0, 12.0),
-    "beta": (math.log(0.01), math.log(20.0)),
-    "gamma": (math.log(0.01), math.log(GAMMA_MAX)),
-}
-_SCALED = ("A", "alpha", "B")  # parameters whose log is linear in log N across sizes
-
-
-# ---- size law: fitted coordinates z -> per-curve natural coordinates theta ----------------------------
-
-
-@dataclass
-class _SizeLaw:
-    """Maps the fitted vector z to each curve's theta. kind: 'none' (one size), 'two' (L0 = E +
-    a (N/N_ref)^-p with p fixed, logs of A, alpha, B linear in log N) or 'many' (p fitted too)."""
-
-    model: str
-    kind: str
-    log_nref: float = 0.0
-
-    @property
-    def names(self) -> list[str]:
-        base = list(_MODEL_PARAMS[self.model])
-        if self.kind == "none":
-            return base
-        out = ["E", "a"] + (["p"] if self.kind == "many" else []) + base[1:]
-        out += [f"s_{k}" for k in _SCALED if k in base]
-        return out
-
-    def theta(self, z: np.ndarray, log_n: float | None) -> tuple[np.ndarray, np.ndarray]:
-        """theta (P,) and dtheta/dz (P x Z) for a curve of log-size log_n."""
-        names = _MODEL_PARAMS[self.model]
-        P, Z = len(names), len(z)
-        J = np.zeros((P, Z))
-        if self.kind == "none":
-            return z.copy(), np.eye(P)
-        x = (log_n - self.log_nref) if log_n is not None else 0.0
-        E, la = z[0], z[1]
-        off = 2
-        if self.kind == "many":
-            p = math.exp(z[2])
-            off = 3
-        else:
-            p = CHINCHILLA_ALPHA
-        th = np.zeros(P)
-        term = math.exp(la - p * x)
-        th[0] = E + term
-        J[0, 0], J[0, 1] = 1.0, term
-        if self.kind == "many":
-            J[0, 2] = -term * x * p
-        for i in range(1, P):
-            th[i] = z[off + i - 1]
-            J[i, off + i - 1] = 1.0
-        s0 = off + P - 1
-        for j, k in enumerate([k for k in _SCALED if k in names]):
-            i = names.index(k)
-            th[i] += z[s0 + j] * x
-            J[i, s0 + j] = x
-        return th, J
-
-
-# ---- the fit ---------------------------------------------------------------------------------------------
-
-
-def _huber(r: np.ndarray, delta: float):
-    a = np.abs(r)
-    quad = a < delta
-    return np.where(quad, 0.5 * r * r, delta * (a - 0.5 * delta)), np.where(quad, r, delta * np.sign(r))
-
-
-def _objective(z, designs, ys, log_ns, law: _SizeLaw, weights):
-    f = 0.0
-    g = np.zeros(len(z))
-    for des, y, log_n, w in zip(designs, ys, log_ns, weights):
-        th, Jz = law.theta(z, log_n)
-        pred, J = des.predict(th, grad=True)
-        ok = pred > 1e-9
-        r = np.log(y) - np.log(np.where(ok, pred, 1e-9))
-        h, dh = _huber(r, HUBER_DELTA)
-        wh = h if w is None else w * h
-        f += float(wh.sum())
-        dpred = np.where(ok, -(dh if w is None else w * dh) / np.where(ok, pred, 1.0), 0.0)
-        g += (dpred @ J) @ Jz
-    if not math.isfinite(f):
-        return 1e30, np.zeros(len(z))
-    return f, g
-
-
-def _bounds(law: _SizeLaw, y_min: float) -> list[tuple[float | None, float | None]]:
-    out = []
-    for name in law.names:
-        if name in ("L0", "E"):
-            out.append((0.0, y_min))
-        elif name == "a":
-            out.append((-12.0, 3.0))
-        elif name == "p":
-            out.append((math.log(0.05), math.log(1.5)))
-        elif name.startswith("s_"):
-            out.append((-1.5, 1.5))
-        else:
-            out.append(_LOG_BOUNDS[name])
-    return out
-
-
-def _lbfgs(z0, args, bounds, maxiter=4000):
-    return minimize(
-        _objective, z0, args=args, jac=True, method="L-BFGS-B", bounds=bounds,
-        options={"maxiter": maxiter, "maxfun": 3 * maxiter, "ftol": 1e-13, "gtol": 1e-9},
-    )
-
-
-def _linearised_start(designs, ys, weights=None) -> np.ndarray:
-    """(L0, log A, log alpha, b) of the 'instant' model L0 + A S1^-alpha + b eta_t / eta_max, the
-    Multi-Power Law with every LR change fully felt at once (G = 1), from a small grid of starts
-    (the published fit starts from the same linearised model). b / eta_max estimates B."""
-    y_min = min(float(y.min()) for y in ys)
-    logS1 = np.concatenate([d.logS1_n for d in designs])
-    eta = np.concatenate([d.eta_n for d in designs])
-    y = np.concatenate(ys)
-    w = None if weights is None else np.concatenate(weights)
-    eta_ref = float(eta.max())
-
-    def obj(v):
-        L0, lA, lal, b = v
-        al = math.exp(lal)
-        pw = np.exp(lA - al * logS1)
-        pred = L0 + pw + b * eta / eta_ref
-        ok = pred > 1e-9
-        r = np.log(y) - np.log(np.where(ok, pred, 1e-9))
-        h, dh = _huber(r, HUBER_DELTA)
-        if w is not None:
-            h, dh = w * h, w * dh
-        dp = np.where(ok, -dh / np.where(ok, pred, 1.0), 0.0)
-        return float(h.sum()), np.array([dp.sum(), (dp * pw).sum(), -(dp * pw * logS1).sum() * al, (dp * eta).sum() / eta_ref])
-
-    best = None
-    bnds = [(0.0, y_min), (-12.0, 8.0), _LOG_BOUNDS["alpha"], (0.0, y_min)]
-    for frac in (0.5, 0.8, 0.95):
-        for al in (0.3, 0.6):
-            L0 = frac * y_min
-            lA = math.log(max(float(np.median(y)) - L0, 1e-3)) + al * float(np.median(logS1))
-            r = minimize(obj, [L0, lA, math.log(al), 0.01 * y_min], jac=True, method="L-BFGS-B", bounds=bnds,
-                         options={"maxiter": 2000})
-            if best is None or r.fun < best.fun:
-                best = r
-    return best.x
-
-
-def _starts(model: str, lin: np.ndarray, eta_ref: float) -> list[np.ndarray]:
-    L0, lA, lal, b = lin
-    if model == "lra":
-        # C * S2 ~ b eta / eta_ref after a long decay, and S2 ~ drop / (1 - lambda)
-        lC = math.log(max(b, 1e-4) / eta_ref * (1.0 - LRA_MOMENTUM))
-        return [np.array([L0, lA, lal, lC + k]) for k in (0.0, -1.5, 1.5)]
-    lB = math.log(max(b, 1e-6) / eta_ref)
-    out = []
-    # x = C eta^-gamma S: start with C eta_ref^(1-gamma) ~ 1/(few hundred steps) .. 1/(few steps)
-    for c_steps, be, ga in ((30.0, 0.5, 0.5), (300.0, 1.0, 0.8), (3.0, 0.4, 0.3), (100.0, 1.5, 0.6)):
-        lC = -math.log(c_steps) - (1.0 - ga) * math.log(eta_ref)
-        out.append(np.array([L0, lA, lal, lB, lC, math.log(be), math.log(ga)]))
-    return out
-
-
-def _clip(z: np.ndarray, bounds) -> np.ndarray:
-    lo = np.array([-np.inf if b[0] is None else b[0] for b in bounds])
-    hi = np.array([np.inf if b[1] is None else b[1] for b in bounds])
-    return np.clip(z, lo, hi)
-
-
-def _fix(bounds, i: int, v: float):
-    out = list(bounds)
-    out[i] = (v, v)
-    return out
-
-
-def _fit_one_size(model, designs, ys, weights, eta_ref, y_min, lin=None, joint=False):
-    """Fit of curves of one size: for the Multi-Power Law in two stages, B from the instant model
-    (stage 1), then L0, A, alpha, C, beta, gamma with B held (stage 2). B and the slow tail of G
-    trade off (a larger B with a slower-saturating G fits a few thousand steps after a drop as well
-    as a smaller B with a quick one); anchoring B to the settled response estimated by the instant
-    model is what extrapolates to longer horizons. Returns the best scipy result and the bounds."""
-    law = _SizeLaw(model, "none")
-    bounds = _bounds(law, y_min)
-    if lin is None:
-        lin = _linearised_start(designs, ys, weights)
-    starts = _starts(model, lin, eta_ref)
-    if model == "mpl" and not joint:
-        lB = float(np.clip(starts[0][3], *_LOG_BOUNDS["B"]))
-        bounds = _fix(bounds, 3, lB)
-    args = (designs, ys, [None] * len(ys), law, weights or [None] * len(ys))
-    results = [_lbfgs(_clip(z0, bounds), args, bounds) for z0 in starts]
-    best = min(results, key=lambda r: r.fun if np.isfinite(r.fun) else np.inf)
-    return best, results, bounds
-
-
-def _sized_start(thetas: list[np.ndarray], log_ns: list[float], law: _SizeLaw) -> np.ndarray:
-    """Start of a size-law fit from per-size fits: L0 = E + a (N/N_ref)^-p solved for E, a at the
-    start's p; slopes of log A, log alpha, log B in log N by least squares; C, beta, gamma averaged."""
-    th = np.asarray(thetas)
-    x = np.asarray(log_ns) - law.log_nref
-    p = CHINCHILLA_ALPHA
-    M = np.stack([np.ones_like(x), np.exp(-p * x)], 1)
-    (E, a), *_ = np.linalg.lstsq(M, th[:, 0], rcond=None)
-    if not (a > 0 and E > 0):
-        # short, noisy per-size fits can give L0 <= 0; start from a positive split instead
-        m = max(float(np.median(th[:, 0])), 1e-2)
-        E, a = 0.7 * m, 0.3 * m
-    head = [E, math.log(a)] + ([math.log(p)] if law.kind == "many" else [])
-    names = _MODEL_PARAMS[law.model]
-    base = th[:, 1:].mean(0)
-    slopes = []
-    for k in [k for k in _SCALED if k in names]:
-        i = names.index(k)
-        s_, c_ = np.polyfit(x, th[:, i], 1)
-        base[i - 1] = c_
-        slopes.append(s_)
-    return np.r_[head, base, slopes]
+CALIB_MIN, CALIB_MAX = 0.5, 10.0  # the band's calibration factor is kept in this range
 
 
 @dataclass
@@ -596,21 +141,21 @@ class CurveFit:
     warnings: list = field(default_factory=list)
 
     @property
-    def _law(self) -> _SizeLaw:
-        return _SizeLaw(self.model, self.law_kind, self.log_nref)
+    def _law(self) -> SizeLaw:
+        return SizeLaw(self.model, self.law_kind, self.log_nref)
 
     @property
     def params(self) -> dict[str, float]:
         """Fitted values in natural units (positive parameters exponentiated)."""
         out = {}
         for k, v in zip(self.names, self.z):
-            out[k] = float(math.exp(v)) if k in _LOG_BOUNDS or k in ("a", "p") else float(v)
+            out[k] = float(math.exp(v)) if k in LOG_BOUNDS or k in ("a", "p") else float(v)
         return out
 
     def curve_params(self, params: float | None = None) -> dict[str, float]:
         """The curve parameters (L0, A, alpha, ...) at model size `params`."""
         th = self._theta(self.z, params)
-        names = _MODEL_PARAMS[self.model]
+        names = MODEL_PARAMS[self.model]
         return {k: float(v if k == "L0" else math.exp(v)) for k, v in zip(names, th)}
 
     def _theta(self, z: np.ndarray, params: float | None) -> np.ndarray:
@@ -621,7 +166,7 @@ class CurveFit:
             return law.theta(z, math.log(float(params)))[0]
         th = z.copy()
         if self.size_prior == "chinchilla" and params is not None and self.size_n is not None and float(params) != self.size_n:
-            th[0] = _prior_l0(th[0], self.size_n, float(params))
+            th[0] = prior_l0(th[0], self.size_n, float(params))
         return th
 
     def _size_factor(self, params: float | None) -> float:
@@ -639,14 +184,14 @@ class CurveFit:
         return max(x - hi, lo - x, 0.0)
 
     def predict(self, steps, lr, params: float | None = None, _z: np.ndarray | None = None) -> np.ndarray:
-        steps_n = _check_steps(steps, "predict")
-        lr_T = _dense_lr(steps_n, lr, "predict")
+        steps_n = check_steps(steps, "predict")
+        lr_T = dense_lr(steps_n, lr, "predict")
         th = self._theta(self.z if _z is None else _z, params)
         out = np.empty(len(steps_n))
-        n_blocks = len(_block_distances(int(steps_n[-1]) + 1))
-        chunk = max(1, _EVAL_CHUNK // max(n_blocks, 1))
+        n_blocks = len(block_distances(int(steps_n[-1]) + 1))
+        chunk = max(1, EVAL_CHUNK // max(n_blocks, 1))
         for i in range(0, len(steps_n), chunk):
-            out[i : i + chunk] = _Design(self.model, steps_n[i : i + chunk], lr_T).predict(th)
+            out[i : i + chunk] = Design(self.model, steps_n[i : i + chunk], lr_T).predict(th)
         return out * self._size_factor(params)
 
     def predict_curve(self, curve: Curve) -> np.ndarray:
@@ -671,8 +216,8 @@ class CurveFit:
     def _model_var(self, steps, lr, params, pred: np.ndarray) -> np.ndarray:
         var = (self.resid_rel_std * pred) ** 2
         if self.extrap_rel > 0 and self.s1_max:
-            steps_n = _check_steps(steps, "band")
-            s1_n = np.cumsum(_dense_lr(steps_n, lr, "band"))[steps_n]
+            steps_n = check_steps(steps, "band")
+            s1_n = np.cumsum(dense_lr(steps_n, lr, "band"))[steps_n]
             rho_n = np.maximum(np.log(np.maximum(s1_n, 1e-300) / self.s1_max), 0.0)
             var = var + (self.extrap_rel * rho_n * pred) ** 2
         return var
@@ -760,14 +305,6 @@ class CurveFit:
             raise CurveError(f"not a curve fit: {e}") from None
 
 
-def _prior_l0(L0: float, n_fit: float, n_new: float) -> float:
-    """Chinchilla-shaped L0(N) through (n_fit, L0): E + (L0 - E) (n_new/n_fit)^-alpha, E/L0 as in
-    Chinchilla's L(N) at n_fit."""
-    red = CHINCHILLA_A * n_fit ** -CHINCHILLA_ALPHA
-    E = L0 * CHINCHILLA_E / (CHINCHILLA_E + red)
-    return E + (L0 - E) * (n_new / n_fit) ** -CHINCHILLA_ALPHA
-
-
 def relative_errors(pred, loss) -> dict[str, float]:
     e = np.abs(np.asarray(pred, dtype=np.float64) - np.asarray(loss, dtype=np.float64)) / np.asarray(loss, dtype=np.float64)
     return {"mean_rel_err": float(e.mean()), "max_rel_err": float(e.max()), "n": int(len(e))}
@@ -829,7 +366,7 @@ def _finish(fit: CurveFit, curves, model, joint, size_prior, calibrate, level) -
     if fit.boot_z is not None and len(fit.boot_z) >= 4:
         nat = np.array([_natural_row(fit.names, z) for z in fit.boot_z])
         ci = {k: list(np.quantile(nat[:, i], [0.05, 0.95])) for i, k in enumerate(fit.names)}
-        pos = [k for k in fit.names if k in _LOG_BOUNDS or k in ("a", "p")]
+        pos = [k for k in fit.names if k in LOG_BOUNDS or k in ("a", "p")]
         fit.warnings += fitwarn.bootstrap_disagreement(ci, len(fit.boot_z), 0, positive=pos)
     fit.info["converged"] = fit.converged
     return fit
@@ -841,7 +378,7 @@ def _bound_warnings(names, z, bounds) -> list[str]:
     for k, v, (lo, hi) in zip(names, z, bounds):
         if lo is not None and hi is not None and lo >= hi:
             continue
-        logged = k in _LOG_BOUNDS or k in ("a", "p")
+        logged = k in LOG_BOUNDS or k in ("a", "p")
         nat = (lambda x: math.exp(x)) if logged else (lambda x: x)
         w = fitwarn.at_bounds({k: v}, {k: (lo, hi)})
         if w:
@@ -852,7 +389,7 @@ def _bound_warnings(names, z, bounds) -> list[str]:
 
 
 def _natural_row(names, z) -> list[float]:
-    return [float(math.exp(v)) if k in _LOG_BOUNDS or k in ("a", "p") else float(v) for k, v in zip(names, z)]
+    return [float(math.exp(v)) if k in LOG_BOUNDS or k in ("a", "p") else float(v) for k, v in zip(names, z)]
 
 
 def _calibrate(fit: CurveFit, curves, model, joint, size_prior, level) -> tuple[float, dict]:
@@ -870,7 +407,7 @@ def _calibrate(fit: CurveFit, curves, model, joint, size_prior, level) -> tuple[
             continue
         try:
             sub = _fit_curves(rest, model, 0, 0, joint, False)
-            designs = [_Design(model, x.step, x.lr_per_step) for x in rest]
+            designs = [Design(model, x.step, x.lr_per_step) for x in rest]
             sub.extrap_rel = _backtest_extrapolation(rest, designs, model, joint)
             sub.size_prior, sub.sizes = size_prior, list(sub.info.get("sizes") or [])
             pred = sub.predict_curve(c)
@@ -907,7 +444,7 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
     sizes = sorted({c.params for c in curves}) if all(has_n) else []
     kind = "none" if len(sizes) <= 1 else ("two" if len(sizes) == 2 else "many")
     log_nref = float(np.mean(np.log(sizes))) if sizes else 0.0
-    law = _SizeLaw(model, kind, log_nref)
+    law = SizeLaw(model, kind, log_nref)
     n_points = sum(len(c.step) for c in curves)
     n_free = len(law.names)
     if model == "mpl" and not joint:
@@ -915,33 +452,33 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
     if n_points <= n_free:
         raise CurveError(f"{n_points} points in all, but the {model} fit has {n_free} parameters: need more points")
 
-    designs = [_Design(model, c.step, c.lr_per_step, exact=exact) for c in curves]
+    designs = [Design(model, c.step, c.lr_per_step, exact=exact) for c in curves]
     ys = [c.loss for c in curves]
     log_ns = [math.log(c.params) if c.params is not None else None for c in curves]
     y_min = min(float(y.min()) for y in ys)
     eta_ref = max(float(c.lr_per_step[: c.step[-1] + 1].max()) for c in curves)
 
     if kind == "none":
-        best, results, bounds = _fit_one_size(model, designs, ys, None, eta_ref, y_min, joint=joint)
+        best, results, bounds = fit_one_size(model, designs, ys, None, eta_ref, y_min, joint=joint)
         fixed = {}
     else:
         # one fit per size seeds the size law; B and its slope in log N come from those fits
         thetas = []
         for n in sizes:
             idx = [i for i, c in enumerate(curves) if c.params == n]
-            r, _, _ = _fit_one_size(model, [designs[i] for i in idx], [ys[i] for i in idx], None, eta_ref,
+            r, _, _ = fit_one_size(model, [designs[i] for i in idx], [ys[i] for i in idx], None, eta_ref,
                                     min(float(ys[i].min()) for i in idx), joint=joint)
             thetas.append(r.x)
-        z0 = _sized_start(thetas, [math.log(n) for n in sizes], law)
-        bounds = _bounds(law, y_min)
+        z0 = sized_start(thetas, [math.log(n) for n in sizes], law)
+        bounds = bounds_for(law, y_min)
         fixed = {}
         if model == "mpl" and not joint:
             for name in ("B", "s_B"):
                 i = law.names.index(name)
                 fixed[i] = float(z0[i])
-                bounds = _fix(bounds, i, float(z0[i]))
+                bounds = fix_bound(bounds, i, float(z0[i]))
         args = (designs, ys, log_ns, law, [None] * len(ys))
-        results = [_lbfgs(_clip(z0, bounds), args, bounds)]
+        results = [lbfgs(clip_to(z0, bounds), args, bounds)]
         best = results[0]
     if not np.all(np.isfinite(best.x)) or not np.isfinite(best.fun) or best.fun >= 1e29:
         raise CurveFitError(f"the {model} curve fit did not converge (no finite solution)")
@@ -1021,10 +558,10 @@ def _bootstrap(model, law, z, bounds, designs, ys, log_ns, eta_ref, n_boot, seed
         w = [_block_weights(len(y), rng) for y in ys]
         bnd = bounds
         if model == "mpl" and law.kind == "none" and not joint:
-            lin = _linearised_start(designs, ys, w)
-            lB = float(np.clip(math.log(max(lin[3], 1e-6) / eta_ref), *_LOG_BOUNDS["B"]))
-            bnd = _fix(bounds, 3, lB)
-        r = _lbfgs(_clip(z, bnd), (designs, ys, log_ns, law, w), bnd, maxiter=1000)
+            lin = linearised_start(designs, ys, w)
+            lB = float(np.clip(math.log(max(lin[3], 1e-6) / eta_ref), *LOG_BOUNDS["B"]))
+            bnd = fix_bound(bounds, 3, lB)
+        r = lbfgs(clip_to(z, bnd), (designs, ys, log_ns, law, w), bnd, maxiter=1000)
         if np.all(np.isfinite(r.x)) and r.fun < 1e29:
             boots.append(r.x)
     return np.asarray(boots) if boots else None

@@ -20,7 +20,8 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import curves as cv
+from analysis import curve_optim
+from analysis.curve_design import Design
 from analysis.curves import Curve, fit_curves
 
 TRAIN = ["cosine_24000", "constant_24000", "wsdcon_9"]
@@ -87,13 +88,13 @@ def main() -> None:
         print("  mpl variants:")
         for label, kw, delta in (("one-stage (joint B)", {"joint": True}, None), ("published Huber 1e-3", {}, 1e-3),
                                  ("one-stage, Huber 1e-3", {"joint": True}, 1e-3)):
-            saved = cv.HUBER_DELTA
+            saved = curve_optim.HUBER_DELTA
             if delta is not None:
-                cv.HUBER_DELTA = delta
+                curve_optim.HUBER_DELTA = delta
             try:
                 f, secs = timed(fit_curves, train, **kw)
             finally:
-                cv.HUBER_DELTA = saved
+                curve_optim.HUBER_DELTA = saved
             m, x, mx = summary(errors(f, test))
             print(f"    {label:24s} mean {pct(m)}  worst point {pct(x)}  mean of file worst {pct(mx)}  ({secs:.2f} s)")
 
@@ -125,10 +126,10 @@ def main() -> None:
     print("\n== timings ==")
     c = load(data, "25M", "cosine_72000")
     fit = fit_curves([load(data, "25M", n) for n in TRAIN])
-    _, t_lump = timed(cv._Design, "mpl", c.step, c.lr_per_step)
-    _, t_exact = timed(cv._Design, "mpl", c.step, c.lr_per_step, True)
-    d = cv._Design("mpl", c.step, c.lr_per_step)
-    de = cv._Design("mpl", c.step, c.lr_per_step, True)
+    _, t_lump = timed(Design, "mpl", c.step, c.lr_per_step)
+    _, t_exact = timed(Design, "mpl", c.step, c.lr_per_step, True)
+    d = Design("mpl", c.step, c.lr_per_step)
+    de = Design("mpl", c.step, c.lr_per_step, True)
     _, t_ev = timed(d.predict, fit.z, True)
     _, t_eve = timed(de.predict, fit.z, True)
     gap = np.max(np.abs(d.predict(fit.z) / de.predict(fit.z) - 1))

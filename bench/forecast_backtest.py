@@ -1,8 +1,22 @@
-"""Backtest of the forecast on the CPU proxy ladder: train the rungs (reusing finished runs), refit
-without the largest rung, and report the error of its predicted final loss; then the hero forecast
-against the hero's actual final loss when the hero has finished.
+"""Backtests of every forecast interval on every dataset the project has: the README's table.
 
-    .venv/bin/python bench/forecast_backtest.py [--experiment experiments/proxy_cpu.py] [--root DIR]
+Each row: a dataset, a split (what was fitted, what was predicted), the method, the number of
+held-out points, their mean absolute relative error, the share inside the 90% interval (coverage)
+and the interval's mean relative width (hi - lo) / prediction.
+
+Datasets:
+- chinchilla: Epoch AI's 240 Chinchilla points (5 highest-loss dropped), L(N, D): 10-fold
+  cross-validation, and a fit on N <= max/4 predicting the rest.
+- multipower 25M / 100M (tests/data/multipower): the published protocol (fit cosine_24000,
+  constant_24000, wsdcon_9; predict the other six), and across sizes: one size's protocol curves
+  predict all nine curves of the other size (4x up and 4x down), told only N.
+- a ladder directory of run dirs (spec.yaml + metrics.jsonl), e.g. the CPU demo's
+  (`--ladder DIR`, default: trains experiments/proxy_cpu.py with its hero into --root) and, when
+  present, docs/results/h200_ladder: nested leave-largest-out of the final-loss law, the curve model
+  predicting the largest rung's curve from the others, the grad-norm envelope's nested backtest,
+  and the hero forecast against the hero's own run when it has finished.
+
+    .venv/bin/python bench/forecast_backtest.py [--ladder DIR ...] [--root DIR] [--no-train] [--markdown]
 """
 
 from __future__ import annotations
@@ -12,44 +26,214 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
+import pandas as pd
+
+from analysis import law_backtest
+from analysis.curves import Curve, fit_curves
+from analysis.forecast import RungRun, forecast
+from analysis.gradnorm import RungGrad, backtest as gn_backtest
+from analysis.laws import fit_envelope
+from analysis.metrics_io import read_metrics_frame
+from core.rundir import iter_run_dirs
+from core.spec import load_spec
+from ladder.ledger import ladder_root
+
 ROOT = Path(__file__).resolve().parents[1]
+
+LEVEL = 0.9
+CHINCHILLA = ROOT / "tests" / "data" / "chinchilla" / "svg_extracted_data.csv"
+MULTIPOWER = ROOT / "tests" / "data" / "multipower"
+H200 = ROOT / "docs" / "results" / "h200_ladder"
+TRAIN = ["cosine_24000", "constant_24000", "wsdcon_9"]
+TEST = ["constant_72000", "cosine_72000", "wsd_20000_24000", "wsdld_20000_24000", "wsdcon_3", "wsdcon_18"]
+SIZES = {"25M": 25e6, "100M": 100e6}
+ROWS: list[dict] = []
+
+
+def row(dataset, split, method, n, err, cov, width, note=""):
+    r = {"dataset": dataset, "split": split, "method": method, "n": n, "mean_abs_rel_err": err,
+         "coverage": cov, "mean_rel_width": width, "note": note}
+    ROWS.append(r)
+    pct = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+    print(f"{dataset:12s} {split:44s} {method:30s} n={n:<5d} err {pct(err):>7s} cover {pct(cov):>7s} "
+          f"width {pct(width):>7s} {note}", flush=True)
+
+
+# ---- Chinchilla ----------------------------------------------------------------------------------
+
+
+def chinchilla() -> None:
+    df = pd.read_csv(CHINCHILLA).sort_values("loss", kind="stable").iloc[:-5]
+    N = df["Model Size"].to_numpy()
+    D = df["Training FLOP"].to_numpy() / (6 * N)
+    L = df["loss"].to_numpy()
+    cv = law_backtest.cross_validate(law_backtest.fit_n_d, [N, D], L, level=LEVEL)
+    row("chinchilla", "10-fold, held-out points", "L(N,D) prediction interval", cv["n"], cv["mean_abs_rel_err"],
+        cv["coverage"], cv["mean_rel_width"])
+    ex = law_backtest.extrapolate(law_backtest.fit_n_d, [N, D], L, level=LEVEL)
+    row("chinchilla", f"fit N <= max/4, predict N up to {ex['reach']:.1f}x beyond", "L(N,D) prediction interval",
+        ex["n"], ex["mean_abs_rel_err"], ex["coverage"], ex["mean_rel_width"])
+
+
+# ---- multipower ----------------------------------------------------------------------------------
+
+
+def _load(size: str, name: str, params: float | None = None) -> Curve:
+    df = pd.read_csv(MULTIPOWER / size / f"{name}.csv")
+    return Curve(df["step"].to_numpy(), df["lr"].to_numpy(), df["loss"].to_numpy(), params=params, name=name)
+
+
+def _curve_scores(fit, curves: list[Curve]) -> tuple[int, float, float, float]:
+    n, err, inside, width = 0, [], [], []
+    for c in curves:
+        pred = fit.predict_curve(c)
+        lo, hi = fit.band(c.step, c.lr_per_step, params=c.params, level=LEVEL)
+        err.append(np.abs(pred / c.loss - 1))
+        inside.append((c.loss >= lo) & (c.loss <= hi))
+        width.append((hi - lo) / pred)
+        n += len(c.step)
+    cat = np.concatenate
+    # mean over files of each file's mean error, as the paper reports
+    return n, float(np.mean([e.mean() for e in err])), float(cat(inside).mean()), float(cat(width).mean())
+
+
+def multipower(boot: int) -> None:
+    for size, N in SIZES.items():
+        fit = fit_curves([_load(size, n) for n in TRAIN], n_boot=boot)
+        n, e, c, w = _curve_scores(fit, [_load(size, t) for t in TEST])
+        row(f"multipower {size}", "protocol: fit 3 schedules, predict 6", "MPL band (calibrated LOO-curve)", n, e, c, w,
+            f"calib x{fit.calib:.2f}")
+    for src, dst in (("25M", "100M"), ("100M", "25M")):
+        for prior in ("kaplan", "chinchilla"):
+            fit = fit_curves([_load(src, n, SIZES[src]) for n in TRAIN], n_boot=boot, size_prior=prior)
+            n, e, c, w = _curve_scores(fit, [_load(dst, t, SIZES[dst]) for t in TRAIN + TEST])
+            row("multipower", f"{src} protocol curves -> all 9 {dst} curves", f"MPL, one-size {prior} prior",
+                n, e, c, w)
+
+
+# ---- ladders (run directories) ---------------------------------------------------------------------
+
+
+def load_ladder(path: Path) -> tuple[list[RungRun], RungRun | None]:
+    rungs, hero = [], None
+    for rd in iter_run_dirs(path):
+        if not rd.metrics_path.exists():
+            continue
+        spec = load_spec(rd.spec_path)
+        run = RungRun(spec, rd.path, read_metrics_frame(rd.metrics_path))
+        if spec.role == "hero":
+            hero = run
+        elif spec.role == "rung":
+            rungs.append(run)
+    return sorted(rungs, key=lambda r: r.flops), hero
+
+
+def _finished(r: RungRun) -> bool:
+    return len(r.metrics) and int(r.metrics["step"].max()) + 1 >= r.spec.total_steps
+
+
+def ladder(name: str, path: Path, boot: int) -> None:
+    rungs, hero = load_ladder(path)
+    rungs = [r for r in rungs if _finished(r)]
+    if len(rungs) < 3:
+        print(f"{name}: {len(rungs)} finished rungs in {path}; skipped")
+        return
+    # final loss: each rung k >= 4 from the smaller ones (the envelope has 3 parameters)
+    pred, lo, hi, act = [], [], [], []
+    for k in range(3, len(rungs)):
+        fit = fit_envelope([r.flops for r in rungs[:k]], [r.final_loss for r in rungs[:k]], level=LEVEL,
+                           strict=False, n_bootstrap=200)
+        p = fit.predict(rungs[k].flops)
+        pred.append(p["loss"]), lo.append(p["lo"]), hi.append(p["hi"]), act.append(rungs[k].final_loss)
+    if pred:
+        s = law_backtest.summarise(pred, lo, hi, act)
+        row(name, "final loss: each rung from the smaller ones", "L(C) prediction interval", s["n"],
+            s["mean_abs_rel_err"], s["coverage"], s["mean_rel_width"])
+    # the curve model: the largest rung's curve from the others, told only its size and schedule
+    curves = []
+    for r in rungs:
+        df = r.metrics.dropna(subset=["loss"])
+        curves.append(Curve(df["step"].to_numpy(), df["lr"].to_numpy(), df["loss"].to_numpy(), params=r.active,
+                            name=r.spec.name))
+    try:
+        fit = fit_curves(curves[:-1], n_boot=boot)
+        n, e, c, w = _curve_scores(fit, [curves[-1]])
+        row(name, f"train curve of {rungs[-1].spec.name} from the smaller rungs", "MPL size law band", n, e, c, w,
+            "not converged" if not fit.converged else "")
+    except Exception as err:  # a failed fit is a result too
+        print(f"{name}: curve model failed: {err}")
+    gn = gn_backtest([_grad(r) for r in rungs])
+    if gn:
+        row(name, "grad norm: each rung >= 3rd from the smaller", "grad-norm envelope", gn["n_bins"],
+            gn["mean_abs_rel_err"], gn["coverage"], gn["mean_rel_width"])
+    if hero is None or not _finished(hero):
+        return
+    fc = forecast(name, rungs, hero.spec)
+    fl = fc["hero"]["final_loss"]
+    act = hero.final_loss
+    row(name, f"hero {hero.spec.name} final eval loss", "hero final-loss interval", 1, abs(fl["mean"] / act - 1),
+        float(fl["lo"] <= act <= fl["hi"]), (fl["hi"] - fl["lo"]) / fl["mean"])
+    tr = fc["trajectory"]
+    m = hero.metrics.dropna(subset=["loss"])
+    steps = np.asarray(tr["step"])
+    keep = steps <= m["step"].max()
+    y = np.interp(steps[keep], m["step"], m["loss"])
+    p, l, h = (np.asarray(tr[k])[keep] for k in ("loss", "lo", "hi"))
+    s = law_backtest.summarise(p, l, h, y)
+    row(name, f"hero {hero.spec.name} train-loss trajectory", f"trajectory band ({tr.get('method', '')})", s["n"],
+        s["mean_abs_rel_err"], s["coverage"], s["mean_rel_width"])
+    g = fc["grad_norm"]
+    hg = _grad(hero)
+    glo, ghi, gm = (np.interp(hg.frac, g["frac"], g[k]) for k in ("lo", "hi", "mean"))
+    row(name, f"hero {hero.spec.name} grad norm, every step", "grad-norm envelope", len(hg.g),
+        float(np.mean(np.abs(gm / hg.g - 1))), float(np.mean((hg.g >= glo) & (hg.g <= ghi))),
+        float(np.mean((ghi - glo) / gm)))
+
+
+def _grad(r: RungRun) -> RungGrad:
+    df = r.metrics.dropna(subset=["grad_norm"])
+    return RungGrad(r.spec.name, r.active, (df["step"].to_numpy() + 1) / r.spec.total_steps, df["grad_norm"].to_numpy())
+
+
+def markdown() -> str:
+    pct = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
+    lines = ["| dataset | split | method | n | mean error | 90% coverage | mean width |", "|---|---|---|---|---|---|---|"]
+    for r in ROWS:
+        lines.append(f"| {r['dataset']} | {r['split']} | {r['method']} | {r['n']} | {pct(r['mean_abs_rel_err'])} | "
+                     f"{pct(r['coverage'])} | {pct(r['mean_rel_width'])} |")
+    return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--experiment", default=str(ROOT / "experiments/proxy_cpu.py"))
-    ap.add_argument("--root", default=None)
-    ap.add_argument("--with-hero", action="store_true", help="also train the hero and compare its final loss")
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ladder", type=Path, action="append", default=None,
+                    help="a ladder's run directories (default: the CPU demo's under --root, and docs/results/h200_ladder)")
+    ap.add_argument("--root", default=None, help="ladder root for the CPU demo (default $LADDER_ROOT or ./.ladder)")
+    ap.add_argument("--no-train", action="store_true", help="do not train the CPU demo's missing runs")
+    ap.add_argument("--boot", type=int, default=16, help="bootstrap refits per curve fit")
+    ap.add_argument("--markdown", action="store_true", help="print the README table at the end")
+    ap.add_argument("--only", choices=("chinchilla", "multipower", "ladders"), action="append")
     args = ap.parse_args()
-    root = ["--root", args.root] if args.root else []
-    ladder = [sys.executable, "-m", "ladder.cli"]
-    subprocess.run([*ladder, "submit", args.experiment, *root, *(["--include-hero"] if args.with_hero else [])], check=True)
-
-    from analysis.forecast import backtest, final_loss_forecast
-    from ladder.commands.forecast import finished_rungs
-    from ladder.experiment import load_experiment
-    from ladder.ledger import is_finished, ladder_root, run_dir_for
-
-    exp = load_experiment(args.experiment)
-    r = ladder_root(args.root)
-    rungs, missing = finished_rungs(r, exp)
-    bt = backtest(rungs)
-    print(f"{exp.name}: {len(rungs)} finished rungs" + (f" (unfinished: {', '.join(missing)})" if missing else ""))
-    for x in sorted(rungs, key=lambda x: x.flops):
-        print(f"  {x.spec.name:10s} C={x.flops:.3e}  final eval loss {x.final_loss:.4f}")
-    if bt:
-        print(f"backtest: {bt['held_out']} predicted {bt['predicted']:.4f} ({bt['lo']:.4f} to {bt['hi']:.4f}), "
-              f"actual {bt['actual']:.4f}, error {100 * bt['rel_error']:+.2f}%")
-    final, _, _ = final_loss_forecast(rungs, exp.hero)
-    hero_dir = run_dir_for(r, exp.name, exp.hero)
-    line = f"hero {exp.hero.name}: forecast {final['mean']:.4f} (90% {final['lo']:.4f} to {final['hi']:.4f})"
-    if is_finished(hero_dir, exp.hero):
-        from analysis.forecast import RungRun
-        from analysis.metrics_io import read_metrics_frame
-
-        actual = RungRun(exp.hero, hero_dir, read_metrics_frame(hero_dir / "metrics.jsonl")).final_loss
-        line += f", actual {actual:.4f}, error {100 * (final['mean'] - actual) / actual:+.2f}%"
-    print(line)
+    only = set(args.only or ("chinchilla", "multipower", "ladders"))
+    if "chinchilla" in only:
+        chinchilla()
+    if "multipower" in only:
+        multipower(args.boot)
+    if "ladders" in only:
+        ladders = args.ladder
+        if ladders is None:
+            root = ladder_root(args.root)
+            if not args.no_train:
+                subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(ROOT / "experiments" / "proxy_cpu.py"),
+                                "--include-hero", "--no-tracking", *(["--root", args.root] if args.root else [])],
+                               check=True)
+            ladders = [Path(root) / "runs" / "proxy_cpu"] + ([H200] if H200.is_dir() else [])
+        for p in ladders:
+            ladder(p.name if p != H200 else "h200 ladder", p, args.boot)
+    if args.markdown:
+        print()
+        print(markdown())
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis import curve_design as cd
+from analysis import curve_sizelaw as cs
 from analysis import curves as cv
 from analysis.curves import Curve, CurveError, CurveFit, CurveFitError, fit_curves, lr_per_step_from_samples
 
@@ -30,7 +32,7 @@ PAPER_25M = {"L0": 3.040, "A": 0.525, "alpha": 0.508, "B": 363.8, "C": 2.066, "b
 
 def _mpl(p: dict) -> CurveFit:
     z = np.array([p["L0"]] + [math.log(p[k]) for k in ("A", "alpha", "B", "C", "beta", "gamma")])
-    return CurveFit(model="mpl", names=list(cv._MODEL_PARAMS["mpl"]), z=z)
+    return CurveFit(model="mpl", names=list(cd.MODEL_PARAMS["mpl"]), z=z)
 
 
 def _load(size: str, name: str, params: float | None = None) -> Curve:
@@ -88,8 +90,8 @@ def test_lumped_loss_drop_matches_the_exact_sum(kind):
     lr = _schedule(kind)
     steps = np.arange(600, 12_000, 64)
     th = _mpl(PAPER_25M).z
-    exact = cv._Design("mpl", steps, lr, exact=True).predict(th)
-    lumped = cv._Design("mpl", steps, lr).predict(th)
+    exact = cd.Design("mpl", steps, lr, exact=True).predict(th)
+    lumped = cd.Design("mpl", steps, lr).predict(th)
     assert np.max(np.abs(lumped - exact) / exact) < 5e-5
 
 
@@ -187,9 +189,9 @@ def test_two_sizes_fit_a_size_law_that_predicts_each_size():
 def test_one_size_predicts_another_size_with_the_stated_chinchilla_prior():
     fit = fit_curves([_load("25M", n, 25e6) for n in TRAIN], size_prior="chinchilla")
     L0 = fit.curve_params()["L0"]
-    red = cv.CHINCHILLA_A * 25e6 ** -cv.CHINCHILLA_ALPHA
-    E = L0 * cv.CHINCHILLA_E / (cv.CHINCHILLA_E + red)
-    assert fit.curve_params(1e8)["L0"] == pytest.approx(E + (L0 - E) * 4.0 ** -cv.CHINCHILLA_ALPHA)
+    red = cs.CHINCHILLA_A * 25e6 ** -cs.CHINCHILLA_ALPHA
+    E = L0 * cs.CHINCHILLA_E / (cs.CHINCHILLA_E + red)
+    assert fit.curve_params(1e8)["L0"] == pytest.approx(E + (L0 - E) * 4.0 ** -cs.CHINCHILLA_ALPHA)
     c = _load("100M", "constant_24000", 1e8)
     err = np.abs(fit.predict_curve(c) / c.loss - 1).mean()
     assert 0 < err < 0.08  # reported in bench/curves_multipower.py; the prior is a guess
