@@ -253,6 +253,11 @@ class HardwareSpec(_Frozen):
     expected_mfu: float = Field(default=0.4, gt=0, le=1)
     task_cpus: float = Field(default=1, ge=0, description="Ray resources of one run")
     task_gpus: float = Field(default=0, ge=0)
+    # several processes for one run (a data x expert mesh: workers = dp * model.ep_size), started
+    # by Ray Train; task_cpus / task_gpus are then each worker's. Not part of the spec id.
+    workers: int = Field(default=1, gt=0, description="processes of one run (Ray Train workers)")
+    placement: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = Field(
+        default="PACK", description="how the workers are placed over the nodes (a Ray placement strategy)")
 
 
 class RunSettings(_Frozen):

@@ -31,6 +31,8 @@ from ladder import ledger, localray
 from ladder.errors import LadderError
 from ladder.experiment import Experiment, load_experiment
 from ladder.preflight import check_memory
+from ladder.train_launch import infeasible as workers_infeasible
+from ladder.train_launch import is_multi_worker, train_on_workers
 from core.spec import Spec
 
 DEFER_POLL_S = 2.0
@@ -82,6 +84,8 @@ def plan(root: Path, exp: Experiment, specs: list[Spec]) -> list[Planned]:
 
 # ---- feasibility -----------------------------------------------------------------------------------
 def resources_of(spec: Spec) -> dict[str, float]:
+    if is_multi_worker(spec):  # the task only launches its Ray Train job, whose workers hold the resources
+        return {}
     need = {"CPU": float(spec.hardware.task_cpus), "GPU": float(spec.hardware.task_gpus)}
     return {k: v for k, v in need.items() if v > 0}
 
@@ -92,6 +96,11 @@ def check_feasible(specs: list[Spec], nodes: list[dict]) -> None:
     alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", True))]
     problems = []
     for s in specs:
+        if is_multi_worker(s):
+            why = workers_infeasible(s, alive)
+            if why:
+                problems.append(why)
+            continue
         need = resources_of(s)
         if any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in alive):
             continue
@@ -151,7 +160,9 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
         _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time()})
         report({**base, "step": 0}, force=True)
         t0 = time.perf_counter()
-        for m in get_engine(spec.engine).train(spec, rd, resume=True):
+        steps = (train_on_workers(spec, rd) if is_multi_worker(spec)  # a Ray Train job of hardware.workers
+                 else get_engine(spec.engine).train(spec, rd, resume=True))
+        for m in steps:
             if last is None:
                 first_step = m.step
             last = m

@@ -1,0 +1,168 @@
+"""A Ray cluster of two nodes on this machine (`ray start --head` and `ray start --address`, two
+CPUs each) runs one spec as a 4-worker Ray Train job across both nodes, through the controller;
+a worker SIGKILLed mid-run is restarted with its group from the newest sharded checkpoint, and
+the run ends in the weights of an uninterrupted run of the same spec (4 ranks, no Ray)."""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+from rich.console import Console
+
+from core.spec import save_spec
+from engines.base import read_metrics, read_status
+from engines.torch.dist.checkpoint import latest_sharded, read_full
+from ladder import ledger
+from ladder.controller import submit
+from ladder.experiment import load_experiment
+from tests.engines.test_dist_mesh import DRIVER
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+RAY = str(Path(sys.executable).parent / "ray")
+STEPS = 12
+CHANGES = {"model.ep_size": 2, "model.dispatch": "capacity", "model.n_waves": 2, "model.capacity_factor_send": 1.0,
+           "model.capacity_factor_recv": 1.0, "model.init_std": 0.3, "hardware.workers": 4,
+           "hardware.task_cpus": 1, "run.eval_every": 6}
+
+
+def _ports(n: int) -> list[int]:
+    socks = [socket.socket() for _ in range(n)]
+    for s in socks:
+        s.bind(("127.0.0.1", 0))
+    ports = [s.getsockname()[1] for s in socks]
+    for s in socks:
+        s.close()
+    return ports
+
+
+def _node_args(head: bool, gcs: int) -> list[str]:
+    nm, om, rc, dg, dl, me, re_, lo = _ports(8)
+    args = [RAY, "start", "--block", "--num-cpus", "2", "--node-ip-address", "127.0.0.1",
+            "--node-manager-port", str(nm), "--object-manager-port", str(om), "--metrics-export-port", str(me),
+            "--dashboard-agent-grpc-port", str(dg), "--dashboard-agent-listen-port", str(dl),
+            "--runtime-env-agent-port", str(re_), "--min-worker-port", str(lo), "--max-worker-port", str(lo + 60),
+            "--disable-usage-stats"]
+    if head:
+        return args + ["--head", "--port", str(gcs), "--include-dashboard", "false", "--ray-client-server-port", str(rc),
+                       "--resources", json.dumps({"first_node": 1})]
+    return args + ["--address", f"127.0.0.1:{gcs}", "--resources", json.dumps({"second_node": 1})]
+
+
+@pytest.fixture(scope="module")
+def two_nodes():
+    """The address of a two-node cluster whose processes this fixture alone started and stops
+    (token authentication off: loopback, and the test's own processes only)."""
+    import ray
+
+    auth_before = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
+    gcs = _ports(1)[0]
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1",
+               RAY_TMPDIR=temp)
+    log = open(Path(temp) / "nodes.log", "wb")
+    head = subprocess.Popen(_node_args(True, gcs) + ["--temp-dir", temp], env=env, stdout=log, stderr=log,
+                            start_new_session=True)
+    procs = [head]
+    try:
+        deadline = time.time() + 90
+        while time.time() < deadline:
+            try:
+                socket.create_connection(("127.0.0.1", gcs), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        procs.append(subprocess.Popen(_node_args(False, gcs), env=env, stdout=log, stderr=log, start_new_session=True))
+        ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
+        deadline = time.time() + 90
+        while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
+            time.sleep(0.5)
+        assert len([n for n in ray.nodes() if n["Alive"]]) == 2, (Path(temp) / "nodes.log").read_text()[-3000:]
+        yield f"127.0.0.1:{gcs}"
+    finally:
+        ray.shutdown()
+        for p in reversed(procs):
+            try:
+                os.killpg(p.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+        for p in procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+        log.close()
+        shutil.rmtree(temp, ignore_errors=True)
+        if auth_before is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth_before
+
+
+def _uninterrupted(spec, root: Path) -> Path:
+    save_spec(spec, root / "spec.yaml")
+    run = root / "plain4"
+    jobs = [[4, [str(root / "spec.yaml"), "--run-dir", str(run), "--device", "cpu"]]]
+    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs)], cwd=ROOT, capture_output=True, text=True,
+                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1",
+                                                PYTHONPATH=str(ROOT)))
+    assert "CODES [[0, 0, 0, 0]]" in proc.stdout, proc.stderr[-3000:]
+    return run
+
+
+def test_a_four_worker_job_across_two_nodes_survives_a_killed_worker_with_the_same_weights(
+        two_nodes, write_experiment, seeded_root, tmp_path):
+    path = write_experiment("mesh", [("m4", CHANGES)], steps=STEPS, checkpoint_every=4)
+    spec = load_experiment(path).rungs[0]
+    run_dir = ledger.run_dir_for(seeded_root, "mesh", spec)
+    box: dict = {}
+
+    def go() -> None:
+        try:
+            box["r"] = submit(path, root=seeded_root, address=two_nodes, console=Console(file=io.StringIO()))
+        except BaseException as err:  # shown by the assertions below
+            box["error"] = err
+
+    th = threading.Thread(target=go)
+    th.start()
+    killed = None
+    deadline = time.time() + 400
+    while killed is None and time.time() < deadline and th.is_alive():
+        recs = read_metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+        if latest_sharded(run_dir) is not None and 5 <= len(recs) < STEPS - 2:
+            victim = json.loads((run_dir / "workers" / "rank2.json").read_text())
+            os.kill(victim["pid"], signal.SIGKILL)
+            killed = victim
+        time.sleep(0.05)
+    th.join(600)
+    assert killed is not None, f"no worker was killed mid-run: {box}"
+    assert "r" in box, box.get("error")
+    assert box["r"].ok, box["r"].outcomes
+    assert read_status(run_dir)["state"] == "finished"
+    ranks = [json.loads((run_dir / "workers" / f"rank{r}.json").read_text()) for r in range(4)]
+    assert len({r["node"] for r in ranks}) == 2  # the job spans both nodes
+    assert json.loads((run_dir / "workers" / "rank2.json").read_text())["pid"] != killed["pid"]  # restarted
+    assert [r["step"] for r in read_metrics(run_dir)] == list(range(STEPS))
+    plain = _uninterrupted(spec, tmp_path)
+    got, got_opt, state = read_full(latest_sharded(run_dir))
+    ref, ref_opt, _ = read_full(latest_sharded(plain))
+    assert state["step"] == STEPS
+    for k in ref:
+        assert np.array_equal(got[k], ref[k]), k
+    for k in ref_opt:
+        assert np.array_equal(got_opt[k], ref_opt[k]), k
