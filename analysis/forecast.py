@@ -29,6 +29,7 @@ import pandas as pd
 from core import costs
 from core.schedule import lr_at
 from core.spec import Spec
+from engines.epochs import repeat_warning
 
 LEVEL = 0.9
 Z90 = 1.6448536269514722
@@ -247,6 +248,9 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> dict:
         out["curve_model_error"] = f"{type(e).__name__}: {e}"
         out["trajectory"] = scaled_rung_trajectory(rungs, hero, final)
     out["grad_norm"] = grad_norm_envelope(rungs, hero)
+    repeated = [w for w in (repeat_warning(r.spec) for r in rungs) if w]  # rungs that saw data twice
+    if repeated:
+        out.setdefault("warnings", []).extend(repeated)
     substituted = [w for w in (r.final_eval_warning for r in rungs) if w]
     if substituted:
         out.setdefault("warnings", []).extend(substituted)

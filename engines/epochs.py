@@ -84,3 +84,12 @@ def repeats(spec: Spec) -> dict[str, float]:
     """Sources the spec reads more than data.max_epochs times (known counts only)."""
     e = spec_epochs(spec)
     return {n: x for n, x in e["epochs"].items() if x is not None and x > spec.data.max_epochs + 1e-9}
+
+
+def repeat_warning(spec: Spec) -> str | None:
+    """A forecast warning when the run read some source more than once (None otherwise)."""
+    over = {n: x for n, x in spec_epochs(spec)["epochs"].items() if x is not None and x > 1.0 + 1e-9}
+    if not over:
+        return None
+    return (f"rung {spec.name} repeated its data ({', '.join(f'{n} {x:.2f} epochs' for n, x in sorted(over.items()))}): "
+            "its loss measures memorisation as well as scaling")

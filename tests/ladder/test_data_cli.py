@@ -1,0 +1,125 @@
+"""`ladder data ...`, the epochs in `ladder plan`, and the data refusals of `validate` and `submit`."""
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from core.spec import save_spec
+from ladder.presets import micro_spec
+from tests.tokfix import build_tokenizer
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def ladder(*args, env=None, cwd=REPO):
+    return subprocess.run([sys.executable, "-m", "ladder.cli", *map(str, args)], capture_output=True, text=True,
+                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=300)
+
+
+def one_line_error(res, *needles):
+    assert res.returncode == 2, res.stderr
+    lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
+    assert len(lines) <= 2 and lines[0].startswith("error:") and "Traceback" not in res.stderr, res.stderr
+    text = " ".join(ln.strip() for ln in lines)  # a long line may wrap at the terminal width
+    for n in needles:
+        assert n in text, (n, text)
+
+
+@pytest.fixture(scope="module")
+def tok_path(tmp_path_factory):
+    return build_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer.json")
+
+
+def test_the_h200_plan_shows_a_tokenizer_and_at_most_one_epoch_for_every_run(tmp_path):
+    res = ladder("plan", "experiments/proxy_h200.py", "--json", env={"MOE_LADDER_CORPUS": str(tmp_path)})
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)["rungs"]
+    assert {r["role"] for r in rows} == {"rung", "hero"}
+    for r in rows:
+        d = r["data"]
+        assert d["tokenizer"].startswith("h200-16k") and "bytes" not in d["tokenizer"]
+        assert all(b.startswith("manifest") for b in d["basis"].values()), d["basis"]
+        assert all(0 < e <= 1.0 for e in d["epochs"].values()), (r["name"], d["epochs"])
+
+
+def test_marin_validates_and_plans_with_llama3_from_a_local_file(tmp_path, tok_path):
+    (tmp_path / "llama3").mkdir()
+    (tmp_path / "llama3" / "tokenizer.json").write_bytes(tok_path.read_bytes())
+    env = {"MOE_LADDER_TOKENIZERS": str(tmp_path)}
+    res = ladder("plan", "experiments/marin_535b.py", "--json", env=env)
+    assert res.returncode == 0, res.stderr
+    rows = json.loads(res.stdout)["rungs"]
+    assert len(rows) == 5 and all(r["data"]["tokenizer"] == "llama3 (512 ids)" for r in rows)
+    from ladder.experiment import load_experiment
+
+    hero = load_experiment(REPO / "experiments" / "marin_535b.py").hero
+    res = ladder("validate", save_spec(hero, tmp_path / "hero.yaml"), env=env)
+    assert res.returncode == 0 and "d6144: ok" in res.stdout, res.stderr
+
+
+def test_a_model_vocabulary_below_the_tokenizers_is_refused_at_validation(tmp_path, tok_path):
+    spec = save_spec(micro_spec(**{"data.tokenizer": str(tok_path)}), tmp_path / "s.yaml")
+    one_line_error(ladder("validate", spec), "model.vocab_size 256 is smaller than tokenizer", "512 ids")
+
+
+def test_a_missing_tokenizer_file_is_one_line_naming_it(tmp_path):
+    spec = save_spec(micro_spec(**{"data.tokenizer": str(tmp_path / "nope.json")}), tmp_path / "s.yaml")
+    one_line_error(ladder("data", "prepare", spec), f"{tmp_path / 'nope.json'} does not exist")
+
+
+def test_prepare_tokenizes_once_then_reuses_and_rejects_a_truncated_shard(tmp_path, tok_path):
+    text = tmp_path / "t.txt"
+    text.write_text(Path(__file__).read_text() * 5)
+    cache = tmp_path / "cache"
+    spec = micro_spec(**{"data.tokenizer": str(tok_path), "model.vocab_size": 512,
+                         "data.sources": [{"name": "t", "weight": 1.0, "paths": [str(text)]}]})
+    path = save_spec(spec, tmp_path / "s.yaml")
+    env = {"MOE_LADDER_CACHE": str(cache)}
+    first = ladder("data", "prepare", path, "--workers", "1", env=env)
+    assert first.returncode == 0 and "t: " in first.stdout and "MB/s" in first.stdout, first.stderr + first.stdout
+    again = ladder("data", "prepare", path, env=env)
+    assert again.returncode == 0 and "already prepared" in again.stdout
+    (part,) = cache.glob("shards/*/part-00000.bin")
+    part.write_bytes(part.read_bytes()[:-2])
+    one_line_error(ladder("data", "prepare", path, env=env), "data source 't'", str(part), "truncated")
+    fixed = ladder("data", "prepare", path, "--rebuild", env=env)
+    assert fixed.returncode == 0, fixed.stderr
+
+
+def test_an_empty_source_is_one_line_and_leaves_no_shards(tmp_path):
+    (tmp_path / "empty.txt").write_text("")
+    spec = micro_spec(**{"data.sources": [{"name": "blank", "weight": 1.0, "paths": [str(tmp_path / "empty.txt")]}]})
+    cache = tmp_path / "cache"
+    res = ladder("data", "prepare", save_spec(spec, tmp_path / "s.yaml"), env={"MOE_LADDER_CACHE": str(cache)})
+    one_line_error(res, "'blank' is empty")
+    assert not list(cache.glob("shards/*"))
+
+
+def test_submit_refuses_a_run_that_repeats_its_data(tmp_path):
+    text = tmp_path / "small.txt"
+    text.write_text("a small source of text, read many times over " * 200)
+    exp = tmp_path / "rep.py"
+    exp.write_text(textwrap.dedent(f"""
+        from ladder.experiment import Experiment
+        from ladder.presets import micro_spec
+        src = [{{"name": "small", "weight": 1.0, "paths": [{str(text)!r}]}}]
+        EXPERIMENT = Experiment(name="rep", rungs=(micro_spec("r1", **{{"data.sources": src}}),))
+    """))
+    res = ladder("submit", exp, "--dry-run", "--no-tracking", "--root", tmp_path / "root")
+    one_line_error(res, "r1: reads small", "epochs, more than data.max_epochs 1")
+
+
+def test_ladder_data_tokenizer_trains_a_byte_level_bpe(tmp_path):
+    out = tmp_path / "tok.json"
+    corpus = Path(__file__).with_name("test_data_cli.py")
+    res = ladder("data", "tokenizer", "--corpus", corpus, "--vocab-size", "300", "--out", out)
+    assert res.returncode == 0, res.stderr
+    from engines.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(str(out))
+    assert tok.vocab_size == 300 and tok.decode(tok.encode_docs([b"def ladder(*args)"])[0]) == "def ladder(*args)"
