@@ -69,7 +69,7 @@ from engines.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
 EVAL_TAG = 0x6576616C  # "eval"
 ROW_TAG = 0x726F7773  # "rows"
-FEISTEL_ROUNDS = 6
+FEISTEL_ROUNDS = 4  # with a strong round function, 4 rounds make a pseudo-random permutation (Luby-Rackoff)
 _M64 = (1 << 64) - 1
 
 
@@ -330,14 +330,19 @@ class TokenStream:
         c = c0[src] + (slots - (slot_ends[src] - (c1 - c0)[src]))  # the window's index in its segment
         block = self._before[g][src] + c // seg.per_block
         starts = np.empty(len(slots), np.int64)
-        for i in np.unique(src):
+        for i in range(len(self.names)):
             rows = np.nonzero(src == i)[0]
+            if not len(rows):
+                continue
             nb = int(self.n_blocks[i])
             epoch, local = np.divmod(block[rows], nb)
-            phys = np.empty_like(local)
-            for e in np.unique(epoch):
-                at = epoch == e
-                phys[at] = permute(local[at], nb, _key(self._perm_keys[i], int(e)))
+            if epoch.min() == epoch.max():  # all but the step that crosses an epoch's end
+                phys = permute(local, nb, _key(self._perm_keys[i], int(epoch[0])))
+            else:
+                phys = np.empty_like(local)
+                for e in range(int(epoch.min()), int(epoch.max()) + 1):
+                    at = epoch == e
+                    phys[at] = permute(local[at], nb, _key(self._perm_keys[i], e))
             starts[rows] = phys * self.block + (c[rows] % seg.per_block) * seg.window
         return src, starts
 
@@ -351,9 +356,10 @@ class TokenStream:
         B, window = self.batch_size_at(step), self.seq_len_at(step) + 1
         src, starts = self._rows(step, rank * B // world, (rank + 1) * B // world)
         out_BS1 = np.empty((len(src), window), np.int32)
-        for i in np.unique(src):
+        for i, name in enumerate(self.names):
             rows = np.nonzero(src == i)[0]
-            out_BS1[rows] = self.sources[self.names[i]].shards.gather(starts[rows], window)
+            if len(rows):
+                out_BS1[rows] = self.sources[name].shards.gather(starts[rows], window)
         return out_BS1
 
     def eval_batch(self, i: int) -> np.ndarray:

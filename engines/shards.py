@@ -184,6 +184,8 @@ def _prepare_parts(source, tok, files, out_dir, workers, progress, vocab_limit) 
     tok_arg = str(tok.path) if tok.path else "bytes"
     args = [(source.model_dump_json(), tok_arg, i, chunks[i], str(out_dir), vocab_limit) for i in todo]
     workers = max(1, min(workers or 1, len(todo)))
+    if mp.current_process().daemon:
+        workers = 1  # a daemonic process may not have children
     if workers == 1:
         for a in args:
             metas[a[2]] = _tokenize_chunk(*a)
@@ -298,9 +300,13 @@ class ShardSet:
         part_K = np.searchsorted(self.offsets, starts_K, side="right") - 1
         inside_K = starts_K + length <= self.offsets[np.minimum(part_K + 1, len(self.parts))]
         span_L = np.arange(length, dtype=np.int64)
-        for p in np.unique(part_K[inside_K]):
-            rows = np.nonzero(inside_K & (part_K == p))[0]
-            out_KL[rows] = self.parts[p][(starts_K[rows] - self.offsets[p])[:, None] + span_L]
+        inside = np.nonzero(inside_K)[0]
+        if len(inside):
+            lo, hi = int(part_K[inside].min()), int(part_K[inside].max())
+            for p in range(lo, hi + 1):
+                rows = inside if lo == hi else inside[part_K[inside] == p]
+                if len(rows):
+                    out_KL[rows] = self.parts[p][(starts_K[rows] - self.offsets[p])[:, None] + span_L]
         for r in np.nonzero(~inside_K)[0]:  # a window across a part boundary
             s, e, row, at = int(starts_K[r]), int(starts_K[r]) + length, out_KL[r], 0
             p = int(part_K[r])
