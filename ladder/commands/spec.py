@@ -20,11 +20,21 @@ def parse_sets(pairs: list[str] | None) -> dict:
         if "=" not in p:
             raise ValueError(f"--set {p!r}: expected FIELD=VALUE, e.g. --set data.total_tokens=1000000000")
         k, v = p.split("=", 1)
-        val = yaml.safe_load(v)
-        if isinstance(val, float) and val.is_integer() and "e" in v.lower():
-            val = int(val)  # 1e12 tokens is a whole number
-        out[k.strip()] = val
+        out[k.strip()] = _value(v.strip(), yaml)
     return out
+
+
+def _value(v: str, yaml):
+    """A number where it reads as one (1e12 is 10**12, a whole number), else a YAML scalar."""
+    try:
+        return int(v)
+    except ValueError:
+        pass
+    try:
+        x = float(v)
+        return int(x) if x.is_integer() and "e" in v.lower() else x
+    except ValueError:
+        return yaml.safe_load(v)
 
 
 @spec_app.command("from-run")

@@ -88,11 +88,19 @@ def band_forecast(path: Path, steps: int) -> Path:
     return path
 
 
-def test_compare_flags_an_olmo_core_runs_planted_spike_and_grad_norm_rise_and_follow_reads_only_new_steps(server, tmp_path):
-    spec_path = tmp_path / "olmoe.yaml"
-    made = cli("spec", "from-run", "--config", str(OLMO_CONFIG), "--name", "olmoe-1b7b", "--out", str(spec_path),
-               "--set", "data.total_tokens=4194304000", "--set", "schedule.warmup_steps=50", cwd=tmp_path)
+@pytest.fixture(scope="module")
+def spec_path(tmp_path_factory) -> Path:
+    """The run's spec, from OLMo-core's config.json: 1,000 steps of 1,024 x 4,096 tokens, 50 warmup."""
+    tmp = tmp_path_factory.mktemp("olmoe-spec")
+    path = tmp / "olmoe.yaml"
+    made = cli("spec", "from-run", "--config", str(OLMO_CONFIG), "--name", "olmoe-1b7b", "--out", str(path),
+               "--set", "data.total_tokens=4194304000", "--set", "schedule.warmup_steps=50", cwd=tmp)
     assert made.returncode == 0, made.stderr
+    return path
+
+
+def test_compare_flags_an_olmo_core_runs_planted_spike_and_grad_norm_rise_and_follow_reads_only_new_steps(
+        server, spec_path, tmp_path):
     forecast = band_forecast(tmp_path / "forecast.json", 1000)
     run_id = log_steps(tmp_path, server.uri, 1, FIRST_END)
 
@@ -127,3 +135,15 @@ def test_compare_flags_an_olmo_core_runs_planted_spike_and_grad_norm_rise_and_fo
     # every point was fetched once: the follow-up reads asked only for what was new
     assert report["source"]["points_fetched"] == 2 * LAST_STEP
     assert report["source"]["kind"] == "mlflow" and report["source"]["metric_names"] == "olmo-core"
+
+
+def test_replan_reads_an_mlflow_run_under_its_stacks_names_with_the_spec_from_its_config(server, spec_path, tmp_path):
+    run_id = log_steps(tmp_path, server.uri, 1, 200)
+    out = cli("replan", f"mlflow:{run_id}", "--tracking-uri", server.uri, "--metric-names", "olmo-core",
+              "--spec", str(spec_path), "--days", "30", "--tokens-per-s", "4e6", "--json", "--out", str(tmp_path / "rp"),
+              cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    plan = json.loads(out.stdout)
+    assert plan["run"]["step"] == 200 and plan["run"]["name"] == "olmoe-1b7b"
+    assert any(f["kind"] == "loss_spike" and f["first_step"] == SPIKE_STEP for f in plan["flags"])
+    assert plan["options"] and (tmp_path / "rp").is_dir()
