@@ -269,7 +269,7 @@ def test_a_forecast_files_ladder_curve_model_is_matched_to_the_run_and_used_when
     points could only extrapolate."""
     from analysis import curves
     from analysis.monitor import load_forecast
-    from analysis.replan import curve_forecaster
+    from analysis.run_forecaster import curve_forecaster
 
     spec = proxy_spec(steps=1000)
     lr_T = lr_at(spec, np.arange(1000))
@@ -296,7 +296,7 @@ def test_early_in_a_run_the_forecast_of_its_own_plan_anchors_the_level(tmp_path)
     level; the run's curve model only says how a shorter horizon moves it: down, by its earlier
     decay."""
     from analysis.monitor import load_forecast
-    from analysis.replan import curve_forecaster
+    from analysis.run_forecaster import curve_forecaster
 
     spec = proxy_spec(steps=1000)
     steps = np.arange(1000)
