@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean browser
+.PHONY: demo test setup clean browser corpus prepare-h200
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -18,6 +18,17 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	$(BIN)/ladder demo experiments/proxy_cpu.py --out report
+
+# The offline corpus (engines/corpus.py): installed packages' Python, prose and C/C++/CUDA, deduplicated,
+# as jsonl under $$MOE_LADDER_CORPUS (default ~/.cache/moe-ladder/corpus), with token counts under
+# the H200 ladder's tokenizer. Runs on a bare machine's python3 too: python3 -m engines.corpus build ...
+CORPUS ?= $(or $(MOE_LADDER_CORPUS),$(HOME)/.cache/moe-ladder/corpus)
+corpus:
+	$(or $(wildcard $(BIN)/python),$(PY)) -m engines.corpus build --out $(CORPUS) --tokenizer experiments/tokenizers/h200-16k.json
+
+# Tokenize the H200 ladder's sources into shards once (`make corpus` first).
+prepare-h200: $(STAMP)
+	MOE_LADDER_CORPUS=$(CORPUS) $(BIN)/ladder data prepare experiments/proxy_h200.py
 
 # The report test drives Debian's chromium through chromedriver (no browser download).
 browser:
