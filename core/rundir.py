@@ -30,8 +30,14 @@ CHECKPOINTS_DIR = "checkpoints"
 Warn = Callable[[str], None]
 
 
+_warned: set[str] = set()
+
+
 def _stderr(msg: str) -> None:
-    print(f"warning: {msg}", file=sys.stderr)
+    """One warning line on stderr, once per process (a command may read a file twice)."""
+    if msg not in _warned:
+        _warned.add(msg)
+        print(f"warning: {msg}", file=sys.stderr)
 
 
 def parse_metrics_lines(raw: bytes, path: Path | str, warn: Warn | None = _stderr,
@@ -117,23 +123,31 @@ class RunDir:
     def metrics_rows(self) -> int:
         return len(self.read_metrics(warn=None))
 
-    def last_metrics(self, chunk: int = 16384) -> dict | None:
-        """The last complete record, read from the file's end (cheap on long runs)."""
+    def last_metrics(self, chunk: int = 16384, warn: Warn | None = _stderr) -> dict | None:
+        """The last complete record, read from the file's end (cheap on long runs). Bad lines
+        passed over on the way are reported like read_metrics does (file:line), a torn last one not."""
         try:
             with open(self.metrics_path, "rb") as f:
                 f.seek(0, os.SEEK_END)
                 size = f.tell()
                 back = min(size, chunk)
                 while True:
-                    f.seek(size - back)
-                    lines = f.read(back).splitlines()
-                    for raw in reversed(lines[1:] if back < size else lines):
-                        try:
-                            rec = json.loads(raw.decode("utf-8"))
-                        except (UnicodeDecodeError, ValueError):
+                    start = size - back
+                    f.seek(start)
+                    lines = f.read(back).split(b"\n")
+                    first = 1 if back < size else 0  # a chunk's first line may begin mid-record
+                    for k in range(len(lines) - 1, first - 1, -1):
+                        raw = lines[k]
+                        if not raw.strip():
                             continue
-                        if isinstance(rec, dict):
-                            return rec
+                        torn = k == len(lines) - 1  # no newline after it: a writer may still be on it
+                        got = parse_metrics_lines(raw + (b"" if torn else b"\n"), self.metrics_path, warn=None)
+                        if got:
+                            return got[0]
+                        if not torn and warn is not None:
+                            f.seek(0)
+                            parse_metrics_lines(raw + b"\n", self.metrics_path, warn,
+                                                first_line=f.read(start).count(b"\n") + k + 1)
                     if back >= size:
                         return None
                     back = min(size, back * 4)
