@@ -91,18 +91,29 @@ def memory_per_gpu(
     hardware: HardwareSpec | None = None,
     micro_batch_seqs: int = 1,
     activation_checkpointing: bool = True,
+    mesh: tuple[int, int] | None = None,
 ) -> dict[str, float]:
     """Bytes per GPU: routed experts sharded over the EP domain, everything else (dense layers,
     embeddings) sharded over all GPUs ZeRO-3 style; activations for `micro_batch_seqs` sequences.
+    With mesh=(dp, ep), the (data x expert) mesh of engines/torch/dist: the dense parameters over
+    all dp * ep devices and each expert shard also over its dp replicas (FSDP2), so every
+    parameter, gradient and moment is split dp * ep ways.
     Activations per token per layer: the layer input kept for recomputation (2 bytes x d) with
-    checkpointing, else ~34 x d bytes (Korthikanti et al.) plus the routed rows at capacity."""
+    checkpointing, else ~34 x d bytes (Korthikanti et al.) plus the routed rows at capacity.
+    Also returned: "params_held" (parameters one device holds between steps) and
+    "optimizer_fp32" (the bytes of its fp32 AdamW moments)."""
     hw = hardware or spec.hardware
     m = spec.model
     pc = param_counts(m)
-    gpus = max(hw.n_gpus, 1)
-    ep = min(hw.ep_domain, gpus)
-    experts = pc["routed_experts"] / ep
-    rest = (pc["total"] - pc["routed_experts"]) / gpus
+    if mesh is not None:
+        dp, ep = mesh
+        experts = pc["routed_experts"] / (dp * ep)
+        rest = (pc["total"] - pc["routed_experts"]) / (dp * ep)
+    else:
+        gpus = max(hw.n_gpus, 1)
+        ep = min(hw.ep_domain, gpus)
+        experts = pc["routed_experts"] / ep
+        rest = (pc["total"] - pc["routed_experts"]) / gpus
     states = (experts + rest) * BYTES_PER_PARAM_TRAIN
     tokens_mb = micro_batch_seqs * spec.data.seq_len
     cap = max(m.capacity_factor_send, m.capacity_factor_recv) if m.dispatch == "capacity" else 1.0
@@ -113,6 +124,8 @@ def memory_per_gpu(
     acts += tokens_mb * (34 * m.d_model + routed_rows) + tokens_mb * m.vocab_size * 4
     return {
         "weights_grads_optimizer": states,
+        "params_held": experts + rest,
+        "optimizer_fp32": (experts + rest) * 8,
         "activations": acts,
         "total": states + acts,
         "fits": (states + acts) <= hw.hbm_gb * 2**30,

@@ -138,10 +138,10 @@ def train_mesh(spec: Spec, run_dir: str | Path, mc: MeshContext, resume: bool = 
     try:
         t_prev = time.perf_counter()
         for step in range(start, end):
-            batch = stream.batch(step)
-            check_mesh(m, mc.world, batch.shape[0])
-            n_tok = batch.shape[0] * (batch.shape[1] - 1)
-            x = torch.from_numpy(mc.local_batch(batch)).to(mc.device, dtype=torch.long)
+            check_mesh(m, mc.world, stream.batch_size_at(step))
+            n_tok = stream.batch_size_at(step) * stream.seq_len_at(step)
+            mine = stream.batch(step, rank=mc.stream_rank, world=mc.world)  # only this rank's rows are read
+            x = torch.from_numpy(mine).to(mc.device, dtype=torch.long)
             lr = float(lrs[step])
             for g in opt.param_groups:
                 g["lr"] = lr
