@@ -26,8 +26,14 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.metric_names import MetricNames
-from analysis.metrics_io import ALIASES, MetricsError, RunRef, finish_frame, read_metrics_frame, resolve_run
+os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # stdout is for --json
+from mlflow import MlflowClient  # noqa: E402
+from mlflow.exceptions import MlflowException  # noqa: E402
+from mlflow.utils.search_utils import SearchUtils  # noqa: E402
+
+from analysis.metric_names import MetricNames  # noqa: E402
+from analysis.metrics_io import ALIASES, MetricsError, RunRef, finish_frame, read_metrics_frame, resolve_run  # noqa: E402
+from core.spec import load_spec  # noqa: E402
 
 __all__ = ["MLFLOW_PREFIX", "FileSource", "MlflowSource", "open_source"]
 
@@ -81,10 +87,6 @@ class MlflowSource:
     _spec_read: bool = False
 
     def __post_init__(self) -> None:
-        os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")
-        from mlflow import MlflowClient
-        from mlflow.exceptions import MlflowException
-
         for name in ("mlflow", "alembic", "urllib3"):
             logging.getLogger(name).setLevel(logging.WARNING)
         self.client = MlflowClient(tracking_uri=self.uri)
@@ -117,14 +119,19 @@ class MlflowSource:
 
     def _fetch(self, key: str) -> None:
         """The points of `key` past those already read, page by page."""
-        from mlflow.utils.search_utils import SearchUtils
-
-        store = self.client._tracking_client.store  # the paged call; MlflowClient's own fetches all pages at once
+        # The tracking store's own paged call (GetMetricHistory with max_results and a page token,
+        # an offset into the history in (timestamp, step) order); MlflowClient.get_metric_history
+        # has no page arguments and fetches every page at once.
+        store = getattr(getattr(self.client, "_tracking_client", None), "store", None)
         offset = self._offset.get(key, 0)
         values = self._values.setdefault(key, {})
         while True:
-            token = SearchUtils.create_page_token(offset).decode() if offset else None
-            page = store.get_metric_history(self.run_id, key, max_results=self.page_size, page_token=token)
+            if store is not None:
+                token = SearchUtils.create_page_token(offset).decode() if offset else None
+                page = store.get_metric_history(self.run_id, key, max_results=self.page_size, page_token=token)
+                more = bool(page.token) and len(page) > 0
+            else:  # a client without a reachable store: the whole history, keeping what is new
+                page, more = self.client.get_metric_history(self.run_id, key)[offset:], False
             self.requests += 1
             for m in page:
                 values[int(m.step)] = float(m.value)
@@ -133,7 +140,7 @@ class MlflowSource:
                     self._times[int(m.step)] = t
             offset += len(page)
             self.points_fetched += len(page)
-            if not page.token or not len(page):
+            if not more:
                 break
         self._offset[key] = offset
 
@@ -173,8 +180,6 @@ class MlflowSource:
         return self._spec
 
     def _artifact_spec(self) -> Any:
-        from core.spec import load_spec
-
         try:
             names = [a.path for a in self.client.list_artifacts(self.run_id)]
         except Exception:

@@ -26,7 +26,8 @@ def log(c: MlflowClient, run_id: str, first: int, last: int, t0: int = 1_700_000
 def run(seeded_root):
     uri = f"sqlite:///{seeded_root / 'mlflow.db'}"
     c = MlflowClient(tracking_uri=uri)
-    run_id = c.create_run(c.create_experiment("paging")).info.run_id
+    exp_id = c.create_experiment("paging", artifact_location=(seeded_root / "artifacts").as_uri())
+    run_id = c.create_run(exp_id).info.run_id
     return uri, c, run_id
 
 
@@ -64,3 +65,14 @@ def test_an_unknown_run_id_is_one_clear_error(run):
     uri, _, _ = run
     with pytest.raises(MetricsError, match="no such run"):
         open_source("mlflow:0123456789abcdef", tracking_uri=uri)
+
+
+def test_a_run_this_project_logged_brings_its_spec_from_its_artifact(run, tmp_path):
+    from core.spec import save_spec
+    from ladder.presets import micro_spec
+
+    uri, c, run_id = run
+    spec = micro_spec("logged")
+    save_spec(spec, tmp_path / "spec.yaml")
+    c.log_artifact(run_id, str(tmp_path / "spec.yaml"))
+    assert MlflowSource(uri, run_id).spec.id == spec.id
