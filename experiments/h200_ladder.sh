@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The H200 ladder end to end on one GPU machine (`make h200-ladder`), or one phase of it:
+#
+#   bash experiments/h200_ladder.sh [all|data|rungs|hero|pack OUT_DIR]
+#
+#   data   the offline package corpus (engines.corpus) and its token shards, unless present
+#   rungs  the four rungs, one after another (ladder submit --local), finished ones skipped
+#   hero   the hero, after the rungs
+#   pack   metrics.jsonl, status.json and spec.yaml of every run (no checkpoints) into
+#          OUT_DIR/h200_ladder.tar.gz, with the corpus manifest and the plan
+#
+# Environment: LADDER (the ladder command; default .venv/bin/ladder, else python3 -m ladder.cli),
+# PY (python for engines.corpus), MOE_LADDER_CORPUS (default ~/.cache/moe-ladder/corpus),
+# LADDER_ROOT (default ./.ladder), TRACKING (set to 0 for --no-tracking, e.g. where MLflow is
+# not installed; `ladder sync proxy_h200` uploads the run dirs later).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+EXP=experiments/proxy_h200.py
+TOK=experiments/tokenizers/h200-16k.json
+export MOE_LADDER_CORPUS="${MOE_LADDER_CORPUS:-$HOME/.cache/moe-ladder/corpus}"
+if [ -z "${LADDER:-}" ]; then
+  if [ -x .venv/bin/ladder ]; then LADDER=.venv/bin/ladder; else LADDER="python3 -m ladder.cli"; fi
+fi
+PY="${PY:-$( [ -x .venv/bin/python ] && echo .venv/bin/python || echo python3 )}"
+TRACK=()
+[ "${TRACKING:-1}" = 0 ] && TRACK=(--no-tracking)
+stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
+
+data() {
+  if [ ! -f "$MOE_LADDER_CORPUS/manifest.json" ]; then
+    stamp "building the corpus under $MOE_LADDER_CORPUS"
+    $PY -m engines.corpus build --out "$MOE_LADDER_CORPUS" --tokenizer "$TOK"
+  fi
+  stamp "token shards"
+  $LADDER data prepare "$EXP"
+  $LADDER plan "$EXP"
+}
+
+rungs() { stamp "rungs"; $LADDER submit "$EXP" --local "${TRACK[@]}"; }
+hero() { stamp "hero"; $LADDER submit "$EXP" --local --only '^hero-' "${TRACK[@]}"; }
+
+pack() {
+  local out="$1" root="${LADDER_ROOT:-.ladder}"
+  mkdir -p "$out"
+  tar czf "$out/h200_ladder.tar.gz" --exclude=checkpoints --exclude='*.tmp' -C "$root/runs" proxy_h200
+  cp "$MOE_LADDER_CORPUS/manifest.json" "$out/corpus_manifest.json"
+  $LADDER plan "$EXP" --json > "$out/plan.json"
+  stamp "packed into $out"
+}
+
+case "${1:-all}" in
+  all) data; rungs; hero ;;
+  data) data ;;
+  rungs) rungs ;;
+  hero) hero ;;
+  pack) pack "${2:?pack needs an output directory}" ;;
+  *) echo "usage: $0 [all|data|rungs|hero|pack OUT_DIR]" >&2; exit 2 ;;
+esac
