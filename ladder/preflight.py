@@ -14,12 +14,16 @@ def memory_problem(spec: Spec) -> str | None:
     mem = costs.memory_per_gpu(spec)
     if mem["fits"]:
         return None
-    gb = 2**30
     hw = spec.hardware
-    return (f"spec {spec.name} needs an estimated {mem['total'] / gb:,.1f} GB per device (weights, gradients and "
-            f"optimizer state {mem['weights_grads_optimizer'] / gb:,.1f} GB, activations {mem['activations'] / gb:,.1f} GB) "
+    return (f"spec {spec.name} needs an estimated {_gb(mem['total'])} GB per device (weights, gradients and "
+            f"optimizer state {_gb(mem['weights_grads_optimizer'])} GB, activations {_gb(mem['activations'])} GB) "
             f"but hardware.hbm_gb is {hw.hbm_gb:g} GB on {max(hw.n_gpus, 1)} device(s): shard it over more devices "
             f"(hardware.n_gpus, hardware.ep_domain) or make the model smaller")
+
+
+def _gb(n_bytes: float) -> str:
+    gb = n_bytes / 2**30
+    return f"{gb:,.1f}" if gb >= 10 else f"{gb:.3g}"
 
 
 def check_memory(specs: list[Spec]) -> None:

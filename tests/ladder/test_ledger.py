@@ -178,3 +178,22 @@ def test_racing_processes_claim_a_spec_exactly_once(tmp_path):
         p.kill()
         p.wait()
     assert sorted(answers) == ["busy"] * 5 + ["got"]
+
+
+@pytest.mark.parametrize("parts", [("..", "x"), ("a/../../b",), ("",), (".",), ("a/b",), ("..",)])
+def test_a_path_the_ledger_builds_never_leaves_its_root(tmp_path, parts):
+    from ladder.errors import LadderError
+
+    with pytest.raises(LadderError, match="does not stay inside"):
+        ledger.inside(tmp_path, *parts)
+
+
+def test_an_experiment_name_that_would_escape_the_ledger_is_refused_where_the_experiment_is_made():
+    from core.spec import SpecError
+    from ladder.experiment import Experiment
+    from ladder.presets import micro_spec
+
+    with pytest.raises(SpecError, match="not a safe name"):
+        Experiment(name="../../escape", rungs=(micro_spec("a"),))
+    with pytest.raises(ValueError, match="not a safe name"):
+        micro_spec("../a")
