@@ -95,7 +95,8 @@ def memory_per_gpu(
 ) -> dict[str, float]:
     """Bytes per GPU: routed experts sharded over the EP domain, everything else (dense layers,
     embeddings) sharded over all GPUs ZeRO-3 style; activations for `micro_batch_seqs` sequences.
-    With mesh=(dp, ep), the (data x expert) mesh of engines/torch/dist: the dense parameters over
+    With mesh=(dp, ep) (default: hardware.workers / model.ep_size by model.ep_size for a spec of
+    several workers), the (data x expert) mesh of engines/torch/dist: the dense parameters over
     all dp * ep devices and each expert shard also over its dp replicas (FSDP2), so every
     parameter, gradient and moment is split dp * ep ways.
     Activations per token per layer: the layer input kept for recomputation (2 bytes x d) with
@@ -105,6 +106,8 @@ def memory_per_gpu(
     hw = hardware or spec.hardware
     m = spec.model
     pc = param_counts(m)
+    if mesh is None and hw.workers > 1 and hw.workers % m.ep_size == 0:  # a mesh run of several workers
+        mesh = (hw.workers // m.ep_size, m.ep_size)
     if mesh is not None:
         dp, ep = mesh
         experts = pc["routed_experts"] / (dp * ep)

@@ -60,3 +60,12 @@ def test_several_workers_need_the_torch_engine():
 def test_an_unknown_placement_is_a_validation_error_naming_the_field():
     with pytest.raises(Exception, match="placement"):
         Spec.model_validate({**micro_spec("m").model_dump(), "hardware": {"placement": "ANYWHERE"}})
+
+
+def test_the_plans_memory_per_device_splits_everything_over_a_workers_mesh():
+    from core.costs import memory_per_gpu
+
+    one = memory_per_gpu(micro_spec("m", **{"model.ep_size": 2}))
+    four = memory_per_gpu(micro_spec("m", **MESH))
+    assert four["params_held"] == pytest.approx(one["params_held"] / 4, rel=1e-12)
+    assert four == memory_per_gpu(micro_spec("m", **MESH), mesh=(2, 2))
