@@ -25,6 +25,15 @@ train_module, trainer, init_seed), each nested config with its class under `_CLA
 | schedule | train_module.scheduler: CosWithWarmup -> cosine, LinearWithWarmup -> linear, WSD -> wsd, ConstantWithWarmup -> constant; warmup (steps) or warmup_fraction; alpha_f (or WSD's decay_min_lr / lr) -> min_lr_ratio; WSD decay_fraction -> decay_start_frac |
 | seed | init_seed |
 
+Levanter (and Marin, which trains with it) reads a draccus YAML (`levanter.main.train_lm`'s
+TrainLmConfig): model (`type: mixtral` or a dense type: hidden_dim, intermediate_dim, num_layers,
+num_heads, num_kv_heads, seq_len, n_routed_experts, num_experts_per_tok, n_shared_experts, lbl_coef,
+rzl_coef, initializer_range, layer_norm_epsilon, rope.theta), trainer (train_batch_size in sequences,
+num_train_steps, seed), optimizer (learning_rate, weight_decay, beta1, beta2, epsilon,
+max_grad_norm, warmup as steps or a fraction, min_lr_ratio, lr_schedule cosine | linear | constant,
+`decay` as steps or a fraction: a linear decay over it is WSD here), z_loss_weight. Levanter takes
+the vocabulary from its tokenizer, so `model.vocab_size` comes from `--set`.
+
 A dense model (feed_forward, no feed_forward_moe) becomes one routed expert, top-1. The data
 source is named after the dataset's mix (or `data`) with the dataset's paths as given: the spec
 describes the run; it is not a recipe to train it here. Anything missing, or to be changed, comes
@@ -38,13 +47,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
+from core.spec import Spec, SpecError, spec_from_dict
 
-from core.spec import Spec, SpecError, format_validation_error, spec_from_dict
+__all__ = ["STACKS", "StackConfigError", "load_stack_config", "spec_from_levanter", "spec_from_olmo_core", "spec_from_stack"]
 
-__all__ = ["STACKS", "StackConfigError", "load_stack_config", "spec_from_olmo_core"]
-
-STACKS = ("olmo-core",)
+STACKS = ("olmo-core", "levanter", "marin")
 
 
 class StackConfigError(ValueError):
@@ -59,6 +66,11 @@ def _get(d: Any, path: str, origin: str, default: Any = ..., types: tuple = (int
                 raise StackConfigError(f"{origin}: no {path} in the config")
             return default
         node = node[part]
+    if types == (int, float) and isinstance(node, str):
+        try:  # YAML 1.1 reads 6e-4 (no dot) as a string
+            node = float(node) if any(ch in node for ch in ".eE") else int(node)
+        except ValueError:
+            pass
     if types and not (isinstance(node, types) and not isinstance(node, bool)):
         raise StackConfigError(f"{origin}: {path} is {node!r}, expected a number")
     return node
@@ -210,15 +222,92 @@ def spec_from_olmo_core(cfg: dict, name: str, overrides: dict[str, Any] | None =
         },
         "schedule": _schedule(tm, float(peak), origin),
     }
+    return _validated(spec_dict, overrides, origin)
+
+
+def _validated(spec_dict: dict, overrides: dict[str, Any], origin: str) -> Spec:
+    """The spec from the config's fields with the overrides applied, validated once."""
     try:
-        spec = spec_from_dict(spec_dict, origin)
-        return spec.replace(**overrides) if overrides else spec
-    except ValidationError as e:
-        raise StackConfigError(f"{origin}: invalid spec: {format_validation_error(e)}") from None
+        node_data = spec_dict
+        for dotted, value in overrides.items():
+            node = node_data
+            *parents, leaf = dotted.split(".")
+            for p in parents:
+                node = node.setdefault(p, {})
+                if not isinstance(node, dict):
+                    raise StackConfigError(f"{origin}: --set {dotted}: {p} is not a section")
+            node[leaf] = value
+        return spec_from_dict(node_data, origin)
     except SpecError as e:
         raise StackConfigError(str(e)) from None
-    except KeyError as e:
-        raise StackConfigError(f"{origin}: --set names an unknown field {e}") from None
+
+
+def spec_from_levanter(cfg: dict, name: str, overrides: dict[str, Any] | None = None, origin: str = "config") -> Spec:
+    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
+        raise StackConfigError(f"{origin}: no model section (is this a Levanter train_lm config?)")
+    overrides = dict(overrides or {})
+    if "model.vocab_size" not in overrides:
+        raise StackConfigError(f"{origin}: Levanter takes the vocabulary from its tokenizer; give --set model.vocab_size=N")
+    m, tr, opt = cfg["model"], cfg.get("trainer") or {}, cfg.get("optimizer") or {}
+    d_model, n_heads = _get(m, "hidden_dim", origin, 4096), _get(m, "num_heads", origin, 32)
+    moe = "n_routed_experts" in m or str(m.get("type", "")).lower() in ("mixtral", "olmoe", "qwen3_moe")
+    steps = _get(tr, "num_train_steps", origin + " trainer")
+    batch = _get(tr, "train_batch_size", origin + " trainer")
+    seq = _get(m, "seq_len", origin, 4096)
+    warm = _get(opt, "warmup", origin, 0.01)
+    decay = _get(opt, "decay", origin, None)
+    shape = str(opt.get("lr_schedule", "cosine")).lower()
+    sched: dict[str, Any] = {"min_lr_ratio": float(_get(opt, "min_lr_ratio", origin, 0.1))}
+    sched.update({"warmup_frac": float(warm)} if 0 < warm < 1 else {"warmup_steps": int(warm)})
+    if shape == "constant":
+        sched.update({"decay": "constant", "min_lr_ratio": 1.0})
+    elif decay is None and shape in ("cosine", "linear"):
+        sched["decay"] = shape
+    elif decay is not None and shape == "linear":
+        frac = float(decay) if decay < 1 else float(decay) / steps
+        sched.update({"decay": "wsd", "decay_start_frac": 1.0 - frac})
+    else:
+        raise StackConfigError(f"{origin}: optimizer lr_schedule {shape!r}" + (f" with decay {decay}" if decay is not None else "")
+                               + " is not one this project models; give --set schedule.*")
+    spec_dict: dict[str, Any] = {
+        "name": name,
+        "seed": int(_get(tr, "seed", origin, 0)),
+        "model": {
+            "n_layers": _get(m, "num_layers", origin, 32), "d_model": d_model, "n_heads": n_heads,
+            "n_kv_heads": _get(m, "num_kv_heads", origin, n_heads), "head_dim": _get(m, "head_dim", origin, d_model // n_heads),
+            "vocab_size": 256, "init_std": _get(m, "initializer_range", origin, 0.02),
+            "norm_eps": _get(m, "layer_norm_epsilon", origin, 1e-5), "rope_theta": _get(m, "rope.theta", origin, 10000.0),
+            "n_routed_experts": _get(m, "n_routed_experts", origin, 8) if moe else 1,
+            "top_k": _get(m, "num_experts_per_tok", origin, 2) if moe else 1,
+            "expert_hidden": _get(m, "intermediate_dim", origin, 14336),
+            "n_shared_experts": _get(m, "n_shared_experts", origin, 0) if moe else 0,
+        },
+        "data": {
+            "sources": [{"name": "data", "weight": 1.0, "paths": [origin]}],
+            "seq_len": int(seq), "batch_size": int(batch), "total_tokens": int(steps) * int(batch) * int(seq),
+        },
+        "optim": {
+            "peak_lr": float(_get(opt, "learning_rate", origin, 6e-4)), "beta1": float(_get(opt, "beta1", origin, 0.9)),
+            "beta2": float(_get(opt, "beta2", origin, 0.95)), "eps": float(_get(opt, "epsilon", origin, 1e-8)),
+            "weight_decay": float(_get(opt, "weight_decay", origin, 0.1)),
+            "grad_clip": float(_get(opt, "max_grad_norm", origin, None) or 1e9),
+            "z_loss": float(_get(cfg, "z_loss_weight", origin, 0.0)),
+            "aux_loss": float(_get(m, "lbl_coef", origin, 0.01) or 0.0) if moe else 0.0,
+            "router_z_loss": float(_get(m, "rzl_coef", origin, 0.001) or 0.0) if moe else 0.0,
+        },
+        "schedule": sched,
+    }
+    if spec_dict["model"]["n_shared_experts"]:
+        spec_dict["model"]["shared_hidden"] = spec_dict["model"]["expert_hidden"]
+    return _validated(spec_dict, overrides, origin)
+
+
+def spec_from_stack(stack: str, cfg: Any, name: str, overrides: dict[str, Any] | None = None, origin: str = "config") -> Spec:
+    if stack == "olmo-core":
+        return spec_from_olmo_core(cfg, name, overrides, origin)
+    if stack in ("levanter", "marin"):
+        return spec_from_levanter(cfg, name, overrides, origin)
+    raise StackConfigError(f"--stack {stack!r}: known stacks are {', '.join(STACKS)}")
 
 
 def load_stack_config(path: str | Path) -> dict:

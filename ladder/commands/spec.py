@@ -39,22 +39,23 @@ def _value(v: str, yaml):
 
 @spec_app.command("from-run")
 def from_run_cmd(
-    config: Path = typer.Option(..., "--config", help="the stack's config file (OLMo-core: the experiment's config.json)"),
+    config: Path = typer.Option(..., "--config", help="the stack's config (OLMo-core: the experiment's config.json; "
+                                "Levanter/Marin: the train_lm YAML)"),
     name: str = typer.Option(..., "--name", help="the spec's name (letters, digits, . _ + -)"),
-    stack: str = typer.Option("olmo-core", "--stack", help="which stack wrote the config (olmo-core)"),
+    stack: str = typer.Option("olmo-core", "--stack", help="which stack wrote the config: olmo-core, levanter, marin"),
     out: Path = typer.Option(..., "--out", help="where to write the spec YAML"),
     sets: Optional[list[str]] = typer.Option(None, "--set", help="change or add a field, FIELD=VALUE (repeatable)"),
     role: str = typer.Option("hero", "--role", help="rung, hero or branch"),
 ) -> None:
     """Write a spec YAML for a run another stack trains, from its config file and a few flags."""
     from core.fsutil import atomic_write_text
-    from ladder.stack_config import STACKS, load_stack_config, spec_from_olmo_core
+    from ladder.stack_config import STACKS, load_stack_config, spec_from_stack
 
     if stack not in STACKS:
         raise ValueError(f"--stack {stack!r}: known stacks are {', '.join(STACKS)}")
     if out.is_dir():
         raise ValueError(f"--out {out}: is a directory; give the spec file's path")
-    spec = spec_from_olmo_core(load_stack_config(config), name, {"role": role, **parse_sets(sets)}, str(config))
+    spec = spec_from_stack(stack, load_stack_config(config), name, {"role": role, **parse_sets(sets)}, str(config))
     atomic_write_text(out, spec.to_yaml())
     typer.echo(f"{out}: spec {spec.name} ({spec.id}), {spec.total_steps} steps of {spec.data.tokens_per_step} tokens, "
                f"{spec.schedule.decay} decay to {spec.schedule.min_lr_ratio:g} x {spec.optim.peak_lr:g}")

@@ -73,3 +73,25 @@ def test_the_cli_writes_a_loadable_spec_with_overrides_and_refuses_a_bad_field_i
     lines = bad.stderr.strip().splitlines()
     assert len(lines) == 1 and "peak_lr" in lines[0], bad.stderr
     assert not (tmp_path / "t.yaml").exists()
+
+
+LEVANTER = Path(__file__).parent / "data" / "levanter_moe_config.yaml"
+
+
+def test_a_levanter_moe_config_gives_the_d768_rungs_shape_and_linear_decay_to_5_percent():
+    from ladder.stack_config import load_stack_config, spec_from_levanter
+
+    spec = spec_from_levanter(load_stack_config(LEVANTER), "d768", {"model.vocab_size": 128256}, str(LEVANTER))
+    m, d, o, s = spec.model, spec.data, spec.optim, spec.schedule
+    assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.n_routed_experts, m.top_k, m.n_shared_experts) == \
+        (8, 768, 6, 1, 64, 8, 2)
+    assert (d.seq_len, d.batch_size, spec.total_steps) == (4096, 1024, 11420)
+    assert (o.peak_lr, o.beta2, o.z_loss) == (3e-3, 0.98, 1e-4)
+    assert (s.decay, s.warmup_frac, s.min_lr_ratio) == ("linear", 0.01, 0.05)
+
+
+def test_a_levanter_config_without_the_vocabulary_asks_for_it():
+    from ladder.stack_config import load_stack_config, spec_from_levanter
+
+    with pytest.raises(StackConfigError, match="model.vocab_size"):
+        spec_from_levanter(load_stack_config(LEVANTER), "d768", {}, str(LEVANTER))
