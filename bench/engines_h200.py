@@ -73,7 +73,7 @@ BASE_MODEL = {
 TINY_MODEL = {"n_layers": 2, "d_model": 64, "n_heads": 4, "n_kv_heads": 4, "head_dim": 16, "vocab_size": 512,
               "n_routed_experts": 16, "top_k": 2, "expert_hidden": 32}
 DEVICE = "cuda"
-PEERS = ("olmo-core", "torchtitan")
+PEERS = ("olmo-core", "torchtitan")  # and olmo-core_v1, counted as OLMo-core
 
 
 def d768_model(tiny: bool = False) -> dict:
@@ -256,20 +256,38 @@ def env_vars(env: dict | None):
                 os.environ[k] = v
 
 
-def torch_trainer(spec):
+def torch_options(options: dict | None = None, env: dict | None = None):
+    """The torch engine's EngineOptions for a variant: the environment's switches with the
+    variant's env on top (MOE_LADDER_TORCH_MASTER, MOE_LADDER_TORCH_COMPILE, ...), then its kernel
+    choices (engines/options.TorchKernels fields; MOE_LADDER_TORCH_ADAMW in env sets `adamw`)."""
+    import dataclasses
+
+    from engines.options import EngineOptions
+
+    env = dict(env or {})
+    base = EngineOptions.from_env({**os.environ, **env})
+    kernels = dict(options or {})
+    if env.get("MOE_LADDER_TORCH_ADAMW"):
+        kernels["adamw"] = env["MOE_LADDER_TORCH_ADAMW"]
+    return base.replace(torch_kernels=dataclasses.replace(base.torch_kernels, **kernels))
+
+
+def torch_trainer(spec, options=None):
     """The torch engine's own step on a fresh model at the peak LR: (launch(batch) -> handle,
     read(handle) -> (loss, send drop share, receive drop share)); launch queues the forward,
-    backward and update (engine.launch_step + queue_update), read is the step's host sync."""
+    backward and update (engine.launch_step + queue_update), read is the step's host sync.
+    options: an engines.options.EngineOptions (default: the environment's switches)."""
     import torch
 
     from engines.torch.engine import build_optimizer, launch_step, make_loss_fn, queue_update, read_step, to_device
     from engines.torch.model import MoETransformer, init_params
 
+    options = options or torch_options()
     device = torch.device(DEVICE)
     model = MoETransformer(spec.model).to(device)
     model.load_numpy(init_params(spec.model, spec.seed))
-    opt = build_optimizer(model, spec)
-    loss_fn = make_loss_fn(model, device, opt)
+    opt = build_optimizer(model, spec, options=options)
+    loss_fn = make_loss_fn(model, device, opt, options)
     for g in opt.param_groups:
         g["lr"] = spec.optim.peak_lr
 
@@ -341,19 +359,18 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
               adamw_block: int | None = None, profile_steps: int = 0):
     import torch
 
-    from engines.torch import adamw_kernel, fast
+    from engines.torch import adamw_kernel
 
-    saved, saved_block = fast.OPTIONS, dict(adamw_kernel.BLOCK)
+    saved_block = dict(adamw_kernel.BLOCK)
     if adamw_block:
         adamw_kernel.BLOCK.update({k: adamw_block for k in adamw_kernel.BLOCK})
-    if options:
-        fast.OPTIONS = fast.FastOptions(**{**vars(saved), **options})
+    opts = torch_options(options, env)
     try:
         with env_vars(env):  # switches the engine reads as it builds and steps
             torch._dynamo.reset()
-            launch, read = torch_trainer(spec)
+            launch, read = torch_trainer(spec, opts)
             out, dt, t_warm = timed_loop(launch, read, batches, warmup, sync)
-            info = {"options": vars(fast.OPTIONS), "env": dict(env or {}),
+            info = {"options": opts.to_dict(), "env": dict(env or {}),
                     "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
                     "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]])),
                     "tokens_per_s_read_at_once": read_at_once_tps(launch, read, batches[warmup:], sync)}
@@ -363,7 +380,6 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
             del launch, read
             return [o[0] for o in out], dt, t_warm, info
     finally:
-        fast.OPTIONS = saved
         adamw_kernel.BLOCK.update(saved_block)
         torch._dynamo.reset()  # compiled graphs can hold the model's tensors; JAX runs next
         gc.collect()
@@ -397,7 +413,8 @@ def run_peer(spec, batches, warmup, peer: str, **kw):
 
     import peers
 
-    trainer = {"olmo-core": peers.olmo_trainer, "torchtitan": peers.titan_trainer}[peer]
+    trainer = {"olmo-core": peers.olmo_trainer, "olmo-core_v1": peers.olmo_v1_trainer,
+               "torchtitan": peers.titan_trainer}[peer]
     try:
         torch._dynamo.reset()
         launch, read, info = trainer(spec, DEVICE, **kw)
@@ -493,7 +510,12 @@ def step_breakdown(launch, read, batches, m: dict, steps: int) -> dict:
         cats["dense GEMM"] = cats.get("dense GEMM", 0.0) - t
         cats[owner] = cats.get(owner, 0.0) + t
     busy = sum(kern.values())
-    return {"steps": steps, "wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy / 1e3 / steps,
+    d, L = m["d_model"], m["n_layers"]
+    dense = L * (d * m["n_heads"] * m["head_dim"] * 2 + d * m["n_kv_heads"] * m["head_dim"] * 2
+                 + d * m["n_routed_experts"] + (2 * d * m["latent_dim"] if m.get("latent_dim") else 0)
+                 + m.get("n_shared_experts", 0) * 3 * d * (m.get("shared_hidden") or 0))
+    head_share = d * m["vocab_size"] / (d * m["vocab_size"] + dense)
+    return {"steps": steps, "head_share_of_dense_gemm_flops": head_share, "wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy / 1e3 / steps,
             "categories_ms_per_step": {c: v / 1e3 / steps for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
             "moved_by_shape_ms_per_step": {c: v / 1e3 / steps for c, v in moved.items()},
             "top_kernels_ms_per_step": [(k[:150], kernel_category(k), v / 1e3 / steps)
@@ -510,6 +532,10 @@ def breakdown_md(variant: str, key, b: dict) -> str:
     if b["moved_by_shape_ms_per_step"]:
         lines += ["", "Dense GEMMs counted by their op's shapes: " + ", ".join(
             f"{c} {v:.2f} ms" for c, v in b["moved_by_shape_ms_per_step"].items())]
+    else:
+        lines += ["", "No dense GEMM was attributed by shape (CUDA graph replays have no launching op): the "
+                  f"output head is {b['head_share_of_dense_gemm_flops']:.0%} of the dense GEMMs' FLOPs "
+                  "(the rest: attention projections, router, latent projections, shared experts)."]
     lines += ["", "| kernel | part | ms/step |", "|---|---|---:|"]
     lines += [f"| `{k}` | {c} | {v:.2f} |" for k, c, v in b["top_kernels_ms_per_step"]]
     return "\n".join(lines) + "\n"
@@ -535,6 +561,7 @@ def main(argv=None) -> int:
     ap.add_argument("--tiny", action="store_true", help="a tiny model (a smoke run; the CPU if no GPU)")
     ap.add_argument("--shape", default="olmoe", choices=("olmoe", "d768"), help="the shape of the --only list")
     ap.add_argument("--d768", default="", help="variants to run at the d768 shape after the --only list")
+    ap.add_argument("--then", default="", help="variants at the --shape shape run last, after the --d768 list")
     ap.add_argument("--profile", default="", help="torch variants whose step is profiled after timing")
     ap.add_argument("--profile-steps", type=int, default=3)
     args = ap.parse_args(argv)
@@ -611,8 +638,8 @@ def main(argv=None) -> int:
                             env={"MOE_LADDER_TORCH_MASTER": "0"})
             if name == "torchtitan" and DEVICE == "cuda":  # its CUDA graph capture failed? run without
                 run_variant("torchtitan_nographs", runner, spec, batches, key, peer="torchtitan", cuda_graphs=False)
-            if name == "olmo-core" and DEVICE == "cuda":  # its compile failed? run eager
-                run_variant("olmo-core_eager", runner, spec, batches, key, peer="olmo-core", compile_=False)
+            if name == "olmo-core_v1" and DEVICE == "cuda":  # its compile failed? run eager
+                run_variant("olmo-core_v1_eager", runner, spec, batches, key, peer="olmo-core_v1", compile_=False)
             return
         S = spec.data.seq_len
         n_tok = args.steps * spec.data.batch_size * S
@@ -705,6 +732,8 @@ def main(argv=None) -> int:
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
         # the peers at their own recommended settings (bench/peers.py)
         "olmo-core": (run_peer, {"peer": "olmo-core"}), "torchtitan": (run_peer, {"peer": "torchtitan"}),
+        # OLMo-core's first MoE (capacity experts by torch.bmm), where its current one cannot run
+        "olmo-core_v1": (run_peer, {"peer": "olmo-core_v1"}),
         "jax_bf16moments": (run_jax, {"optim": {"moments": "bf16"}}),
         # the expert matmuls with one Mosaic-GPU tile configuration (fast.MGPU) instead of the
         # per-matmul ones tuned by bench/tune_mgpu.py
@@ -717,7 +746,7 @@ def main(argv=None) -> int:
 
     def sweep(names, key, seq=4096, batch=4, **model):
         spec0 = make_spec(n_total, seq=seq, batch=batch, **model)
-        if DEVICE == "cpu" and any(n in PEERS for n in names):  # the peers' shapes without a GPU
+        if DEVICE == "cpu" and any(n.split("_")[0] in PEERS for n in names):  # the peers' shapes, no GPU
             record_meta(spec0, key)
         stream = TokenStream.from_spec(spec0)
         batches = [stream.batch(i) for i in range(n_total)]
@@ -729,7 +758,7 @@ def main(argv=None) -> int:
             cap = name.endswith("_cap")
             spec = make_spec(n_total, seq=seq, batch=batch, engine="jax" if name.startswith("jax") else "torch",
                              optim=kw.pop("optim", None), **{**model, "dispatch": "capacity" if cap else "dropless"})
-            if DEVICE == "cpu" and name in PEERS:  # CUDA only (bench/peers.py): the meta rows above
+            if DEVICE == "cpu" and name.split("_")[0] in PEERS:  # CUDA only (bench/peers.py): meta rows above
                 continue
             if name in profiled and runner is run_torch:
                 kw["profile_steps"] = args.profile_steps
@@ -742,7 +771,7 @@ def main(argv=None) -> int:
             got = peers.meta_shapes(spec0)
         except ImportError as err:
             got = {"error": f"peers not importable: {err}"}
-        for peer in PEERS:
+        for peer in ("olmo-core", "olmo-core_v1", "torchtitan"):
             p = got.get(peer, {"error": got.get("error")})
             row = {"variant": f"{peer}_meta", "key": list(key), "meta": p, "ours_params": got.get("ours_params")}
             if "error" in p:
@@ -756,7 +785,8 @@ def main(argv=None) -> int:
         print(f"unknown variants {sorted(unknown)}; known: {sorted(runners)}", file=sys.stderr)
         return 2
     d768_names = [n for n in args.d768.split(",") if n]
-    unknown = set(d768_names) - set(runners)
+    then_names = [n for n in args.then.split(",") if n]
+    unknown = set(d768_names + then_names) - set(runners)
     if unknown:
         print(f"unknown variants {sorted(unknown)}; known: {sorted(runners)}", file=sys.stderr)
         return 2
@@ -765,6 +795,9 @@ def main(argv=None) -> int:
     if d768_names:
         key, s2, b2, m2 = shape_of("d768", args.tiny)
         sweep(d768_names, key, seq=s2, batch=b2, **m2)
+    if then_names:
+        key, s_main, b_main, m_main = shape_of(args.shape, args.tiny)
+        sweep(then_names, key, seq=s_main, batch=b_main, **m_main)
     seq, batch = (128, 2) if args.tiny else (4096, 4)
     E = BASE_MODEL["n_routed_experts"]
     if args.scaling:  # engine by engine, so a cut-off run has whole scaling rows of the first ones

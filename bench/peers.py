@@ -30,7 +30,6 @@ counts their parameters and FLOPs against the bench's own count, which needs no 
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import socket
@@ -179,6 +178,9 @@ def olmo_trainer(spec, device: str, compile_: bool = True):
     from olmo_core.optim import OLMoDDPOptimizerConfig, OptimGroupOverride
     from olmo_core.train.train_module import OLMoDDPTrainModuleConfig, TransformerDataParallelConfig
 
+    why = olmo_needs()
+    if why:
+        raise RuntimeError(why)
     ensure_process_group(device)
     m, o = spec.model, spec.optim
     S, B = spec.data.seq_len, spec.data.batch_size
@@ -214,8 +216,93 @@ def olmo_trainer(spec, device: str, compile_: bool = True):
         return float(loss.detach().float().item())
 
     info = {"params": sum(p.numel() for p in tm.model_parts[0].parameters()), "config": olmo_settings(m, S),
-            "compile": compile_ and device == "cuda",
-            "num_flops_per_token": int(cfg.num_flops_per_token(S)) if hasattr(cfg, "num_flops_per_token") else None}
+            "compile": compile_ and device == "cuda"}
+    return launch, read, info
+
+
+def olmo_needs() -> str | None:
+    """Why OLMo-core's MoE (OLMoDDPModel) cannot run in this environment, or None."""
+    from olmo_core.nn.moe import utils as moe_utils
+
+    if getattr(moe_utils, "moe_permute", None) is None:
+        return ("OLMo-core 3's MoE (OLMoDDPModel, its no-expert-parallel path) permutes and unpermutes "
+                "tokens with Transformer Engine's moe_permute/moe_unpermute, and Transformer Engine is "
+                "not importable: transformer_engine_torch has no binary wheel (it is compiled against "
+                "the installed torch with nvcc) and transformer_engine_cu13 2.20.2 alone is 276.5 MB, "
+                "more than travels to the GPU machine")
+    return None
+
+
+def olmo_v1_settings(m, seq: int) -> dict:
+    return {"package": "ai2-olmo-core 3.0.0", "model": "TransformerConfig.llama_like_moe (its first MoE, "
+            "MoEType.default: MoEMLP experts by torch.bmm over capacity buffers)",
+            "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
+            "head_dim": m.head_dim, "vocab_size": m.vocab_size, "num_experts": m.n_routed_experts,
+            "top_k": m.top_k, "expert_hidden": m.expert_hidden, "seq": seq,
+            "dispatch": f"capacity factor {OLMO_V1['capacity_factor']} (tokens over it dropped)",
+            "why_not_dropless": "MoEType.dropless needs the grouped_gemm CUDA extension (source only, "
+                                "compiled with nvcc against torch); without it OLMo-core loops over "
+                                "the experts in Python with a host sync a layer",
+            **OLMO_V1}
+
+
+OLMO_V1 = {"capacity_factor": 1.25, "block": "moe_reordered_norm (OLMoE: QK-norm, reordered norms)",
+           "compile_model": True, "dp": "FSDP over one rank, param bf16, reduce fp32",
+           "optimizer": "AdamWConfig(fused=True, betas=(0.9, 0.95), weight_decay=0.1, no decay on embeddings)",
+           "lb_loss_weight": 0.01, "z_loss_weight": 0.001, "z_loss_multiplier": 1e-5, "max_grad_norm": 1.0,
+           "attention_backend": "torch (SDPA)"}
+
+
+def olmo_v1_trainer(spec, device: str, compile_: bool = True):
+    """(launch, read, info): OLMo-core's first MoE (capacity experts) through its
+    TransformerTrainModule at the settings of its OLMoE recipe, where they can run here."""
+    from olmo_core.config import DType
+    from olmo_core.distributed.parallel import DataParallelType
+    from olmo_core.nn.attention.backend import AttentionBackendName
+    from olmo_core.nn.transformer import TransformerConfig
+    from olmo_core.optim import AdamWConfig, OptimGroupOverride
+    from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
+
+    ensure_process_group(device)
+    m, o = spec.model, spec.optim
+    S, B = spec.data.seq_len, spec.data.batch_size
+    cfg = TransformerConfig.llama_like_moe(
+        d_model=m.d_model, vocab_size=m.vocab_size, n_layers=m.n_layers, n_heads=m.n_heads,
+        n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, num_experts=m.n_routed_experts, top_k=m.top_k,
+        expert_hidden_size=m.expert_hidden, dropless=False, capacity_factor=OLMO_V1["capacity_factor"],
+        lb_loss_weight=OLMO_V1["lb_loss_weight"], z_loss_weight=OLMO_V1["z_loss_weight"], reordered_norm=True,
+        attn_backend=AttentionBackendName.torch)
+    torch.manual_seed(spec.seed)
+    model = cfg.build(init_device="meta")
+    tm = TransformerTrainModuleConfig(
+        rank_microbatch_size=B * S, max_sequence_length=S,
+        optim=AdamWConfig(lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps, weight_decay=o.weight_decay,
+                          fused=device == "cuda",
+                          group_overrides=[OptimGroupOverride(params=["embeddings.weight"],
+                                                              opts=dict(weight_decay=0.0))]),
+        compile_model=OLMO_V1["compile_model"] and compile_ and device == "cuda",
+        dp_config=TransformerDataParallelConfig(name=DataParallelType.fsdp, param_dtype=DType.bfloat16,
+                                                reduce_dtype=DType.float32),
+        z_loss_multiplier=OLMO_V1["z_loss_multiplier"], max_grad_norm=o.grad_clip,
+    ).build(model, device=torch.device(device))
+    sink = MetricSink(B * S)
+    tm._attach_trainer(sink)
+    tm.zero_grads()
+    dev = torch.device(device)
+
+    def launch(b):
+        x = to_device(b, dev)
+        sink.global_step += 1
+        tm.train_batch({"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()})
+        tm.optim_step()
+        tm.zero_grads()
+        return sink.metrics.get("train/CE loss")
+
+    def read(loss):
+        return float(loss.detach().float().item())
+
+    info = {"params": int(cfg.num_params), "config": olmo_v1_settings(m, S), "compile": compile_ and device == "cuda",
+            "num_flops_per_token": int(tm.model.num_flops_per_token(S))}
     return launch, read, info
 
 
@@ -274,22 +361,17 @@ def titan_trainer(spec, device: str, cuda_graphs: bool = True, compile_: bool = 
     dist_utils.set_spmd_backend(parallelism.spmd_backend)
     model_cfg = titan_model_config(m, S)
 
-    @dataclasses.dataclass
-    class _RunConfig:  # what update_from_config reads of its Trainer.Config
-        parallelism: Any
-        training: Any
-        compile: Any
+    from torchtitan.trainer import Trainer
 
-    try:
-        model_cfg.update_from_config(config=_RunConfig(parallelism, training, compile_cfg))
-    except AssertionError:
-        pass
+    # its Trainer.Config with the bench's batch (no data, tokenizer or checkpoint is built from it)
+    run_cfg = Trainer.Config(training=training, parallelism=parallelism, compile=compile_cfg)
+    model_cfg.update_from_config(config=run_cfg)
     torch.manual_seed(spec.seed)
     with torch.device("meta"):
         model = model_cfg.build()
     n_params, flops = model_cfg.get_nparams_and_flops(model, S)
     loss_fn = ChunkedLossWrapper.Config(loss_fn=CrossEntropyLoss.Config(global_vocab_size=m.vocab_size)).build(
-        compile_config=compile_cfg)
+        compile_config=run_cfg.compile)
     model = parallelize_qwen3(model, parallel_dims=parallel_dims, training=training, parallelism=parallelism,
                               compile_config=compile_cfg, ac_config=None, dump_folder="/tmp/torchtitan_bench")
     model.to_empty(device=device)
@@ -368,6 +450,20 @@ def meta_shapes(spec) -> dict:
                             "num_flops_per_token": int(model.num_flops_per_token(S))}
     except Exception as err:  # noqa: BLE001 - reported, not raised: a shape a peer cannot build
         out["olmo-core"] = {"error": f"{type(err).__name__}: {err}"[:500]}
+    try:
+        from olmo_core.nn.transformer import TransformerConfig
+
+        cfg = TransformerConfig.llama_like_moe(
+            d_model=m.d_model, vocab_size=m.vocab_size, n_layers=m.n_layers, n_heads=m.n_heads,
+            n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, num_experts=m.n_routed_experts, top_k=m.top_k,
+            expert_hidden_size=m.expert_hidden, dropless=False, capacity_factor=OLMO_V1["capacity_factor"],
+            reordered_norm=True)
+        with torch.device("meta"):
+            model = cfg.build(init_device="meta")
+        out["olmo-core_v1"] = {"params": sum(p.numel() for p in model.parameters()),
+                               "num_flops_per_token": int(model.num_flops_per_token(S))}
+    except Exception as err:  # noqa: BLE001
+        out["olmo-core_v1"] = {"error": f"{type(err).__name__}: {err}"[:500]}
     try:
         cfg = titan_model_config(m, S)
         with torch.device("meta"):
