@@ -239,3 +239,98 @@ def test_cli_bad_csv_exits_2_naming_the_problem(tmp_path, text, args, message):
     assert r.returncode == 2, (r.stdout, r.stderr)
     assert message in " ".join(r.stderr.split()), r.stderr
     assert "Traceback" not in r.stderr and r.stdout == ""
+
+
+# ---------------------------------------------------------------------------------------------- honesty
+
+
+def test_a_floor_at_its_bound_is_a_warning_and_not_converged():
+    """Losses that fall as a pure power of C (no floor) drive E to its bound 0: the fit says so."""
+    C = np.geomspace(1e15, 1e19, 6)
+    fit = fit_envelope(C, 40.0 * C**-0.1, n_bootstrap=10)
+    assert fit.params["E"] < 1e-3
+    assert fit.converged is False
+    assert any(w.startswith("E = ") and "lower bound 0" in w for w in fit.warnings)
+
+
+def test_as_many_points_as_parameters_is_a_warning():
+    N, D, L = _synthetic(1.8, 480.0, 2100.0, 0.35, 0.37, n=5)
+    fit = fit_law(N, D, L, n_bootstrap=0, strict=False)
+    assert any("5 points for 5 parameters" in w for w in fit.warnings)
+
+
+def test_two_sizes_are_a_warning():
+    N, D, L = _synthetic(1.8, 480.0, 2100.0, 0.35, 0.37, n=40)
+    N = np.where(np.arange(40) % 2 == 0, 1e8, 1e9)
+    L = 1.8 + 480.0 / N**0.35 + 2100.0 / D**0.37
+    fit = fit_law(N, D, L, n_bootstrap=0)
+    assert any("only 2 distinct values of N" in w for w in fit.warnings)
+
+
+@pytest.mark.slow
+def test_chinchilla_prediction_intervals_hold_about_their_level_on_held_out_points():
+    """10-fold cross-validation and a fit on N <= max/4 predicting the larger models: the measured
+    coverage of the 90% prediction interval (README's backtest table: 85% and 83%)."""
+    from analysis.law_backtest import cross_validate, extrapolate, fit_n_d
+
+    N, D, L = _chinchilla()
+    cv = cross_validate(fit_n_d, [N, D], L, level=0.9)
+    assert 0.8 <= cv["coverage"] <= 0.97 and cv["mean_abs_rel_err"] < 0.006
+    ex = extrapolate(fit_n_d, [N, D], L, level=0.9)
+    assert ex["n"] >= 20 and ex["reach"] > 4
+    assert 0.7 <= ex["coverage"] and ex["mean_abs_rel_err"] < 0.02 and ex["mean_rel_width"] < 0.05
+
+
+def test_a_fit_round_trips_through_json_with_its_intervals():
+    from analysis.laws import LawFit
+
+    fit = fit_law(*_synthetic(1.8, 480.0, 2100.0, 0.35, 0.37, noise=0.005), n_bootstrap=20)
+    back = LawFit.from_dict(json.loads(json.dumps(fit.to_dict())))
+    assert back.predict(3e9, 5e10) == pytest.approx(fit.predict(3e9, 5e10))
+
+
+def test_isoflop_minima_recover_the_compute_optimal_exponent():
+    """Chinchilla approach 2 on IsoFLOP profiles of a known law: N* ~ C^(beta/(alpha+beta))."""
+    from analysis.isoflop import fit_isoflop
+
+    E, A, B, a, b = 1.8, 480.0, 2100.0, 0.35, 0.37
+    rows = []
+    for C in np.geomspace(1e19, 1e22, 6):
+        n_opt = compute_optimal(np.array([E, A, B, a, b]), C)["N"]
+        for N in n_opt * np.geomspace(0.25, 4, 9):
+            rows.append((N, C, E + A / N**a + B / (C / (6 * N)) ** b))
+    N, C, L = map(np.array, zip(*rows))
+    fit = fit_isoflop(N, C, L)
+    assert fit.a == pytest.approx(b / (a + b), abs=0.01) and not fit.warnings
+
+
+def test_cli_predict_where_and_several_loss_columns(tmp_path):
+    N, D, L = _synthetic(1.8, 480.0, 2100.0, 0.35, 0.37, noise=0.003)
+    df = pd.DataFrame({"n": N, "d": D, "l": L, "l2": L * 1.1, "set": np.where(np.arange(len(N)) < 30, "a", "b")})
+    df.to_csv(tmp_path / "runs.csv", index=False)
+    r = _ladder("fit", tmp_path / "runs.csv", "--params-col", "n", "--tokens-col", "d", "--loss-col", "l",
+                "--loss-col", "l2", "--where", "set=a", "--bootstrap", "20", "--no-backtest", "--json", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    fits = json.loads(r.stdout)["fits"]
+    assert [f["data"]["loss_col"] for f in fits] == ["l", "l2"] and all(f["n_points"] == 30 for f in fits)
+    assert all("warnings" in f for f in fits)
+    (tmp_path / "fit.json").write_text(json.dumps(fits[0]))
+    p = _ladder("predict", tmp_path / "fit.json", "--params", "1e9", "--tokens", "2e10", "--json", tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr
+    pred = json.loads(p.stdout)["predictions"][0]
+    assert pred["lo"] < pred["loss"] < pred["hi"]
+    assert pred["loss"] == pytest.approx(1.8 + 480.0 / 1e9**0.35 + 2100.0 / 2e10**0.37, rel=0.01)
+    bad = _ladder("fit", tmp_path / "runs.csv", "--params-col", "n", "--tokens-col", "d", "--loss-col", "l",
+                  "--where", "set=zzz", tmp_path=tmp_path)
+    assert bad.returncode == 2 and "no row has set = zzz" in bad.stderr
+
+
+def test_cli_table_shows_warnings_and_backtest(tmp_path):
+    C = np.geomspace(1e15, 1e19, 8)
+    pd.DataFrame({"C": C, "loss": 40.0 * C**-0.1}).to_csv(tmp_path / "env.csv", index=False)
+    r = _ladder("envelope", tmp_path / "env.csv", "--flops-col", "C", "--loss-col", "loss", "--bootstrap", "10",
+                "--png", tmp_path / "env.png", tmp_path=tmp_path)
+    assert r.returncode == 0, r.stderr
+    text = " ".join(r.stdout.split())
+    assert "warning: E = " in text and "converged False" in text
+    assert (tmp_path / "env.png").stat().st_size > 1000
