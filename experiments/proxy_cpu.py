@@ -3,9 +3,14 @@
 Same rules as experiments/marin_535b.py (core.rules.moe_model): routed experts top-k inside a
 latent of d/2 with 2 shared experts, capacity factors 1.15 over 3 waves on emulated EP shards,
 sliding-window attention, z-loss 1e-4, 1% warmup then linear decay to 5% of peak, a fixed
-tokens-per-active-parameter budget, peak LR falling as 1/sqrt(width). Byte-level tokens of the
-Python installation's own source code and prose, mixed 70/30. The rungs span 82x in compute and
-the hero proxy is 4.9x the largest rung.
+tokens-per-active-parameter budget, peak LR falling as 1/sqrt(width). Text: the Python
+installation's own source code and prose, mixed 95/5 (the prose is small: at this mix the hero
+proxy reads each source less than once), in the 4,096-id byte-level BPE experiments/tokenizers/
+cpu-4k.json, trained by
+    ladder data tokenizer --corpus CORPUS/python/shard-00000.jsonl --corpus CORPUS/docs/shard-00000.jsonl \
+        --vocab-size 4096 --out experiments/tokenizers/cpu-4k.json
+on a corpus built by `ladder data corpus --out CORPUS` on the 2-core development machine. The rungs
+span 40x in compute and the hero proxy is 3.6x the largest rung.
 """
 
 from core.costs import param_counts
@@ -14,17 +19,18 @@ from core.rules import moe_model, run_spec
 
 SEQ, BATCH = 128, 8
 TOKENS_PER_ACTIVE = 20
-SOURCES = [{"name": "code", "builtin": "python_code", "weight": 0.7},
-           {"name": "docs", "builtin": "python_docs", "weight": 0.3}]
+TOKENIZER = "cpu-4k"
+SOURCES = [{"name": "code", "builtin": "python_code", "weight": 0.95},
+           {"name": "docs", "builtin": "python_docs", "weight": 0.05}]
 
 
 def proxy(d: int, layers: int, role: str = "rung", cpus: int = 1):
-    model = moe_model(d, layers, head_dim=16, vocab_size=256, n_routed_experts=16, top_k=2,
+    model = moe_model(d, layers, head_dim=16, vocab_size=4096, n_routed_experts=16, top_k=2,
                       ep_size=4, window=64, capacity_factor=1.15, n_waves=3)
     steps = max(50, round(TOKENS_PER_ACTIVE * param_counts(model)["active"] / (SEQ * BATCH)))
     hardware = {"system": "cpu", "peak_flops": 5e10, "expected_mfu": 0.15, "task_cpus": cpus}
     return run_spec(f"{'hero-' if role == 'hero' else ''}d{d}", model, batch_size=BATCH, steps=steps, seq_len=SEQ,
-                    sources=SOURCES, peak_lr=0.02 / d**0.5, role=role, hardware=hardware,
+                    sources=SOURCES, tokenizer=TOKENIZER, peak_lr=0.02 / d**0.5, role=role, hardware=hardware,
                     run={"checkpoint_every": 100, "eval_every": 50, "eval_batches": 8})
 
 
