@@ -7,12 +7,16 @@ one process on one GPU.
     PYTHONPATH=. python3 bench/engines_h200.py --scaling            # + 8/128 experts, seq 8192
     PYTHONPATH=. python3 bench/engines_h200.py --only torch,jax --steps 5
 
-Peers (bench/peers.py; `ai2-olmo-core` 3.0.0 and `torchtitan` 0.3.0 must be importable): OLMo-core's
-MoE transformer with its train module and optimizer, torchtitan's Qwen3 MoE with its
-parallelisation, compile, CUDA graph and AdamW, each at its own recommended settings; every
-peer's exact configuration is written into its row's info. `--tiny` without a GPU builds both
-peers on the meta device and checks their parameter counts against the bench's (a row each,
-variant `<peer>_meta`).
+Peers (bench/peers.py; `ai2-olmo-core` 3.0.0 and `torchtitan` 0.3.0 must be importable; CUDA only):
+`olmo-core` is OLMo-core 3's MoE (OLMoDDPModel) with its train module and optimizer; it needs
+Transformer Engine, and where that is missing its row says so and `olmo-core_v1` (OLMo-core's first
+MoE, capacity experts, through its TransformerTrainModule at its OLMoE recipe's settings) runs in
+its place; `torchtitan` is torchtitan's Qwen3 MoE with its parallelisation, compile, FlexAttention,
+CUDA graph and AdamW. Each runs at its own settings; every peer's exact configuration is written
+into its row's info and the table. `--tiny` without a GPU builds the peers on the meta device and
+checks their parameter counts against the bench's (a row each, variant `<peer>_meta`).
+`--then NAMES` runs more variants at the main shape after the d768 ones (the first cut by
+`--budget-s`).
 
 `--shape d768` is Marin's d768 rung (core.rules.moe_model(768, 8): vocab 128,256, 384 experts
 top-8 of width 384 inside a latent of 384, 2 shared experts, 8 layers, 6 heads / 1 KV head of 128,
@@ -415,6 +419,9 @@ def run_peer(spec, batches, warmup, peer: str, **kw):
 
     trainer = {"olmo-core": peers.olmo_trainer, "olmo-core_v1": peers.olmo_v1_trainer,
                "torchtitan": peers.titan_trainer}[peer]
+    # a peer may set compiler switches process-wide (torchtitan: capture_scalar_outputs); the
+    # variants after it get the switches they would have had alone
+    saved = (torch._dynamo.config.save_config(), torch._inductor.config.save_config())
     try:
         torch._dynamo.reset()
         launch, read, info = trainer(spec, DEVICE, **kw)
@@ -429,6 +436,8 @@ def run_peer(spec, batches, warmup, peer: str, **kw):
             cudagraph_teardown()
         except Exception:  # noqa: BLE001 - not imported, or nothing captured
             pass
+        torch._dynamo.config.load_config(saved[0])
+        torch._inductor.config.load_config(saved[1])
         torch._dynamo.reset()
         gc.collect()
         if DEVICE == "cuda":
@@ -549,7 +558,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
-                    help="comma list of: ref, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
+                    help="comma list of: ref, olmo-core, olmo-core_v1, torchtitan, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
                          "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, jax_bf16moments, jax_defaulttiles, jax_cublas")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --only list this many times over, interleaved (run-to-run spread)")
