@@ -139,22 +139,30 @@ class MlflowSource:
                 if t > self._times.get(int(m.step), 0.0):
                     self._times[int(m.step)] = t
             offset += len(page)
+            self._offset[key] = offset  # page by page: a read cut short resumes after the last page
             self.points_fetched += len(page)
             if not more:
                 break
-        self._offset[key] = offset
 
     def read(self) -> pd.DataFrame:
-        self._run = self.client.get_run(self.run_id)
-        keys = self._keys()
+        try:
+            self._run = self.client.get_run(self.run_id)
+            keys = self._keys()
+            for k in keys:
+                self._fetch(k)
+        except MetricsError:
+            raise
+        except Exception as e:  # the server went away mid-watch: what was read is kept, the next read resumes
+            raise MetricsError(f"{self.label}: reading {self.uri} failed ({_first_line(e)})") from None
+        return self._frame(keys)
+
+    def _frame(self, keys: list[str]) -> pd.DataFrame:
         if not keys:
             have = ", ".join(sorted(self._run.data.metrics)[:20]) or "none"
             raise MetricsError(
                 f"{self.label}: no metric this project reads (metrics logged: {have}); "
                 "name the stack with --metric-names (olmo-core, levanter, torchtitan or a YAML map)"
             )
-        for k in keys:
-            self._fetch(k)
         # the steps that logged a loss (a NaN loss too): eval or throughput logged at other steps
         # must not read as a missing, non-finite loss
         loss_keys = [k for k in self._values if self._is_loss_key(k)]
@@ -220,5 +228,9 @@ def open_source(run: str | None, metrics: str | None = None, *, root: str | None
         uri = tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
         if not uri:
             raise MetricsError(f"{run}: which tracking server? give --tracking-uri (or set MLFLOW_TRACKING_URI)")
+        # a watcher asks again at its next interval: no minutes of retries on a server that is down
+        # (the user's own settings win)
+        for var, value in (("MAX_RETRIES", "2"), ("BACKOFF_FACTOR", "1"), ("TIMEOUT", "20")):
+            os.environ.setdefault(f"MLFLOW_HTTP_REQUEST_{var}", value)
         return MlflowSource(uri, run_id, names, columns)
     return FileSource(resolve_run(run, metrics, root), columns, names)

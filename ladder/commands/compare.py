@@ -150,7 +150,11 @@ def register(app: typer.Typer) -> None:
                 timed_out = max_wait is not None and time.monotonic() - start >= max_wait
                 if not (done or timed_out):
                     time.sleep(interval)
-                    df = src.read()
+                    try:
+                        df = src.read()
+                    except ValueError as e:  # a tracking server restarting: keep the last frame, try again
+                        console.print(f"[dim]{e}; trying again in {interval:g} s[/]", highlight=False)
+                        continue
                     if spec is not None:
                         df = tokens_from_spec(df, spec)
                     continue

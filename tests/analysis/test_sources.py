@@ -147,3 +147,32 @@ def test_replan_reads_an_mlflow_run_under_its_stacks_names_with_the_spec_from_it
     assert plan["run"]["step"] == 200 and plan["run"]["name"] == "olmoe-1b7b"
     assert any(f["kind"] == "loss_spike" and f["first_step"] == SPIKE_STEP for f in plan["flags"])
     assert plan["options"] and (tmp_path / "rp").is_dir()
+
+
+def test_follow_outlives_a_tracking_server_restart_and_reads_every_point_once(server, tmp_path):
+    run_id = log_steps(tmp_path, server.uri, 1, 100)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    proc = subprocess.Popen(
+        [*LADDER, "compare", f"mlflow:{run_id}", "--tracking-uri", server.uri, "--metric-names", "olmo-core",
+         "--follow", "--interval", "0.5", "--max-wait", "240", "--json"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path, env=env)
+    lines: list[str] = []
+    threading.Thread(target=lambda: lines.extend(iter(proc.stderr.readline, "")), daemon=True).start()
+
+    def wait_for(text: str) -> None:
+        deadline = time.time() + 180
+        while not any(text in ln for ln in lines) and time.time() < deadline:
+            assert proc.poll() is None, "".join(lines)
+            time.sleep(0.2)
+        assert any(text in ln for ln in lines), "".join(lines)
+
+    wait_for("step 100 (running)")
+    server.kill()
+    wait_for("failed")  # the watcher says the read failed and goes on
+    server.start()
+    log_steps(tmp_path, server.uri, 101, LAST_STEP, run_id)
+    stdout, _ = proc.communicate(timeout=240)
+    assert proc.returncode == 0, "".join(lines) + stdout
+    report = json.loads(stdout)
+    assert report["summary"]["step"] == LAST_STEP
+    assert report["source"]["points_fetched"] == 2 * LAST_STEP
