@@ -163,6 +163,7 @@ class MetricSink:
         self.global_step = 0
         self.global_batch_size = global_batch_size
         self.dp_process_group = None
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
     def record_metric(self, name, value, reduce_type=None, namespace=None, merge_strategy=None):
         self.metrics[f"{namespace}/{name}" if namespace else name] = value
