@@ -51,10 +51,10 @@ OLMO_TRAIN = {"compile_model": True, "optim_compile": True, "optim_dtype": "floa
               "max_grad_norm": 1.0, "sigma_factor": 12, "embeddings_weight_decay": 0.0,
               "block": "moe_fused_v2 (OLMoDDPTransformerBlock), post-norm with QK-norm",
               "attention_backend": "torch (SDPA)"}
-# Why not flash_4 / flash_2, the recipe's backends: they need the flash-attn-4 (with
-# nvidia-cutlass-dsl) or flash-attn packages, which are not on the GPU image and cannot be carried
-# within the wheel budget (the CUTLASS DSL alone is larger than it). SDPA runs PyTorch's own
-# flash-attention kernels.
+# Why not flash_4 / flash_2, the recipe's backends: they need flash-attn-4 (with the CUTLASS DSL)
+# or flash-attn, neither on the GPU image; nvidia-cutlass-dsl-libs-base 4.5.3 alone is a 74.5 MB
+# wheel, more than the 64 MiB that travels with a call, and flash-attn is built from source.
+# SDPA runs PyTorch's own flash-attention kernels.
 TITAN_TRAIN = {"compile": "enable=True, components=[model, loss] (per-block torch.compile)",
                "attention_backend": "flex (FlexAttention, compiled with max_autotune)",
                "cuda_graphs": "forward-backward captured (training.disable_cuda_graphs=False)",
