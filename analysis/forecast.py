@@ -1,16 +1,23 @@
 """Forecast the hero from its ladder: final loss with an interval, loss trajectory with a band under
-the hero's own schedule, and a grad-norm envelope.
+the hero's own schedule, and a grad-norm envelope; a typed value (HeroForecast) whose JSON is
+forecast.json.
 
 - Final loss: the compute envelope L(C) = E + A*C^-alpha fitted on the rungs' final eval losses
-  (analysis.laws). Its bootstrap interval is widened by the ladder's own backtest: the error made
+  (analysis.laws), with its prediction interval (bootstrap refits, residual scatter, backtested
+  extrapolation in log C); widened by the ladder's own backtest when that is larger: the error made
   predicting the largest rung from the others, scaled by how much further (in log compute) the hero
   lies beyond the largest rung than that rung lay beyond the next.
 - Trajectory: the schedule-aware curve model (analysis.curves) fitted on all rung trajectories with
   their sizes, evaluated at the hero's size under lr_at(hero, step); it is then shifted to end on the
   law's final loss so the two forecasts agree, and its band grows to the final interval.
-- Grad norm: each rung's grad norm over the fraction of training divided by its late-training
-  level gives a shape; the levels scale as a power of active params; the hero's envelope is the
-  median shape times its predicted level, banded by the spread across rungs.
+- Grad norm: analysis.gradnorm (log grad norm per bin of the fraction of training, linear in log
+  active params with one slope; band from nested leave-largest-out backtests).
+
+Every interval reports, under `coverage`, the coverage and width its method reached on the ladder's
+own rungs held out (each rung from the smaller ones; the trajectory: the largest rung's curve from
+the others). `warnings` names what a reader must know: the law's and the curve model's own
+warnings, rungs that repeated data or whose eval loss parts from their train loss (memorisation), a
+NaN final eval.
 
 Shape legend: R rungs, T hero steps.
 """
@@ -19,13 +26,16 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
+from analysis import fitwarn, gradnorm, law_backtest
+from analysis.curves import Curve, fit_curves
+from analysis.laws import fit_envelope
 from core import costs
 from core.schedule import lr_at
 from core.spec import Spec
@@ -73,8 +83,6 @@ class RungRun:
 
 
 def _law(rungs: list[RungRun], level: float = LEVEL):
-    from analysis.laws import fit_envelope
-
     return fit_envelope([r.flops for r in rungs], [r.final_loss for r in rungs], level=level, strict=False,
                         n_bootstrap=200)
 
@@ -88,34 +96,52 @@ def _law_predict(fit, C: float) -> tuple[float, float, float]:
 
 
 def backtest(rungs: list[RungRun]) -> dict | None:
-    """Refit without the largest rung and predict it."""
+    """Refit without the largest rung and predict it (with the same interval method)."""
     if len(rungs) < 4:
         return None
     ordered = sorted(rungs, key=lambda r: r.flops)
-    fit = _law(ordered[:-1])
-    pred, lo, hi = _law_predict(fit, ordered[-1].flops)
+    pred, lo, hi, _ = final_interval(ordered[:-1], ordered[-1].flops)
     actual = ordered[-1].final_loss
     return {"held_out": ordered[-1].spec.name, "predicted": pred, "lo": lo, "hi": hi, "actual": actual,
             "rel_error": (pred - actual) / actual, "inside": bool(lo <= actual <= hi)}
 
 
-def final_loss_forecast(rungs: list[RungRun], hero: Spec) -> tuple[dict, Any, dict | None]:
+def final_interval(rungs: list[RungRun], C: float) -> tuple[float, float, float, Any]:
+    """(mean, lo, hi, law fit) of the final loss at compute C: the law's prediction interval, widened
+    to the backtest of the largest rung (needs 4 rungs) scaled by the reach in log compute."""
     fit = _law(rungs)
-    C = costs.total_flops(hero)
     mean, lo, hi = _law_predict(fit, C)
-    bt = backtest(rungs)
-    if bt is not None:
+    if len(rungs) >= 4:
         ordered = sorted(rungs, key=lambda r: r.flops)
+        sub = _law(ordered[:-1])
+        pred = _law_predict(sub, ordered[-1].flops)[0]
+        err = (pred - ordered[-1].final_loss) / ordered[-1].final_loss
         reach = math.log(C / ordered[-1].flops) / max(math.log(ordered[-1].flops / ordered[-2].flops), 1e-9)
-        sigma = abs(bt["rel_error"]) * max(reach, 1.0) * mean
-        half = Z90 * sigma
+        half = Z90 * abs(err) * max(reach, 1.0) * mean
         lo, hi = min(lo, mean - half), max(hi, mean + half)
-    return {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL}, fit, bt
+    return mean, lo, hi, fit
+
+
+def final_loss_forecast(rungs: list[RungRun], hero: Spec) -> tuple[dict, Any, dict | None]:
+    mean, lo, hi, fit = final_interval(rungs, costs.total_flops(hero))
+    return {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL}, fit, backtest(rungs)
+
+
+def final_loss_coverage(rungs: list[RungRun]) -> dict | None:
+    """Each rung from the smaller ones (the envelope needs 3), with final_interval's method."""
+    ordered = sorted(rungs, key=lambda r: r.flops)
+    pred, lo, hi, act, names = [], [], [], [], []
+    for k in range(3, len(ordered)):
+        m, l, h, _ = final_interval(ordered[:k], ordered[k].flops)
+        pred.append(m), lo.append(l), hi.append(h), act.append(ordered[k].final_loss), names.append(ordered[k].spec.name)
+    if not pred:
+        return None
+    out = law_backtest.summarise(pred, lo, hi, act)
+    out.update(method="each rung from the smaller ones (at least 3)", level=LEVEL, held_out=names)
+    return out
 
 
 def _curves_from_rungs(rungs: list[RungRun]):
-    from analysis.curves import Curve
-
     out = []
     for r in rungs:
         df = r.metrics.dropna(subset=["loss"])
@@ -135,8 +161,6 @@ def train_eval_ratio(rungs: list[RungRun]) -> float:
 def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[dict, dict, dict]:
     """Hero train loss per step from the curve model, aligned to the final-loss forecast; the band
     holds the final interval (opening with progress) and the step-to-step noise of the rungs."""
-    from analysis.curves import fit_curves
-
     fit = fit_curves(_curves_from_rungs(rungs))
     steps_T = np.arange(hero.total_steps)
     lr_T = lr_at(hero, steps_T)
@@ -185,36 +209,84 @@ def scaled_rung_trajectory(rungs: list[RungRun], hero: Spec, final: dict, n: int
             "lo": (curve * scale_lo).tolist(), "hi": (curve * scale_hi).tolist(), "method": f"scaled {big.spec.name}"}
 
 
+def _grads(r: RungRun) -> gradnorm.RungGrad:
+    df = r.metrics.dropna(subset=["grad_norm"]) if "grad_norm" in r.metrics else r.metrics.iloc[:0]
+    return gradnorm.RungGrad(r.spec.name, r.active, (df["step"].to_numpy() + 1) / r.spec.total_steps,
+                             df["grad_norm"].to_numpy() if len(df) else [])
+
+
 def grad_norm_envelope(rungs: list[RungRun], hero: Spec, n_bins: int = 50) -> dict:
-    bins = np.linspace(0, 1, n_bins + 1)
-    shapes, levels, sizes = [], [], []
+    return gradnorm.envelope([_grads(r) for r in rungs], float(costs.param_counts(hero.model)["active"]),
+                             hero.total_steps, n_bins=n_bins, level=LEVEL)
+
+
+def trajectory_coverage(rungs: list[RungRun]) -> dict | None:
+    """The largest rung's train-loss curve forecast from the others as the hero's is (the curve model,
+    aligned to final_interval's forecast of its final loss), against its own run."""
+    ordered = sorted(rungs, key=lambda r: r.flops)
+    if len(ordered) < 4:
+        return None
+    base, target = ordered[:-1], ordered[-1]
+    mean, lo, hi, _ = final_interval(base, target.flops)
+    traj, _, _ = trajectory_forecast(base, target.spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL})
+    df = target.metrics.dropna(subset=["loss"])
+    steps = np.asarray(traj["step"])
+    keep = (steps >= df["step"].min()) & (steps <= df["step"].max())
+    y = np.interp(steps[keep], df["step"], df["loss"])
+    p, l, h = (np.asarray(traj[k])[keep] for k in ("loss", "lo", "hi"))
+    out = law_backtest.summarise(p, l, h, y)
+    out.update(method=f"{target.spec.name}'s train loss from the smaller rungs", level=LEVEL)
+    return out
+
+
+def memorisation_warnings(rungs: list[RungRun]) -> list[str]:
+    """Rungs whose final eval loss sits well above their train loss over the last 5% of steps."""
+    out = []
     for r in rungs:
-        df = r.metrics.dropna(subset=["grad_norm"])
-        frac = (df["step"].to_numpy() + 1) / r.spec.total_steps
-        g = df["grad_norm"].to_numpy()
-        late = g[frac >= 0.5]
-        level = float(np.median(late)) if len(late) else float(np.median(g))
-        idx = np.clip(np.digitize(frac, bins) - 1, 0, n_bins - 1)
-        shape = np.array([np.median(g[idx == b]) / level if np.any(idx == b) else np.nan for b in range(n_bins)])
-        shapes.append(shape)
-        levels.append(level)
-        sizes.append(r.active)
-    shapes_RB = np.array(shapes)
-    slope, icpt = np.polyfit(np.log(sizes), np.log(levels), 1)
-    resid = np.log(levels) - (icpt + slope * np.log(sizes))
-    s_lvl = float(np.std(resid, ddof=1)) if len(levels) > 2 else 0.1
-    level_hero = float(np.exp(icpt + slope * np.log(costs.param_counts(hero.model)["active"])))
-    mid = np.nanmedian(shapes_RB, axis=0)
-    lo = np.nanmin(shapes_RB, axis=0) * math.exp(-Z90 * s_lvl)
-    hi = np.nanmax(shapes_RB, axis=0) * math.exp(Z90 * s_lvl)
-    centers = 0.5 * (bins[1:] + bins[:-1])
-    steps = np.round(centers * hero.total_steps).astype(int)
-    return {"step": steps.tolist(), "frac": centers.tolist(), "mean": (mid * level_hero).tolist(),
-            "lo": (lo * level_hero).tolist(), "hi": (hi * level_hero).tolist(),
-            "level_exponent": float(slope), "hero_level": level_hero}
+        df = r.metrics.dropna(subset=["loss"])
+        if not len(df) or "eval_loss" not in r.metrics:
+            continue
+        train = float(df["loss"].iloc[-max(5, len(df) // 20):].mean())
+        try:
+            out += fitwarn.memorisation(r.spec.name, train, r.final_loss)
+        except ValueError:
+            continue
+    return out
 
 
-def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> dict:
+@dataclass
+class HeroForecast:
+    """A hero's forecast from its ladder; to_dict() is forecast.json."""
+
+    experiment: str
+    created: str
+    sources: dict[str, Any]
+    law: dict[str, Any]
+    hero: dict[str, Any]
+    backtest: dict[str, Any] | None
+    trajectory: dict[str, Any]
+    grad_norm: dict[str, Any]
+    curve_model: dict[str, Any] | None = None
+    rung_fits: dict[str, Any] | None = None
+    curve_model_error: str | None = None
+    coverage: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def final_loss(self) -> dict[str, float]:
+        return self.hero["final_loss"]
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"experiment": self.experiment, "created": self.created, "sources": self.sources, "law": self.law,
+             "hero": self.hero, "backtest": self.backtest, "trajectory": self.trajectory,
+             "grad_norm": self.grad_norm, "coverage": self.coverage, "warnings": list(self.warnings)}
+        for k in ("curve_model", "rung_fits", "curve_model_error"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+
+def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> HeroForecast:
     if len(rungs) < 3:
         raise ValueError(f"forecast needs at least 3 finished rungs with eval losses, found {len(rungs)}")
     final, fit, bt = final_loss_forecast(rungs, hero)
@@ -227,31 +299,41 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> dict:
         curve["lo"].append(lo)
         curve["hi"].append(hi)
     law = {"kind": "compute", "label": "L(C) = E + A C^-alpha", **{k: fl[k] for k in ("E", "A", "alpha") if k in fl},
-           "ci": fl.get("ci"), "converged": fl.get("converged", True), "curve": curve}
-    out = {
-        "experiment": experiment,
-        "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "sources": {"rungs": [{"name": r.spec.name, "spec_id": r.spec.id, "run_dir": str(r.run_dir), "active_params": r.active,
-                               "total_params": costs.param_counts(r.spec.model)["total"], "tokens": costs.tokens(r.spec),
-                               "flops": r.flops, "final_loss": r.final_loss} for r in rungs]},
-        "law": law,
-        "hero": {"name": hero.name, "spec_id": hero.id, "total_steps": hero.total_steps,
-                 "tokens_per_step": hero.data.tokens_per_step, "active_params": costs.param_counts(hero.model)["active"],
-                 "total_params": costs.param_counts(hero.model)["total"], "flops": costs.total_flops(hero),
-                 "final_loss": final},
-        "backtest": bt,
-    }
+           "ci": fl.get("ci"), "converged": fl.get("converged", True), "warnings": fl.get("warnings", []),
+           "interval": fl.get("interval"), "curve": curve}
+    fc = HeroForecast(
+        experiment=experiment,
+        created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        sources={"rungs": [{"name": r.spec.name, "spec_id": r.spec.id, "run_dir": str(r.run_dir), "active_params": r.active,
+                            "total_params": costs.param_counts(r.spec.model)["total"], "tokens": costs.tokens(r.spec),
+                            "flops": r.flops, "final_loss": r.final_loss} for r in rungs]},
+        law=law,
+        hero={"name": hero.name, "spec_id": hero.id, "total_steps": hero.total_steps,
+              "tokens_per_step": hero.data.tokens_per_step, "active_params": costs.param_counts(hero.model)["active"],
+              "total_params": costs.param_counts(hero.model)["total"], "flops": costs.total_flops(hero),
+              "final_loss": final},
+        backtest=bt,
+        trajectory={},
+        grad_norm=grad_norm_envelope(rungs, hero),
+    )
+    fc.warnings += [f"final-loss law: {w}" for w in law["warnings"]]
     try:
-        traj, curve_model, rung_fits = trajectory_forecast(rungs, hero, final)
-        out["trajectory"], out["curve_model"], out["rung_fits"] = traj, curve_model, rung_fits
+        fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, final)
+        fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]
     except Exception as e:  # the final-loss forecast stands on its own; say why the curve model is missing
-        out["curve_model_error"] = f"{type(e).__name__}: {e}"
-        out["trajectory"] = scaled_rung_trajectory(rungs, hero, final)
-    out["grad_norm"] = grad_norm_envelope(rungs, hero)
-    repeated = [w for w in (repeat_warning(r.spec) for r in rungs) if w]  # rungs that saw data twice
-    if repeated:
-        out.setdefault("warnings", []).extend(repeated)
-    substituted = [w for w in (r.final_eval_warning for r in rungs) if w]
-    if substituted:
-        out.setdefault("warnings", []).extend(substituted)
-    return out
+        fc.curve_model_error = f"{type(e).__name__}: {e}"
+        fc.trajectory = scaled_rung_trajectory(rungs, hero, final)
+        fc.warnings.append(f"no curve model ({fc.curve_model_error}): the trajectory is the largest rung's, scaled")
+    fc.coverage = {"final_loss": final_loss_coverage(rungs), "grad_norm": fc.grad_norm.get("backtest")}
+    try:
+        fc.coverage["trajectory"] = trajectory_coverage(rungs)
+    except Exception as e:  # a backtest that cannot be made is reported, not fatal
+        fc.coverage["trajectory"] = {"error": f"{type(e).__name__}: {e}"}
+    for k, v in fc.coverage.items():
+        if v is None:
+            fc.warnings.append(f"the {k.replace('_', ' ')} interval has no backtest on this ladder (too few rungs): "
+                               "its coverage is unknown")
+    fc.warnings += memorisation_warnings(rungs)
+    fc.warnings += [w for w in (repeat_warning(r.spec) for r in rungs) if w]  # rungs that saw data twice
+    fc.warnings += [w for w in (r.final_eval_warning for r in rungs) if w]
+    return fc

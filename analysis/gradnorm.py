@@ -7,12 +7,14 @@ envelope's centre. The band is, in log space,
 a normal interval of two parts in quadrature:
 
 - the rungs' pooled scatter about their lines;
+- the step-to-step scatter of a run about its bin median (robust, pooled over the rungs), so that
+  the band holds single steps, as a monitor reads them;
 - an extrapolation term: `extrap_sd` per e-fold of size beyond the largest rung, measured by nested
   leave-largest-out backtests on the rungs themselves (predict rung k from rungs 1..k-1, for every
   k >= 3; without one, a stated prior of PRIOR_EXTRAP_SD per e-fold).
 
-`backtest()` reports the coverage and width the method reached on those held-out rungs (per bin,
-at the level of the band), so the JSON says how far to trust it.
+`backtest()` reports the coverage and width the method reached on those held-out rungs (every
+logged step, at the level of the band), so the JSON says how far to trust it.
 
 Shape legend: R rungs, B bins.
 """
@@ -71,25 +73,40 @@ def _line(x_R: np.ndarray, y_RB: np.ndarray, x_new: float) -> tuple[np.ndarray, 
     return mean_B, np.full(B, sd)
 
 
+def step_scatter(rungs: Sequence[RungGrad], n_bins: int) -> float:
+    """Robust sd of log grad norm about its bin median, pooled over rungs and bins."""
+    dev = []
+    for r in rungs:
+        idx = np.clip((r.frac * n_bins).astype(int), 0, n_bins - 1)
+        med_B = binned(r, n_bins)
+        dev.append(np.log(r.g) - med_B[idx])
+    d = np.concatenate(dev) if dev else np.zeros(0)
+    d = d[np.isfinite(d)]
+    return float(1.4826 * np.median(np.abs(d))) if len(d) else 0.0
+
+
 def _predict(rungs: Sequence[RungGrad], size: float, n_bins: int) -> tuple[np.ndarray, np.ndarray]:
+    """Centre per bin (log) and the sd of its parts that do not grow with extrapolation."""
     x_R = np.log([r.size for r in rungs])
     y_RB = np.stack([binned(r, n_bins) for r in rungs])
     mean_B, sd_B = _line(x_R, y_RB, math.log(size))
     fallback = np.nanmedian(sd_B) if np.isfinite(sd_B).any() else MIN_SCATTER
     sd_B = np.maximum(np.where(np.isfinite(sd_B), sd_B, fallback), MIN_SCATTER)
-    return mean_B, sd_B
+    return mean_B, np.sqrt(sd_B**2 + step_scatter(rungs, n_bins) ** 2)
 
 
 def _nested(rungs: Sequence[RungGrad], n_bins: int) -> list[dict[str, Any]]:
-    """Predict each rung k (k >= 3 by size) from the smaller ones: log errors per bin and e-folds."""
+    """Predict each rung k (k >= 3 by size) from the smaller ones: log errors of its bin medians (for
+    the extrapolation term) and of its every step (for coverage), and the e-folds of the reach."""
     ordered = sorted(rungs, key=lambda r: r.size)
     out = []
     for k in range(2, len(ordered)):
         target, base = ordered[k], ordered[:k]
         mean_B, sd_B = _predict(base, target.size, n_bins)
-        y_B = binned(target, n_bins)
+        idx = np.clip((target.frac * n_bins).astype(int), 0, n_bins - 1)
         out.append({"name": target.name, "efolds": math.log(target.size / base[-1].size),
-                    "err_B": y_B - mean_B, "sd_B": sd_B, "mean_B": mean_B, "y_B": y_B})
+                    "err_B": binned(target, n_bins) - mean_B, "err_S": np.log(target.g) - mean_B[idx],
+                    "sd_S": sd_B[idx]})
     return out
 
 
@@ -121,8 +138,9 @@ def envelope(rungs: Sequence[RungGrad], hero_size: float, hero_steps: int, n_bin
         "mean": np.exp(mean_B).tolist(), "lo": np.exp(mean_B - half_B).tolist(), "hi": np.exp(mean_B + half_B).tolist(),
         "level": level, "extrap_sd_per_efold": c, "extrap_sd_from": how, "hero_efolds": efolds,
         "method": ("per bin of the fraction of training: log grad norm linear in log active params across rungs "
-                   "(one slope shared by the bins), at the hero's size; band: the rungs' scatter about the line and extrap_sd per e-fold beyond the "
-                   "largest rung, in quadrature, normal quantiles in log space"),
+                   "(one slope shared by the bins), at the hero's size; band: the rungs' scatter about the line, "
+                   "their step-to-step scatter and extrap_sd per e-fold beyond the largest rung, in quadrature, "
+                   "normal quantiles in log space"),
         "backtest": backtest(rungs, n_bins, level, nested),
     }
 
@@ -140,14 +158,14 @@ def backtest(rungs: Sequence[RungGrad], n_bins: int = 50, level: float = LEVEL,
     for t in nested:
         k = [r.name for r in ordered].index(t["name"])
         c, _ = _extrap_sd(_nested(ordered[:k], n_bins))
-        half_B = zq * np.sqrt(t["sd_B"] ** 2 + (c * t["efolds"]) ** 2)
-        ok = np.isfinite(t["y_B"]) & np.isfinite(t["mean_B"])
-        hit = np.abs(t["err_B"][ok]) <= half_B[ok]
+        half_S = zq * np.sqrt(t["sd_S"] ** 2 + (c * t["efolds"]) ** 2)
+        ok = np.isfinite(t["err_S"]) & np.isfinite(half_S)
+        hit = np.abs(t["err_S"][ok]) <= half_S[ok]
         inside.append(hit)
-        width.append(2 * np.sinh(half_B[ok]))  # (hi - lo) / centre for a log-symmetric band
-        err.append(np.abs(np.expm1(t["err_B"][ok])))
+        width.append(2 * np.sinh(half_S[ok]))  # (hi - lo) / centre for a log-symmetric band
+        err.append(np.abs(np.expm1(t["err_S"][ok])))
         per.append({"held_out": t["name"], "coverage": float(np.mean(hit)), "mean_abs_rel_err": float(np.mean(err[-1]))})
-    return {"method": "nested leave-largest-out: each rung from the smaller ones", "level": level,
-            "n_bins": int(sum(len(x) for x in inside)), "coverage": float(np.mean(np.concatenate(inside))),
+    return {"method": "nested leave-largest-out: each rung from the smaller ones, every logged step", "level": level,
+            "n": int(sum(len(x) for x in inside)), "coverage": float(np.mean(np.concatenate(inside))),
             "mean_rel_width": float(np.mean(np.concatenate(width))),
             "mean_abs_rel_err": float(np.mean(np.concatenate(err))), "held_out": per}

@@ -165,11 +165,11 @@ def ladder(name: str, path: Path, boot: int) -> None:
         print(f"{name}: curve model failed: {err}")
     gn = gn_backtest([_grad(r) for r in rungs])
     if gn:
-        row(name, "grad norm: each rung >= 3rd from the smaller", "grad-norm envelope", gn["n_bins"],
+        row(name, "grad norm: each rung >= 3rd from the smaller", "grad-norm envelope", gn["n"],
             gn["mean_abs_rel_err"], gn["coverage"], gn["mean_rel_width"])
     if hero is None or not _finished(hero):
         return
-    fc = forecast(name, rungs, hero.spec)
+    fc = forecast(name, rungs, hero.spec).to_dict()
     fl = fc["hero"]["final_loss"]
     act = hero.final_loss
     row(name, f"hero {hero.spec.name} final eval loss", "hero final-loss interval", 1, abs(fl["mean"] / act - 1),

@@ -86,7 +86,7 @@ def register(app: typer.Typer) -> None:
         if len(rungs) < 3:
             raise LadderError(f"forecast needs at least 3 finished rungs; unfinished: {', '.join(missing) or 'none'}"
                               f" (run `ladder submit {experiment}` first)")
-        fc = forecast(exp.name, rungs, exp.hero)
+        fc = forecast(exp.name, rungs, exp.hero).to_dict()
         if holdout:
             held = [s for s in exp.rungs if s.name not in {x.spec.name for x in rungs}]
             fc["holdout"] = [h.name for h in held]
@@ -122,10 +122,16 @@ def register(app: typer.Typer) -> None:
         if holdout:
             held = [s for s in exp.rungs if s.name in fc["holdout"]]
             for s in held:
-                from analysis.forecast import _law, _law_predict
+                from analysis.forecast import final_interval
 
-                pred = _law_predict(_law(rungs), costs.total_flops(s))
+                pred = final_interval(rungs, costs.total_flops(s))
                 c.print(f"holdout {s.name}: predicted {pred[0]:.4f} ({pred[1]:.4f} to {pred[2]:.4f})")
+        for name, cov in (fc.get("coverage") or {}).items():
+            if cov and "coverage" in cov:
+                c.print(f"{name.replace('_', ' ')} interval, backtested on this ladder ({cov['method']}, {cov['n']} "
+                        f"held-out points): {100 * cov['coverage']:.0f}% inside at {100 * cov['level']:.0f}%, "
+                        f"mean width {100 * cov['mean_rel_width']:.1f}%, mean error {100 * cov['mean_abs_rel_err']:.1f}%",
+                        highlight=False)
         c.print(f"wrote {path}")
 
     @app.command("report")

@@ -84,7 +84,7 @@ def test_larger_hero_is_forecast_below_every_rung(trained_ladder):
     rungs = [RungRun(s, run_dir_for(root, exp.name, s), read_metrics_frame(run_dir_for(root, exp.name, s) / "metrics.jsonl"))
              for s in exp.rungs]
     fc = forecast(exp.name, rungs, exp.hero)
-    assert fc["hero"]["final_loss"]["mean"] < min(r.final_loss for r in rungs)
+    assert fc.final_loss["mean"] < min(r.final_loss for r in rungs)
 
 
 def test_grad_norm_envelope_brackets_its_median(trained_ladder):
@@ -117,3 +117,22 @@ def test_holdout_last_reports_the_largest_rung(trained_ladder):
                           "--no-tracking", "--holdout", "LAST"], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "holdout r40: predicted" in out.stdout
+
+
+def test_forecast_reports_warnings_and_the_coverage_of_every_interval(trained_ladder):
+    from analysis.forecast import RungRun, forecast
+    from analysis.metrics_io import read_metrics_frame
+    from ladder.ledger import run_dir_for
+
+    _, root, exp = trained_ladder
+    rungs = [RungRun(s, run_dir_for(root, exp.name, s), read_metrics_frame(run_dir_for(root, exp.name, s) / "metrics.jsonl"))
+             for s in exp.rungs]
+    d = forecast(exp.name, rungs, exp.hero).to_dict()
+    assert isinstance(d["warnings"], list) and isinstance(d["law"]["warnings"], list)
+    assert set(d["coverage"]) == {"final_loss", "grad_norm", "trajectory"}
+    fl = d["coverage"]["final_loss"]
+    assert fl["held_out"] == ["r40"] and fl["n"] == 1 and 0.0 <= fl["coverage"] <= 1.0
+    gn = d["coverage"]["grad_norm"]
+    assert gn["n"] > 0 and 0.0 <= gn["coverage"] <= 1.0 and gn["mean_rel_width"] > 0
+    assert "coverage" in d["coverage"]["trajectory"] or "error" in d["coverage"]["trajectory"]
+    json.dumps(d)  # forecast.json is strict JSON
