@@ -10,7 +10,7 @@ import math
 import numpy as np
 from scipy.optimize import minimize
 
-from analysis.curve_design import LOG_BOUNDS, LRA_MOMENTUM, MODEL_PARAMS, SCALED
+from analysis.curve_design import LOG_BOUNDS, LRA_MOMENTUM, MODEL_PARAMS
 from analysis.curve_sizelaw import CHINCHILLA_ALPHA, SizeLaw
 
 HUBER_DELTA = 1e-2  # on log loss; analysis.curves says why not the published 1e-3
@@ -163,7 +163,7 @@ def sized_start(thetas: list[np.ndarray], log_ns: list[float], law: SizeLaw) -> 
     names = MODEL_PARAMS[law.model]
     base = th[:, 1:].mean(0)
     slopes = []
-    for k in [k for k in SCALED if k in names]:
+    for k in [k for k in law.scaled if k in names]:
         i = names.index(k)
         s_, c_ = np.polyfit(x, th[:, i], 1)
         base[i - 1] = c_

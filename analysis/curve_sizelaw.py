@@ -11,7 +11,9 @@ import numpy as np
 
 from analysis.curve_design import MODEL_PARAMS, SCALED
 
-__all__ = ["CHINCHILLA_E", "CHINCHILLA_A", "CHINCHILLA_ALPHA", "KAPLAN_ALPHA_N", "SIZE_PRIORS", "SIZE_PRIOR_SD",
+SIZE_LAWS = {"slopes": SCALED, "additive": ()}  # additive: only L0 moves with N (Chinchilla's additive form)
+
+__all__ = ["SIZE_LAWS", "CHINCHILLA_E", "CHINCHILLA_A", "CHINCHILLA_ALPHA", "KAPLAN_ALPHA_N", "SIZE_PRIORS", "SIZE_PRIOR_SD",
            "SizeLaw", "prior_l0"]
 
 CHINCHILLA_E, CHINCHILLA_A, CHINCHILLA_ALPHA = 1.69, 406.4, 0.34
@@ -28,6 +30,7 @@ class SizeLaw:
     model: str
     kind: str
     log_nref: float = 0.0
+    scaled: tuple[str, ...] = SCALED  # parameters whose log is linear in log N; () for the additive law
 
     @property
     def names(self) -> list[str]:
@@ -35,7 +38,7 @@ class SizeLaw:
         if self.kind == "none":
             return base
         out = ["E", "a"] + (["p"] if self.kind == "many" else []) + base[1:]
-        out += [f"s_{k}" for k in SCALED if k in base]
+        out += [f"s_{k}" for k in self.scaled if k in base]
         return out
 
     def theta(self, z: np.ndarray, log_n: float | None) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +66,7 @@ class SizeLaw:
             th[i] = z[off + i - 1]
             J[i, off + i - 1] = 1.0
         s0 = off + P - 1
-        for j, k in enumerate([k for k in SCALED if k in names]):
+        for j, k in enumerate([k for k in self.scaled if k in names]):
             i = names.index(k)
             th[i] += z[s0 + j] * x
             J[i, s0 + j] = x

@@ -43,8 +43,12 @@ G is smooth there, so the error stays near 1e-5 of the loss (tests compare with 
 72k-step curve costs ~100 terms per evaluated step; a fit takes about a second.
 
 Model size: curves may carry `params` (N, the model's parameter count). With several sizes the
-per-curve parameters scale with N: L0(N) = E + a (N/N_ref)^-p (p fixed at CHINCHILLA_ALPHA with two
-sizes, fitted with three or more), log A, log alpha and log B linear in log N, C, beta, gamma shared.
+curves share every parameter but the floor, L0(N) = E + a (N/N_ref)^-p (p fixed at CHINCHILLA_ALPHA
+with two sizes, fitted with three or more): Chinchilla's additive form, in which the data term does
+not depend on N (size_law="additive", the default). size_law="slopes" also lets log A, log alpha and
+log B move linearly in log N. On the CPU ladder's rungs (fit 2 or 3 sizes, predict the next, four
+splits) the additive law erred 6.4-8.7% where the slopes erred 8.4-22% (and once diverged): its
+extra parameters are extrapolated, not measured.
 With ONE size there is nothing to learn the scaling from, so predicting another size uses a prior
 (stated here, reported by `CurveFit.to_dict`, chosen by `size_prior`):
 - "kaplan" (default): the whole curve scales as (N / N_fit)^-0.076, Kaplan et al. (2020)'s
@@ -92,8 +96,8 @@ from analysis import fitwarn
 from analysis.curve_data import Curve, CurveError, CurveFitError, check_steps, dense_lr, lr_per_step_from_samples
 from analysis.curve_design import GAMMA_MAX, LOG_BOUNDS, MODEL_PARAMS, MODELS, EVAL_CHUNK, Design, block_distances
 from analysis.curve_optim import bounds_for, clip_to, fit_one_size, fix_bound, lbfgs, linearised_start, sized_start
-from analysis.curve_sizelaw import (CHINCHILLA_A, CHINCHILLA_ALPHA, CHINCHILLA_E, KAPLAN_ALPHA_N, SIZE_PRIOR_SD,
-                                    SIZE_PRIORS, SizeLaw, prior_l0)
+from analysis.curve_sizelaw import (CHINCHILLA_A, CHINCHILLA_ALPHA, CHINCHILLA_E, KAPLAN_ALPHA_N, SIZE_LAWS,
+                                    SIZE_PRIOR_SD, SIZE_PRIORS, SizeLaw, prior_l0)
 
 try:  # a transitive dependency (scikit-learn via mlflow); without it the fit is only slower
     from threadpoolctl import threadpool_limits
@@ -134,6 +138,8 @@ class CurveFit:
     s1_max: float | None = None  # largest LR area (S1 + S_W) a training curve reached
     info: dict = field(default_factory=dict)
     size_prior: str = "kaplan"  # one size: how another size is predicted (module docstring)
+    size_law: str = "additive"  # several sizes: "additive" (only L0 moves with N) or "slopes" (log A, log alpha,
+    # log B linear in log N too)
     sizes: list = field(default_factory=list)  # the training curves' sizes (params), when given
     calib: float = 1.0  # leave-one-curve-out calibration factor of the band's non-bootstrap parts
     calibration: dict = field(default_factory=dict)  # how calib was measured
@@ -142,7 +148,7 @@ class CurveFit:
 
     @property
     def _law(self) -> SizeLaw:
-        return SizeLaw(self.model, self.law_kind, self.log_nref)
+        return SizeLaw(self.model, self.law_kind, self.log_nref, SIZE_LAWS[self.size_law])
 
     @property
     def params(self) -> dict[str, float]:
@@ -253,6 +259,7 @@ class CurveFit:
             "info": self.info,
             "sizes": list(self.sizes),
             "prior": self.size_prior,
+            "size_law_kind": self.size_law,
             "calib": self.calib,
             "calibration": self.calibration,
             "converged": self.converged,
@@ -272,8 +279,9 @@ class CurveFit:
             )
         else:
             d["size_law"] = (
-                "L0(N) = E + a (N/N_ref)^-p, log A, log alpha, log B linear in log(N/N_ref) (slopes s_*), "
-                f"N_ref = {math.exp(self.log_nref):.4g}"
+                ("L0(N) = E + a (N/N_ref)^-p, log A, log alpha, log B linear in log(N/N_ref) (slopes s_*), "
+                 if self.size_law == "slopes" else "additive: L0(N) = E + a (N/N_ref)^-p, the other parameters shared, ")
+                + f"N_ref = {math.exp(self.log_nref):.4g}"
                 + ("" if self.law_kind == "many" else f", p fixed at {CHINCHILLA_ALPHA} (two sizes)")
             )
         return d
@@ -295,6 +303,7 @@ class CurveFit:
                 s1_max=d.get("s1_max"),
                 info=dict(d.get("info", {})),
                 size_prior=str(d.get("prior", "chinchilla")),
+                size_law=str(d.get("size_law_kind", "slopes")),
                 sizes=list(d.get("sizes") or []),
                 calib=float(d.get("calib", 1.0)),
                 calibration=dict(d.get("calibration") or {}),
@@ -327,14 +336,18 @@ def fit_curves(
     size_prior: str = "kaplan",
     calibrate: bool | None = None,
     level: float = 0.9,
+    size_law: str = "additive",
 ) -> CurveFit:
     """Fit `model` ("mpl" or "lra") to `curves` with shared parameters (a size law across sizes when
     the curves carry several `params` values). n_boot > 0 adds block-bootstrap refits for bands.
     joint=True fits the Multi-Power Law's B together with the rest (one stage) instead of from the
     instant model; exact=True evaluates LD term by term (slow; for checking the lumping).
-    size_prior: "kaplan" or "chinchilla", how a one-size fit predicts another size. calibrate (default:
+    size_law: "additive" (several sizes: only L0 = E + a N^-p moves with N) or "slopes" (log A, log alpha,
+    log B linear in log N too). size_prior: "kaplan" or "chinchilla", how a one-size fit predicts another size. calibrate (default:
     with n_boot > 0) measures the band's calibration factor leave-one-curve-out at `level`.
     Raises CurveError for unusable input, CurveFitError when the fit does not converge."""
+    if size_law not in SIZE_LAWS:
+        raise CurveError(f"unknown size law {size_law!r}; choose one of {', '.join(SIZE_LAWS)}")
     if size_prior not in SIZE_PRIORS:
         raise CurveError(f"unknown size prior {size_prior!r}; choose one of {', '.join(SIZE_PRIORS)}")
     if not 0 < level < 1:
@@ -343,10 +356,10 @@ def fit_curves(
     # L-BFGS-B makes thousands of tiny BLAS calls; a multi-threaded BLAS spins its threads on each
     # one and on a busy machine runs many times slower than one thread.
     if threadpool_limits is None:
-        fit = _fit_curves(curves, model, n_boot, seed, joint, exact)
+        fit = _fit_curves(curves, model, n_boot, seed, joint, exact, size_law)
         return _finish(fit, curves, model, joint, size_prior, calibrate, level)
     with threadpool_limits(limits=1, user_api="blas"):
-        fit = _fit_curves(curves, model, n_boot, seed, joint, exact)
+        fit = _fit_curves(curves, model, n_boot, seed, joint, exact, size_law)
         return _finish(fit, curves, model, joint, size_prior, calibrate, level)
 
 
@@ -406,9 +419,9 @@ def _calibrate(fit: CurveFit, curves, model, joint, size_prior, level) -> tuple[
         if c.params is not None and c.params not in {x.params for x in rest}:
             continue
         try:
-            sub = _fit_curves(rest, model, 0, 0, joint, False)
+            sub = _fit_curves(rest, model, 0, 0, joint, False, fit.size_law)
             designs = [Design(model, x.step, x.lr_per_step) for x in rest]
-            sub.extrap_rel = _backtest_extrapolation(rest, designs, model, joint)
+            sub.extrap_rel = _backtest_extrapolation(rest, designs, model, joint, fit.size_law)
             sub.size_prior, sub.sizes = size_prior, list(sub.info.get("sizes") or [])
             pred = sub.predict_curve(c)
         except CurveError:
@@ -425,7 +438,7 @@ def _calibrate(fit: CurveFit, curves, model, joint, size_prior, level) -> tuple[
                "factor": k, "coverage_uncalibrated": float(np.mean(r <= zq))}
 
 
-def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
+def _fit_curves(curves, model, n_boot, seed, joint, exact, size_law="additive") -> CurveFit:
     t0 = time.perf_counter()
     if model not in MODELS:
         raise CurveError(f"unknown curve model {model!r}; choose one of {', '.join(MODELS)}")
@@ -444,11 +457,11 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
     sizes = sorted({c.params for c in curves}) if all(has_n) else []
     kind = "none" if len(sizes) <= 1 else ("two" if len(sizes) == 2 else "many")
     log_nref = float(np.mean(np.log(sizes))) if sizes else 0.0
-    law = SizeLaw(model, kind, log_nref)
+    law = SizeLaw(model, kind, log_nref, SIZE_LAWS[size_law])
     n_points = sum(len(c.step) for c in curves)
     n_free = len(law.names)
     if model == "mpl" and not joint:
-        n_free -= 1 if kind == "none" else 2  # B (and its slope in log N) come from the instant model
+        n_free -= 1 if kind == "none" or "B" not in law.scaled else 2  # B (and its slope) from the instant model
     if n_points <= n_free:
         raise CurveError(f"{n_points} points in all, but the {model} fit has {n_free} parameters: need more points")
 
@@ -473,7 +486,7 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
         bounds = bounds_for(law, y_min)
         fixed = {}
         if model == "mpl" and not joint:
-            for name in ("B", "s_B"):
+            for name in [n for n in ("B", "s_B") if n in law.names]:
                 i = law.names.index(name)
                 fixed[i] = float(z0[i])
                 bounds = fix_bound(bounds, i, float(z0[i]))
@@ -487,7 +500,7 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
         raise CurveFitError(f"the {model} curve fit did not converge: {best.message}")
 
     fit = CurveFit(model=model, names=law.names, z=best.x, law_kind=kind, log_nref=log_nref,
-                   size_n=sizes[0] if len(sizes) == 1 else None)
+                   size_n=sizes[0] if len(sizes) == 1 else None, size_law=size_law)
     fit.warnings += _bound_warnings(law.names, best.x, bounds)
     fit.converged = not fit.warnings
     rel = []
@@ -509,7 +522,7 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
     fit.s1_max = float(max(math.exp(d.logS1_n[-1]) for d in designs))
     if n_boot > 0:
         fit.boot_z = _bootstrap(model, law, best.x, bounds, designs, ys, log_ns, eta_ref, n_boot, seed, joint)
-        fit.extrap_rel = _backtest_extrapolation(curves, designs, model, joint)
+        fit.extrap_rel = _backtest_extrapolation(curves, designs, model, joint, size_law)
 
     fit.info = {
         "objective": float(best.fun),
@@ -524,7 +537,7 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact) -> CurveFit:
     return fit
 
 
-def _backtest_extrapolation(curves, designs, model, joint) -> float:
+def _backtest_extrapolation(curves, designs, model, joint, size_law="additive") -> float:
     """Relative error per e-fold of LR area when extrapolating: refit on each curve's points up to
     half its final LR area, predict the rest; least squares of |error| against log(S1 / S1_cut)."""
     early, late = [], []
@@ -537,7 +550,7 @@ def _backtest_extrapolation(curves, designs, model, joint) -> float:
     if not early:
         return 0.0
     try:
-        bt = _fit_curves(early, model, 0, 0, joint, False)
+        bt = _fit_curves(early, model, 0, 0, joint, False, size_law)
     except CurveError:
         return 0.0
     num = den = 0.0

@@ -176,7 +176,9 @@ def test_published_protocol_100M_beats_the_paper_and_the_baseline():
 
 @pytest.mark.slow
 def test_two_sizes_fit_a_size_law_that_predicts_each_size():
-    fit = fit_curves([_load("25M", n, 25e6) for n in TRAIN] + [_load("100M", n, 1e8) for n in TRAIN])
+    # the slopes law fits each size's own A and alpha: unseen schedules at both fitted sizes as well
+    # as one size alone (the additive default, sharing them, errs 0.13-0.23% here)
+    fit = fit_curves([_load("25M", n, 25e6) for n in TRAIN] + [_load("100M", n, 1e8) for n in TRAIN], size_law="slopes")
     assert fit.law_kind == "two"
     assert fit.curve_params(1e8)["L0"] < fit.curve_params(25e6)["L0"]
     for size, n_params in (("25M", 25e6), ("100M", 1e8)):
