@@ -1,4 +1,6 @@
-"""Atomic file writes: a reader sees the old file or the new one, never half of either."""
+"""Atomic file writes: a reader sees the old file or the new one, never half of either. Files are
+written with the mode a plain open() would give them (0666 less the process's umask: 0644
+under the usual 022), as every other run file is."""
 
 from __future__ import annotations
 
@@ -9,11 +11,19 @@ from pathlib import Path
 from typing import Any
 
 
+def file_mode() -> int:
+    """The mode a plain open() gives a new file: 0666 less the process's umask."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return 0o666 & ~mask
+
+
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, file_mode())  # mkstemp's own 0600 would differ from the other run files
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()

@@ -17,6 +17,8 @@ from typing import Any, Literal, get_args
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from core.fsutil import atomic_write_text
+
 # Sections that change the training result; everything else is a run argument.
 IDENTITY_FIELDS = ("model", "data", "optim", "schedule", "engine", "seed")
 # fields added after spec ids were in use: in the identity only when set off their default, so
@@ -365,7 +367,6 @@ def load_spec(path: str | Path) -> Spec:
         text = path.read_text()
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError(f"{path}: cannot read the spec file ({type(err).__name__}: {err})") from err
-
     try:
         data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     except (yaml.YAMLError, json.JSONDecodeError) as err:
@@ -374,7 +375,5 @@ def load_spec(path: str | Path) -> Spec:
 
 
 def save_spec(spec: Spec, path: str | Path) -> Path:
-    from core.fsutil import atomic_write_text
-
     path = Path(path)
     return atomic_write_text(path, spec.to_json() if path.suffix == ".json" else spec.to_yaml())

@@ -6,7 +6,8 @@ Layout
         model.safetensors   parameters by the names of engines/base.py, float32
         optim.safetensors   AdamW state: "m/<param>" (first moment), "v/<param>" (second moment),
                             float32, and "step" (int64 scalar: optimizer updates done so far)
-        state.json          {"step", "tokens", "spec_id", "engine", "data": {...}, ...}
+        state.json          {"step", "tokens", "spec_id", "engine", "data": {...}, "options": {...},
+                             "sha256": {"model.safetensors": ..., "optim.safetensors": ...}, ...}
 
 `step` is the number of optimizer updates done: step_00000025 holds the weights after updates
 0..24 and a resumed run continues with update 25 (metrics records are 0-based: the record of
@@ -25,12 +26,24 @@ leaves either the complete new checkpoint or none (the older ones are untouched)
 rename are checkpoints beyond the newest `keep` removed. latest_checkpoint() only returns
 directories that have all three files.
 
+Integrity. Each array file's sha256 is recorded in state.json as it is saved, and checked before a
+run resumes from it (verify_checkpoint; load_checkpoint by default). A damaged checkpoint is never
+resumed from: newest_intact_checkpoint() moves it aside (checkpoints/damaged-step_X-<time>) and
+names the newest intact one. Checkpoints written before checksums were recorded load unverified.
+
+Space. save_checkpoint checks the free space of the file system first (the arrays' size is
+known): with too little, or when a write fails for want of space, it raises CheckpointSpaceError
+and the checkpoints already there are untouched.
+
 API
 ---
     save_checkpoint(run_dir, step, params, opt_state, state, keep=2) -> Path
     latest_checkpoint(run_dir) -> Path | None
     list_checkpoints(run_dir) -> list[Path]          (oldest first)
-    load_checkpoint(path) -> (params, opt_state, state)
+    verify_checkpoint(path) -> dict                  (its state; CheckpointError if damaged)
+    newest_intact_checkpoint(run_dir, warn) -> Path | None
+    resume_step(run_dir) -> int                      (the step a resumed run starts from)
+    load_checkpoint(path, verify=True) -> (params, opt_state, state)
     init_from_checkpoint(run_dir, source, metrics_from=None) -> Path
         seed a new run dir with another run's checkpoint (the replan path: lineage.resume_step)
     remove_checkpoints(run_dir)                      (a fresh start: --no-resume)
@@ -38,13 +51,21 @@ API
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import shutil
+import time
+import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 from safetensors.numpy import load_file, save_file
+
+from core.fsutil import atomic_write_text, file_mode
+from core.rundir import METRICS_FILE
 
 CHECKPOINTS = "checkpoints"
 MODEL_FILE = "model.safetensors"
@@ -53,13 +74,21 @@ STATE_FILE = "state.json"
 FORMAT_VERSION = 1
 
 
+SPACE_MARGIN = 1 << 20  # bytes kept free beyond a checkpoint's arrays (headers, state.json)
+RECOVERY_HINT = ("move that checkpoint directory aside to resume from an older one, restore it from a copy, "
+                 "or start the run over with --no-resume")
+
+
 class CheckpointError(ValueError):
     """A checkpoint that cannot be used; the message names it and says why."""
 
 
+class CheckpointSpaceError(CheckpointError):
+    """Too little free space to write a checkpoint; the checkpoints already there are kept."""
+
+
 def warn_if_other_data(ckpt: Path, info: dict, fingerprint: str) -> None:
     """A resumed run whose checkpoint saw other data (changed source files) is not a replay: say so."""
-    import warnings
 
     seen = (info.get("data") or {}).get("fingerprint")
     if seen and seen != fingerprint:
@@ -117,6 +146,37 @@ def _f32(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
     return {k: np.ascontiguousarray(np.asarray(v, dtype=np.float32)) for k, v in arrays.items()}
 
 
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} TiB"
+
+
+def _space_error(root: Path, step: int, need: int, free: int | None) -> CheckpointSpaceError:
+    prev = latest_checkpoint(root.parent)
+    kept = f"the previous checkpoint ({prev}) is kept" if prev else "no earlier checkpoint exists"
+    have = f", {_human(free)} free" if free is not None else ""
+    return CheckpointSpaceError(f"no space for checkpoint step {step} in {root}: it needs about {_human(need)}{have}; "
+                                f"{kept}; free some space and run again to resume")
+
+
+def check_space(root: Path, step: int, need: int) -> None:
+    """CheckpointSpaceError unless the file system of `root` has `need` bytes (plus a margin) free."""
+    free = shutil.disk_usage(root).free
+    if free < need + SPACE_MARGIN:
+        raise _space_error(root, step, need + SPACE_MARGIN, free)
+
+
 def save_checkpoint(run_dir: str | Path, step: int, params: dict[str, np.ndarray],
                     opt_state: dict[str, np.ndarray], state: dict, keep: int = 2) -> Path:
     """Write checkpoint `step` atomically and keep the newest `keep` checkpoints.
@@ -126,19 +186,25 @@ def save_checkpoint(run_dir: str | Path, step: int, params: dict[str, np.ndarray
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(step)
+    model = _f32(params)
+    moments = _f32({k: v for k, v in opt_state.items() if k != "step"})
+    bad = [k for k in moments if not k.startswith(("m/", "v/"))]
+    if bad:
+        raise CheckpointError(f"optimizer state keys must be 'm/<param>', 'v/<param>' or 'step' (got {bad})")
+    moments["step"] = np.asarray(int(opt_state.get("step", step)), dtype=np.int64)
+    need = sum(a.nbytes for a in model.values()) + sum(a.nbytes for a in moments.values())
+    check_space(root, step, need)
     tmp = root / f".tmp-{final.name}-{os.getpid()}"
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_file(_f32(params), str(tmp / MODEL_FILE), metadata={"format": str(FORMAT_VERSION)})
-        moments = _f32({k: v for k, v in opt_state.items() if k != "step"})
-        bad = [k for k in moments if not k.startswith(("m/", "v/"))]
-        if bad:
-            raise CheckpointError(f"optimizer state keys must be 'm/<param>', 'v/<param>' or 'step' (got {bad})")
-        moments["step"] = np.asarray(int(opt_state.get("step", step)), dtype=np.int64)
+        save_file(model, str(tmp / MODEL_FILE), metadata={"format": str(FORMAT_VERSION)})
         save_file(moments, str(tmp / OPTIM_FILE), metadata={"format": str(FORMAT_VERSION)})
-        state = {**state, "step": int(step), "format": FORMAT_VERSION}
+        for f in (MODEL_FILE, OPTIM_FILE):  # safetensors writes 0600; every other run file has open()'s mode
+            os.chmod(tmp / f, file_mode())
+        sums = {f: sha256_file(tmp / f) for f in (MODEL_FILE, OPTIM_FILE)}
+        state = {**state, "step": int(step), "format": FORMAT_VERSION, "sha256": sums}
         (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True, default=float) + "\n")
         for f in (MODEL_FILE, OPTIM_FILE, STATE_FILE):
             _fsync_file(tmp / f)
@@ -151,8 +217,10 @@ def save_checkpoint(run_dir: str | Path, step: int, params: dict[str, np.ndarray
         else:
             os.rename(tmp, final)
         _fsync_dir(root)
-    except BaseException:
+    except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
+        if _no_space(err):
+            raise _space_error(root, step, need + SPACE_MARGIN, None) from err
         raise
     _prune(root, keep)
     return final
@@ -182,18 +250,84 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def load_checkpoint(path: str | Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict]:
-    """(params, opt_state, state) of a checkpoint directory; opt_state["step"] is an int64 scalar."""
+def _no_space(err: BaseException) -> bool:
+    """A write that failed for want of space (safetensors reports it as its own error type)."""
+    if isinstance(err, OSError) and err.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    return "No space left on device" in str(err) or "Disk quota exceeded" in str(err)
+
+
+def _read_state(path: Path) -> dict:
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path}: cannot read {STATE_FILE} ({err}); {RECOVERY_HINT}") from err
+    if not isinstance(state, dict) or "step" not in state:
+        raise CheckpointError(f"{path}: {STATE_FILE} is not a checkpoint's state; {RECOVERY_HINT}")
+    return state
+
+
+def verify_checkpoint(path: str | Path) -> dict:
+    """The checkpoint's state after checking every array file against the sha256 recorded at save
+    (a checkpoint from before checksums has none to check); CheckpointError names a damaged file."""
     path = Path(path)
+    if not path.is_dir() or not _is_complete(path):
+        raise CheckpointError(f"{path}: not a complete checkpoint (needs {MODEL_FILE}, {OPTIM_FILE}, {STATE_FILE})")
+    state = _read_state(path)
+    for name, want in (state.get("sha256") or {}).items():
+        got = sha256_file(path / name)
+        if got != want:
+            raise CheckpointError(f"{path}: {name} is damaged (its sha256 {got[:12]}... differs from the "
+                                  f"{want[:12]}... recorded when it was saved); {RECOVERY_HINT}")
+    return state
+
+
+def newest_intact_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint that verifies. Each damaged one met on the way is moved aside
+    (checkpoints/damaged-step_X-<time>, never resumed from or counted again) and reported through
+    `warn`, naming the checkpoint resumed from instead."""
+    damaged: list[tuple[Path, str]] = []
+    found = None
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        try:
+            verify_checkpoint(ckpt)
+        except CheckpointError as err:
+            damaged.append((ckpt, str(err).split("; ")[0]))
+            continue
+        found = ckpt
+        break
+    for ckpt, why in damaged:
+        aside = ckpt.with_name(f"damaged-{ckpt.name}-{time.strftime('%Y%m%dT%H%M%S')}")
+        os.rename(ckpt, aside)
+        if warn is not None:
+            instead = f"resuming from the newest intact one, {found}" if found else "no intact checkpoint is left"
+            warn(f"{why}: moved aside to {aside}; {instead}")
+    return found
+
+
+def resume_step(run_dir: str | Path) -> int:
+    """The step a resumed run of run_dir starts from: its newest intact checkpoint's (0 if none)."""
+    for ckpt in reversed(list_checkpoints(run_dir)):
+        try:
+            return int(verify_checkpoint(ckpt)["step"])
+        except (CheckpointError, TypeError, ValueError):
+            continue
+    return 0
+
+
+def load_checkpoint(path: str | Path, verify: bool = True) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict]:
+    """(params, opt_state, state) of a checkpoint directory; opt_state["step"] is an int64 scalar.
+    verify: check the files' checksums first (verify_checkpoint)."""
+    path = Path(path)
+    state = verify_checkpoint(path) if verify else None
     if not path.is_dir() or not _is_complete(path):
         raise CheckpointError(f"{path}: not a complete checkpoint (needs {MODEL_FILE}, {OPTIM_FILE}, {STATE_FILE})")
     try:
         params = load_file(str(path / MODEL_FILE))
         opt = load_file(str(path / OPTIM_FILE))
-        state = json.loads((path / STATE_FILE).read_text())
     except Exception as err:  # safetensors raises its own error type for a damaged file
-        raise CheckpointError(f"{path}: cannot read checkpoint: {err}") from err
-    return params, opt, state
+        raise CheckpointError(f"{path}: cannot read checkpoint: {err}; {RECOVERY_HINT}") from err
+    return params, opt, state if state is not None else _read_state(path)
 
 
 def remove_checkpoints(run_dir: str | Path) -> None:
@@ -207,9 +341,6 @@ def init_from_checkpoint(run_dir: str | Path, source: str | Path, metrics_from: 
     `metrics_from` (the parent's run dir) its metrics records below that step are copied too, so
     the child's metrics.jsonl is one continuous curve. Idempotent: a run dir that already has a
     checkpoint at or past that step is left alone."""
-    from engines.base import METRICS_FILE
-    from core.fsutil import atomic_write_text
-
     source = Path(source)
     params, opt, state = load_checkpoint(source)  # validates before anything is written
     step = int(state["step"])

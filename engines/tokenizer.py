@@ -36,6 +36,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
+from core.fsutil import atomic_write_text
 from core.spec import Spec
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>")
@@ -168,8 +169,6 @@ def train_bpe(files: Sequence[str | Path], vocab_size: int, out: str | Path, min
     """A byte-level BPE trained on `files` (text, or jsonl whose lines carry a "text" field), written
     atomically to `out`. Its id 0 is <|endoftext|>."""
     from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers, trainers
-
-    from core.fsutil import atomic_write_text
 
     hf = HFTokenizer(models.BPE())
     hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -3,9 +3,13 @@
 An engine supplies a step module (what one step is, on its framework and devices); the Trainer
 does everything around the steps, the same way for each of them:
 
-    init and resume     the newest checkpoint of the run dir, checked to belong to this spec
+    init and resume     the newest intact checkpoint of the run dir (its checksums verified; a
+                        damaged one is moved aside and named), checked to belong to this spec
                         (check_same_run), or the initial weights (saved as step_00000000); a
-                        continuation (lineage.resume_step) that was never seeded is refused
+                        continuation (lineage.resume_step) that was never seeded is refused, and so
+                        is a run dir whose metrics.jsonl has records but no checkpoint to resume
+                        them from (resume=False starts over, keeping the old records aside in
+                        metrics.jsonl.<time>.bak)
     the step loop       engines/lookahead.py: step s + 1 is launched before step s is read,
                         except where an eval, a checkpoint or the end needs the state at once
     eval and checkpoint every run.eval_every / run.checkpoint_every updates and at the end
@@ -23,6 +27,7 @@ dir, and `agree` hands every process the lead's decisions (the checkpoint to res
 from __future__ import annotations
 
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Iterator, Protocol
 
@@ -35,9 +40,9 @@ from core.spec import Spec
 from engines.base import DivergedError, StepMetrics
 from engines.checkpoint import (
     CheckpointError,
-    latest_checkpoint,
     load_checkpoint,
     missing_parent_checkpoint,
+    newest_intact_checkpoint,
     remove_checkpoints,
     save_checkpoint,
     warn_if_other_data,
@@ -50,6 +55,14 @@ METRIC_KEYS = ("loss", "z_loss", "aux_loss", "router_z_loss", "drop_frac_send", 
                "expert_load_max", "router_entropy", "total_loss")
 VALUE_KEYS = METRIC_KEYS + ("grad_norm",)
 FINITE_KEYS = ("loss", "total_loss", "grad_norm")  # a step that makes any of these NaN/inf is not applied
+
+
+class RunHistoryError(CheckpointError):
+    """A run dir with metrics records but no checkpoint to resume them from."""
+
+
+def _warn(msg: str) -> None:
+    warnings.warn(msg, stacklevel=2)
 
 
 class StepModule(Protocol):
@@ -85,6 +98,10 @@ class StepModule(Protocol):
 
     def extra(self) -> dict:
         """What this module adds to status.json, the checkpoint info and every record's extra."""
+
+    def describe(self) -> dict:
+        """The engine options as they resolved for this run (status.json and the checkpoint
+        info: which kernels it used). Optional: a module without it records none."""
 
     def finish(self, first_step: int, steps: int) -> None:
         """Called on every process after the last step of this launch."""
@@ -155,6 +172,7 @@ class Trainer:
         self.checkpoints = checkpoints
         self.tokens = 0
         self.stream = stream
+        self.last_good: tuple[Path, str] | None = None  # the newest checkpoint known good, and how
 
     # ---- cadence -------------------------------------------------------------------------
     def eval_due(self, done: int) -> bool:
@@ -175,7 +193,11 @@ class Trainer:
     def _status(self, state: str, **info) -> None:
         if self.module.lead:
             self.run.write_status(state, engine=self.module.engine, spec_id=self.spec.id, **info,
-                                  **self.module.extra())
+                                  **self.module.extra(), options=self._options())
+
+    def _options(self) -> dict:
+        describe = getattr(self.module, "describe", None)
+        return describe() if describe is not None else {}
 
     def _open_stream(self) -> TokenStream:
         # the lead fills the token cache first; the others then read it
@@ -189,13 +211,39 @@ class Trainer:
             stream = TokenStream.from_spec(self.spec)
         return stream
 
+    def _set_aside_metrics(self) -> None:
+        """A fresh start keeps the records of the run before it as metrics.jsonl.<time>.bak."""
+        path = self.run.metrics_path
+        if path.exists() and path.stat().st_size > 0:
+            aside = path.with_name(f"{path.name}.{time.strftime('%Y%m%dT%H%M%S')}.bak")
+            path.rename(aside)
+            _warn(f"{self.run.path}: starting over (--no-resume); the earlier records are kept in {aside}")
+
+    def _choose(self, resume: bool) -> tuple[str, str]:
+        """(the checkpoint to resume from or "", why the run is refused or "") on the lead."""
+        spec = self.spec
+        if not resume:
+            if self.checkpoints:
+                self._set_aside_metrics()
+                remove_checkpoints(self.run.path)
+            return "", ""
+        ckpt = newest_intact_checkpoint(self.run.path, warn=_warn)
+        if ckpt is not None:
+            return str(ckpt), ""
+        rows = self.run.read_metrics(warn=None)
+        if rows and self.checkpoints and spec.lineage.resume_step is None:
+            last = max((r.get("step", -1) for r in rows if isinstance(r.get("step"), int)), default=-1)
+            return "", (f"run {spec.name!r} ({self.run.path}) has {len(rows)} metrics records (up to step {last}) "
+                        f"but no intact checkpoint to resume them from; restore {self.run.checkpoints}, "
+                        f"or start over with --no-resume (the old metrics.jsonl is kept aside as a .bak file)")
+        return "", ""
+
     def _restore(self, resume: bool) -> Path | None:
-        """Load the newest checkpoint (or the initial weights); returns the checkpoint used."""
+        """Load the newest intact checkpoint (or the initial weights); returns the checkpoint used."""
         spec, module = self.spec, self.module
-        if module.lead and not resume and self.checkpoints:
-            remove_checkpoints(self.run.path)
-        found = str(latest_checkpoint(self.run.path) or "") if module.lead and resume else ""
-        found = module.agree(found)
+        found, refused = module.agree(self._choose(resume) if module.lead else ("", ""))
+        if refused:
+            raise RunHistoryError(refused)
         ckpt = Path(found) if found else None
         if ckpt is None:
             if spec.lineage.resume_step is not None:
@@ -203,7 +251,9 @@ class Trainer:
             module.init_fresh()
             self.start, self.tokens = 0, 0
             return None
-        params, opt, info = load_checkpoint(ckpt)
+        params, opt, info = load_checkpoint(ckpt, verify=False)  # the lead verified it
+        how = "its checksums verified as this run resumed from it" if info.get("sha256") else "no checksums recorded"
+        self.last_good = (ckpt, how)
         check_same_run(spec, info, ckpt)
         try:
             module.load_arrays(params, opt, str(ckpt))
@@ -220,8 +270,10 @@ class Trainer:
         if self.module.lead:
             params, opt = arrays
             info = {"tokens": self.tokens, "spec_id": self.spec.id, "spec_name": self.spec.name,
-                    "engine": self.module.engine, "data": self.stream.state(done), **self.module.extra()}
-            save_checkpoint(self.run.path, done, params, opt, info, keep=self.spec.run.keep_checkpoints)
+                    "engine": self.module.engine, "data": self.stream.state(done), **self.module.extra(),
+                    "options": self._options()}
+            path = save_checkpoint(self.run.path, done, params, opt, info, keep=self.spec.run.keep_checkpoints)
+            self.last_good = (path, "written by this run")
 
     def fit(self, resume: bool = True) -> Iterator[StepMetrics]:
         spec, module = self.spec, self.module
@@ -271,7 +323,7 @@ class Trainer:
         if self.end == spec.total_steps:
             self._status("finished", step=spec.total_steps, tokens=self.tokens)
         else:
-            last = latest_checkpoint(self.run.path) if self.save_due(self.end) else None
+            last = self.last_good[0] if self.save_due(self.end) and self.last_good else None
             self._status("running", step=self.end, stopped_at=self.end, last_checkpoint=str(last) if last else None)
 
     def _close_step(self, rec: StepMetrics, finite: bool, writer) -> None:
@@ -279,12 +331,14 @@ class Trainer:
         and raises DivergedError; otherwise the eval where due, the record, and the checkpoint
         where due (in that order: a checkpoint never precedes its step's record)."""
         if not finite:
-            last = latest_checkpoint(self.run.path)
+            last, how = self.last_good or (None, "")
             if writer is not None:
                 writer.write(rec)
-            self._status("diverged", step=rec.step, loss=rec.loss, grad_norm=rec.grad_norm, last_checkpoint=str(last))
-            raise DivergedError(f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {rec.step}; "
-                                f"the last good checkpoint is {last}")
+            self._status("diverged", step=rec.step, loss=rec.loss, grad_norm=rec.grad_norm,
+                         last_checkpoint=str(last) if last else None, last_checkpoint_is=how or None)
+            where = (f"the newest checkpoint is {last} ({how}); rerun it on purpose with --rerun-diverged"
+                     if last else "no checkpoint was written")
+            raise DivergedError(f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {rec.step}; {where}")
         done = rec.step + 1
         if self.eval_due(done):
             rec.eval_loss = self.module.evaluate(self.stream)

@@ -34,6 +34,7 @@ from ladder.preflight import check_memory
 from ladder.train_launch import infeasible as workers_infeasible
 from ladder.train_launch import is_multi_worker, train_on_workers
 from core.spec import Spec
+from engines.checkpoint import resume_step
 
 DEFER_POLL_S = 2.0
 STOP_GRACE_S = 10.0  # how long a Ctrl-C waits for workers to stop at a step before ray.cancel
@@ -68,13 +69,13 @@ class Planned:
     action: str  # run | skip-finished | skip-diverged
 
 
-def plan(root: Path, exp: Experiment, specs: list[Spec]) -> list[Planned]:
+def plan(root: Path, exp: Experiment, specs: list[Spec], rerun_diverged: bool = False) -> list[Planned]:
     out = []
     for s in specs:
         d = ledger.run_dir_for(root, exp.name, s)
         if ledger.is_finished(d, s):
             action = "skip-finished"
-        elif ledger.read_status(d).get("state") == "diverged":
+        elif ledger.read_status(d).get("state") == "diverged" and not rerun_diverged:
             action = "skip-diverged"
         else:
             action = "run"
@@ -158,7 +159,7 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
         if stop.exists():
             raise StopRequested()
         _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time()})
-        report({**base, "step": 0}, force=True)
+        report({**base, "step": resume_step(rd)}, force=True)  # where the run starts: its newest intact checkpoint
         t0 = time.perf_counter()
         steps = (train_on_workers(spec, rd) if is_multi_worker(spec)  # a Ray Train job of hardware.workers
                  else get_engine(spec.engine).train(spec, rd, resume=True))
@@ -297,6 +298,7 @@ def submit(
     show_progress: bool = True,
     local: bool = False,
     ray_timeout: float | None = None,
+    rerun_diverged: bool = False,
 ) -> SubmitResult:
     """Run an experiment's selected specs on Ray; see `ladder submit --help`."""
     t_start = time.perf_counter()
@@ -304,7 +306,7 @@ def submit(
     exp = experiment if isinstance(experiment, Experiment) else load_experiment(experiment)
     root = ledger.ladder_root(root)
     specs = select_specs(exp, only, include_hero, engine)
-    planned = plan(root, exp, specs)
+    planned = plan(root, exp, specs, rerun_diverged)
     result = SubmitResult(exp.name, planned)
     todo = [p for p in planned if p.action == "run"]
     if max_concurrent is not None and max_concurrent < 1:
@@ -318,7 +320,8 @@ def submit(
         return result
     for p in planned:
         if p.action == "skip-diverged":
-            console.print(f"{p.spec.name}: diverged earlier, not rerun (change the spec to train it again)", highlight=False)
+            console.print(f"{p.spec.name}: diverged earlier, not rerun (--rerun-diverged trains it again from its "
+                          "newest intact checkpoint)", highlight=False)
     backlog = _untracked(root, tracking_uri, planned) if tracking else []
     if not todo:
         n_done = sum(p.action == "skip-finished" for p in planned)

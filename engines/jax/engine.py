@@ -34,9 +34,11 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from core.spec import OptimSpec, Spec
 from engines.base import StepMetrics, emulated_ep_note
 from engines.data import TokenStream
+from engines.jax.fast import load_tiles
 from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.jax.moe import EP_AXIS, capacities
 from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
+from engines.options import EngineOptions
 from engines.params import is_buffer
 from engines.trainer import FINITE_KEYS, Trainer
 
@@ -159,8 +161,8 @@ class JaxStep:
     lookahead = True
     synchronous = False  # JAX dispatches asynchronously: a step's time is the time between reads
 
-    def __init__(self, spec: Spec, cfg: ModelConfig, mesh: Mesh | None):
-        self.spec, self.cfg, self.mesh = spec, cfg, mesh
+    def __init__(self, spec: Spec, cfg: ModelConfig, mesh: Mesh | None, options: EngineOptions):
+        self.spec, self.cfg, self.mesh, self.options = spec, cfg, mesh, options
         self.devices = mesh.size if mesh is not None else 1
         self.train_step, self.eval_step, self.tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
         self.state: TrainState | None = None
@@ -196,6 +198,11 @@ class JaxStep:
     def extra(self) -> dict:
         return {}
 
+    def describe(self) -> dict:
+        o = self.options
+        return {"jax_mgpu": o.jax_mgpu, "jax_mgpu_tiles": o.jax_mgpu_tiles, "backend": jax.default_backend(),
+                "devices": self.devices}
+
     def finish(self, first_step: int, steps: int) -> None:
         pass
 
@@ -203,11 +210,19 @@ class JaxStep:
 class JaxEngine:
     name = "jax"
 
-    def step_module(self, spec: Spec) -> JaxStep:
+    def __init__(self, options: EngineOptions | None = None):
+        self.options = options
+
+    def step_module(self, spec: Spec, options: EngineOptions | None = None) -> JaxStep:
         """The step module of this spec on the devices JAX sees (a mesh where the pooled-wave
-        transport can run between them)."""
+        transport can run between them), under `options` (default: the engine's, else the
+        environment's)."""
+        options = options or self.options or EngineOptions.from_env()
+        if options.jax_mgpu_tiles:
+            load_tiles(options.jax_mgpu_tiles)  # a bad tile file is named before any work
         configure_jax()
-        cfg = ModelConfig.from_spec(spec.model)
+        cfg = dataclasses.replace(ModelConfig.from_spec(spec.model), mgpu=options.jax_mgpu,
+                                  mgpu_tiles=options.jax_mgpu_tiles)
         if jax.default_backend() == "gpu":
             cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # fp32 weights, bf16 matmuls
         if cfg.dispatch == "capacity":
@@ -216,7 +231,7 @@ class JaxEngine:
         note = emulation_warning(spec.name, cfg, len(jax.devices()), jax.default_backend())
         if note:
             warnings.warn(note, stacklevel=3)
-        return JaxStep(spec, cfg, mesh)
+        return JaxStep(spec, cfg, mesh, options)
 
     def train(self, spec: Spec, run_dir: str | Path, resume: bool = True) -> Iterator[StepMetrics]:
         # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite step

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 from functools import lru_cache, partial
 from pathlib import Path
 from typing import Literal
@@ -83,7 +82,7 @@ def load_tiles(path: str) -> dict[tuple[str, int, int], dict[str, int]]:
         raw = json.loads(Path(path).read_text())
         entries = [TunedTile.model_validate(e) for e in raw["tiles"]]
     except (OSError, ValueError, KeyError, TypeError, ValidationError) as err:
-        raise ValueError(f"$MOE_LADDER_JAX_MGPU_TILES={path}: not a tile file of bench/tune_mgpu.py "
+        raise ValueError(f"MOE_LADDER_JAX_MGPU_TILES={path}: not a tile file of bench/tune_mgpu.py "
                          f"({type(err).__name__}: {err})") from None
     return {(e.op, e.m, e.n): dict(e.config) for e in entries}
 
@@ -96,47 +95,53 @@ def mgpu_key(op: str, a, b, transpose_rhs: bool | None = None) -> tuple[str, int
     return op, a.shape[1], (b.shape[1] if transpose_rhs else b.shape[2])
 
 
-def mgpu_config(op: str, a, b, transpose_rhs: bool | None = None) -> dict[str, int]:
+# how the kernels are chosen: (EngineOptions.jax_mgpu, EngineOptions.jax_mgpu_tiles)
+Choice = tuple[str, "str | None"]
+TUNED: Choice = ("1", None)
+
+
+def mgpu_config(op: str, a, b, transpose_rhs: bool | None = None, choice: Choice = TUNED) -> dict[str, int]:
     """The tile configuration of one ragged dot: _rd(a, b) for op "fwd"/"dx", _trd(a, b) for "dw".
-    The entries of $MOE_LADDER_JAX_MGPU_TILES (a file bench/tune_mgpu.py writes for your widths)
-    come first, then MGPU_TUNED's; $MOE_LADDER_JAX_MGPU=default ignores both."""
+    The entries of the tile file choice[1] ($MOE_LADDER_JAX_MGPU_TILES: a file bench/tune_mgpu.py
+    writes for your widths) come first, then MGPU_TUNED's; choice[0] "default"
+    ($MOE_LADDER_JAX_MGPU=default) ignores both."""
     key = mgpu_key(op, a, b, transpose_rhs)
     _, m, n = key
-    tiles = os.environ.get("MOE_LADDER_JAX_MGPU_TILES")
+    mode, tiles = choice
     cfg = (load_tiles(tiles).get(key) if tiles else None) or MGPU_TUNED.get(key)
-    if cfg is None or os.environ.get("MOE_LADDER_JAX_MGPU") == "default":
+    if cfg is None or mode == "default":
         return dict(MGPU)
     fits = m % (cfg["block_m"] if op == "dw" else cfg["block_k"]) == 0
     fits = fits and (n % cfg["block_n"] == 0 if op == "dw" else True)
     return dict(cfg) if fits else dict(MGPU)
 
 
-def _rd(x, w, sizes, transpose_rhs=False):
+def _rd(x, w, sizes, choice: Choice, transpose_rhs=False):
     rd, _ = _kernels()
-    cfg = mgpu_config("dx" if transpose_rhs else "fwd", x, w, transpose_rhs)
+    cfg = mgpu_config("dx" if transpose_rhs else "fwd", x, w, transpose_rhs, choice)
     return _call(rd, x, w, group_sizes=sizes.astype(jnp.int32), transpose_rhs=transpose_rhs, **cfg)
 
 
-def _trd(x, g, sizes):
+def _trd(x, g, sizes, choice: Choice):
     _, trd = _kernels()
-    cfg = mgpu_config("dw", x, g)
+    cfg = mgpu_config("dw", x, g, choice=choice)
     return _call(trd, x, g, group_sizes=sizes.astype(jnp.int32), **cfg)
 
 
-@partial(jax.custom_vjp)
-def mgpu_gmm(x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array) -> jax.Array:
-    return _rd(x_AK, w_EKN, sizes_E)
+@partial(jax.custom_vjp, nondiff_argnums=(3,))
+def mgpu_gmm(x_AK: jax.Array, w_EKN: jax.Array, sizes_E: jax.Array, choice: Choice = TUNED) -> jax.Array:
+    return _rd(x_AK, w_EKN, sizes_E, choice)
 
 
-def _fwd(x_AK, w_EKN, sizes_E):
-    return _rd(x_AK, w_EKN, sizes_E), (x_AK, w_EKN, sizes_E)
+def _fwd(x_AK, w_EKN, sizes_E, choice):
+    return _rd(x_AK, w_EKN, sizes_E, choice), (x_AK, w_EKN, sizes_E)
 
 
-def _bwd(res, g_AN):
+def _bwd(choice, res, g_AN):
     x_AK, w_EKN, sizes_E = res
     g_AN = g_AN.astype(x_AK.dtype)
-    dx_AK = _rd(g_AN, w_EKN, sizes_E, transpose_rhs=True)
-    dw_EKN = _trd(x_AK, g_AN, sizes_E)
+    dx_AK = _rd(g_AN, w_EKN, sizes_E, choice, transpose_rhs=True)
+    dw_EKN = _trd(x_AK, g_AN, sizes_E, choice)
     return dx_AK, dw_EKN.astype(w_EKN.dtype), None
 
 
@@ -152,11 +157,11 @@ def _on_hopper() -> bool:
         return False
 
 
-def mgpu_usable(L: int, F: int, dtype) -> bool:
+def mgpu_usable(L: int, F: int, dtype, mode: str = "1") -> bool:
     """Whether dropless dispatch can use the kernels: a Hopper GPU, 16-bit compute, expert
-    widths that tile (multiples of 128); $MOE_LADDER_JAX_MGPU=0 turns them off (=default keeps
-    them with MGPU's tiles for every matmul)."""
-    if os.environ.get("MOE_LADDER_JAX_MGPU", "1") == "0" or jnp.dtype(dtype).itemsize != 2:
+    widths that tile (multiples of 128); mode "0" ($MOE_LADDER_JAX_MGPU=0) turns them off
+    ("default" keeps them with MGPU's tiles for every matmul)."""
+    if mode == "0" or jnp.dtype(dtype).itemsize != 2:
         return False
     return L % 128 == 0 and F % 128 == 0 and _on_hopper()
 
@@ -258,7 +263,7 @@ def _gather_rows_bwd(inv_N, g_ML):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
-def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype) -> jax.Array:
+def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, choice: Choice = TUNED) -> jax.Array:
     """Dropless experts (the contract of moe.dropless_experts): assignments sorted by expert,
     SwiGLU through three grouped matmuls, outputs back in (token, slot) order, gated sum in fp32."""
     T, K = expert_TK.shape
@@ -270,8 +275,8 @@ def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype) -> ja
     x_AL = dispatch_rows(x_TL.astype(dtype), order_A // K, inv_A, K)
     F = wg_ELF.shape[-1]
     # gate and up as one [E, L, 2F] matmul: wider tiles, one dx matmul in the backward
-    gu_A2F = mgpu_gmm(x_AL, jnp.concatenate([wg_ELF, wu_ELF], -1).astype(dtype), sizes_E).astype(jnp.float32)
+    gu_A2F = mgpu_gmm(x_AL, jnp.concatenate([wg_ELF, wu_ELF], -1).astype(dtype), sizes_E, choice).astype(jnp.float32)
     h_AF = (jax.nn.silu(gu_A2F[:, :F]) * gu_A2F[:, F:]).astype(dtype)
-    y_sorted_AL = mgpu_gmm(h_AF, wd_EFL.astype(dtype), sizes_E)
+    y_sorted_AL = mgpu_gmm(h_AF, wd_EFL.astype(dtype), sizes_E, choice)
     y_AL = permute_rows(y_sorted_AL, inv_A, order_A).astype(jnp.float32)
     return jnp.sum(y_AL.reshape(T, K, -1) * gate_TK[..., None], axis=1)

@@ -51,6 +51,8 @@ class ModelConfig:
     norm_eps: float
     init_std: float
     compute_dtype: str = "float32"  # matmul inputs; bfloat16 on a GPU (fp32 accumulation, fp32 weights)
+    mgpu: str = "1"  # the Mosaic-GPU kernels of dropless dispatch (engines/options.EngineOptions.jax_mgpu)
+    mgpu_tiles: str | None = None  # a tile file for them (EngineOptions.jax_mgpu_tiles)
 
     @classmethod
     def from_spec(cls, m: ModelSpec) -> "ModelConfig":

@@ -33,7 +33,7 @@ that many GPUs (engines/torch/ep_launch.py), else on one device with the shards 
 
 from __future__ import annotations
 
-import os
+import dataclasses
 import time
 import warnings
 from pathlib import Path
@@ -46,6 +46,10 @@ from core.costs import flops_per_token
 from core.spec import Spec
 from engines.base import StepMetrics
 from engines.data import TokenStream
+from engines.options import EngineOptions
+from engines.torch.ep_launch import emulation_warning, train_processes, use_processes
+from engines.torch.fast import ASSUMED_MFU, FastLoss, fast_path_enabled, kernels_here, working_copies_enabled
+from engines.torch.master import GuardedAdamW, MasterAdamW
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS, Trainer  # noqa: F401 (the order of a step's values)
 
@@ -58,18 +62,19 @@ def _flops_per_token(spec: Spec, seq_len: int) -> float:
     return float(flops_per_token(spec, seq_len))
 
 
-def cpu_threads(spec: Spec) -> int | None:
-    """Threads for a CPU run: $MOE_LADDER_CPU_THREADS, else one for tiny steps (thread start-up
-    and spinning cost more than they save there, badly so on a busy machine), else torch's own.
-    Fixed per spec, so a resumed run uses the same count as the run it continues."""
-    env = os.environ.get("MOE_LADDER_CPU_THREADS")
-    if env:
-        return max(int(env), 1)
+def cpu_threads(spec: Spec, options: EngineOptions | None = None) -> int | None:
+    """Threads for a CPU run: options.cpu_threads ($MOE_LADDER_CPU_THREADS), else one for tiny
+    steps (thread start-up and spinning cost more than they save there, badly so on a busy
+    machine), else torch's own. Fixed per spec, so a resumed run uses the same count as the run
+    it continues."""
+    if options is not None and options.cpu_threads:
+        return options.cpu_threads
     step_flops = _flops_per_token(spec, spec.data.seq_len) * spec.data.tokens_per_step
     return 1 if step_flops < 2e10 else None
 
 
-def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = None) -> torch.optim.Optimizer:
+def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = None,
+                    options: EngineOptions | None = None) -> torch.optim.Optimizer:
     """AdamW with decoupled weight decay on matrices and expert stacks only (never norms), whose
     update is skipped on the device when the step is not finite (the loop reads the step later).
 
@@ -78,8 +83,7 @@ def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = No
     hardware), it is MasterAdamW (engines/torch/master.py): the same update on the fp32 masters,
     also writing the bf16 working copies the fast forward reads; elsewhere torch's fused AdamW
     (GuardedAdamW). A spec with bf16 moments always gets MasterAdamW (fp32 copies on the CPU)."""
-    from engines.torch.fast import ASSUMED_MFU, working_copies_enabled
-    from engines.torch.master import GuardedAdamW, MasterAdamW
+    options = options or EngineOptions()
 
     decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
     no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
@@ -96,24 +100,24 @@ def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = No
         hw = spec.hardware  # each of the run's GPUs does its share; the compile is paid by each
         rate = ASSUMED_MFU * hw.peak_flops * max(hw.n_gpus, 1)
         expected_s = flops / rate if flops > 0 and rate > 0 else None
-        working = cuda and working_copies_enabled(next(model.parameters()).device, expected_s)
+        working = cuda and working_copies_enabled(next(model.parameters()).device, options, expected_s)
     if working:
         return MasterAdamW(model, groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                           kernel=kernels_here(options.torch_kernels).adamw,
                            dtype=torch.bfloat16 if cuda else torch.float32,
                            moments=torch.bfloat16 if o.moments == "bf16" else torch.float32)
     return GuardedAdamW(groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps)
 
 
-def make_loss_fn(model: MoETransformer, device: torch.device, opt: torch.optim.Optimizer | None = None):
+def make_loss_fn(model: MoETransformer, device: torch.device, opt: torch.optim.Optimizer | None = None,
+                 options: EngineOptions | None = None):
     """The step's objective: the fast path on CUDA (engines/torch/fast.py; reading `opt`'s working
     copies when it keeps them), else model.loss_terms under autocast (bf16 on a GPU, which the
     fast path turned off then; fp32 on the CPU)."""
-    from engines.torch.fast import FastLoss, fast_path_enabled
-    from engines.torch.master import MasterAdamW
-
+    options = options or EngineOptions()
     working = opt if isinstance(opt, MasterAdamW) else None
-    if fast_path_enabled(device) or working is not None:
-        return FastLoss(model, device, working=working)
+    if fast_path_enabled(device, options) or working is not None:
+        return FastLoss(model, device, kernels_here(options.torch_kernels), working=working)
     cuda = device.type == "cuda"
 
     def loss_fn(model, x, optim):
@@ -253,17 +257,17 @@ class TorchStep:
     lead = True
     lookahead = True
 
-    def __init__(self, spec: Spec, device: torch.device):
-        self.spec, self.device = spec, device
+    def __init__(self, spec: Spec, device: torch.device, options: EngineOptions | None = None):
+        self.spec, self.device, self.options = spec, device, options or EngineOptions()
         # CPU ops run as they are launched, so a step's time there is its launch and read; on a
         # GPU the host learns when a step ended only at its read, so it is the time between reads
         self.synchronous = device.type == "cpu"
         self.model = MoETransformer(spec.model).to(device)
-        self.opt = build_optimizer(self.model, spec)
+        self.opt = build_optimizer(self.model, spec, options=self.options)
         self.loss_fn = None
 
     def _ready(self) -> None:
-        self.loss_fn = make_loss_fn(self.model, self.device, self.opt)
+        self.loss_fn = make_loss_fn(self.model, self.device, self.opt, self.options)
 
     def init_fresh(self) -> None:
         self.model.load_numpy(init_params(self.spec.model, self.spec.seed))
@@ -304,32 +308,45 @@ class TorchStep:
     def extra(self) -> dict:
         return {}
 
+    def describe(self) -> dict:
+        return describe(self.options, self.device, self.opt)
+
     def finish(self, first_step: int, steps: int) -> None:
         pass
+
+
+def describe(options: EngineOptions, device: torch.device, opt: torch.optim.Optimizer) -> dict:
+    """The options a torch run trains under, as they resolved on its device (status.json and
+    the checkpoint info): the fast path or not, working copies or not, the kernels."""
+    fast = fast_path_enabled(device, options)
+    return {"device": str(device), "torch_fast": fast, "torch_master": isinstance(opt, MasterAdamW),
+            "torch_kernels": dataclasses.asdict(kernels_here(options.torch_kernels)) if fast else None,
+            "torch_ep": options.torch_ep, "cpu_threads": options.cpu_threads}
 
 
 class TorchEngine:
     name = "torch"
 
-    def __init__(self, device: str | torch.device | None = None):
+    def __init__(self, device: str | torch.device | None = None, options: EngineOptions | None = None):
         self.device = torch.device(device) if device is not None else None
+        self.options = options
 
     def train(self, spec: Spec, run_dir: str | Path, resume: bool = True) -> Iterator[StepMetrics]:
         device = self.device or default_device()
-        from engines.torch.ep_launch import emulation_warning, train_processes, use_processes
+        options = self.options or EngineOptions.from_env()  # built once, when the run starts
 
-        if use_processes(spec, device):  # real expert parallel: model.ep_size processes
-            yield from train_processes(spec, Path(run_dir), resume, device)
+        if use_processes(spec, device, options):  # real expert parallel: model.ep_size processes
+            yield from train_processes(spec, Path(run_dir), resume, device, options)
             return
-        note = emulation_warning(spec, device)
+        note = emulation_warning(spec, device, options)
         if note:
             warnings.warn(note, stacklevel=2)
         threads_before = torch.get_num_threads()
-        if device.type != "cuda" and cpu_threads(spec):
-            torch.set_num_threads(cpu_threads(spec))
+        if device.type != "cuda" and cpu_threads(spec, options):
+            torch.set_num_threads(cpu_threads(spec, options))
         try:
             # step s + 1 is launched before step s is read (engines/lookahead.py); a non-finite
             # step ends the run at its record, and no state after it is ever saved
-            yield from Trainer(spec, run_dir, TorchStep(spec, device)).fit(resume)
+            yield from Trainer(spec, run_dir, TorchStep(spec, device, options)).fit(resume)
         finally:
             torch.set_num_threads(threads_before)

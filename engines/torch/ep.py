@@ -42,13 +42,15 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from engines.dispatch_ref import capacities
+from engines.options import TorchKernels
 from engines.torch.fast import (
-    OPTIONS,
     RowGather,
     _sdpa_backend,
     attention_residual,
     block_weights,
+    grouped_swiglu,
     head_losses,
+    kernels_here,
     moe_combine,
     moe_route,
 )
@@ -270,11 +272,11 @@ def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.T
 
 
 def ragged_experts(w_gu: torch.Tensor, w_down: torch.Tensor, x_tL: torch.Tensor, expert_tK: torch.Tensor,
-                   m: ModelSpec, ctx: EPContext, cdt: torch.dtype) -> torch.Tensor:
+                   m: ModelSpec, ctx: EPContext, cdt: torch.dtype, o: TorchKernels | None = None) -> torch.Tensor:
     """Dropless dispatch over the ranks: every assignment reaches its expert (variable-size
-    all-to-all); w_gu [e, L, 2F] (gate|up) and w_down [e, F, L] are this rank's experts in cdt.
-    Returns y_tKL in (token, slot) order."""
-    from engines.torch.fast import _grouped_swiglu
+    all-to-all); w_gu [e, L, 2F] (gate|up) and w_down [e, F, L] are this rank's experts in cdt
+    (o: the kernels of the grouped SwiGLU, default the engine's). Returns y_tKL in (token, slot) order."""
+    o = o or kernels_here(TorchKernels())
 
     t, K = expert_tK.shape
     P = ctx.size
@@ -291,7 +293,7 @@ def ragged_experts(w_gu: torch.Tensor, w_down: torch.Tensor, x_tL: torch.Tensor,
     x_NL = _RaggedExchange.apply(x_AL, send_rows, recv_rows, ctx.group)  # (source, local expert) order
     le_N = torch.repeat_interleave(torch.arange(e_loc, device=x_tL.device).repeat(P), recv_counts_E)
     order_N = torch.argsort(le_N, stable=True)
-    y_sorted_NL = _grouped_swiglu(x_NL[order_N], group_counts(le_N, e_loc), w_gu, w_down, cdt)
+    y_sorted_NL = grouped_swiglu(x_NL[order_N], group_counts(le_N, e_loc), w_gu, w_down, cdt, o)
     y_NL = torch.empty_like(y_sorted_NL).index_copy(0, order_N, y_sorted_NL)
     y_sorted_AL = _RaggedExchange.apply(y_NL, recv_rows, send_rows, ctx.group)
     y_AL = torch.empty_like(y_sorted_AL).index_copy(0, order_A, y_sorted_AL)
@@ -321,16 +323,17 @@ class EPLoss:
     (sum over ranks = the single-device objective); out["metrics"] holds the global metrics of
     model.loss_terms (already summed over ranks) and out["load_LE"] the global expert loads."""
 
-    def __init__(self, model: MoETransformer, ctx: EPContext):
+    def __init__(self, model: MoETransformer, ctx: EPContext, kernels: TorchKernels | None = None):
         self.ctx = ctx
+        self.o = kernels or kernels_here(TorchKernels())
         cuda = ctx.device.type == "cuda"
         self.cdt = torch.bfloat16 if cuda else torch.float32
-        compile_dense = cuda and OPTIONS.compile != "none"
+        compile_dense = cuda and self.o.compile != "none"
         # the dense parts compiled on a GPU, the dispatch (collectives, host sizes) eager
         self._attn = torch.compile(attention_residual, dynamic=False) if compile_dense else attention_residual
         self._route = torch.compile(moe_route, dynamic=False) if compile_dense else moe_route
         self._head = torch.compile(head_losses, dynamic=False) if compile_dense else head_losses
-        self._backend = OPTIONS.attn_backend if cuda else None
+        self._backend = self.o.attn_backend if cuda else None
         self._tables: dict = {}
 
     def __call__(self, model: MoETransformer, tokens_bS1: torch.Tensor, optim, n_tokens: int):
@@ -348,14 +351,14 @@ class EPLoss:
             for block in model.blocks:
                 moe = block.moe
                 w = block_weights(block, cdt)
-                x_bSD = self._attn(block, w, x_bSD, cos, sin, mask_SS, cdt)
-                h_TD, expert_TK, gate_TK, st = self._route(block, x_bSD)
+                x_bSD = self._attn(block, w, x_bSD, cos, sin, mask_SS, cdt, self.o)
+                h_TD, expert_TK, gate_TK, st = self._route(block, x_bSD, self.o)
                 x_TL = (h_TD.to(cdt) @ moe.latent_down.to(cdt)) if m.latent_dim is not None else h_TD.to(cdt)
                 if m.dispatch == "capacity":
                     y_TKL, ns, nr = pooled_wave_experts(moe.experts, x_TL, expert_TK, m, n_tokens, ctx, cdt)
                 else:
                     y_TKL = ragged_experts(w["moe.experts.gate_up"], w["moe.experts.w_down"], x_TL, expert_TK,
-                                           m, ctx, cdt)
+                                           m, ctx, cdt, self.o)
                     ns = nr = torch.zeros((), device=ctx.device)
                 x_bSD = moe_combine(block, w, x_bSD, h_TD, y_TKL, gate_TK, cdt)
                 if m.balance_scope == "batch":
@@ -367,7 +370,7 @@ class EPLoss:
                 entropy.append(st["entropy"])
                 n_send.append(ns)
                 n_recv.append(nr)
-            ce, z = self._head(x_bSD, model.final_norm, model.lm_head, targets_bS, cdt)
+            ce, z = self._head(x_bSD, model.final_norm, model.lm_head, targets_bS, cdt, self.o)
         n_layers, K, E = len(model.blocks), m.top_k, m.n_routed_experts
         router_z_mean = torch.stack(router_z).mean()
         # one all-reduce of everything the forward measured: global loads set the balancing loss

@@ -4,9 +4,9 @@ process per GPU, NCCL), not on one device with the shards emulated. The JAX engi
 in one process over a device mesh.
 
 `ladder train` and the controller's Ray workers get it through TorchEngine.train, which yields
-the StepMetrics that rank 0 appends to metrics.jsonl as they land. $MOE_LADDER_TORCH_EP picks
-the layout: "auto" (processes where the GPUs are there, else emulated), "emulate" (always one
-device) or "processes" (always; gloo CPU processes where there is no GPU).
+the StepMetrics that rank 0 appends to metrics.jsonl as they land. EngineOptions.torch_ep
+($MOE_LADDER_TORCH_EP) picks the layout: "auto" (processes where the GPUs are there, else
+emulated), "emulate" (always one device) or "processes" (always; gloo CPU processes where there is no GPU).
 
 The child group is the run's only writer: the checkpoints, status.json and metrics.jsonl are
 ep_train's, so a resumed or replayed run is the same whichever launched it. Closing the
@@ -29,14 +29,15 @@ import torch
 
 import engines
 from engines.base import METRICS_FILE, DivergedError, StepMetrics, emulated_ep_note, read_status
-from engines.checkpoint import latest_checkpoint, missing_parent_checkpoint
+from engines.checkpoint import latest_checkpoint, missing_parent_checkpoint, resume_step
+from engines.options import EngineOptions
 from engines.torch.ep import NO_MULTICAST, EPError
-from core.fsutil import atomic_write_text
+from core.fsutil import atomic_write_json, atomic_write_text
 from core.rundir import parse_metrics_lines
 from core.spec import Spec
 
-LAYOUTS = ("auto", "emulate", "processes")
 SPEC_FILE = "ep_spec.json"
+OPTIONS_FILE = "ep_options.json"
 LOG_FILE = "ep_launch.log"
 POLL_S = 0.2
 # Run before torchrun, in its own process: the parent-death signal survives exec, and setting it
@@ -48,16 +49,9 @@ EXEC_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6').pr
                     "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
 
 
-def layout() -> str:
-    value = os.environ.get("MOE_LADDER_TORCH_EP", "auto")
-    if value not in LAYOUTS:
-        raise EPError(f"MOE_LADDER_TORCH_EP={value!r}: choose one of {', '.join(LAYOUTS)}")
-    return value
-
-
-def use_processes(spec: Spec, device: torch.device) -> bool:
+def use_processes(spec: Spec, device: torch.device, options: EngineOptions) -> bool:
     """Whether this spec trains in model.ep_size processes rather than on one device."""
-    how = layout()
+    how = options.torch_ep
     if spec.model.ep_size <= 1 or how == "emulate":
         return False
     if how == "processes":
@@ -65,14 +59,14 @@ def use_processes(spec: Spec, device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.device_count() >= spec.model.ep_size
 
 
-def emulation_warning(spec: Spec, device: torch.device) -> str | None:
+def emulation_warning(spec: Spec, device: torch.device, options: EngineOptions) -> str | None:
     """What to tell a user whose expert-parallel spec will run on one GPU with the shards
     emulated (the results are the same; the experts' memory is not split)."""
     ep = spec.model.ep_size
-    if ep <= 1 or device.type != "cuda" or use_processes(spec, device):
+    if ep <= 1 or device.type != "cuda" or use_processes(spec, device, options):
         return None
     n = torch.cuda.device_count()
-    why = "MOE_LADDER_TORCH_EP=emulate" if layout() == "emulate" else f"{n} GPU(s) visible"
+    why = "MOE_LADDER_TORCH_EP=emulate" if options.torch_ep == "emulate" else f"{n} GPU(s) visible"
     return emulated_ep_note(spec.name, ep, why)
 
 
@@ -113,19 +107,22 @@ def _read_new(path: Path, offset: int, start: int, since: float) -> tuple[list[S
     return recs, offset
 
 
-def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.device) -> Iterator[StepMetrics]:
-    """Run ep_train over model.ep_size processes and yield each step's record as rank 0 writes it."""
+def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.device,
+                    options: EngineOptions) -> Iterator[StepMetrics]:
+    """Run ep_train over model.ep_size processes (under `options`) and yield each step's record
+    as rank 0 writes it."""
     ep = spec.model.ep_size
     metrics = run_dir / METRICS_FILE
     ckpt = latest_checkpoint(run_dir) if resume else None
     if ckpt is None and spec.lineage.resume_step is not None:
         raise missing_parent_checkpoint(spec, run_dir)  # as the one-process engine: never start over
-    start = int(ckpt.name.split("_")[-1]) if ckpt is not None else 0  # where ep_train resumes
+    start = resume_step(run_dir) if ckpt is not None else 0  # where ep_train resumes (its newest intact checkpoint)
     offset, since = 0, time.time()
     spec_path = run_dir / SPEC_FILE
     atomic_write_text(spec_path, spec.model_dump_json(indent=1))
+    options_path = atomic_write_json(run_dir / OPTIONS_FILE, options.to_dict())
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ep),
-           "-m", "engines.torch.ep_train", str(spec_path), "--run-dir", str(run_dir),
+           "-m", "engines.torch.ep_train", str(spec_path), "--run-dir", str(run_dir), "--options", str(options_path),
            "--device", "cuda" if device.type == "cuda" else "cpu", "--log-every", str(10**9)]
     if not resume:
         cmd.append("--no-resume")
@@ -158,8 +155,11 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
         log_text = f.read().decode(errors="replace")
     status = read_status(run_dir)
     if status.get("state") == "diverged":
+        last, how = status.get("last_checkpoint"), status.get("last_checkpoint_is")
+        where = (f"the newest checkpoint is {last} ({how}); rerun it on purpose with --rerun-diverged" if last
+                 else "no checkpoint was written")
         raise DivergedError(f"loss became {status.get('loss')} (grad norm {status.get('grad_norm')}) at step "
-                            f"{status.get('step')}; the last good checkpoint is {status.get('last_checkpoint')}")
+                            f"{status.get('step')}; {where}")
     refused = [line[len("error: "):] for line in log_text.splitlines() if line.startswith("error: ")]
     if refused:
         raise EPError(f"{refused[-1]} (expert-parallel run, log: {log_path})")

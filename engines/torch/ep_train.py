@@ -1,6 +1,7 @@
 """Train a spec with expert parallel over model.ep_size processes (one per device).
 
     torchrun --standalone --nproc_per_node EP -m engines.torch.ep_train SPEC.yaml --run-dir DIR [--steps N]
+             [--options OPTIONS.json]   (engines/options.EngineOptions; default: from the environment)
 
 GPUs with NCCL (rank i on cuda:LOCAL_RANK), else CPU processes with gloo (--device cpu forces
 it). Every rank computes the same global metrics; rank 0 writes run_dir/metrics.jsonl (the
@@ -18,6 +19,8 @@ stderr), 3 diverged.
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import json
 import os
 import resource
 import sys
@@ -29,11 +32,14 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+from pydantic import ValidationError
+
 from core.fsutil import atomic_write_json
-from core.spec import Spec
+from core.spec import Spec, SpecError, format_validation_error, load_spec
 from engines.base import DivergedError, StepMetrics
 from engines.checkpoint import CheckpointError
 from engines.data import DataError, TokenStream
+from engines.options import EngineOptions
 from engines.torch.engine import (
     METRIC_KEYS,
     build_optimizer,
@@ -43,6 +49,7 @@ from engines.torch.engine import (
     queue_update,
     read_step,
 )
+from engines.torch.ep_launch import die_with_parent
 from engines.torch.ep import (
     Counters,
     EPContext,
@@ -58,6 +65,7 @@ from engines.torch.ep import (
     setup_from_env,
     step_metrics,
 )
+from engines.torch.fast import kernels_here
 from engines.torch.model import init_params
 from engines.trainer import Trainer
 
@@ -88,13 +96,13 @@ class EPStep:
     lookahead = False
     synchronous = False
 
-    def __init__(self, spec: Spec, ctx: EPContext, run_dir: Path):
-        self.spec, self.ctx, self.run_dir = spec, ctx, run_dir
+    def __init__(self, spec: Spec, ctx: EPContext, run_dir: Path, options: EngineOptions):
+        self.spec, self.ctx, self.run_dir, self.options = spec, ctx, run_dir, options
         self.lead = ctx.rank == 0
         self.devices = ctx.size
         self.model = build_local_model(spec.model, ctx)
         self.opt = build_optimizer(self.model, spec, working=False)  # its own sharded loss reads the fp32 masters
-        self.loss_fn = EPLoss(self.model, ctx)
+        self.loss_fn = EPLoss(self.model, ctx, kernels_here(options.torch_kernels))
 
     def init_fresh(self) -> None:
         load_local(self.model, init_params(self.spec.model, self.spec.seed), self.ctx)
@@ -143,17 +151,24 @@ class EPStep:
     def extra(self) -> dict:
         return {"ep_world_size": self.ctx.size}
 
+    def describe(self) -> dict:
+        o, cuda = self.options, self.ctx.device.type == "cuda"
+        return {"device": str(self.ctx.device), "torch_fast": False,  # its own sharded loss, on the fp32 masters
+                "torch_master": False, "torch_kernels": dataclasses.asdict(kernels_here(o.torch_kernels)) if cuda else None,
+                "torch_ep": "processes", "cpu_threads": o.cpu_threads}
+
     def finish(self, first_step: int, steps: int) -> None:
         write_summary(self.run_dir, self.model, self.ctx, first_step=first_step, steps=steps)
 
 
 def train_ep(spec: Spec, run_dir: str | Path, ctx: EPContext, resume: bool = True, stop_after: int | None = None,
-             checkpoints: bool = True) -> Iterator[StepMetrics]:
+             checkpoints: bool = True, options: EngineOptions | None = None) -> Iterator[StepMetrics]:
     """Yields every step's StepMetrics on every rank (the same global values); rank 0 writes them."""
+    options = options or EngineOptions()
     check_layout(spec.model, ctx.size, spec.data.batch_size)
-    if ctx.device.type == "cpu" and cpu_threads(spec):
-        torch.set_num_threads(cpu_threads(spec))
-    module = EPStep(spec, ctx, Path(run_dir))
+    if ctx.device.type == "cpu" and cpu_threads(spec, options):
+        torch.set_num_threads(cpu_threads(spec, options))
+    module = EPStep(spec, ctx, Path(run_dir), options)
     yield from Trainer(spec, run_dir, module, stop_after=stop_after, checkpoints=checkpoints).fit(resume)
 
 
@@ -219,16 +234,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=None, help="stop after this step of the schedule")
     p.add_argument("--no-resume", action="store_true", help="start over, discarding this run dir's checkpoints")
     p.add_argument("--no-checkpoints", action="store_true", help="write no checkpoints (benchmarks)")
+    p.add_argument("--options", type=Path, default=None, metavar="FILE",
+                   help="engine options as JSON (EngineOptions.to_dict); default: from the environment")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if present")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints a line every this many steps")
     p.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
                    help="torch.profiler over two steps after the first two; each rank writes PREFIX.rank<r>.txt")
     args = p.parse_args(argv)
-
-    from pydantic import ValidationError
-
-    from core.spec import SpecError, format_validation_error, load_spec
-
     try:
         spec = load_spec(args.spec)
     except ValidationError as err:
@@ -237,11 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     except SpecError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    try:
+        options = (EngineOptions.from_dict(json.loads(args.options.read_text())) if args.options
+                   else EngineOptions.from_env())
+    except (OSError, ValueError, TypeError) as err:
+        print(f"error: --options {args.options}: {err}" if args.options else f"error: {err}", file=sys.stderr)
+        return 2
     if args.steps is not None and args.steps < 1:
         print(f"error: --steps must be >= 1 (got {args.steps})", file=sys.stderr)
         return 2
-    from engines.torch.ep_launch import die_with_parent
-
     die_with_parent()  # a rank whose torchrun is gone stops too
     try:
         # the layout first: a wrong process count is reported before any rendezvous
@@ -255,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         last = None
         for rec in train_ep(spec, args.run_dir, ctx, resume=not args.no_resume, stop_after=args.steps,
-                            checkpoints=not args.no_checkpoints):
+                            checkpoints=not args.no_checkpoints, options=options):
             last = rec
             if prof is not None:
                 prof.after_step()

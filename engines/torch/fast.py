@@ -3,7 +3,7 @@ parameters, same objective, same metrics) computed for throughput.
 
 What changes against the reference forward (model.loss_terms under autocast), and why:
 - dtypes are explicit rather than autocast's: the matmuls read bf16 working copies of the fp32
-  masters, written by the optimizer (engines/torch/master.py; or, with $MOE_LADDER_TORCH_MASTER=0,
+  masters, written by the optimizer (engines/torch/master.py; or, with options.torch_master off,
   casts of the masters made every step); the residual stream, norms' statistics, routing, router
   losses and the output log-partition stay fp32, as under autocast;
 - attention reads one fused QKV projection and calls SDPA with is_causal and no mask when there
@@ -12,9 +12,9 @@ What changes against the reference forward (model.loss_terms under autocast), an
   bincount reads its maximum back to the host), one torch._grouped_mm per expert weight over
   the rows sorted by expert; dispatch and combine are row permutations whose backward is the
   inverse permutation (a gather: no atomics); the combine's and the dispatch backward's
-  gather-and-sum run as Triton kernels (engines/torch/gather.py; $MOE_LADDER_TORCH_GATHER=inductor
+  gather-and-sum run as Triton kernels (engines/torch/gather.py; kernels gather="inductor"
   leaves them to Inductor); the expert matmuls' weight gradients run as one Triton kernel each
-  (engines/torch/grouped_dw.py; $MOE_LADDER_TORCH_GROUPED_DW=torch leaves them to _grouped_mm);
+  (engines/torch/grouped_dw.py; kernels grouped_dw="torch" leaves them to _grouped_mm);
 - capacity dispatch reuses model.capacity_plan (device-side) with fixed [E, C, L] buffers;
 - every block and the output head go through torch.compile (regional: one compiled graph
   serves all blocks, so compiling costs one block, not the depth).
@@ -29,108 +29,46 @@ dim, V vocab, E routed experts, K top-k, L expert width, F expert hidden, A assi
 
 from __future__ import annotations
 
-import os
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
 from engines.torch import adamw_kernel, gather, grouped_dw, swiglu, swiglu_gemm, xent
 from engines.torch.gather import Combine, gather_sum
-from engines.torch.master import default_kernel
+from engines.options import EngineOptions, TorchKernels
 from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
 from engines.torch.tf32 import mm_tf32
 
 
-@dataclass
-class FastOptions:
-    """Knobs of the fast path (the bench flips them to compare; the engine keeps the defaults)."""
-
-    # "block": blocks + head compiled; "block-cudagraphs": the same replayed as CUDA graphs (the
-    # engine's default on a GPU: with combine_grad "triton", +1.2% tokens/s over "block" with the
-    # Inductor combine in six interleaved pairs on an H200, each pair ahead; a few seconds more
-    # warm-up); "dense": all but the expert dispatch; "none": eager
-    compile: str = "block"
-    # SDPA kernels in order of preference ("cudnn": cuDNN, then flash, efficient, math); None:
-    # SDPA's own order. cuDNN's causal attention ran 1.6x flash's forward + backward on an H200
-    attn_backend: str | None = "cudnn"
-    # weights as _grouped_mm reads them: "nmajor" [E, K, N] as stored, or "kmajor" (a transposed
-    # copy); as stored ran 1.3x faster forward + backward on an H200 (bench/kernels_h200.py)
-    grouped_mm_weights: str = "nmajor"
-    # dropless combine and dispatch backward: "triton" (engines/torch/gather.py kernels, a GPU
-    # with Triton only; +3% tokens/s on an H200 at the bench shape) or "inductor" (gather + sum
-    # fused by the compiler)
-    gather: str = "triton"
-    # expert matmuls' weight gradient: "triton" (engines/torch/grouped_dw.py, a GPU with Triton
-    # only; 17-18% faster than _grouped_mm's on an H200 alone) or "torch" (_grouped_mm's backward)
-    grouped_dw: str = "triton"
-    # the experts' SwiGLU: "grouped" (_grouped_mm + Inductor's elementwise kernels), "fused" (the
-    # SwiGLU inside the up matmul's and the down input gradient's epilogues, engines/torch/
-    # swiglu_gemm.py; a GPU with Triton only; -2.2% tokens/s on an H200 at the bench shape) or
-    # "fused-gather" (the same, the dispatch's row gather inside the up matmul and its weight
-    # gradient too; -3.2%)
-    experts: str = "grouped"
-    # the router's logits matmul: "tf32" (tensor cores, engines/torch/tf32.py; +0.9% tokens/s on an
-    # H200 at the bench shape) or "fp32" (SIMT cores)
-    router: str = "tf32"
-    # where RoPE runs: "bshq" (on the projection's own [B, S, H, Q] layout, SDPA reading transposed
-    # views: the backward's gradients stay in that layout, so RoPE's backward writes dq|dk|dv
-    # without a transpose) or "bhsq" (on q and k transposed to [B, H, S, Q], as SDPA reads them).
-    # bshq and the xent kernels together: +2.7% tokens/s on an H200 at the bench shape
-    rope_layout: str = "bshq"
-    # the output head's losses: "triton" (engines/torch/xent.py's two kernels, a GPU with Triton
-    # only) or "inductor" (logsumexp and its gradient fused by the compiler)
-    xent: str = "triton"
-    # the experts' SwiGLU backward: "triton" (engines/torch/swiglu.py, a GPU with Triton only) or
-    # "inductor"
-    swiglu: str = "triton"
-    # with gather "triton", the combine's backward for the sorted rows (the output gradient's rows
-    # times their gates): "triton" (gather.py's gather-scale kernel, reading the gradient once it
-    # is summed) or "inductor" (fused into the kernel that sums the residual's gradient, which then
-    # re-reads both fp32 terms for each of a token's K rows). The kernel is the default where
-    # Triton is installed, with CUDA graphs (see compile)
-    combine_grad: str = "inductor"
+def kernels_here(k: TorchKernels) -> TorchKernels:
+    """The kernel choices as they can run here: every Triton choice falls back to its compiled
+    form where Triton is not installed."""
+    return k.without_triton() if gather.triton is None else k
 
 
-OPTIONS = FastOptions(compile=os.environ.get("MOE_LADDER_TORCH_COMPILE", "block-cudagraphs"),
-                      gather=os.environ.get("MOE_LADDER_TORCH_GATHER",
-                                            "triton" if gather.triton is not None else "inductor"),
-                      grouped_dw=os.environ.get("MOE_LADDER_TORCH_GROUPED_DW",
-                                                "triton" if grouped_dw.triton is not None else "torch"),
-                      experts=os.environ.get("MOE_LADDER_TORCH_EXPERTS", "grouped"),
-                      router=os.environ.get("MOE_LADDER_TORCH_ROUTER", "tf32"),
-                      rope_layout=os.environ.get("MOE_LADDER_TORCH_ROPE", "bshq"),
-                      xent=os.environ.get("MOE_LADDER_TORCH_XENT", "triton" if xent.triton is not None else "inductor"),
-                      swiglu=os.environ.get("MOE_LADDER_TORCH_SWIGLU",
-                                            "triton" if swiglu.triton is not None else "inductor"),
-                      combine_grad=os.environ.get("MOE_LADDER_TORCH_COMBINE_GRAD",
-                                                  "triton" if gather.triton is not None else "inductor"))
+def fast_path_enabled(device: torch.device, options: EngineOptions) -> bool:
+    """The engine uses this path on CUDA unless options.torch_fast is off ($MOE_LADDER_TORCH_FAST=0)."""
+    return device.type == "cuda" and options.torch_fast
 
 
-def fast_path_enabled(device: torch.device) -> bool:
-    """The engine uses this path on CUDA; $MOE_LADDER_TORCH_FAST=0 turns it off."""
-    return device.type == "cuda" and os.environ.get("MOE_LADDER_TORCH_FAST", "1") != "0"
-
-
-# MasterAdamW's compiled update ($MOE_LADDER_TORCH_ADAMW=compile, or no Triton) costs up to about a
+# MasterAdamW's compiled update (kernels adamw "compile", or no Triton) costs up to about a
 # minute of warm-up (H200, bench shape, cold compile cache) for 2-3.5% faster steps: it repays that
 # after about 30-40 minutes of steps. Its Triton kernel (the default) compiles nothing.
 WORKING_COPIES_MIN_SECONDS = 2400.0
 ASSUMED_MFU = 0.3  # what the fast path measured at the H200 bench shape (33%)
 
 
-def working_copies_enabled(device: torch.device, expected_seconds: float | None = None) -> bool:
+def working_copies_enabled(device: torch.device, options: EngineOptions, expected_seconds: float | None = None) -> bool:
     """Whether the fast path keeps bf16 working copies written by the optimizer
-    (engines/torch/master.py). $MOE_LADDER_TORCH_MASTER=1 / 0 forces it on / off; otherwise on
-    with MasterAdamW's Triton kernel (its default where Triton is installed), or when the run is
-    expected to last at least WORKING_COPIES_MIN_SECONDS (expected_seconds None: unknown, on).
-    Off, the matmuls cast the fp32 masters every step (no extra compile)."""
-    if not fast_path_enabled(device):
+    (engines/torch/master.py). options.torch_master True / False ($MOE_LADDER_TORCH_MASTER=1 / 0)
+    forces it on / off; otherwise on with MasterAdamW's Triton kernel (its default where Triton
+    is installed), or when the run is expected to last at least WORKING_COPIES_MIN_SECONDS
+    (expected_seconds None: unknown, on). Off, the matmuls cast the fp32 masters every step (no
+    extra compile)."""
+    if not fast_path_enabled(device, options):
         return False
-    env = os.environ.get("MOE_LADDER_TORCH_MASTER", "")
-    if env in ("0", "1"):
-        return env == "1"
-    if default_kernel() == "triton" and adamw_kernel.triton is not None:
+    if options.torch_master is not None:
+        return options.torch_master
+    if kernels_here(options.torch_kernels).adamw == "triton" and adamw_kernel.triton is not None:
         return True  # MasterAdamW's own kernel: nothing to compile, so no warm-up to repay
     return expected_seconds is None or expected_seconds >= WORKING_COPIES_MIN_SECONDS
 
@@ -236,7 +174,7 @@ def block_weights(block, cdt: torch.dtype) -> dict[str, torch.Tensor]:
     return w
 
 
-def attention_residual(block, w, x_BSD, cos, sin, mask_SS, cdt: torch.dtype) -> torch.Tensor:
+def attention_residual(block, w, x_BSD, cos, sin, mask_SS, cdt: torch.dtype, o: TorchKernels) -> torch.Tensor:
     """x + attn(attn_norm(x)), fp32 residual, matmuls in cdt (w: block_weights or working copies)."""
     a = block.attn
     B, S, _ = x_BSD.shape
@@ -244,7 +182,7 @@ def attention_residual(block, w, x_BSD, cos, sin, mask_SS, cdt: torch.dtype) -> 
     h_BSD = _rms(x_BSD, block.attn_norm.weight, block.attn_norm.eps).to(cdt)
     qkv = h_BSD @ w["attn.qkv"]
     q, k, v = qkv.split([H * Q, G * Q, G * Q], -1)
-    if OPTIONS.rope_layout == "bshq":
+    if o.rope_layout == "bshq":
         q_BHSQ = _rope(q.view(B, S, H, Q), cos[:, None], sin[:, None]).transpose(1, 2)
         k_BGSQ = _rope(k.view(B, S, G, Q), cos[:, None], sin[:, None]).transpose(1, 2)
     else:
@@ -255,26 +193,26 @@ def attention_residual(block, w, x_BSD, cos, sin, mask_SS, cdt: torch.dtype) -> 
     return x_BSD + (o_BHSQ.transpose(1, 2).reshape(B, S, H * Q) @ w["attn.wo"]).float()
 
 
-def _fused(x: torch.Tensor, cdt: torch.dtype) -> bool:
-    """Whether the experts run through engines/torch/swiglu_gemm.py (OPTIONS.experts)."""
-    return (OPTIONS.experts in ("fused", "fused-gather") and cdt == torch.bfloat16
-            and OPTIONS.grouped_mm_weights == "nmajor" and swiglu_gemm.kernels_usable(x))
+def _fused(x: torch.Tensor, cdt: torch.dtype, o: TorchKernels) -> bool:
+    """Whether the experts run through engines/torch/swiglu_gemm.py (o.experts)."""
+    return (o.experts in ("fused", "fused-gather") and cdt == torch.bfloat16
+            and o.grouped_mm_weights == "nmajor" and swiglu_gemm.kernels_usable(x))
 
 
-def _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype) -> torch.Tensor:
+def grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype, o: TorchKernels) -> torch.Tensor:
     """SwiGLU over rows sorted by expert (counts_E rows each), in cdt; w_gu [E, L, 2F] is gate|up."""
     Fh = w_down.shape[1]
     if x_AL.is_cuda and hasattr(torch, "_grouped_mm") and cdt == torch.bfloat16:
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        if _fused(x_AL, cdt) and OPTIONS.experts == "fused":
+        if _fused(x_AL, cdt, o) and o.experts == "fused":
             return swiglu_gemm.fused_experts(x_AL, w_gu, w_down, offs_E)
         wd = w_down
-        if OPTIONS.grouped_mm_weights == "kmajor":
+        if o.grouped_mm_weights == "kmajor":
             w_gu, wd = (w.transpose(-2, -1).contiguous().transpose(-2, -1) for w in (w_gu, wd))
         # gate and up as one [E, L, 2F] matmul: wider tiles, one dx GEMM in the backward
-        kernel = OPTIONS.grouped_dw == "triton"
+        kernel = o.grouped_dw == "triton"
         gu_A2F = grouped_dw.grouped_mm(x_AL, w_gu, offs_E, kernel)
-        h_AF = swiglu.swiglu(gu_A2F, OPTIONS.swiglu == "triton")
+        h_AF = swiglu.swiglu(gu_A2F, o.swiglu == "triton")
         return grouped_dw.grouped_mm(h_AF, wd, offs_E, kernel)
     outs, start = [], 0
     for e, n in enumerate(counts_E.tolist()):  # CPU (or no grouped kernel): a host loop
@@ -285,8 +223,8 @@ def _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype) -> torch.Ten
     return torch.cat(outs, 0)
 
 
-def dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt):
-    """y_TKL, every assignment's expert output in (token, slot) order; with OPTIONS.gather
+def dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt, o: TorchKernels):
+    """y_TKL, every assignment's expert output in (token, slot) order; with o.gather
     "triton", y_TL, the outputs already summed with their gates (by the kernels on a GPU with
     Triton, by their torch forms elsewhere)."""
     T, K = expert_TK.shape
@@ -294,20 +232,20 @@ def dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt):
     order_A = torch.argsort(e_A, stable=True)
     inv_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(e_A.shape[0], device=e_A.device))
     counts_E = group_counts(e_A, moe.m.n_routed_experts)
-    kernels = OPTIONS.gather == "triton"
+    kernels = o.gather == "triton"
     w_gu, w_down = w["moe.experts.gate_up"], w["moe.experts.w_down"]
-    if OPTIONS.experts == "fused-gather" and _fused(x_TL, cdt):
+    if o.experts == "fused-gather" and _fused(x_TL, cdt, o):
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         y_sorted_AL = swiglu_gemm.fused_dispatch_experts(x_TL.to(cdt), order_A // K, inv_A, K, w_gu, w_down, offs_E)
     else:
         x_AL = _Dispatch.apply(x_TL.to(cdt), order_A // K, inv_A, K, kernels)
-        y_sorted_AL = _grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt)
+        y_sorted_AL = grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt, o)
     if kernels:
-        return Combine.apply(y_sorted_AL, gate_TK, inv_A, order_A, True, OPTIONS.combine_grad == "triton")
+        return Combine.apply(y_sorted_AL, gate_TK, inv_A, order_A, True, o.combine_grad == "triton")
     return _Permute.apply(y_sorted_AL, inv_A, order_A).view(T, K, -1)
 
 
-def capacity_experts(moe, w, x_TL, expert_TK, cdt):
+def capacity_experts(moe, w, x_TL, expert_TK, cdt, o: TorchKernels):
     """(y_TKL, send drops, receive drops) under the pooled-wave rules of model.capacity_plan."""
     m = moe.m
     T, K = expert_TK.shape
@@ -316,7 +254,7 @@ def capacity_experts(moe, w, x_TL, expert_TK, cdt):
     C = plan["c_recv"]
     src_R = torch.where(fill_R < T * K, fill_R // K, T)  # T: the zero row
     # both row maps get gather backwards: a dropped assignment or an unfilled row reads a zero row
-    buf_ECL = _Dispatch.apply(x_TL.to(cdt), src_R, slot_A, K, OPTIONS.gather == "triton", True).view(E, C, L)
+    buf_ECL = _Dispatch.apply(x_TL.to(cdt), src_R, slot_A, K, o.gather == "triton", True).view(E, C, L)
     Fh = w["moe.experts.w_down"].shape[1]
     gu_EC2F = torch.bmm(buf_ECL, w["moe.experts.gate_up"])  # gate and up as one batched matmul
     h_ECF = F.silu(gu_EC2F[..., :Fh]) * gu_EC2F[..., Fh:]
@@ -325,12 +263,12 @@ def capacity_experts(moe, w, x_TL, expert_TK, cdt):
     return y_TKL, plan["send_drop_TK"].sum().float(), plan["recv_drop_TK"].sum().float()
 
 
-def moe_route(block, x_BSD):
+def moe_route(block, x_BSD, o: TorchKernels):
     """(h_TD fp32, expert_TK, gate_TK, router stats) of a block's MoE input."""
     B, S, D = x_BSD.shape
     h_TD = _rms(x_BSD, block.moe_norm.weight, block.moe_norm.eps).reshape(B * S, D)
     logits_TE = None
-    if OPTIONS.router == "tf32":  # (on the CPU an fp32 matmul through the same op)
+    if o.router == "tf32":  # (on the CPU an fp32 matmul through the same op)
         logits_TE = mm_tf32(h_TD, block.moe.router)
     expert_TK, gate_TK, stats = block.moe.route(h_TD, S, logits_TE)
     return h_TD, expert_TK, gate_TK, stats
@@ -350,39 +288,39 @@ def moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt):
     return x_BSD + y_TD.view(x_BSD.shape)
 
 
-def moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt):
+def moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt, o: TorchKernels):
     """(y_TKL or y_TL (see dropless_experts), send drops, receive drops) of a block's routed experts."""
     moe, m = block.moe, block.moe.m
     x_TL = (h_TD.to(cdt) @ w["moe.latent_down"]) if m.latent_dim is not None else h_TD
     if m.dispatch == "capacity":
-        return capacity_experts(moe, w, x_TL, expert_TK, cdt)
+        return capacity_experts(moe, w, x_TL, expert_TK, cdt, o)
     zero = torch.zeros((), device=x_BSD.device)
-    return dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt), zero, zero
+    return dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt, o), zero, zero
 
 
-def moe_residual(block, w, x_BSD, cdt):
+def moe_residual(block, w, x_BSD, cdt, o: TorchKernels):
     """x + moe(moe_norm(x)) and the block's MoE statistics."""
     T, K = x_BSD.shape[0] * x_BSD.shape[1], block.moe.m.top_k
-    h_TD, expert_TK, gate_TK, stats = moe_route(block, x_BSD)
-    y, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt)
+    h_TD, expert_TK, gate_TK, stats = moe_route(block, x_BSD, o)
+    y, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt, o)
     stats["drop_send"] = n_send / (T * K)
     stats["drop_recv"] = n_recv / (T * K)
     return moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt), stats
 
 
-def block_forward(block, w, x_BSD, cos, sin, mask_SS, cdt):
+def block_forward(block, w, x_BSD, cos, sin, mask_SS, cdt, o: TorchKernels):
     """One block; w: its working copies, or None to cast the fp32 masters here."""
     if w is None:
         w = block_weights(block, cdt)
-    x_BSD = attention_residual(block, w, x_BSD, cos, sin, mask_SS, cdt)
-    return moe_residual(block, w, x_BSD, cdt)
+    x_BSD = attention_residual(block, w, x_BSD, cos, sin, mask_SS, cdt, o)
+    return moe_residual(block, w, x_BSD, cdt, o)
 
 
-def head_losses(x_BSD, final_norm, lm_head, targets_BS, cdt):
+def head_losses(x_BSD, final_norm, lm_head, targets_BS, cdt, o: TorchKernels):
     """(mean CE, mean squared log-partition) of the output; logits never leave this function."""
     h = _rms(x_BSD, final_norm.weight, final_norm.eps).to(cdt)
     logits_BSV = h @ lm_head.to(cdt)  # lm_head: the fp32 master or its working copy
-    if OPTIONS.xent == "triton" and xent.kernels_usable(h):
+    if o.xent == "triton" and xent.kernels_usable(h):
         return xent.head_losses(logits_BSV.flatten(0, 1), targets_BS.flatten())
     logits_BSV = logits_BSV.float()
     lse_BS = torch.logsumexp(logits_BSV, -1)
@@ -400,9 +338,9 @@ class FastLoss:
     gradients land there (the fp32 masters of those matrices get none); without it they cast the
     masters every step."""
 
-    def __init__(self, model: MoETransformer, device: torch.device, options: FastOptions | None = None,
+    def __init__(self, model: MoETransformer, device: torch.device, kernels: TorchKernels | None = None,
                  working=None):
-        self.options = options or OPTIONS
+        self.options = kernels or kernels_here(TorchKernels())
         self.working = working
         self.cdt = working.dtype if working is not None else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -442,12 +380,12 @@ class FastLoss:
 
     def _run_block(self, block, w, x_BSD, cos, sin, mask_SS):
         if self._attn is None:
-            return self._block(block, w, x_BSD, cos, sin, mask_SS, self.cdt)
+            return self._block(block, w, x_BSD, cos, sin, mask_SS, self.cdt, self.options)
         w = w if w is not None else block_weights(block, self.cdt)
-        x_BSD = self._attn(block, w, x_BSD, cos, sin, mask_SS, self.cdt)
+        x_BSD = self._attn(block, w, x_BSD, cos, sin, mask_SS, self.cdt, self.options)
         T, K = x_BSD.shape[0] * x_BSD.shape[1], block.moe.m.top_k
-        h_TD, expert_TK, gate_TK, stats = self._moe_route(block, x_BSD)
-        y, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, self.cdt)
+        h_TD, expert_TK, gate_TK, stats = self._moe_route(block, x_BSD, self.options)
+        y, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, self.cdt, self.options)
         stats["drop_send"] = n_send / (T * K)
         stats["drop_recv"] = n_recv / (T * K)
         return moe_combine(block, w, x_BSD, h_TD, y, gate_TK, self.cdt), stats
@@ -475,7 +413,7 @@ class FastLoss:
             for block, w in zip(model.blocks, per_block):
                 x_BSD, st = self._run_block(block, w, x_BSD, cos, sin, mask_SS)
                 stats.append(st)
-            ce, z = self._head(x_BSD, model.final_norm, lm_head, targets_BS, self.cdt)
+            ce, z = self._head(x_BSD, model.final_norm, lm_head, targets_BS, self.cdt, self.options)
         st = {k: torch.stack([s[k] for s in stats]) for k in stats[0]}
         return objective(ce, z, st, optim)
 

@@ -29,7 +29,6 @@ Shape legend: N... a tensor's dimensions (any rank).
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 
@@ -40,10 +39,11 @@ from core.spec import BF16_MOMENTS_MAX_BETA2
 
 
 def default_kernel() -> str:
-    """MasterAdamW's update kernel unless one is given: $MOE_LADDER_TORCH_ADAMW, else "triton"
-    where Triton is installed. On an H200 at the bench shape the Triton kernel gave +4% tokens/s
-    over Inductor's graphs with the same losses, and needs no compile (1 s of warm-up against 72)."""
-    return os.environ.get("MOE_LADDER_TORCH_ADAMW", "triton" if adamw_kernel.triton is not None else "compile")
+    """MasterAdamW's update kernel unless one is given (engines/options.TorchKernels.adamw):
+    "triton" where Triton is installed. On an H200 at the bench shape the Triton kernel gave +4%
+    tokens/s over Inductor's graphs with the same losses, and needs no compile (1 s of warm-up
+    against 72)."""
+    return "triton" if adamw_kernel.triton is not None else "compile"
 
 
 def weight_layout(model: MoETransformer) -> dict[str, list[torch.nn.Parameter]]:

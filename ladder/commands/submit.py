@@ -25,6 +25,8 @@ def register(app: typer.Typer) -> None:
             None, "--ray-timeout", help="seconds to wait for --address to answer (default $LADDER_RAY_TIMEOUT_S, else 30)"),
         no_tracking: bool = typer.Option(False, "--no-tracking", help="do not log to MLflow (ladder sync can upload later)"),
         local: bool = typer.Option(False, "--local", help="no Ray: the runs one after another in subprocesses on this machine"),
+        rerun_diverged: bool = typer.Option(False, "--rerun-diverged",
+                                            help="train diverged specs again, from their newest intact checkpoint"),
     ) -> None:
         """Train the experiment's rungs (finished ones are skipped, interrupted ones resume)."""
         from ladder.controller import submit
@@ -46,6 +48,7 @@ def register(app: typer.Typer) -> None:
                 tracking=not no_tracking,
                 local=local,
                 ray_timeout=ray_timeout,
+                rerun_diverged=rerun_diverged,
             )
         except KeyboardInterrupt:
             raise SystemExit(130)  # the controller already said how to resume

@@ -18,13 +18,16 @@ def register(app: typer.Typer) -> None:
             None, "--run-dir", help="where metrics, status and checkpoints go (default: runs/<name>-<spec id>)"
         ),
         engine: Optional[str] = typer.Option(None, "--engine", help="engine to use instead of the spec's"),
-        no_resume: bool = typer.Option(False, "--no-resume", help="start over, discarding this run dir's checkpoints"),
+        no_resume: bool = typer.Option(
+            False, "--no-resume", help="start over, discarding this run dir's checkpoints (its metrics are kept aside)"),
+        rerun_diverged: bool = typer.Option(
+            False, "--rerun-diverged", help="train a diverged run again, from its newest intact checkpoint"),
         quiet: bool = typer.Option(False, "--quiet", help="no progress bar, only the final line"),
     ) -> None:
         """Train one spec in-process with a progress bar (step, loss, tokens/s)."""
         from rich.console import Console
 
-        from engines.base import DivergedError
+        from engines.base import DivergedError, read_status
         from engines.registry import engine_names, get_engine
         from ladder.errors import LadderError
         from ladder.preflight import check_memory
@@ -39,6 +42,10 @@ def register(app: typer.Typer) -> None:
         run_dir = run_dir or Path("runs") / f"{spec.name}-{spec.id}"
         if run_dir.exists() and not run_dir.is_dir():
             raise LadderError(f"--run-dir {run_dir}: is a file, not a directory")
+        status = read_status(run_dir) if run_dir.is_dir() else {}
+        if status.get("state") == "diverged" and not (rerun_diverged or no_resume):
+            raise LadderError(f"{run_dir} diverged at step {status.get('step')}; train it again on purpose with "
+                              "--rerun-diverged (from its newest intact checkpoint) or --no-resume (from scratch)")
         eng = get_engine(spec.engine)
         console = Console(stderr=True)
         last = None

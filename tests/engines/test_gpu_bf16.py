@@ -48,17 +48,16 @@ def _grads(model, fn, x, optim):
     ("dropless", "grouped", "fp32", "inductor", "bhsq"), ("capacity", "grouped", "fp32", "inductor", "bhsq"),
     ("dropless", "grouped", "tf32", "triton", "bhsq"), ("dropless", "grouped", "tf32", "triton", "bshq"),
     ("dropless", "fused", "tf32", "inductor", "bhsq"), ("dropless", "fused-gather", "fp32", "inductor", "bhsq")])
-def test_bf16_fast_step_matches_the_fp32_path(monkeypatch, dispatch, experts, router, kernels, rope):
-    from engines.torch import fast
+def test_bf16_fast_step_matches_the_fp32_path(dispatch, experts, router, kernels, rope):
+    from engines.options import EngineOptions, TorchKernels
 
     # kernels: the SwiGLU backward and the head's losses by Inductor or by Triton kernels;
     # rope: RoPE's layout
-    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "experts": experts,
-                                                             "router": router, "swiglu": kernels,
-                                                             "xent": kernels, "rope_layout": rope}))
+    options = EngineOptions(torch_kernels=TorchKernels(experts=experts, router=router, swiglu=kernels, xent=kernels,
+                                                       rope_layout=rope))
     spec, model, x = _setup(dispatch)
     loss32, g32 = _grads(model, loss_terms, x, spec.optim)  # no autocast: fp32 throughout
-    fast = make_loss_fn(model, x.device)
+    fast = make_loss_fn(model, x.device, options=options)
     loss16, g16 = _grads(model, fast, x, spec.optim)
     assert abs(loss16 - loss32) <= 1e-2 * abs(loss32)
     for name, g in g32.items():
@@ -73,8 +72,8 @@ def test_bf16_fast_step_matches_the_fp32_path(monkeypatch, dispatch, experts, ro
     after = []
     for fast_step in (False, True):
         spec, model, x = _setup(dispatch)
-        opt = build_optimizer(model, spec, working=fast_step)
-        fn = make_loss_fn(model, x.device, opt) if fast_step else loss_terms
+        opt = build_optimizer(model, spec, working=fast_step, options=options)
+        fn = make_loss_fn(model, x.device, opt, options) if fast_step else loss_terms
         vals, out = launch_step(model, fn, x, spec, opt)
         finish_step(model, opt, vals, out, spec)
         with torch.no_grad():

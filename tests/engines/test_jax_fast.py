@@ -70,7 +70,7 @@ def test_kernels_are_used_only_where_they_apply():
 
 def test_each_expert_matmul_gets_its_tuned_tiles(monkeypatch):
     """The six matmuls of a gate|up 1024 -> 1024 and down 512 -> 1024 layer, forward and backward,
-    ask the kernels for MGPU_TUNED's tiles; other widths, and $MOE_LADDER_JAX_MGPU=default, for MGPU's."""
+    ask the kernels for MGPU_TUNED's tiles; other widths, and jax_mgpu "default", for MGPU's."""
     seen = []
     rd0, trd0 = _ref_kernels()
 
@@ -87,8 +87,8 @@ def test_each_expert_matmul_gets_its_tuned_tiles(monkeypatch):
     monkeypatch.setattr(fast, "_kernels", lambda: (rd, trd))
     sizes = jnp.array([6, 10], jnp.int32)
 
-    def layer(x, wgu, wd):
-        return jnp.sum(fast.mgpu_gmm(fast.mgpu_gmm(x, wgu, sizes)[:, :512], wd, sizes))
+    def layer(x, wgu, wd, choice=fast.TUNED):
+        return jnp.sum(fast.mgpu_gmm(fast.mgpu_gmm(x, wgu, sizes, choice)[:, :512], wd, sizes, choice))
 
     x, wgu, wd = jnp.ones((16, 1024)), jnp.ones((2, 1024, 1024)), jnp.ones((2, 512, 1024))
     jax.grad(layer, (0, 1, 2))(x, wgu, wd)
@@ -100,8 +100,7 @@ def test_each_expert_matmul_gets_its_tuned_tiles(monkeypatch):
     jax.grad(layer, (0, 1, 2))(jnp.ones((16, 768)), jnp.ones((2, 768, 1024)), wd)
     assert [c for _, c in seen][0] == fast.MGPU  # an untuned width
     seen.clear()
-    monkeypatch.setenv("MOE_LADDER_JAX_MGPU", "default")
-    jax.grad(layer, (0, 1, 2))(x, wgu, wd)
+    jax.grad(layer, (0, 1, 2))(x, wgu, wd, ("default", None))
     assert all(c == fast.MGPU for _, c in seen) and len(seen) == 6
 
 
@@ -155,7 +154,7 @@ def test_sorted_counts_equal_bincount_and_the_inverse_permutation_inverts():
     np.testing.assert_array_equal(order[inv], jnp.arange(50))
 
 
-def test_a_tile_file_comes_before_the_built_in_tiles_and_a_bad_one_is_named(tmp_path, monkeypatch):
+def test_a_tile_file_comes_before_the_built_in_tiles_and_a_bad_one_is_named(tmp_path):
     import json
 
     x, w = jnp.ones((16, 768)), jnp.ones((2, 768, 1024))
@@ -165,12 +164,12 @@ def test_a_tile_file_comes_before_the_built_in_tiles_and_a_bad_one_is_named(tmp_
     path.write_text(json.dumps({"tiles": [{"op": "fwd", "m": 768, "n": 1024, "config": mine},
                                           {"op": "fwd", "m": 1024, "n": 1024, "config": over}]}))
     assert fast.mgpu_config("fwd", x, w) == fast.MGPU  # an untuned width
-    monkeypatch.setenv("MOE_LADDER_JAX_MGPU_TILES", str(path))
-    assert fast.mgpu_config("fwd", x, w) == mine
-    assert fast.mgpu_config("fwd", jnp.ones((16, 1024)), jnp.ones((2, 1024, 1024))) == over
-    assert fast.mgpu_config("dw", jnp.ones((16, 1024)), jnp.ones((16, 1024))) == fast.MGPU_TUNED[("dw", 1024, 1024)]
+    choice = ("1", str(path))
+    assert fast.mgpu_config("fwd", x, w, choice=choice) == mine
+    assert fast.mgpu_config("fwd", jnp.ones((16, 1024)), jnp.ones((2, 1024, 1024)), choice=choice) == over
+    assert (fast.mgpu_config("dw", jnp.ones((16, 1024)), jnp.ones((16, 1024)), choice=choice)
+            == fast.MGPU_TUNED[("dw", 1024, 1024)])
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"tiles": [{"op": "fwd", "m": 768, "n": 1024, "config": {"block_m": 64}}]}))
-    monkeypatch.setenv("MOE_LADDER_JAX_MGPU_TILES", str(bad))
     with pytest.raises(ValueError, match=r"(?s)bad.json.*missing block_k, block_n"):
-        fast.mgpu_config("fwd", x, w)
+        fast.mgpu_config("fwd", x, w, choice=("1", str(bad)))

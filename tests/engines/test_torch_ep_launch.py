@@ -9,6 +9,7 @@ import pytest
 
 from engines.base import read_metrics, read_status
 from engines.torch.engine import TorchEngine
+from engines.options import EngineOptions, OptionsError
 from engines.torch.ep import EPError
 from ladder.presets import micro_spec
 
@@ -20,6 +21,8 @@ SPEC = micro_spec("ep2-launch", **{"model.ep_size": 2, "model.dispatch": "capaci
                                     "model.init_std": 0.3, "data.total_tokens": 6 * 64 * 8,
                                     "run.eval_every": 3, "run.checkpoint_every": 3})
 CPU_ENV = {"OMP_NUM_THREADS": "1", "MOE_LADDER_CPU_THREADS": "1"}
+EMULATE = EngineOptions(torch_ep="emulate", cpu_threads=1)
+PROCESSES = EngineOptions(torch_ep="processes", cpu_threads=1)
 
 
 @pytest.fixture(scope="module")
@@ -28,16 +31,13 @@ def runs(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("ep_launch")
     with pytest.MonkeyPatch.context() as mp:
-        for k, v in CPU_ENV.items():
-            mp.setenv(k, v)
-        mp.setenv("MOE_LADDER_TORCH_EP", "emulate")
-        single = list(TorchEngine("cpu").train(SPEC, root / "single"))
-        mp.setenv("MOE_LADDER_TORCH_EP", "processes")
-        whole = list(TorchEngine("cpu").train(SPEC, root / "ranks"))
+        mp.setenv("OMP_NUM_THREADS", "1")  # (the ranks' environment)
+        single = list(TorchEngine("cpu", EMULATE).train(SPEC, root / "single"))
+        whole = list(TorchEngine("cpu", PROCESSES).train(SPEC, root / "ranks"))
         whole_file = read_metrics(root / "ranks")
         # as a kill after the step-3 checkpoint leaves the run: its later records stay in the file
         shutil.rmtree(root / "ranks" / "checkpoints" / "step_00000006")
-        rest = list(TorchEngine("cpu").train(SPEC, root / "ranks"))
+        rest = list(TorchEngine("cpu", PROCESSES).train(SPEC, root / "ranks"))
     return {"root": root, "single": single, "whole": whole, "whole_file": whole_file, "rest": rest}
 
 
@@ -67,11 +67,9 @@ def test_closing_the_generator_ends_every_rank(tmp_path, monkeypatch):
     import subprocess
     import time
 
-    for k, v in CPU_ENV.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "processes")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     long = SPEC.model_copy(update={"data": SPEC.data.model_copy(update={"total_tokens": 2000 * 64 * 8})})
-    gen = TorchEngine("cpu").train(long, tmp_path / "run")
+    gen = TorchEngine("cpu", PROCESSES).train(long, tmp_path / "run")
     assert [next(gen).step for _ in range(2)] == [0, 1]
     gen.close()
 
@@ -90,16 +88,14 @@ def test_auto_emulates_where_there_are_not_enough_gpus(monkeypatch):
 
     from engines.torch.ep_launch import use_processes
 
-    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "auto")
-    assert not use_processes(SPEC, torch.device("cpu"))
-    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "processes")
-    assert use_processes(SPEC, torch.device("cpu"))
-    assert not use_processes(micro_spec("one", **{"model.ep_size": 1}), torch.device("cpu"))
+    assert not use_processes(SPEC, torch.device("cpu"), EngineOptions(torch_ep="auto"))
+    assert use_processes(SPEC, torch.device("cpu"), PROCESSES)
+    assert not use_processes(micro_spec("one", **{"model.ep_size": 1}), torch.device("cpu"), PROCESSES)
 
 
 def test_a_bad_layout_switch_is_refused_by_name(tmp_path, monkeypatch):
     monkeypatch.setenv("MOE_LADDER_TORCH_EP", "sometimes")
-    with pytest.raises(EPError, match="MOE_LADDER_TORCH_EP='sometimes'"):
+    with pytest.raises(OptionsError, match="MOE_LADDER_TORCH_EP='sometimes'"):
         next(TorchEngine("cpu").train(SPEC, tmp_path / "run"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -163,20 +159,16 @@ def test_a_sigkilled_launcher_takes_every_rank_with_it(tmp_path):
 def test_a_diverging_ep_run_raises_diverged_at_its_step(tmp_path, monkeypatch):
     from engines.base import DivergedError
 
-    for k, v in CPU_ENV.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "processes")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     spec = micro_spec("ep2-nan", **{"model.ep_size": 2, "optim.peak_lr": 1e6, "optim.grad_clip": 1e9,
                                      "run.checkpoint_every": 1})
     with pytest.raises(DivergedError, match="at step"):
-        list(TorchEngine("cpu").train(spec, tmp_path / "run"))
+        list(TorchEngine("cpu", PROCESSES).train(spec, tmp_path / "run"))
     assert read_status(tmp_path / "run")["state"] == "diverged"
 
 
 def test_a_checkpoint_of_another_spec_is_refused_in_one_line_and_nothing_is_lost(runs, monkeypatch):
-    for k, v in CPU_ENV.items():
-        monkeypatch.setenv(k, v)
-    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "processes")
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     import shutil
 
     run = runs["root"] / "ranks"
@@ -184,7 +176,7 @@ def test_a_checkpoint_of_another_spec_is_refused_in_one_line_and_nothing_is_lost
     before = (run / "metrics.jsonl").read_text()
     other = SPEC.replace(seed=SPEC.seed + 1)
     with pytest.raises(EPError, match=r"belongs to spec .* not this spec") as err:
-        list(TorchEngine("cpu").train(other, run))
+        list(TorchEngine("cpu", PROCESSES).train(other, run))
     assert "\n" not in str(err.value)
     assert (run / "metrics.jsonl").read_text() == before  # the refused launch lost nothing
 
@@ -194,10 +186,10 @@ def test_an_ep_spec_emulated_on_one_gpu_says_how_to_split_it(monkeypatch):
 
     from engines.torch.ep_launch import emulation_warning
 
-    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "auto")
+    auto = EngineOptions(torch_ep="auto")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    note = emulation_warning(SPEC, torch.device("cuda"))
+    note = emulation_warning(SPEC, torch.device("cuda"), auto)
     assert "model.ep_size 2" in note and "1 GPU(s) visible" in note and "hardware.task_gpus 2" in note
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)  # ranks, not emulation
-    assert emulation_warning(SPEC, torch.device("cuda")) is None
-    assert emulation_warning(SPEC, torch.device("cpu")) is None  # CPU runs emulate by design
+    assert emulation_warning(SPEC, torch.device("cuda"), auto) is None
+    assert emulation_warning(SPEC, torch.device("cpu"), auto) is None  # CPU runs emulate by design

@@ -1,11 +1,14 @@
 """The GPU fast path of the torch engine (engines/torch/fast.py) computes the reference model's
 objective: run on the CPU in fp32 it gives model.loss_terms' loss, metrics and gradients."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from engines.data import TokenStream
-from engines.torch.fast import FastLoss
+from engines.options import TorchKernels
+from engines.torch.fast import FastLoss, kernels_here
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.presets import micro_spec
 
@@ -24,13 +27,14 @@ def _loss_and_grads(fn, model, x, optim):
     return total.detach(), out, {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def _reference_and_fast(spec):
-    """(reference, fast) (total loss, outputs, gradients) of one batch on the CPU."""
+def _reference_and_fast(spec, kernels: TorchKernels | None = None):
+    """(reference, fast) (total loss, outputs, gradients) of one batch on the CPU (the fast path
+    with `kernels`, default the engine's)."""
     model = MoETransformer(spec.model)
     model.load_numpy(init_params(spec.model, spec.seed))
     x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long()
     return (_loss_and_grads(loss_terms, model, x, spec.optim),
-            _loss_and_grads(FastLoss(model, torch.device("cpu")), model, x, spec.optim))
+            _loss_and_grads(FastLoss(model, torch.device("cpu"), kernels), model, x, spec.optim))
 
 
 @pytest.mark.parametrize("dispatch", ["dropless", "capacity"])
@@ -50,25 +54,20 @@ def test_fast_path_matches_the_reference_forward_and_gradients(dispatch, variant
 
 @pytest.mark.parametrize("option", [{"router": "tf32"}, {"router": "fp32"}, {"rope_layout": "bshq"}],
                          ids=["router through the tf32 op", "router fp32", "rope on [B, S, H, Q]"])
-def test_each_fast_path_option_reaches_the_same_objective(monkeypatch, option):
-    from engines.torch import fast
-
-    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), **option}))
-    (t_ref, _, g_ref), (t_fast, _, g_fast) = _reference_and_fast(micro_spec())
+def test_each_fast_path_option_reaches_the_same_objective(option):
+    (t_ref, _, g_ref), (t_fast, _, g_fast) = _reference_and_fast(micro_spec(), kernels_here(TorchKernels(**option)))
     assert torch.allclose(t_fast, t_ref, rtol=1e-6, atol=1e-6)
     assert any(n.endswith("moe.router") for n in g_ref) and any(n.endswith("attn.wq") for n in g_ref)
     for name, g in g_ref.items():
         assert torch.allclose(g_fast[name], g, rtol=1e-4, atol=1e-6), name
 
 
-def test_capacity_dispatch_through_the_gather_kernels_path_matches_the_reference(monkeypatch):
+def test_capacity_dispatch_through_the_gather_kernels_path_matches_the_reference():
     """Capacity mode with gather "triton" (on the CPU, gather.py's torch forms behind the same
     backward): the zero rows of unfilled buffer rows and dropped assignments get no gradient."""
-    from engines.torch import fast
-
-    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(**{**vars(fast.OPTIONS), "gather": "triton"}))
     spec = micro_spec(**{"model.dispatch": "capacity", "model.capacity_factor_recv": 1.0})
-    (t_ref, o_ref, g_ref), (t_fast, _, g_fast) = _reference_and_fast(spec)
+    kernels = dataclasses.replace(kernels_here(TorchKernels()), gather="triton")
+    (t_ref, o_ref, g_ref), (t_fast, _, g_fast) = _reference_and_fast(spec, kernels)
     assert float(o_ref["metrics"]["drop_frac_recv"]) > 0
     assert torch.allclose(t_fast, t_ref, rtol=1e-6, atol=1e-6)
     for name, g in g_ref.items():

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engines.data import TokenStream
+from engines.options import TorchKernels
 from engines.torch import fast
 from engines.torch.gather import Combine
 from engines.torch.model import MoETransformer, init_params, loss_terms
@@ -43,14 +44,14 @@ def test_combine_gradients_equal_autograd_through_gather_and_sum():
 
 
 @pytest.mark.parametrize("combine_grad", ["inductor", "triton"])
-def test_fast_loss_with_the_gather_ops_matches_the_reference(monkeypatch, combine_grad):
-    monkeypatch.setattr(fast, "OPTIONS", fast.FastOptions(gather="triton", combine_grad=combine_grad))
+def test_fast_loss_with_the_gather_ops_matches_the_reference(combine_grad):
     spec = micro_spec(**{"model.dispatch": "dropless"})
     model = MoETransformer(spec.model)
     model.load_numpy(init_params(spec.model, spec.seed))
     x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long()
     grads = []
-    for fn in (loss_terms, fast.FastLoss(model, torch.device("cpu"))):
+    kernels = TorchKernels(gather="triton", combine_grad=combine_grad, compile="block")
+    for fn in (loss_terms, fast.FastLoss(model, torch.device("cpu"), kernels)):
         model.zero_grad(set_to_none=True)
         total, _ = fn(model, x, spec.optim)
         total.backward()

@@ -189,33 +189,27 @@ def test_a_non_finite_step_changes_nothing():
         assert torch.equal(t.detach(), copies[n]), n
 
 
-@pytest.mark.parametrize("env, seconds, on", [
+@pytest.mark.parametrize("master, seconds, on", [
     (None, 60.0, False),      # a short run: the compile would not pay
     (None, 3600.0, True),     # an hour: it does
     (None, None, True),       # duration unknown
-    ("1", 60.0, True),        # forced on
-    ("0", 3600.0, False),     # forced off
+    (True, 60.0, True),       # forced on
+    (False, 3600.0, False),   # forced off
 ])
-def test_with_the_compiled_update_working_copies_are_kept_for_long_runs_unless_forced(monkeypatch, env, seconds, on):
+def test_with_the_compiled_update_working_copies_are_kept_for_long_runs_unless_forced(master, seconds, on):
+    from engines.options import EngineOptions, TorchKernels
     from engines.torch.fast import working_copies_enabled
 
-    monkeypatch.setenv("MOE_LADDER_TORCH_ADAMW", "compile")
-    if env is None:
-        monkeypatch.delenv("MOE_LADDER_TORCH_MASTER", raising=False)
-    else:
-        monkeypatch.setenv("MOE_LADDER_TORCH_MASTER", env)
-    assert working_copies_enabled(torch.device("cuda"), seconds) is on
-    assert working_copies_enabled(torch.device("cpu"), seconds) is False  # a GPU-only path
+    options = EngineOptions(torch_master=master, torch_kernels=TorchKernels(adamw="compile"))
+    assert working_copies_enabled(torch.device("cuda"), options, seconds) is on
+    assert working_copies_enabled(torch.device("cpu"), options, seconds) is False  # a GPU-only path
 
 
-def test_the_triton_update_keeps_working_copies_for_short_runs(monkeypatch):
+def test_the_triton_update_keeps_working_copies_for_short_runs():
     pytest.importorskip("triton")
+    from engines.options import EngineOptions, TorchKernels
     from engines.torch.fast import working_copies_enabled
 
-    monkeypatch.delenv("MOE_LADDER_TORCH_MASTER", raising=False)
-    monkeypatch.delenv("MOE_LADDER_TORCH_ADAMW", raising=False)  # the default where Triton is installed
-    assert working_copies_enabled(torch.device("cuda"), 60.0) is True
-    monkeypatch.setenv("MOE_LADDER_TORCH_ADAMW", "triton")  # nothing to compile: no warm-up to repay
-    assert working_copies_enabled(torch.device("cuda"), 60.0) is True
-    monkeypatch.setenv("MOE_LADDER_TORCH_ADAMW", "compile")
-    assert working_copies_enabled(torch.device("cuda"), 60.0) is False
+    assert working_copies_enabled(torch.device("cuda"), EngineOptions(), 60.0) is True  # nothing to compile
+    compiled = EngineOptions(torch_kernels=TorchKernels(adamw="compile"))
+    assert working_copies_enabled(torch.device("cuda"), compiled, 60.0) is False

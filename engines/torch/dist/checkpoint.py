@@ -41,7 +41,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
 from engines.checkpoint import CheckpointError, _fsync_dir, _fsync_file, save_checkpoint, step_dir_name
-from engines.torch.dist.fsdp import local_tensor, reshard
+from engines.torch.dist.fsdp import _local_of, expert_slice, local_tensor, reshard
 from engines.torch.dist.mesh import MeshContext
 from engines.torch.ep import is_expert_param
 
@@ -157,8 +157,6 @@ def load_sharded(path: Path, model, opt, mc: MeshContext) -> dict:
 
 def load_moments(model, opt, arrays: dict[str, np.ndarray], mc: MeshContext) -> None:
     """AdamW state from engine-neutral arrays ("m/<name>", "v/<name>", "step") into this rank's shards."""
-    from engines.torch.dist.fsdp import _local_of, expert_slice
-
     step = int(arrays.get("step", 0))
     if step == 0:
         return

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engines.torch.ep import NO_MULTICAST, EPContext, EPError
+from engines.torch.ep import NO_MULTICAST, EPContext, EPError, _free_port
 from core.spec import ModelSpec
 
 
@@ -119,8 +119,6 @@ def setup_mesh(m: ModelSpec, batch_size: int, device: str | None = None) -> Mesh
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if world == 1:
-            from engines.torch.ep import _free_port
-
             os.environ.setdefault("MASTER_PORT", str(_free_port()))
         backend = "nccl" if dev.type == "cuda" else "gloo"
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}

@@ -27,10 +27,10 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
+from pydantic import ValidationError
 
 from core.fsutil import atomic_write_json
-from core.schedule import lr_at
-from core.spec import Spec
+from core.spec import Spec, SpecError, format_validation_error, load_spec
 from engines.base import DivergedError, MetricsWriter, StepMetrics, write_status
 from engines.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, missing_parent_checkpoint
 from engines.data import DataError, TokenStream
@@ -38,7 +38,8 @@ from engines.torch.dist.checkpoint import latest_sharded, load_moments, load_sha
 from engines.torch.dist.fsdp import build_sharded_model, grad_norm_and_clip, held_bytes, load_full, reshard
 from engines.torch.dist.mesh import MeshContext, MeshError, check_mesh, setup_mesh
 from engines.torch.engine import _flops_per_token, cpu_threads
-from engines.trainer import METRIC_KEYS, check_same_run, record
+from engines.torch.ep_launch import die_with_parent
+from engines.trainer import METRIC_KEYS, LearningRates, check_same_run, record
 from engines.torch.ep import step_metrics
 from engines.torch.model import init_params
 
@@ -129,7 +130,7 @@ def train_mesh(spec: Spec, run_dir: str | Path, mc: MeshContext, resume: bool = 
 
     total = spec.total_steps
     end = total if stop_after is None else min(stop_after, total)
-    lrs = lr_at(spec, np.arange(total))
+    lrs = LearningRates(spec)  # a block of steps at a time: nothing in proportion to the run's length
     if lead:
         write_status(run_dir, "running", step=start, engine=ENGINE_NAME, spec_id=spec.id, mesh=[mc.dp, mc.ep])
     if point is None:
@@ -142,7 +143,7 @@ def train_mesh(spec: Spec, run_dir: str | Path, mc: MeshContext, resume: bool = 
             n_tok = stream.batch_size_at(step) * stream.seq_len_at(step)
             mine = stream.batch(step, rank=mc.stream_rank, world=mc.world)  # only this rank's rows are read
             x = torch.from_numpy(mine).to(mc.device, dtype=torch.long)
-            lr = float(lrs[step])
+            lr = lrs(step)
             for g in opt.param_groups:
                 g["lr"] = lr
             total_r, out = model(x, spec.optim, n_tok)
@@ -224,11 +225,6 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if present")
     p.add_argument("--log-every", type=int, default=10)
     args = p.parse_args(argv)
-
-    from pydantic import ValidationError
-
-    from core.spec import SpecError, format_validation_error, load_spec
-
     try:
         spec = load_spec(args.spec)
     except ValidationError as err:
@@ -240,8 +236,6 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps is not None and args.steps < 1:
         print(f"error: --steps must be >= 1 (got {args.steps})", file=sys.stderr)
         return 2
-    from engines.torch.ep_launch import die_with_parent
-
     die_with_parent()
     try:
         mc = setup_mesh(spec.model, spec.data.batch_size, args.device)

@@ -1,0 +1,55 @@
+"""Engine options: built from the environment's switches once, refused by name when a value is
+bad, and recorded in status.json and every checkpoint (never in the spec's id)."""
+
+import json
+
+import pytest
+
+from engines.options import EngineOptions, OptionsError, TorchKernels
+
+
+def test_the_environment_switches_set_the_options():
+    env = {"MOE_LADDER_TORCH_FAST": "0", "MOE_LADDER_TORCH_MASTER": "1", "MOE_LADDER_TORCH_COMPILE": "none",
+           "MOE_LADDER_TORCH_EP": "emulate", "MOE_LADDER_JAX_MGPU": "default", "MOE_LADDER_CPU_THREADS": "3"}
+    o = EngineOptions.from_env(env)
+    assert (o.torch_fast, o.torch_master, o.torch_kernels.compile, o.torch_ep, o.jax_mgpu, o.cpu_threads) == (
+        False, True, "none", "emulate", "default", 3)
+    assert EngineOptions.from_env({}) == EngineOptions()
+
+
+def test_the_defaults_are_the_values_the_engine_uses():
+    k = TorchKernels()
+    assert (k.compile, k.gather, k.combine_grad, k.adamw) == ("block-cudagraphs", "triton", "triton", "triton")
+    assert k.without_triton().gather == "inductor" and k.without_triton().adamw == "compile"
+
+
+@pytest.mark.parametrize("env, named", [
+    ({"MOE_LADDER_TORCH_EP": "sometimes"}, "MOE_LADDER_TORCH_EP='sometimes'"),
+    ({"MOE_LADDER_TORCH_FAST": "yes"}, "MOE_LADDER_TORCH_FAST='yes'"),
+    ({"MOE_LADDER_CPU_THREADS": "two"}, "MOE_LADDER_CPU_THREADS='two'"),
+    ({"MOE_LADDER_TORCH_COMPILE": "all"}, "MOE_LADDER_TORCH_COMPILE='all'"),
+    ({"MOE_LADDER_JAX_MGPU": "on"}, "MOE_LADDER_JAX_MGPU='on'"),
+])
+def test_a_bad_switch_is_refused_by_name(env, named):
+    with pytest.raises(OptionsError, match=named) as err:
+        EngineOptions.from_env(env)
+    assert "\n" not in str(err.value)
+
+
+def test_options_round_trip_through_json():
+    o = EngineOptions(torch_ep="processes", cpu_threads=1, torch_kernels=TorchKernels(gather="inductor"))
+    assert EngineOptions.from_dict(json.loads(json.dumps(o.to_dict()))) == o
+
+
+def test_a_run_records_its_options_in_status_and_checkpoints(tmp_path):
+    from engines.checkpoint import latest_checkpoint, load_checkpoint
+    from engines.base import read_status
+    from engines.torch.engine import TorchEngine
+    from tests.conftest import tiny_spec
+
+    spec = tiny_spec(steps=2, checkpoint_every=1, **{"model.ep_size": 1})
+    list(TorchEngine("cpu", EngineOptions(cpu_threads=1)).train(spec, tmp_path))
+    recorded = read_status(tmp_path)["options"]
+    assert recorded["cpu_threads"] == 1 and recorded["torch_fast"] is False  # the CPU's reference forward
+    assert load_checkpoint(latest_checkpoint(tmp_path))[2]["options"] == recorded
+    assert "options" not in spec.model_dump()  # the spec's id cannot see them
