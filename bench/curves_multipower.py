@@ -5,7 +5,7 @@ the other six; the paper reports a mean relative error of 0.11% (25M) and 0.14% 
 point of 0.41% / 0.58% (the mean over files of each file's worst point). Printed here: per file mean
 and max relative error for the Multi-Power Law (mpl, as fitted by default) and the Tissue et al.
 baseline (lra), both sizes; variants of the mpl fit (one-stage, the published Huber threshold);
-cross-size predictions (25M -> 100M with the one-size prior; a two-size fit); 90% band coverage;
+cross-size predictions (25M -> 100M with either one-size prior; a two-size fit); 90% band coverage;
 timings.
 
     .venv/bin/python bench/curves_multipower.py [--data DIR] [--boot 16]
@@ -110,16 +110,17 @@ def main() -> None:
     print("\n== across sizes ==")
     test100 = [load(data, "100M", n, 100e6) for n in TRAIN + TEST]
     for label, names in (("3 protocol curves", TRAIN), ("all 9 curves", TRAIN + TEST)):
-        f = fit_curves([load(data, "25M", n, 25e6) for n in names])
-        e = errors(f, test100)
-        signed = np.mean([np.mean((f.predict_curve(c) - c.loss) / c.loss) for c in test100])
-        m, x, _ = summary(e)
-        print(f"  25M ({label}) -> 100M, told only N, one-size Chinchilla prior: mean {pct(m)}  worst {pct(x)}  "
-              f"signed mean {100 * signed:+.2f}%  (L0 25M {f.curve_params()['L0']:.4f} -> 100M {f.curve_params(1e8)['L0']:.4f})")
-    f, secs = timed(fit_curves, [load(data, s, n, N) for s, N in SIZES.items() for n in TRAIN])
+        for prior in ("kaplan", "chinchilla"):
+            f = fit_curves([load(data, "25M", n, 25e6) for n in names], size_prior=prior)
+            e = errors(f, test100)
+            signed = np.mean([np.mean((f.predict_curve(c) - c.loss) / c.loss) for c in test100])
+            m, x, _ = summary(e)
+            print(f"  25M ({label}) -> 100M, told only N, one-size {prior} prior: mean {pct(m)}  worst {pct(x)}  "
+                  f"signed mean {100 * signed:+.2f}%")
+    f, secs = timed(fit_curves, [load(data, s, n, N) for s, N in SIZES.items() for n in TRAIN], size_law="slopes")
     for s, N in SIZES.items():
         m, x, mx = summary(errors(f, [load(data, s, n, N) for n in TEST]))
-        print(f"  two-size fit (both sizes' protocol curves) -> {s} unseen schedules: mean {pct(m)}  worst {pct(x)}")
+        print(f"  two-size fit, slopes size law (both sizes' protocol curves) -> {s} unseen schedules: mean {pct(m)}  worst {pct(x)}")
     print(f"    size law ({secs:.2f} s): " + ", ".join(f"{k}={v:.4g}" for k, v in f.params.items()))
     print("    extrapolated to 400M: " + ", ".join(f"{k}={v:.4g}" for k, v in f.curve_params(4e8).items()))
 
