@@ -46,9 +46,9 @@ Model size: curves may carry `params` (N, the model's parameter count). With sev
 curves share every parameter but the floor, L0(N) = E + a (N/N_ref)^-p (p fixed at CHINCHILLA_ALPHA
 with two sizes, fitted with three or more): Chinchilla's additive form, in which the data term does
 not depend on N (size_law="additive", the default). size_law="slopes" also lets log A, log alpha and
-log B move linearly in log N. On the CPU ladder's rungs (fit 2 or 3 sizes, predict the next, four
-splits) the additive law erred 6.4-8.7% where the slopes erred 8.4-22% (and once diverged): its
-extra parameters are extrapolated, not measured.
+log B move linearly in log N. On the CPU ladder's rungs (four splits: two or three rungs predicting
+the next, all four predicting the hero) the additive law erred 6.5-8.7% where the slopes erred
+8.4-22% (and once diverged): their extra parameters are extrapolated, not measured.
 With ONE size there is nothing to learn the scaling from, so predicting another size uses a prior
 (stated here, reported by `CurveFit.to_dict`, chosen by `size_prior`):
 - "kaplan" (default): the whole curve scales as (N / N_fit)^-0.076, Kaplan et al. (2020)'s
