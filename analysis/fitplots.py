@@ -1,12 +1,11 @@
 """PNG plots of fits for the CLI's --png: the data, the fitted law or curves, and their intervals.
 
-Each function writes one file atomically (rendered to a temporary name, then moved) and returns its path.
+Each function renders to memory and writes one file atomically (core.fsutil), returning its path.
 """
 
 from __future__ import annotations
 
-import os
-import tempfile
+import io
 from pathlib import Path
 from typing import Sequence
 
@@ -16,23 +15,19 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 
+from core.fsutil import atomic_write_bytes  # noqa: E402
+
 __all__ = ["plot_law_fit", "plot_envelope_fit", "plot_curves", "plot_isoflop"]
 
 
 def _save(fig, path: Path) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     fig.tight_layout()
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".png")
-    os.close(fd)
+    buf = io.BytesIO()
     try:
-        fig.savefig(tmp, dpi=110)
-        os.replace(tmp, path)
+        fig.savefig(buf, format="png", dpi=110)
     finally:
         plt.close(fig)
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return atomic_write_bytes(Path(path), buf.getvalue())
 
 
 def plot_law_fit(fit, N, D, loss, path: Path, title: str = "") -> Path:
