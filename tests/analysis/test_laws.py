@@ -323,6 +323,9 @@ def test_cli_predict_where_and_several_loss_columns(tmp_path):
     bad = _ladder("fit", tmp_path / "runs.csv", "--params-col", "n", "--tokens-col", "d", "--loss-col", "l",
                   "--where", "set=zzz", tmp_path=tmp_path)
     assert bad.returncode == 2 and "no row has set = zzz" in bad.stderr
+    (tmp_path / "notafit.json").write_text('{"E": 1}')
+    bad = _ladder("predict", tmp_path / "notafit.json", "--params", "1e9", "--tokens", "2e10", tmp_path=tmp_path)
+    assert bad.returncode == 2 and "not a law fit" in bad.stderr and "Traceback" not in bad.stderr
 
 
 def test_cli_table_shows_warnings_and_backtest(tmp_path):
