@@ -52,7 +52,7 @@ class _Frozen(BaseModel):
         if isinstance(v, bool):
             ann = cls.model_fields[info.field_name].annotation
             if ann is not bool and bool not in get_args(ann):
-                raise ValueError(f"expected a number, got the boolean {str(v).lower()}")
+                raise ValueError(f"got the boolean {str(v).lower()}, which this field does not take")
         return v
 
 
