@@ -29,6 +29,7 @@ import dataclasses
 import os
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
@@ -112,8 +113,6 @@ class MeshJaxStep(JaxStep):
         self.state = place_2d(state_from_arrays(self.cfg, self.tx, params, opt, origin), self.mesh)
 
     def launch(self, step: int, batch_BS1: np.ndarray, lr: float):
-        import jax.numpy as jnp
-
         self.state, m = self.train_step(self.state, put_batch_2d(batch_BS1, self.mesh), jnp.float32(lr))
         return m
 

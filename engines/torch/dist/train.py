@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import sys
-import time
 from pathlib import Path
 from typing import Iterator
 
@@ -31,15 +31,23 @@ from pydantic import ValidationError
 
 from core.fsutil import atomic_write_json
 from core.spec import Spec, SpecError, format_validation_error, load_spec
-from engines.base import DivergedError, MetricsWriter, StepMetrics, write_status
-from engines.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint, missing_parent_checkpoint
+from engines.base import DivergedError, StepMetrics
+from engines.checkpoint import CheckpointError, load_checkpoint, missing_parent_checkpoint, warn_if_other_data
 from engines.data import DataError, TokenStream
-from engines.torch.dist.checkpoint import latest_sharded, load_moments, load_sharded, read_state, save_sharded
-from engines.torch.dist.fsdp import build_sharded_model, grad_norm_and_clip, held_bytes, load_full, reshard
+from engines.torch.dist.checkpoint import (
+    SHARDED,
+    latest_sharded,
+    load_moments,
+    load_sharded,
+    optimizer_step,
+    read_state,
+    save_sharded,
+)
+from engines.torch.dist.fsdp import build_sharded_model, full_arrays, grad_norm_and_clip, held_bytes, load_full, reshard
 from engines.torch.dist.mesh import MeshContext, MeshError, check_mesh, setup_mesh
-from engines.torch.engine import _flops_per_token, cpu_threads
+from engines.torch.engine import cpu_threads
 from engines.torch.ep_launch import die_with_parent
-from engines.trainer import METRIC_KEYS, LearningRates, check_same_run, record
+from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS, RunHistoryError, Trainer, check_same_run
 from engines.torch.ep import step_metrics
 from engines.torch.model import init_params
 
@@ -59,148 +67,159 @@ def build_optimizer(model, spec: Spec) -> torch.optim.AdamW:
                              lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
 
 
-def _resume_point(run_dir: Path, mc: MeshContext) -> tuple[str, Path] | None:
-    """The newest checkpoint this run can continue from: ("sharded" | "neutral", path)."""
-    sharded = latest_sharded(run_dir)
-    if sharded is not None and read_state(sharded).get("mesh", {}).get("ep") != mc.ep:
-        sharded = None
-    neutral = latest_checkpoint(run_dir)
-    if sharded is None and neutral is None:
-        return None
-    if neutral is None or (sharded is not None and int(sharded.name[5:]) >= int(neutral.name[5:])):
-        return "sharded", sharded
-    return "neutral", neutral
+class MeshStep:
+    """The mesh's step module (engines/trainer.py): this rank's shards and tokens; every rank
+    computes the same global values. Each step is read before the next is launched (its
+    collectives synchronise the ranks anyway)."""
+
+    engine = ENGINE_NAME
+    lookahead = False
+    synchronous = True
+
+    def __init__(self, spec: Spec, mc: MeshContext, run_dir: Path):
+        self.spec, self.mc, self.run_dir = spec, mc, run_dir
+        self.lead = mc.rank == 0
+        self.devices = mc.world
+        self.model = build_sharded_model(spec.model, mc)
+        self.opt = build_optimizer(self.model, spec)
+
+    def init_fresh(self) -> None:
+        load_full(self.model, init_params(self.spec.model, self.spec.seed), self.mc)
+
+    def load_arrays(self, params: dict, opt: dict, origin: str) -> None:
+        load_full(self.model, params, self.mc)
+        load_moments(self.model, self.opt, opt, self.mc)
+
+    def save_arrays(self):
+        reshard(self.model)
+        params = full_arrays(dict(self.model.named_parameters()) | dict(self.model.named_buffers()), self.mc)
+        moments = {}
+        for name, p in self.model.named_parameters():
+            st = self.opt.state.get(p) or {"exp_avg": torch.zeros_like(p), "exp_avg_sq": torch.zeros_like(p)}
+            moments[f"m/{name}"], moments[f"v/{name}"] = st["exp_avg"], st["exp_avg_sq"]
+        opt = full_arrays(moments, self.mc)
+        if not self.lead:
+            return None
+        opt["step"] = np.asarray(optimizer_step(self.opt), np.int64)
+        return params, opt
+
+    def launch(self, step: int, batch_BS1: np.ndarray, lr: float):
+        spec, model, opt, mc, m = self.spec, self.model, self.opt, self.mc, self.spec.model
+        check_mesh(m, mc.world, batch_BS1.shape[0])
+        n_tok = batch_BS1.shape[0] * (batch_BS1.shape[1] - 1)
+        x = torch.from_numpy(mc.local_batch(batch_BS1)).to(mc.device, dtype=torch.long)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        total_r, out = model(x, spec.optim, n_tok)
+        total_r.backward()
+        grad_norm, sums = grad_norm_and_clip(model, spec.optim.grad_clip,
+                                             torch.stack([out["aux_r"], out["total_r"]]), mc)
+        metrics = step_metrics(out, sums[0], sums[1])
+        vals = dict(zip(VALUE_KEYS, torch.stack([metrics[k].float() for k in METRIC_KEYS]
+                                                + [grad_norm.float()]).tolist()))
+        finite = all(np.isfinite(vals[k]) for k in FINITE_KEYS)
+        if finite:  # a non-finite step is not applied (every rank sees the same global values)
+            opt.step()
+            if m.router_bias_balancing:
+                with torch.no_grad():
+                    load_LE = out["load_LE"]
+                    upd_LE = m.router_bias_rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
+                    for i, blk in enumerate(model.blocks):
+                        blk.moe.router_bias.add_(upd_LE[i])
+        opt.zero_grad(set_to_none=True)
+        return vals, finite
+
+    def read(self, handle) -> tuple[dict[str, float], bool]:
+        return handle
+
+    def evaluate(self, stream: TokenStream) -> float:
+        losses = []
+        with torch.no_grad():
+            for i in range(self.spec.run.eval_batches):
+                batch = stream.eval_batch(i)
+                x = torch.from_numpy(self.mc.local_batch(batch)).to(self.mc.device, dtype=torch.long)
+                _, out = self.model(x, self.spec.optim, batch.shape[0] * (batch.shape[1] - 1))
+                losses.append(out["global"]["loss"])
+        reshard(self.model)
+        return float(torch.stack(losses).mean())
+
+    def agree(self, value):
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    def extra(self) -> dict:
+        return {"mesh": [self.mc.dp, self.mc.ep]}
+
+    def finish(self, first_step: int, steps: int) -> None:
+        write_summary(self.run_dir, self.model, self.opt, self.mc, first_step=first_step, steps=steps)
+
+
+class MeshTrainer(Trainer):
+    """engines/trainer.py's Trainer with the mesh's sharded checkpoints: every rank writes its
+    shards (run_dir/sharded), and a run resumes from the newest of those (the same ep) and the
+    engine-neutral checkpoints (an export, another engine's run: any layout)."""
+
+    module: MeshStep
+
+    def save(self, done: int) -> None:
+        info = {"tokens": self.tokens, "spec_id": self.spec.id, "spec_name": self.spec.name,
+                "engine": ENGINE_NAME, "data": self.stream.state(done), **self.module.extra(),
+                "options": self._options()}
+        path = save_sharded(self.run.path, done, self.module.model, self.module.opt, info, self.module.mc,
+                            keep=self.spec.run.keep_checkpoints)
+        self.last_good = (path, "written by this run")
+
+    def _pick(self, resume: bool) -> tuple[tuple[str, str] | None, str]:
+        """On the lead: (("sharded" | "neutral", path) or None, why the run is refused or "")."""
+        if not resume:
+            shutil.rmtree(self.run.path / SHARDED, ignore_errors=True)
+        neutral, refused = self._choose(resume)  # the newest intact engine-neutral checkpoint
+        sharded = latest_sharded(self.run.path) if resume else None
+        if sharded is not None and read_state(sharded).get("mesh", {}).get("ep") != self.module.mc.ep:
+            sharded = None  # another expert split: only its export continues here
+        if sharded is not None and (not neutral or int(sharded.name[5:]) >= int(Path(neutral).name[5:])):
+            return ("sharded", str(sharded)), ""
+        if neutral:
+            return ("neutral", neutral), ""
+        return None, refused
+
+    def _restore(self, resume: bool) -> Path | None:
+        spec, module = self.spec, self.module
+        point, refused = module.agree(self._pick(resume) if module.lead else (None, ""))
+        if refused:
+            raise RunHistoryError(refused)
+        if point is None:
+            if spec.lineage.resume_step is not None:
+                raise missing_parent_checkpoint(spec, self.run.path)
+            module.init_fresh()
+            self.start, self.tokens = 0, 0
+            return None
+        kind, path = point[0], Path(point[1])
+        if kind == "sharded":
+            info = load_sharded(path, module.model, module.opt, module.mc)
+        else:
+            params, opt_arrays, info = load_checkpoint(path, verify=False)  # the lead verified it
+            try:
+                module.load_arrays(params, opt_arrays, str(path))
+            except ValueError as err:
+                raise CheckpointError(f"{path}: {err}") from err
+        check_same_run(spec, info, path)
+        self.last_good = (path, f"the {kind} checkpoint this run resumed from")
+        self.start = int(info["step"])
+        self.tokens = int(info.get("tokens", self.start * spec.data.tokens_per_step))
+        if module.lead:
+            warn_if_other_data(path, info, self.stream.fingerprint)
+        return path
 
 
 def train_mesh(spec: Spec, run_dir: str | Path, mc: MeshContext, resume: bool = True,
                stop_after: int | None = None) -> Iterator[StepMetrics]:
     """Every rank yields every step's StepMetrics (the same global values); rank 0 writes them."""
-    run_dir = Path(run_dir)
-    lead = mc.rank == 0
-    m = spec.model
     if mc.device.type == "cpu" and cpu_threads(spec):
         torch.set_num_threads(cpu_threads(spec))
-    if lead:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        stream = TokenStream.from_spec(spec)  # rank 0 fills the token cache; the others then read it
-    dist.barrier()
-    if not lead:
-        stream = TokenStream.from_spec(spec)
-    found = [_resume_point(run_dir, mc) if lead and resume else None]
-    dist.broadcast_object_list(found, src=0)
-    point = found[0]
-
-    model = build_sharded_model(m, mc)
-    opt = build_optimizer(model, spec)
-    if point is None:
-        if spec.lineage.resume_step is not None:
-            raise missing_parent_checkpoint(spec, run_dir)
-        load_full(model, init_params(m, spec.seed), mc)
-        start, tokens = 0, 0
-    else:
-        kind, path = point
-        if kind == "sharded":
-            info = load_sharded(path, model, opt, mc)
-        else:
-            params, opt_arrays, info = load_checkpoint(path)
-            try:
-                load_full(model, params, mc)
-            except ValueError as err:
-                raise CheckpointError(f"{path}: {err}") from err
-            load_moments(model, opt, opt_arrays, mc)
-        check_same_run(spec, info, path)
-        start = int(info["step"])
-        tokens = int(info.get("tokens", start * spec.data.tokens_per_step))
-
-    def save(done: int) -> None:
-        info = {"tokens": tokens, "spec_id": spec.id, "spec_name": spec.name, "engine": ENGINE_NAME,
-                "data": stream.state(done)}
-        save_sharded(run_dir, done, model, opt, info, mc, keep=spec.run.keep_checkpoints)
-
-    def evaluate() -> float:
-        losses = []
-        with torch.no_grad():
-            for i in range(spec.run.eval_batches):
-                batch = stream.eval_batch(i)
-                x = torch.from_numpy(mc.local_batch(batch)).to(mc.device, dtype=torch.long)
-                _, out = model(x, spec.optim, batch.shape[0] * (batch.shape[1] - 1))
-                losses.append(out["global"]["loss"])
-        reshard(model)
-        return float(torch.stack(losses).mean())
-
-    total = spec.total_steps
-    end = total if stop_after is None else min(stop_after, total)
-    lrs = LearningRates(spec)  # a block of steps at a time: nothing in proportion to the run's length
-    if lead:
-        write_status(run_dir, "running", step=start, engine=ENGINE_NAME, spec_id=spec.id, mesh=[mc.dp, mc.ep])
-    if point is None:
-        save(0)
-    writer = MetricsWriter(run_dir, start) if lead else None
-    try:
-        t_prev = time.perf_counter()
-        for step in range(start, end):
-            check_mesh(m, mc.world, stream.batch_size_at(step))
-            n_tok = stream.batch_size_at(step) * stream.seq_len_at(step)
-            mine = stream.batch(step, rank=mc.stream_rank, world=mc.world)  # only this rank's rows are read
-            x = torch.from_numpy(mine).to(mc.device, dtype=torch.long)
-            lr = lrs(step)
-            for g in opt.param_groups:
-                g["lr"] = lr
-            total_r, out = model(x, spec.optim, n_tok)
-            total_r.backward()
-            grad_norm, sums = grad_norm_and_clip(model, spec.optim.grad_clip,
-                                                 torch.stack([out["aux_r"], out["total_r"]]), mc)
-            metrics = step_metrics(out, sums[0], sums[1])
-            vals = dict(zip(METRIC_KEYS + ("grad_norm",),
-                            torch.stack([metrics[k].float() for k in METRIC_KEYS] + [grad_norm.float()]).tolist()))
-            finite = all(np.isfinite(vals[k]) for k in ("loss", "total_loss", "grad_norm"))
-            if finite:
-                opt.step()
-                if m.router_bias_balancing:
-                    with torch.no_grad():
-                        load_LE = out["load_LE"]
-                        upd_LE = m.router_bias_rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
-                        for i, blk in enumerate(model.blocks):
-                            blk.moe.router_bias.add_(upd_LE[i])
-            opt.zero_grad(set_to_none=True)
-            tokens += n_tok
-            tps = n_tok / max(time.perf_counter() - t_prev, 1e-9)
-            rec = record(step, tokens, lr, vals, tps,
-                              mfu=_flops_per_token(spec, x.shape[1] - 1) * tps / (spec.hardware.peak_flops * mc.world),
-                              mesh=[mc.dp, mc.ep])
-            if not finite:
-                if lead:
-                    writer.write(rec)
-                    write_status(run_dir, "diverged", step=step, engine=ENGINE_NAME, spec_id=spec.id,
-                                 loss=rec.loss, grad_norm=rec.grad_norm, last_checkpoint=str(latest_sharded(run_dir)))
-                raise DivergedError(f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {step}; "
-                                    f"the last good checkpoint is {latest_sharded(run_dir)}")
-            done = step + 1
-            if done % spec.run.eval_every == 0 or done == total:
-                rec.eval_loss = evaluate()
-            if lead:
-                writer.write(rec)
-            if done % spec.run.checkpoint_every == 0 or done == end:
-                save(done)
-            t_prev = time.perf_counter()
-            yield rec
-    except DivergedError:
-        raise
-    except BaseException as err:
-        if lead and not isinstance(err, GeneratorExit):
-            write_status(run_dir, "failed", engine=ENGINE_NAME, spec_id=spec.id, error=f"{type(err).__name__}: {err}")
-        raise
-    finally:
-        if writer is not None:
-            writer.close()
-    write_summary(run_dir, model, opt, mc, first_step=start, steps=end - start)
-    if lead:
-        if end == total:
-            write_status(run_dir, "finished", step=total, engine=ENGINE_NAME, spec_id=spec.id, tokens=tokens,
-                         mesh=[mc.dp, mc.ep])
-        else:
-            write_status(run_dir, "running", step=end, engine=ENGINE_NAME, spec_id=spec.id, stopped_at=end,
-                         last_checkpoint=str(latest_sharded(run_dir)), mesh=[mc.dp, mc.ep])
+    module = MeshStep(spec, mc, Path(run_dir))
+    yield from MeshTrainer(spec, run_dir, module, stop_after=stop_after).fit(resume)
 
 
 def write_summary(run_dir: Path, model, opt, mc: MeshContext, first_step: int, steps: int) -> None:
