@@ -8,6 +8,8 @@ import functools
 import importlib
 from importlib.metadata import entry_points
 
+from engines.options import EngineOptions
+
 GROUP = "moe_ladder.engines"
 BUILTIN = {"torch": "engines.torch.engine:TorchEngine", "jax": "engines.jax.engine:JaxEngine"}
 
@@ -24,10 +26,12 @@ def engine_names() -> set[str]:
     return set(_targets())
 
 
-def get_engine(name: str):
-    """An engine instance by name; an unknown name is a KeyError that lists the known ones."""
+def get_engine(name: str, options: EngineOptions | None = None):
+    """An engine instance by name, under `options` (engines/options.py; default: the environment's
+    switches when it starts training); an unknown name is a KeyError that lists the known ones."""
     targets = dict(_targets())
     if name not in targets:
         raise KeyError(f"unknown engine {name!r}; registered engines: {', '.join(sorted(targets))}")
     module, _, attr = targets[name].partition(":")
-    return getattr(importlib.import_module(module), attr)()
+    cls = getattr(importlib.import_module(module), attr)
+    return cls(options=options) if options is not None else cls()

@@ -45,7 +45,6 @@ from engines.dispatch_ref import capacities
 from engines.options import TorchKernels
 from engines.torch.fast import (
     RowGather,
-    _sdpa_backend,
     attention_residual,
     block_weights,
     grouped_swiglu,
@@ -53,6 +52,7 @@ from engines.torch.fast import (
     kernels_here,
     moe_combine,
     moe_route,
+    sdpa_backend,
 )
 from engines.torch.model import Experts, MoETransformer, attention_mask, group_counts, partial_inverse, rope_tables
 from core.spec import ModelSpec
@@ -346,7 +346,7 @@ class EPLoss:
             self._tables[S] = (cos, sin, attention_mask(S, m.attention_window, ctx.device))
         cos, sin, mask_SS = self._tables[S]
         probs_sum, loads, seq_aux, router_z, entropy, n_send, n_recv = [], [], [], [], [], [], []
-        with torch.autocast(ctx.device.type, enabled=False), _sdpa_backend(self._backend):
+        with torch.autocast(ctx.device.type, enabled=False), sdpa_backend(self._backend):
             x_bSD = model.embed.weight[inputs_bS]
             for block in model.blocks:
                 moe = block.moe

@@ -404,7 +404,7 @@ class FastLoss:
         per_block, lm_head = self._weights(model)
         if self._cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are done with
-        ctx = _sdpa_backend(self.options.attn_backend if tokens_BS1.is_cuda else None)
+        ctx = sdpa_backend(self.options.attn_backend if tokens_BS1.is_cuda else None)
         with torch.autocast(tokens_BS1.device.type, enabled=False), ctx:
             # F.embedding: its backward is a sorted segment sum; indexing's (index_put with
             # accumulate) took 3.4 ms of a 119 ms H200 step
@@ -418,7 +418,7 @@ class FastLoss:
         return objective(ce, z, st, optim)
 
 
-def _sdpa_backend(name: str | None):
+def sdpa_backend(name: str | None):
     import contextlib
 
     if name is None:

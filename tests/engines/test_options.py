@@ -53,3 +53,24 @@ def test_a_run_records_its_options_in_status_and_checkpoints(tmp_path):
     assert recorded["cpu_threads"] == 1 and recorded["torch_fast"] is False  # the CPU's reference forward
     assert load_checkpoint(latest_checkpoint(tmp_path))[2]["options"] == recorded
     assert "options" not in spec.model_dump()  # the spec's id cannot see them
+
+
+def test_the_registry_hands_an_engine_its_options():
+    from engines.registry import get_engine
+
+    options = EngineOptions(cpu_threads=2)
+    assert get_engine("torch", options).options is options
+    assert get_engine("jax", options).options is options
+    assert get_engine("torch").options is None  # built from the environment when it starts
+
+
+def test_a_bad_jax_tile_file_is_named_before_any_work(tmp_path):
+    from engines.jax.engine import JaxEngine
+    from tests.conftest import tiny_spec
+
+    bad = tmp_path / "tiles.json"
+    bad.write_text("[]")
+    spec = tiny_spec(steps=2).replace(engine="jax")
+    with pytest.raises(ValueError, match=r"MOE_LADDER_JAX_MGPU_TILES=.*tiles.json: not a tile file"):
+        next(JaxEngine(EngineOptions(jax_mgpu_tiles=str(bad))).train(spec, tmp_path / "run"))
+    assert not (tmp_path / "run").exists()
