@@ -8,6 +8,10 @@ group (gloo on CPUs, NCCL on GPUs); each worker runs engines.torch.dist.train.tr
 status.json), and every rank writes its shards of each checkpoint. The run directory must be on
 storage every node sees (one machine, or a shared file system).
 
+Stopping. When the consumer of train_on_workers stops early (a cancelled task, Ctrl-C), it writes
+run_dir/workers/stop; rank 0 reads it after each step and every rank leaves after that same step,
+so the job ends and leaves no writer behind (the newest checkpoint is the resume point).
+
 Failures. FailureConfig(max_failures) restarts the whole worker group after a worker or node is
 lost; the restarted workers resume from the newest sharded checkpoint in the run directory, so a
 killed worker costs the steps since that checkpoint and ends in the same weights.
@@ -36,6 +40,8 @@ from engines.base import StepMetrics
 MAX_FAILURES = 3
 POLL_S = 0.5
 WORKERS_DIR = "workers"  # rank<r>.json: where each worker of the newest attempt ran
+STOP_FILE = "stop"  # written when the launcher's consumer goes away: the workers leave after a step
+STOP_WAIT_S = 60.0
 
 
 class LaunchError(ValueError):
@@ -92,6 +98,7 @@ def infeasible(spec: Spec, nodes: list[dict]) -> str | None:
 def _worker_loop(config: dict) -> None:
     """Runs in each Ray Train worker: the mesh run of the spec, resumed from its newest checkpoint."""
     import ray.train
+    import torch
     import torch.distributed as dist
 
     from engines.torch.dist.mesh import setup_mesh
@@ -110,8 +117,15 @@ def _worker_loop(config: dict) -> None:
     (where / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "time": time.time()}))
     mc = setup_mesh(spec.model, spec.data.batch_size, "cuda" if config["gpu"] else "cpu")
-    for _ in train_mesh(spec, run_dir, mc, resume=True):
-        pass
+    stop = run_dir / WORKERS_DIR / STOP_FILE
+    steps = train_mesh(spec, run_dir, mc, resume=True)
+    for _ in steps:
+        # every rank leaves after the same step: rank 0's view of the stop file, shared
+        flag = torch.tensor([float(mc.rank == 0 and stop.exists())])
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            steps.close()  # the newest checkpoint stays the run's resume point
+            break
     dist.barrier()
 
 
@@ -178,6 +192,8 @@ def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True,
     found = [int(p.name[5:]) for p in (latest_sharded(run_dir), latest_checkpoint(run_dir)) if p is not None]
     next_step = max(found, default=0)  # where the workers resume; earlier records are passed over
     offset = 0
+    stop = run_dir / WORKERS_DIR / STOP_FILE
+    stop.unlink(missing_ok=True)
     box: dict = {}
 
     def fit() -> None:
@@ -188,15 +204,21 @@ def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True,
 
     thread = threading.Thread(target=fit, name=f"ray-train:{spec.name}", daemon=True)
     thread.start()
-    while True:
-        done = not thread.is_alive()
-        recs, offset = _read_records(metrics, offset, next_step)
-        for rec in recs:
-            next_step = rec.step + 1
-            yield rec
-        if done:
-            break
-        time.sleep(POLL_S)
+    try:
+        while True:
+            done = not thread.is_alive()
+            recs, offset = _read_records(metrics, offset, next_step)
+            for rec in recs:
+                next_step = rec.step + 1
+                yield rec
+            if done:
+                break
+            time.sleep(POLL_S)
+    finally:
+        if thread.is_alive():  # the consumer stopped early (a cancelled task, Ctrl-C): end the job
+            stop.parent.mkdir(parents=True, exist_ok=True)
+            stop.write_text(f"{time.time()}\n")
+            thread.join(STOP_WAIT_S)
     if "error" in box:
         raise RuntimeError(f"Ray Train job of spec {spec.name} failed: {box['error']}") from box["error"]
     result = box.get("result")

@@ -28,6 +28,8 @@ from engines.torch.dist.checkpoint import latest_sharded, read_full
 from ladder import ledger
 from ladder.controller import submit
 from ladder.experiment import load_experiment
+from ladder.train_launch import train_on_workers
+from tests.conftest import tiny_spec
 from tests.engines.test_dist_mesh import DRIVER
 
 pytestmark = pytest.mark.slow
@@ -114,6 +116,14 @@ def two_nodes():
             os.environ["RAY_AUTH_MODE"] = auth_before
 
 
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split()[2] != "Z"
+    except FileNotFoundError:
+        return False
+
+
 def _uninterrupted(spec, root: Path) -> Path:
     save_spec(spec, root / "spec.yaml")
     run = root / "plain4"
@@ -166,3 +176,18 @@ def test_a_four_worker_job_across_two_nodes_survives_a_killed_worker_with_the_sa
         assert np.array_equal(got[k], ref[k]), k
     for k in ref_opt:
         assert np.array_equal(got_opt[k], ref_opt[k]), k
+
+
+def test_closing_the_launch_ends_every_worker_after_one_step(two_nodes, tmp_path):
+    spec = tiny_spec("s4", STEPS, 4, **CHANGES)
+    run_dir = tmp_path / "run"
+    steps = train_on_workers(spec, run_dir)
+    got = [next(steps).step for _ in range(3)]
+    workers = [json.loads((run_dir / "workers" / f"rank{r}.json").read_text())["pid"] for r in range(4)]
+    steps.close()  # as a cancelled controller task does
+    assert got == [0, 1, 2]
+    deadline = time.time() + 60
+    while any(_alive(p) for p in workers) and time.time() < deadline:
+        time.sleep(0.2)
+    assert not any(_alive(p) for p in workers)
+    assert len(read_metrics(run_dir)) < STEPS and read_status(run_dir)["state"] != "finished"
