@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean browser corpus prepare-h200
+.PHONY: demo test setup clean browser corpus prepare-h200 h200-ladder
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -29,6 +29,11 @@ corpus:
 # Tokenize the H200 ladder's sources into shards once (`make corpus` first).
 prepare-h200: $(STAMP)
 	MOE_LADDER_CORPUS=$(CORPUS) $(BIN)/ladder data prepare experiments/proxy_h200.py
+
+# The H200 ladder end to end on one H200 (about 12 GPU-minutes of training; the corpus and its
+# shards first): rungs, forecast, hero, compare, report. Phases: bash experiments/h200_ladder.sh help
+h200-ladder: $(STAMP)
+	MOE_LADDER_CORPUS=$(CORPUS) bash experiments/h200_ladder.sh all
 
 # The report test drives Debian's chromium through chromedriver (no browser download).
 browser:

@@ -1,11 +1,13 @@
 #!/usr/bin/env bash
 # The H200 ladder end to end on one GPU machine (`make h200-ladder`), or one phase of it:
 #
-#   bash experiments/h200_ladder.sh [all|data|rungs|hero|pack OUT_DIR]
+#   bash experiments/h200_ladder.sh [all|data|rungs|forecast|hero|report|pack OUT_DIR]
 #
-#   data   the offline package corpus (engines.corpus) and its token shards, unless present
-#   rungs  the four rungs, one after another (ladder submit --local), finished ones skipped
-#   hero   the hero, after the rungs
+#   data      the offline package corpus (engines.corpus) and its token shards, unless present
+#   rungs     the four rungs, one after another (ladder submit --local), finished ones skipped
+#   forecast  the laws and curves fitted on the rungs, the hero's forecast (before the hero trains)
+#   hero      the hero, after the rungs
+#   report    the hero against the forecast (ladder compare) and the HTML report under ./report-h200
 #   pack   metrics.jsonl, status.json and spec.yaml of every run (no checkpoints) into
 #          OUT_DIR/h200_ladder.tar.gz, with the corpus manifest and the plan
 #
@@ -37,7 +39,14 @@ data() {
 }
 
 rungs() { stamp "rungs"; $LADDER submit "$EXP" --local "${TRACK[@]}"; }
+forecast() { stamp "forecast"; $LADDER forecast "$EXP" "${TRACK[@]}"; }
 hero() { stamp "hero"; $LADDER submit "$EXP" --local --only '^hero-' "${TRACK[@]}"; }
+report() {
+  local root="${LADDER_ROOT:-.ladder}"
+  stamp "report"
+  $LADDER compare "$root"/runs/proxy_h200/hero-* --forecast "$root/analysis/proxy_h200/forecast.json" || true
+  $LADDER report "$EXP" --out report-h200 "${TRACK[@]}"
+}
 
 pack() {
   local out="$1" root="${LADDER_ROOT:-.ladder}"
@@ -49,10 +58,12 @@ pack() {
 }
 
 case "${1:-all}" in
-  all) data; rungs; hero ;;
+  all) data; rungs; forecast; hero; report ;;
   data) data ;;
   rungs) rungs ;;
+  forecast) forecast ;;
   hero) hero ;;
+  report) report ;;
   pack) pack "${2:?pack needs an output directory}" ;;
-  *) echo "usage: $0 [all|data|rungs|hero|pack OUT_DIR]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|data|rungs|forecast|hero|report|pack OUT_DIR]" >&2; exit 2 ;;
 esac

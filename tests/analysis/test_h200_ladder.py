@@ -1,0 +1,107 @@
+"""The H200 ladder's committed results (docs/results/h200_ladder/): every run finished on its
+planned steps without repeating data or memorising, and `ladder forecast` on them reproduces the
+committed forecast exactly; its report opens in a real headless browser."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from core.rundir import RunDir
+from core.spec import load_spec
+from ladder.experiment import load_experiment
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+RESULTS = ROOT / "docs" / "results" / "h200_ladder"
+EXPERIMENT = ROOT / "experiments" / "proxy_h200.py"
+
+
+@pytest.fixture(scope="module")
+def ladder_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("h200")
+    with tarfile.open(RESULTS / "h200_ladder.tar.gz") as tar:
+        tar.extractall(root / "runs", filter="data")
+    return root
+
+
+def _runs(root: Path) -> dict[str, RunDir]:
+    return {p.name.rsplit("-", 1)[0]: RunDir(p) for p in sorted((root / "runs" / "proxy_h200").iterdir())}
+
+
+def test_the_committed_runs_are_the_experiment_as_declared(ladder_root):
+    """Each run dir holds the spec the experiment file declares today (same id), finished on its last step."""
+    runs = _runs(ladder_root)
+    exp = load_experiment(EXPERIMENT)
+    assert sorted(runs) == sorted(s.name for s in exp.all_specs())
+    for spec in exp.all_specs():
+        rd = runs[spec.name]
+        assert load_spec(rd.spec_path).id == spec.id == rd.path.name.rsplit("-", 1)[1]
+        assert rd.read_status()["state"] == "finished"
+        assert [r["step"] for r in rd.read_metrics(warn=None)] == list(range(spec.total_steps))
+
+
+def test_no_run_read_a_token_twice(ladder_root):
+    """Tokens drawn per source stay under that source's train tokens (the plan's epochs, from the
+    shards the GPU machine prepared)."""
+    plan = json.loads((RESULTS / "plan.json").read_text())
+    epochs = {r["name"]: r["data"] for r in plan["rungs"]}
+    assert set(epochs) == set(_runs(ladder_root))
+    for name, data in epochs.items():
+        assert set(data["basis"].values()) == {"shards"}, "epochs counted from the prepared shards"
+        assert data["tokenizer"].startswith("h200-16k")
+        assert data["epochs"] and all(0 < e <= 1.0 for e in data["epochs"].values()), (name, data["epochs"])
+
+
+def test_no_run_memorised(ladder_root):
+    """The final eval loss (held-out documents) is within 10% of the train loss around it."""
+    for name, rd in _runs(ladder_root).items():
+        recs = rd.read_metrics(warn=None)
+        tail = [r["loss"] for r in recs[-50:]]
+        final_eval = [r["eval_loss"] for r in recs if r.get("eval_loss") is not None][-1]
+        assert abs(final_eval / (sum(tail) / len(tail)) - 1) < 0.10, name
+
+
+def test_the_forecast_reproduces_from_the_committed_runs(ladder_root):
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", str(EXPERIMENT), "--root", str(ladder_root),
+                          "--no-tracking", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads((ladder_root / "analysis" / "proxy_h200" / "forecast.json").read_text())
+    want = json.loads(gzip.open(RESULTS / "forecast.json.gz").read())
+    for key in ("mean", "lo", "hi"):
+        assert math.isclose(got["hero"]["final_loss"][key], want["hero"]["final_loss"][key], rel_tol=1e-9)
+    for key in ("E", "A", "alpha"):
+        assert math.isclose(got["law"][key], want["law"][key], rel_tol=1e-9, abs_tol=1e-15)
+    assert math.isclose(got["backtest"]["rel_error"], want["backtest"]["rel_error"], rel_tol=1e-9)
+    assert got["warnings"] == want["warnings"]
+    assert got["coverage"]["final_loss"]["coverage"] == want["coverage"]["final_loss"]["coverage"]
+
+
+def test_the_report_states_the_hero_against_the_forecast(ladder_root, tmp_path):
+    subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", str(EXPERIMENT), "--root", str(ladder_root),
+                    "--no-tracking"], cwd=ROOT, capture_output=True, check=True, timeout=600)
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "report", str(EXPERIMENT), "--root", str(ladder_root),
+                          "--out", str(tmp_path / "report"), "--no-tracking"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads((tmp_path / "report" / "summary.json").read_text())
+    assert summary == json.loads((RESULTS / "report_summary.json").read_text())
+    from tests.analysis.test_report_browser import _driver
+
+    d = _driver()
+    try:
+        d.get((tmp_path / "report" / "index.html").as_uri())
+        imgs = d.execute_script(
+            "return Array.from(document.images).map(i => [i.getAttribute('src'), i.complete && i.naturalWidth > 0])")
+        assert imgs and all(ok for _, ok in imgs), imgs
+        assert "Hero final eval loss 1.3668 vs forecast" in d.find_element("tag name", "body").text
+    finally:
+        d.quit()
