@@ -32,6 +32,7 @@ import os
 import re
 import shutil
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -183,7 +184,9 @@ def read_full(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray],
         raise CheckpointError(f"{path}: not a sharded checkpoint: {err}") from err
     sd = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in meta.state_dict_metadata.items()
           if hasattr(md, "size")}
-    dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+    with warnings.catch_warnings():  # one process on purpose: no process group to warn about
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(sd, checkpoint_id=str(path), no_dist=True)
     step = int(sd.pop("optim_step"))
     stacks: dict[str, dict[int, np.ndarray]] = {}
     flat: dict[str, np.ndarray] = {}
