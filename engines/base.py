@@ -73,7 +73,8 @@ class StepMetrics:
 
 
 class DivergedError(RuntimeError):
-    """The loss became NaN or inf; the last good checkpoint is left intact."""
+    """The loss became NaN or inf; nothing after the newest checkpoint was saved (the message names
+    that checkpoint and how it is known good)."""
 
 
 @runtime_checkable

@@ -266,14 +266,25 @@ class Trainer:
         return ckpt
 
     def save(self, done: int) -> None:
+        """Checkpoint `done` (written by the lead). A checkpoint the lead could not write (no
+        space, say) fails every process alike, so none waits for the others at a collective."""
         arrays = self.module.save_arrays()
+        failure: CheckpointError | None = None
         if self.module.lead:
             params, opt = arrays
             info = {"tokens": self.tokens, "spec_id": self.spec.id, "spec_name": self.spec.name,
                     "engine": self.module.engine, "data": self.stream.state(done), **self.module.extra(),
                     "options": self._options()}
-            path = save_checkpoint(self.run.path, done, params, opt, info, keep=self.spec.run.keep_checkpoints)
-            self.last_good = (path, "written by this run")
+            try:
+                path = save_checkpoint(self.run.path, done, params, opt, info, keep=self.spec.run.keep_checkpoints)
+                self.last_good = (path, "written by this run")
+            except CheckpointError as err:
+                failure = err
+        why = self.module.agree(str(failure) if failure is not None else "")
+        if failure is not None:
+            raise failure
+        if why:
+            raise CheckpointError(why)
 
     def fit(self, resume: bool = True) -> Iterator[StepMetrics]:
         spec, module = self.spec, self.module
