@@ -31,8 +31,9 @@ from ladder import ledger, localray
 from ladder.errors import LadderError
 from ladder.experiment import Experiment, load_experiment
 from ladder.preflight import check_memory
+from ladder.train_launch import LaunchError, is_multi_worker, train_on_workers
+from ladder.train_launch import check_layout as check_workers_layout
 from ladder.train_launch import infeasible as workers_infeasible
-from ladder.train_launch import is_multi_worker, train_on_workers
 from core.spec import Spec
 from engines.checkpoint import resume_step
 
@@ -98,6 +99,11 @@ def check_feasible(specs: list[Spec], nodes: list[dict]) -> None:
     problems = []
     for s in specs:
         if is_multi_worker(s):
+            try:
+                check_workers_layout(s)  # a worker count no mesh of the spec can use: refused as well
+            except LaunchError as err:
+                problems.append(str(err))
+                continue
             why = workers_infeasible(s, alive)
             if why:
                 problems.append(why)

@@ -38,6 +38,9 @@ SPEC = micro_spec("mesh", **{"model.ep_size": 2, "model.dispatch": "capacity", "
                              "model.router_bias_rate": 0.01, "data.total_tokens": 6 * 64 * 8,
                              "run.eval_every": 3, "run.checkpoint_every": 3})
 
+# the same spec with dropless dispatch: the ragged all-to-all over each data row
+DROPLESS = SPEC.replace(name="dropless", **{"model.dispatch": "dropless"})
+
 DRIVER = textwrap.dedent(
     """
     import json, multiprocessing as mp, os, socket, sys
@@ -88,11 +91,14 @@ def _drive(jobs: list) -> list:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mesh")
     save_spec(SPEC, root / "mesh.yaml")
+    save_spec(DROPLESS, root / "dropless.yaml")
     list(TorchEngine("cpu").train(SPEC, root / "single"))  # also fills the token cache
-    # dp2 x ep2 in one go; the same stopped after step 3, then continued on the same mesh
+    list(TorchEngine("cpu").train(DROPLESS, root / "dropless-single"))
+    # dp2 x ep2 in one go; the same stopped after step 3, then continued on the same mesh; dropless
+    dropless = [str(root / "dropless.yaml"), "--run-dir", str(root / "dropless4"), "--device", "cpu"]
     codes = _drive([[4, _args(root, "full4")], [4, _args(root, "half4", "--steps", "3")],
-                    [4, _args(root, "half4")]])
-    assert codes == [[0] * 4] * 3
+                    [4, _args(root, "half4")], [4, dropless]])
+    assert codes == [[0] * 4] * 4
     # the stopped run's step-3 shards exported, and dp1 x ep2 continuing from the export alone
     exported = export(root / "half4", step=3)
     init_from_checkpoint(root / "from_export2", exported, metrics_from=root / "half4")
@@ -186,3 +192,14 @@ def test_each_ranks_parameter_and_optimizer_bytes_are_what_ladder_plan_counts_fo
         # fp32 shards; the plan leaves the norms out (0.4% here) and FSDP2 splits unevenly by a row
         assert r["params_bytes"] == pytest.approx(4 * mem["params_held"], rel=0.05), r
         assert r["optimizer_bytes"] == pytest.approx(mem["optimizer_fp32"], rel=0.05), r
+
+
+def test_dropless_dp2_ep2_gives_the_single_process_losses_and_drops_nothing(runs):
+    single, mesh = read_metrics(runs / "dropless-single"), read_metrics(runs / "dropless4")
+    assert [r["step"] for r in mesh] == list(range(6))
+    for key in ("loss", "grad_norm", "aux_loss"):
+        np.testing.assert_allclose([r[key] for r in mesh], [r[key] for r in single], rtol=2e-5, err_msg=key)
+    assert all(r["drop_frac_send"] == 0 and r["drop_frac_recv"] == 0 for r in mesh)
+    # the capacity run's drops move its loss far beyond that tolerance: the two are not the same run
+    capacity = read_metrics(runs / "single")
+    assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(capacity, single)) > 50 * 2e-5

@@ -69,3 +69,8 @@ def test_the_plans_memory_per_device_splits_everything_over_a_workers_mesh():
     four = memory_per_gpu(micro_spec("m", **MESH))
     assert four["params_held"] == pytest.approx(one["params_held"] / 4, rel=1e-12)
     assert four == memory_per_gpu(micro_spec("m", **MESH), mesh=(2, 2))
+
+
+def test_the_controller_refuses_workers_that_form_no_mesh_before_anything_starts():
+    with pytest.raises(LadderError, match="3 process\\(es\\) do not form a \\(data x expert\\) mesh"):
+        check_feasible([micro_spec("m", **{**MESH, "hardware.workers": 3})], [_node(8)])
