@@ -67,12 +67,6 @@ class MeshContext:
         n = m.n_routed_experts // self.ep
         return self.e * n, (self.e + 1) * n
 
-    @property
-    def stream_rank(self) -> int:
-        """This rank's index in the token stream's rank split (TokenStream.batch(step, rank, world)):
-        part d of source shard e is the (e * dp + d)-th of world contiguous parts."""
-        return self.e * self.dp + self.d
-
     def rows(self, batch_size: int) -> slice:
         """This rank's sequences of a [batch_size, ...] step batch: part d of source shard e."""
         per_shard = batch_size // self.ep
