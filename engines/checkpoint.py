@@ -65,7 +65,7 @@ import numpy as np
 from safetensors.numpy import load_file, save_file
 
 from core.fsutil import atomic_write_text, file_mode
-from core.rundir import METRICS_FILE
+from core.rundir import METRICS_FILE, RunDir
 
 CHECKPOINTS = "checkpoints"
 MODEL_FILE = "model.safetensors"
@@ -334,6 +334,11 @@ def remove_checkpoints(run_dir: str | Path) -> None:
     shutil.rmtree(Path(run_dir) / CHECKPOINTS, ignore_errors=True)
 
 
+def _before(rec: dict, step: int) -> bool:
+    s = rec.get("step")
+    return isinstance(s, int) and not isinstance(s, bool) and s < step
+
+
 def init_from_checkpoint(run_dir: str | Path, source: str | Path, metrics_from: str | Path | None = None) -> Path:
     """Seed `run_dir` with the checkpoint directory `source` (e.g. a parent run's
     checkpoints/step_00001000) so that train(spec, run_dir, resume=True) continues from it; this
@@ -348,15 +353,7 @@ def init_from_checkpoint(run_dir: str | Path, source: str | Path, metrics_from: 
     if latest is not None and int(latest.name[5:]) >= step:
         return latest
     if metrics_from is not None:
-        src_metrics = Path(metrics_from) / METRICS_FILE
-        lines = []
-        if src_metrics.exists():
-            for line in src_metrics.read_text().splitlines():
-                try:
-                    if json.loads(line).get("step", step) < step:
-                        lines.append(line)
-                except json.JSONDecodeError:
-                    continue
-        atomic_write_text(Path(run_dir) / METRICS_FILE, "".join(l + "\n" for l in lines))
+        kept = [r for r in RunDir(metrics_from).read_metrics() if _before(r, step)]  # bad lines: warned, skipped
+        atomic_write_text(Path(run_dir) / METRICS_FILE, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
     state = {**state, "initialised_from": str(source.resolve())}
     return save_checkpoint(run_dir, step, params, opt, state, keep=10**9)

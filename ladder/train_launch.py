@@ -33,7 +33,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
-from core.rundir import METRICS_FILE
+from core.rundir import METRICS_FILE, parse_metrics_lines
 from core.spec import Spec
 from engines.base import StepMetrics
 
@@ -158,12 +158,13 @@ def _read_records(path: Path, offset: int, next_step: int) -> tuple[list[StepMet
         chunk = f.read()
     out = []
     for line in chunk[: chunk.rfind(b"\n") + 1].splitlines(keepends=True):
+        got = parse_metrics_lines(line, path, warn=None)
+        if not got and line.strip():  # a bad line: say where (counting lines only then)
+            with open(path, "rb") as f:
+                parse_metrics_lines(line, path, first_line=f.read(offset).count(b"\n") + 1)
         offset += len(line)
-        try:
-            rec = json.loads(line)
-        except json.JSONDecodeError:
-            continue
-        if isinstance(rec, dict) and rec.get("step") == next_step:
+        rec = got[0] if got else None
+        if rec is not None and rec.get("step") == next_step:
             out.append(StepMetrics.from_dict(rec))
             next_step += 1
     return out, offset
