@@ -19,6 +19,7 @@ ValueError: the CLI prints it as a one-line error, exit 2).
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -27,7 +28,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.metric_names import MetricNames
-from core.rundir import parse_metrics_lines
+from core.rundir import iter_run_dirs, parse_metrics_lines
 
 __all__ = ["MetricsError", "RunRef", "read_metrics_frame", "finish_frame", "tokens_from_spec", "resolve_metrics_path",
            "resolve_run", "check_spec_matches", "ALIASES"]
@@ -304,25 +305,21 @@ def _run_dir_facts(run_dir: Path) -> tuple[Any, str | None]:
 
 
 def _ledger_run_dir(run_id: str, root: str | Path | None) -> Path | None:
-    """The run dir of a spec id (or a unique prefix of one) in the ledger, None if unknown."""
-    try:
-        from ladder import ledger
-    except ImportError:
+    """The run dir of a spec id (or a unique prefix of one, or a spec name) under a ladder root's
+    runs/<experiment>/<name>-<id>/ (root: --root, else $LADDER_ROOT, else ./.ladder); None if unknown."""
+    base = Path(root or os.environ.get("LADDER_ROOT") or ".ladder").expanduser() / "runs"
+    if not base.is_dir():
         return None
-    frame = ledger.runs_frame(root) if root is not None else ledger.runs_frame()
-    if frame is None or len(frame) == 0 or "spec_id" not in frame.columns:
-        return None
-    ids = frame["spec_id"].astype(str)
-    hits = frame[ids == run_id]
-    if hits.empty and len(run_id) >= 6:
-        hits = frame[ids.str.startswith(run_id)]
-    if hits.empty and "name" in frame.columns:
-        hits = frame[frame["name"].astype(str) == run_id]
-    if len(hits) > 1 and hits["spec_id"].nunique() > 1:
-        raise MetricsError(f"run id {run_id!r} is ambiguous in the ledger: {', '.join(sorted(hits['spec_id'].unique()))}")
-    if hits.empty:
-        return None
-    return Path(str(hits.iloc[-1]["run_dir"]))
+    dirs = [rd.path for rd in iter_run_dirs(base)]
+    by_id = [(d.name.rpartition("-")[2], d) for d in dirs]
+    hits = [(sid, d) for sid, d in by_id if sid == run_id]
+    if not hits and len(run_id) >= 6:
+        hits = [(sid, d) for sid, d in by_id if sid.startswith(run_id)]
+    if not hits:
+        hits = [(sid, d) for sid, d in by_id if d.name.rpartition("-")[0] == run_id]
+    if len({sid for sid, _ in hits}) > 1:
+        raise MetricsError(f"run id {run_id!r} is ambiguous in the ledger: {', '.join(sorted({sid for sid, _ in hits}))}")
+    return hits[-1][1] if hits else None
 
 
 def resolve_run(run: str | None = None, metrics: str | Path | None = None, root: str | Path | None = None) -> RunRef:
