@@ -45,6 +45,7 @@ from engines.torch.dist.checkpoint import (
 )
 from engines.torch.dist.fsdp import build_sharded_model, full_arrays, grad_norm_and_clip, held_bytes, load_full, reshard
 from engines.torch.dist.mesh import MeshContext, MeshError, check_mesh, setup_mesh
+from engines.options import EngineOptions
 from engines.torch.engine import cpu_threads
 from engines.torch.ep_launch import die_with_parent
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS, RunHistoryError, Trainer, check_same_run
@@ -216,8 +217,9 @@ class MeshTrainer(Trainer):
 def train_mesh(spec: Spec, run_dir: str | Path, mc: MeshContext, resume: bool = True,
                stop_after: int | None = None) -> Iterator[StepMetrics]:
     """Every rank yields every step's StepMetrics (the same global values); rank 0 writes them."""
-    if mc.device.type == "cpu" and cpu_threads(spec):
-        torch.set_num_threads(cpu_threads(spec))
+    threads = cpu_threads(spec, EngineOptions.from_env())
+    if mc.device.type == "cpu" and threads:
+        torch.set_num_threads(threads)
     module = MeshStep(spec, mc, Path(run_dir))
     yield from MeshTrainer(spec, run_dir, module, stop_after=stop_after).fit(resume)
 
