@@ -53,9 +53,13 @@ class _Candidate:
     def predict(self, steps, lr_T):
         return np.asarray(self.fit.predict(steps, lr_T, params=self.params), dtype=np.float64) + self.shift
 
-    def band(self, steps, lr_T):
-        lo, hi = self.fit.band(steps, lr_T, params=self.params, level=INTERVAL_LEVEL)
-        return np.asarray(lo) + self.shift, np.asarray(hi) + self.shift
+    def boot_sd(self, steps, lr_T) -> float:
+        """The spread of the bootstrap refits' mean over `steps` (0 without a bootstrap)."""
+        zs = getattr(self.fit, "boot_z", None)
+        if zs is None or len(zs) < 2:
+            return 0.0
+        draws = np.stack([np.mean(self.fit.predict(steps, lr_T, params=self.params, _z=z)) for z in zs])
+        return float(np.std(draws, ddof=1))
 
 
 def _make_curve_forecaster(curves, state) -> Forecaster | None:
@@ -159,18 +163,17 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
         lr_T[:resume_step] = lr_run[:resume_step]  # the steps before the resume are the parent's
         last = np.arange(max(total - FINAL_POINTS, 0), total)
         try:
-            lo, hi = chosen.band(last, lr_T)  # symmetric around predict()
+            mean = float(np.mean(chosen.predict(last, lr_T)))
+            boot_sd = chosen.boot_sd(last, lr_T)
         except errors:
             return None
-        mean = float(np.mean((lo + hi) / 2))
-        band_sd = float(np.mean(hi - lo)) / (2 * zq)
-        scatter = chosen.fit.resid_rel_std * (mean - chosen.shift)
-        # The band less its scatter is the fit's own uncertainty (bootstrap spread, and the curve
-        # model's own extrapolation term where it has one); the holdout's error per step extrapolated
-        # times the steps this forecast reaches beyond the data is this run's measure of the same
-        # thing: the larger of the two counts, plus the matched level's error.
+        # The fit's own uncertainty is its bootstrap spread; its extrapolation error is this run's
+        # own holdout (the error per step of a fit on the first 75% of the run, on the rest) times
+        # the steps this forecast reaches beyond the data. Not the curve band's generic extrapolation
+        # term too: it measures the same thing on the same curve, and would count it twice. The
+        # larger of the two counts, plus the matched level's error.
         reach_err = err_per_step * max(float(np.mean(last)) - last_obs, 0.0)
-        model_sd = math.sqrt(max(band_sd**2 - scatter**2, reach_err**2) + chosen.shift_sd**2)
+        model_sd = math.sqrt(max(boot_sd**2, reach_err**2) + chosen.shift_sd**2)
         noise_sd = point_noise / math.sqrt(len(last))
         half = zq * math.sqrt(model_sd**2 + noise_sd**2)
         out = {"mean": mean, "lo": max(mean - half, 0.0), "hi": mean + half, "level": INTERVAL_LEVEL,
