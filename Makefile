@@ -47,4 +47,4 @@ test: $(STAMP) browser
 	$(BIN)/python -m pytest -q
 
 clean:
-	rm -rf $(VENV) .ladder mlruns.db
+	rm -rf $(VENV) .ladder report report-h200
