@@ -43,8 +43,12 @@ browser:
 	    { $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 	    echo "warning: could not install chromium; tests/analysis/test_report_browser.py will fail"; }
 
+# The two-node Ray Train cluster tests run in a pytest process of their own: after the rest of the
+# suite in one process, Ray Train's controller actor of their second job was once dropped before
+# it started (ActorDiedError); alone they pass.
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q --ignore=tests/ladder/test_train_launch_cluster.py
+	$(BIN)/python -m pytest -q tests/ladder/test_train_launch_cluster.py
 
 clean:
 	rm -rf $(VENV) .ladder report report-h200
