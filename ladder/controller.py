@@ -244,7 +244,9 @@ class SubmitResult:
 
     @property
     def ok(self) -> bool:
-        return not self.interrupted and all(o.get("outcome") in ("finished", "skipped") for o in self.outcomes.values())
+        """Every selected spec finished: none failed, none was interrupted, none was left diverged."""
+        return (not self.interrupted and all(o.get("outcome") in ("finished", "skipped") for o in self.outcomes.values())
+                and not any(p.action == "skip-diverged" for p in self.planned))
 
 
 def _local_resources() -> dict[str, float]:

@@ -40,3 +40,21 @@ def test_train_refuses_a_diverged_run_unless_asked(tmp_path):
     assert len([line for line in refused.stderr.splitlines() if line.strip()]) == 1
     again = train("--rerun-diverged")
     assert again.returncode == 3 and "diverged" in again.stderr  # it trained again (and diverged again)
+
+
+def test_submit_leaving_a_diverged_spec_untrained_is_not_a_success(tmp_path):
+    """`ladder submit` says the spec diverged earlier and exits 1, not 0, unless --rerun-diverged."""
+    from ladder import ledger
+    from ladder.experiment import Experiment
+
+    spec = tiny_spec("div")
+    path = tmp_path / "exp.py"
+    path.write_text("from ladder.experiment import Experiment\nfrom tests.conftest import tiny_spec\n"
+                    "EXPERIMENT = Experiment(name='rerun', rungs=(tiny_spec('div'),))\n")
+    root = tmp_path / ".ladder"
+    RunDir(ledger.run_dir_for(root, Experiment(name="rerun", rungs=(spec,)).name, spec)).write_status("diverged", step=3)
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(path), "--root", str(root), "--no-tracking"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.getcwd(), "RAY_ADDRESS": ""})
+    assert out.returncode == 1, out.stdout + out.stderr
+    assert "diverged earlier, not rerun" in out.stdout + out.stderr
