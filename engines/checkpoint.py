@@ -117,6 +117,20 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+
+def publish_dir(tmp: Path, final: Path) -> None:
+    """Rename a fully written (and fsynced) directory into place; an older write of the same name
+    (a run restarted before it) is replaced. Readers see the old directory or the new one."""
+    root = final.parent
+    if final.exists():
+        old = root / f".old-{final.name}-{os.getpid()}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync_dir(root)
+
 def _fsync_file(path: Path) -> None:
     with open(path, "rb+") as f:
         os.fsync(f.fileno())
@@ -209,14 +223,7 @@ def save_checkpoint(run_dir: str | Path, step: int, params: dict[str, np.ndarray
         for f in (MODEL_FILE, OPTIM_FILE, STATE_FILE):
             _fsync_file(tmp / f)
         _fsync_dir(tmp)
-        if final.exists():  # an older write of the same step (a run restarted before it): replace it
-            old = root / f".old-{final.name}-{os.getpid()}"
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
+        publish_dir(tmp, final)
     except BaseException as err:
         shutil.rmtree(tmp, ignore_errors=True)
         if _no_space(err):

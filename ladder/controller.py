@@ -340,8 +340,14 @@ def submit(
         return result
 
     if local:
+        from ladder.local import dispatch_local, infeasible, local_gpus
+
+        why = infeasible([p.spec for p in todo], local_gpus(), os.cpu_count() or 1)
+        if why:
+            raise LadderError("refused before training anything, this machine can never run these: " + " | ".join(why))
         hint = resume_hint(exp, only, engine, None, include_hero, tracking_uri, root) + " --local"
-        return _submit_local(exp, planned, todo, result, root, tracking_uri, tracking, console, show_progress, t_start, hint)
+        return _sweep(exp, planned, todo, result, root, tracking_uri, tracking, backlog, console, show_progress,
+                      t_start, hint, dispatch_local, {})
 
     import ray
 
@@ -351,71 +357,34 @@ def submit(
     stop_ray = _start_ray(address, ray_timeout)
     try:
         check_feasible([p.spec for p in todo], ray.nodes())
-        for p in todo:
-            ledger.write_spec_file(p.run_dir, p.spec)
-        owner = uuid.uuid4().hex
-        ctx: dict[str, Any] = {"root": str(root), "owner": owner}
-        mirror = _Mirror(console, root, tracking_uri, exp, [p.spec for p in todo], owner) if tracking else None
-        if mirror is not None:
-            result.tracking_uri, result.parent_run_id = mirror.uri, mirror.parent_run_id
-            for p in backlog:  # finished while MLflow was away, or its controller died first
-                mirror.ended(p, "finished")
-        from ladder.progress import SweepDisplay, progress_sink
+        from ladder.progress import progress_sink
 
-        ctx["sink"] = progress_sink()
-        n_skip = len(planned) - len(todo)
-        if n_skip:
-            console.print(f"{exp.name}: {n_skip} spec(s) already finished, skipped", highlight=False)
-        display = SweepDisplay([(p.spec.id, p.spec.name, p.spec.total_steps) for p in todo], console, show_progress)
-        try:
-            with display:
-                _dispatch(todo, ctx, result, display, max_concurrent, retries, mirror)
-        except KeyboardInterrupt:
-            result.interrupted = True
-            if mirror is not None:
-                mirror.close(result, "KILLED", timeout_s=20)
-            console.print(
-                f"interrupted: runs stopped at their last checkpoint. Resume with:\n  "
-                f"{resume_hint(exp, only, engine, address, include_hero, tracking_uri, root)}",
-                highlight=False,
-            )
-            raise
-        if mirror is not None:
-            mirror.close(result, "FINISHED" if result.ok else "FAILED")
-        result.wall_s = time.perf_counter() - t_start
-        console.print(summary_table(exp, result), highlight=False)
-        behind = [o["name"] for o in result.outcomes.values() if o.get("tracking_synced") is False]
-        if behind:
-            console.print(
-                f"MLflow is missing metrics of {len(behind)} run(s) ({', '.join(behind)}); "
-                f"metrics.jsonl has them: run `ladder sync {exp.name}` when the tracking server is back.",
-                highlight=False,
-            )
-        return result
+        def dispatch(todo, ctx, result, display, mirror):
+            _dispatch(todo, ctx, result, display, max_concurrent, retries, mirror)
+
+        hint = resume_hint(exp, only, engine, address, include_hero, tracking_uri, root)
+        return _sweep(exp, planned, todo, result, root, tracking_uri, tracking, backlog, console, show_progress,
+                      t_start, hint, dispatch, {"sink": progress_sink()})
     finally:
         if stop_ray is not None:
             stop_ray()
 
 
-def _submit_local(exp: Experiment, planned: list[Planned], todo: list[Planned], result: SubmitResult, root: Path,
-                  tracking_uri: str | None, tracking: bool, console: Console, show_progress: bool,
-                  t_start: float, hint: str) -> SubmitResult:
-    """`--local`: the runs one after another in subprocesses here, no Ray (ladder.local)."""
-    from ladder.local import dispatch_local, infeasible, local_gpus
+def _sweep(exp: Experiment, planned: list[Planned], todo: list[Planned], result: SubmitResult, root: Path,
+           tracking_uri: str | None, tracking: bool, backlog: list[Planned], console: Console, show_progress: bool,
+           t_start: float, hint: str, dispatch, ctx_extra: dict[str, Any]) -> SubmitResult:
+    """Train `todo` through `dispatch(todo, ctx, result, display, mirror)` (Ray tasks, or local
+    subprocesses) with the submission's claims owner, MLflow mirror, progress display and summary."""
     from ladder.progress import SweepDisplay
 
-    why = infeasible([p.spec for p in todo], local_gpus(), os.cpu_count() or 1)
-    if why:
-        raise LadderError("refused before training anything, this machine can never run these: " + " | ".join(why))
     for p in todo:
         ledger.write_spec_file(p.run_dir, p.spec)
     owner = uuid.uuid4().hex
-    ctx: dict[str, Any] = {"root": str(root), "owner": owner}
-    mirror = None
-    if tracking:
-        mirror = _Mirror(console, root, tracking_uri, exp, [p.spec for p in todo], owner)
+    ctx: dict[str, Any] = {"root": str(root), "owner": owner, **ctx_extra}
+    mirror = _Mirror(console, root, tracking_uri, exp, [p.spec for p in todo], owner) if tracking else None
+    if mirror is not None:
         result.tracking_uri, result.parent_run_id = mirror.uri, mirror.parent_run_id
-        for p in _untracked(root, tracking_uri, planned):
+        for p in backlog:  # finished while MLflow was away, or its controller died first
             mirror.ended(p, "finished")
     n_skip = len(planned) - len(todo)
     if n_skip:
@@ -423,17 +392,24 @@ def _submit_local(exp: Experiment, planned: list[Planned], todo: list[Planned], 
     display = SweepDisplay([(p.spec.id, p.spec.name, p.spec.total_steps) for p in todo], console, show_progress)
     try:
         with display:
-            dispatch_local(todo, ctx, result, display, mirror)
+            dispatch(todo, ctx, result, display, mirror)
     except KeyboardInterrupt:
         result.interrupted = True
         if mirror is not None:
             mirror.close(result, "KILLED", timeout_s=20)
-        console.print(f"interrupted: the run stopped at its last checkpoint. Resume with:\n  {hint}", highlight=False)
+        console.print(f"interrupted: runs stopped at their last checkpoint. Resume with:\n  {hint}", highlight=False)
         raise
     if mirror is not None:
         mirror.close(result, "FINISHED" if result.ok else "FAILED")
     result.wall_s = time.perf_counter() - t_start
     console.print(summary_table(exp, result), highlight=False)
+    behind = [o["name"] for o in result.outcomes.values() if o.get("tracking_synced") is False]
+    if behind:
+        console.print(
+            f"MLflow is missing metrics of {len(behind)} run(s) ({', '.join(behind)}); "
+            f"metrics.jsonl has them: run `ladder sync {exp.name}` when the tracking server is back.",
+            highlight=False,
+        )
     return result
 
 

@@ -436,6 +436,19 @@ def reduce_and_clip(model: MoETransformer, ctx: EPContext, max_norm: float, extr
     return total_norm, flat[n_dense + 1:]
 
 
+def local_device(device: str | None, local: int, error: type[Exception]) -> torch.device:
+    """This process's device: CUDA device `local` (made current) when asked for or available,
+    else the CPU; `error` names a local rank without a GPU."""
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device != "cuda":
+        return torch.device(device)
+    if torch.cuda.device_count() <= local:
+        raise error(f"local rank {local} has no GPU ({torch.cuda.device_count()} visible)")
+    dev = torch.device("cuda", local)
+    torch.cuda.set_device(dev)
+    return dev
+
 def setup_from_env(device: str | None = None) -> EPContext:
     """Join (or start) the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR/PORT); a plain process is a group of one. NCCL on CUDA, gloo on the CPU."""
@@ -444,15 +457,7 @@ def setup_from_env(device: str | None = None) -> EPContext:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if torch.cuda.device_count() <= local:
-            raise EPError(f"local rank {local} has no GPU ({torch.cuda.device_count()} visible)")
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device(device)
+    dev = local_device(device, local, EPError)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if world == 1:

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
 import shutil
 import sys
@@ -41,7 +40,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 
-from engines.checkpoint import CheckpointError, _fsync_dir, _fsync_file, save_checkpoint, step_dir_name
+from engines.checkpoint import CheckpointError, _fsync_dir, _fsync_file, publish_dir, save_checkpoint, step_dir_name
 from engines.torch.dist.fsdp import _local_of, expert_slice, local_tensor, reshard
 from engines.torch.dist.mesh import MeshContext
 from engines.torch.ep import is_expert_param
@@ -119,15 +118,7 @@ def save_sharded(run_dir: str | Path, step: int, model, opt, info: dict, mc: Mes
         for f in tmp.iterdir():
             _fsync_file(f)
         _fsync_dir(tmp)
-        if final.exists():
-            old = root / f".old-{final.name}"
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(final, old)
-            os.rename(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, final)
-        _fsync_dir(root)
+        publish_dir(tmp, final)
         for d in list_sharded(run_dir)[: -keep]:
             shutil.rmtree(d, ignore_errors=True)
     dist.barrier()

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engines.torch.ep import NO_MULTICAST, EPContext, EPError, _free_port
+from engines.torch.ep import NO_MULTICAST, EPContext, EPError, _free_port, local_device
 from core.spec import ModelSpec
 
 
@@ -101,15 +101,7 @@ def setup_mesh(m: ModelSpec, batch_size: int, device: str | None = None) -> Mesh
     world = int(os.environ.get("WORLD_SIZE", "1"))
     dp = check_mesh(m, world, batch_size)  # before any rendezvous
     local = int(os.environ.get("LOCAL_RANK", "0"))
-    if device is None:
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    if device == "cuda":
-        if torch.cuda.device_count() <= local:
-            raise MeshError(f"local rank {local} has no GPU ({torch.cuda.device_count()} visible)")
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    else:
-        dev = torch.device("cpu")
+    dev = local_device(device, local, MeshError)
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if world == 1:
