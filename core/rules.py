@@ -4,12 +4,15 @@
   (head dim 128, KV heads = heads / 4, routed experts of width d/2 inside a latent of d/2,
   shared experts at full width with hidden d/2);
 - (model, batch, steps) -> run: `run_spec(...)` gives the data, optimiser and schedule of a rung
-  (1% warmup, linear decay to 5% of peak, z-loss 1e-4).
+  (1% warmup, linear decay to 5% of peak, z-loss 1e-4);
+- compute -> batch: `scaled_batch(...)` shrinks the batch of a smaller run from the hero's, by a
+  power of the compute ratio, so that small rungs still take enough optimiser steps.
 Experiment files call these with their few numbers, so every rung and the hero share one shape rule.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 from core.spec import ModelSpec, Spec
@@ -100,3 +103,17 @@ def run_spec(
             "run": run or {},
         }
     )
+
+
+def scaled_batch(flops: float, ref_flops: float, ref_batch: int, *, exponent: float = 0.5, min_batch: int = 8) -> int:
+    """The batch (in sequences) of a run with `flops` of training compute, given the reference run's
+    (`ref_flops`, `ref_batch`): ref_batch * (flops / ref_flops) ** exponent, rounded to the nearest
+    power of two in log scale and kept within [min_batch, ref_batch]. At a fixed number of tokens per
+    parameter, compute grows as the square of the size, so the exponent 0.5 keeps the number of
+    optimiser steps about the same across sizes; a smaller exponent (DeepSeek LLM fits 0.33 for the
+    compute-optimal batch) gives small runs fewer, larger steps."""
+    if not (flops > 0 and ref_flops > 0 and ref_batch >= 1):
+        raise ValueError(f"scaled_batch needs positive compute and batch (got {flops}, {ref_flops}, {ref_batch})")
+    raw = ref_batch * (flops / ref_flops) ** exponent
+    batch = 2 ** round(math.log2(raw))
+    return int(min(max(batch, min_batch), ref_batch))

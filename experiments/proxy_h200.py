@@ -16,9 +16,15 @@ width d/2 inside a latent of d/2, 2 shared experts, head dim 64 with KV heads = 
   the GPU window bound it; the ladder only needs the ratio to be the same for every run.
 - Dispatch dropless: on one GPU the expert shards are emulated, and the pooled-wave transport
   there costs about 17% of throughput without changing what the ladder measures.
-- Batch 64 x 1,024 tokens: the smallest rung still takes 130 steps, the hero about 2,700.
+- Batch: the hero's is 64 x 1,024 tokens; a rung's is that scaled by the square root of its
+  compute over the hero's (core.rules.scaled_batch: 8, 8, 16 and 32 sequences), so every run
+  takes 1,000-2,700 optimiser steps. Code text has a steep fall in loss once a model learns to copy
+  from its context; with one batch for all, the small rungs stopped after 130-600 steps, before
+  that fall, and the law fitted to them missed the largest rung by 35%. Eval reads the same
+  512K held-out tokens at every size (8 batches of 64, 64 of 8), every 100 steps or 1/20 of
+  the run, whichever is longer.
 - Peak LR 0.04 / sqrt(d) (2.9e-3 at d192, 1.8e-3 at d512), as the byte-level ladder used.
-- Eval every 100 steps on 8 held-out batches; checkpoints every 1,000 steps (a resumed run loses
+- Checkpoints every 1,000 steps (a resumed run loses
   at most a minute; each checkpoint of the hero is about 1.5 GB).
 Text: the offline corpus `make corpus` builds from the machine's installed packages
 (engines.corpus: Python, C/C++/CUDA and prose, deduplicated) in the 16,384-id byte-level BPE
@@ -29,9 +35,9 @@ experiments/tokenizers/h200-16k.json, trained by
 The sources are mixed in proportion to their sizes, so every source runs out at the same rate.
 """
 
-from core.costs import param_counts
 from ladder.experiment import Experiment
-from core.rules import moe_model, run_spec
+from core.costs import param_counts, total_flops
+from core.rules import moe_model, run_spec, scaled_batch
 from engines.tokenizer import padded_vocab
 
 SEQ, BATCH = 1024, 64
@@ -45,16 +51,28 @@ H200 = {"system": "h200", "n_gpus": 1, "ep_domain": 1, "peak_flops": 989e12, "hb
         "expected_mfu": 0.12, "task_cpus": 4, "task_gpus": 1}
 
 
-def proxy(d: int, layers: int, role: str = "rung"):
-    model = moe_model(d, layers, head_dim=64, vocab_size=VOCAB, n_routed_experts=64, top_k=8, ep_size=8,
-                      window=512, capacity_factor=1.15, n_waves=3, dispatch="dropless")
-    steps = round(TOKENS_PER_ACTIVE * param_counts(model)["active"] / (SEQ * BATCH))
-    return run_spec(f"{'hero-' if role == 'hero' else ''}d{d}", model, batch_size=BATCH, steps=steps, seq_len=SEQ,
+def _model(d: int, layers: int):
+    return moe_model(d, layers, head_dim=64, vocab_size=VOCAB, n_routed_experts=64, top_k=8, ep_size=8,
+                     window=512, capacity_factor=1.15, n_waves=3, dispatch="dropless")
+
+
+def proxy(d: int, layers: int, role: str = "rung", batch: int = BATCH):
+    model = _model(d, layers)
+    steps = round(TOKENS_PER_ACTIVE * param_counts(model)["active"] / (SEQ * batch))
+    every = 100 if batch == BATCH else max(100, steps // 20)
+    return run_spec(f"{'hero-' if role == 'hero' else ''}d{d}", model, batch_size=batch, steps=steps, seq_len=SEQ,
                     sources=SOURCES, tokenizer=TOKENIZER, peak_lr=0.04 / d**0.5, role=role, hardware=H200,
-                    run={"checkpoint_every": 1000, "eval_every": 100, "eval_batches": 8})
+                    run={"checkpoint_every": 1000, "eval_every": every, "eval_batches": 8 * BATCH // batch})
 
 
-RUNGS = (proxy(192, 3), proxy(256, 4), proxy(320, 5), proxy(384, 7))
 HERO = proxy(512, 9, role="hero")
+
+
+def rung(d: int, layers: int):
+    """A rung at the hero's tokens per active parameter, its batch scaled down with its compute."""
+    return proxy(d, layers, batch=scaled_batch(total_flops(proxy(d, layers)), total_flops(HERO), BATCH))
+
+
+RUNGS = (rung(192, 3), rung(256, 4), rung(320, 5), rung(384, 7))
 
 EXPERIMENT = Experiment(name="proxy_h200", rungs=RUNGS, hero=HERO)
