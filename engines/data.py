@@ -74,7 +74,7 @@ _M64 = (1 << 64) - 1
 
 
 def default_workers() -> int:
-    return max(1, min(8, os.cpu_count() or 1))
+    return max(1, os.cpu_count() or 1)
 
 
 # ---- sources ---------------------------------------------------------------------------------

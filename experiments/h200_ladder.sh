@@ -18,7 +18,6 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 EXP=experiments/proxy_h200.py
-TOK=experiments/tokenizers/h200-16k.json
 export MOE_LADDER_CORPUS="${MOE_LADDER_CORPUS:-$HOME/.cache/moe-ladder/corpus}"
 if [ -z "${LADDER:-}" ]; then
   if [ -x .venv/bin/ladder ]; then LADDER=.venv/bin/ladder; else LADDER="python3 -m ladder.cli"; fi
@@ -31,7 +30,7 @@ stamp() { echo "[$(date -u +%H:%M:%S)] $*"; }
 data() {
   if [ ! -f "$MOE_LADDER_CORPUS/manifest.json" ]; then
     stamp "building the corpus under $MOE_LADDER_CORPUS"
-    $PY -m engines.corpus build --out "$MOE_LADDER_CORPUS" --tokenizer "$TOK"
+    $PY -m engines.corpus build --out "$MOE_LADDER_CORPUS"  # token counts come from the shards below
   fi
   stamp "token shards"
   $LADDER data prepare "$EXP"

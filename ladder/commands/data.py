@@ -70,7 +70,7 @@ def corpus_cmd(
 @data_app.command("prepare")
 def prepare_cmd(
     target: str = typer.Argument(..., help="experiment file (or a spec YAML/JSON)"),
-    workers: int = typer.Option(0, "--workers", help="tokenizing processes (default: the machine's cores, at most 8)"),
+    workers: int = typer.Option(0, "--workers", help="tokenizing processes (default: the machine's cores)"),
     rebuild: bool = typer.Option(False, "--rebuild", help="tokenize again from scratch"),
     only: Optional[str] = typer.Option(None, "--only", help="regex over spec names"),
 ) -> None:
