@@ -23,6 +23,7 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "h200_ladder"
 EXPERIMENT = ROOT / "experiments" / "proxy_h200.py"
+PROBES = ROOT / "experiments" / "probe_h200.py"
 
 
 @pytest.fixture(scope="module")
@@ -33,14 +34,34 @@ def ladder_root(tmp_path_factory) -> Path:
     return root
 
 
-def _runs(root: Path) -> dict[str, RunDir]:
-    return {p.name.rsplit("-", 1)[0]: RunDir(p) for p in sorted((root / "runs" / "proxy_h200").iterdir())}
+def _runs(root: Path, experiment: str = "proxy_h200") -> dict[str, RunDir]:
+    return {p.name.rsplit("-", 1)[0]: RunDir(p) for p in sorted((root / "runs" / experiment).iterdir())}
+
+
+@pytest.fixture(scope="module")
+def probe_root(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("h200-probes")
+    with tarfile.open(RESULTS / "probes.tar.gz") as tar:
+        tar.extractall(root / "runs", filter="data")
+    return root
 
 
 def test_the_committed_runs_are_the_experiment_as_declared(ladder_root):
     """Each run dir holds the spec the experiment file declares today (same id), finished on its last step."""
     runs = _runs(ladder_root)
     exp = load_experiment(EXPERIMENT)
+    assert sorted(runs) == sorted(s.name for s in exp.all_specs())
+    for spec in exp.all_specs():
+        rd = runs[spec.name]
+        assert load_spec(rd.spec_path).id == spec.id == rd.path.name.rsplit("-", 1)[1]
+        assert rd.read_status()["state"] == "finished"
+        assert [r["step"] for r in rd.read_metrics(warn=None)] == list(range(spec.total_steps))
+
+
+def test_the_committed_probes_are_the_probe_experiment_as_declared(probe_root):
+    """The batch and LR probes beside the ladder: the specs experiments/probe_h200.py declares, finished."""
+    runs = _runs(probe_root, "probe_h200")
+    exp = load_experiment(PROBES)
     assert sorted(runs) == sorted(s.name for s in exp.all_specs())
     for spec in exp.all_specs():
         rd = runs[spec.name]
