@@ -144,6 +144,15 @@ class DataPhase(_Frozen):
     start_frac: float = Field(ge=0, lt=1)
     weights: dict[str, float]
 
+    @field_validator("weights", mode="before")
+    @classmethod
+    def _no_bool_weight(cls, v: Any) -> Any:
+        if isinstance(v, dict):
+            for k, w in v.items():
+                if isinstance(w, bool):
+                    raise ValueError(f"weight of {k!r} is the boolean {str(w).lower()}, not a number")
+        return v
+
 
 class ContextStage(_Frozen):
     """A longer context from `start_frac` on; `gated` stages wait for a replan to enable them."""

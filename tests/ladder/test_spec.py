@@ -46,6 +46,12 @@ def test_negative_weight_is_refused():
     assert "weight must be finite and >= 0" in _bad(**{"data.sources": sources})
 
 
+def test_a_boolean_phase_weight_is_refused():
+    sources = [{"name": "a", "builtin": "python_code", "weight": 1.0}]
+    msg = _bad(**{"data.sources": sources, "data.phases": [{"name": "mid", "start_frac": 0.5, "weights": {"a": True}}]})
+    assert "weight of 'a' is the boolean true" in msg
+
+
 def test_unknown_engine_lists_registered_ones():
     spec = micro_spec(engine="tensorflow")
     with pytest.raises(SpecError) as err:
