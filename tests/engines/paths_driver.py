@@ -1,0 +1,129 @@
+"""Runs one torch compute path (the reference forward or the fast forward on the CPU, expert parallel over gloo processes,
+the FSDP2 mesh) for a few steps of a tiny spec on synthetic tokens, and prints its per-step values
+as one JSON line: `python -m tests.engines.paths_driver NAME...`. tests/engines/test_torch_paths.py
+compares them, bit for bit, with tests/engines/reference/paths.json (`--record` rewrites that
+file from the code as it is)."""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+from core.spec import Spec
+from engines.base import read_metrics
+from engines.options import EngineOptions, TorchKernels
+from engines.torch.engine import TorchStep
+from engines.torch.fast import FastLoss, kernels_here
+from engines.trainer import Trainer
+from ladder.presets import micro_spec
+from tests.engines.test_trainer_reference import SyntheticStream
+
+REFERENCE = Path(__file__).parent / "reference" / "paths.json"
+KEYS = ("step", "lr", "loss", "grad_norm", "z_loss", "aux_loss", "drop_frac_send", "drop_frac_recv",
+        "router_entropy", "expert_load_max", "eval_loss")
+TINY = {"data.seq_len": 32, "data.batch_size": 4, "data.total_tokens": 32 * 4 * 6, "run.eval_every": 3,
+        "run.eval_batches": 1, "run.checkpoint_every": 100, "model.init_std": 0.3, "model.ep_size": 2}
+CAPACITY = {"model.dispatch": "capacity", "model.n_waves": 2, "model.capacity_factor_send": 1.0,
+            "model.capacity_factor_recv": 1.0, "model.router_bias_balancing": True, "model.router_bias_rate": 0.01}
+SIGMOID = {"model.router_kind": "sigmoid", "model.balance_scope": "sequence", "model.latent_dim": None}
+# name -> (spec changes, how it runs: "reference" or "fast" in this process, or ("ep" | "mesh", processes))
+PATHS = {
+    "reference-dropless": ({}, ("reference", 1)),
+    "reference-capacity": ({**CAPACITY, **SIGMOID}, ("reference", 1)),
+    "fast-dropless": ({}, ("fast", 1)),
+    "fast-capacity": ({**CAPACITY, **SIGMOID}, ("fast", 1)),
+    "ep2-capacity": (CAPACITY, ("ep", 2)),
+    "ep2-dropless": (SIGMOID, ("ep", 2)),
+    "mesh-dp2-ep2-capacity": (CAPACITY, ("mesh", 4)),
+    "mesh-dp1-ep2-dropless": (SIGMOID, ("mesh", 2)),
+}
+
+
+def spec_of(name: str) -> Spec:
+    return micro_spec(name, **TINY, **PATHS[name][0])
+
+
+def _values(run_dir: Path) -> list[dict]:
+    return [{k: r.get(k) for k in KEYS} for r in read_metrics(run_dir)]
+
+
+class FastCPUStep(TorchStep):
+    """TorchStep with the fast forward on the CPU (the engine takes it on CUDA only)."""
+
+    def _ready(self) -> None:
+        self.loss_fn = FastLoss(self.model, self.device, kernels_here(TorchKernels()))
+
+
+def _worker(kind: str, rank: int, world: int, port: int, spec_json: str, run_dir: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    spec = Spec.model_validate_json(spec_json)
+    code = 0
+    try:
+        if kind == "ep":
+            from engines.torch.ep import setup_from_env
+            from engines.torch.ep_train import EPStep
+
+            ctx = setup_from_env("cpu")
+            module = EPStep(spec, ctx, Path(run_dir), EngineOptions())
+            list(Trainer(spec, run_dir, module, checkpoints=False, stream=SyntheticStream(spec)).fit())
+        else:
+            from engines.torch.dist.mesh import setup_mesh
+            from engines.torch.dist.train import MeshStep, MeshTrainer
+
+            mc = setup_mesh(spec.model, spec.data.batch_size, "cpu")
+            module = MeshStep(spec, mc, Path(run_dir))
+            list(MeshTrainer(spec, run_dir, module, checkpoints=False, stream=SyntheticStream(spec)).fit())
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    except BaseException as err:  # noqa: BLE001 (the driver reports the exit code)
+        print(f"rank {rank}: {err!r}", file=sys.stderr)
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def run(name: str) -> list[dict]:
+    spec = spec_of(name)
+    kind, world = PATHS[name][1]
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / name
+        if kind in ("reference", "fast"):
+            torch.set_num_threads(1)
+            module = (FastCPUStep if kind == "fast" else TorchStep)(spec, torch.device("cpu"))
+            list(Trainer(spec, run_dir, module, checkpoints=False, stream=SyntheticStream(spec)).fit())
+            return _values(run_dir)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        procs = [mp.get_context("fork").Process(target=_worker, args=(kind, r, world, port, spec.model_dump_json(),
+                                                                      str(run_dir)))
+                 for r in range(world)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join(300)
+        codes = [p.exitcode for p in procs]
+        if codes != [0] * world:
+            raise RuntimeError(f"{name}: ranks exited {codes}")
+        return _values(run_dir)
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--record":
+        REFERENCE.write_text(json.dumps(
+            {"about": "Per-step values of tiny CPU runs (one thread per process, synthetic tokens) of each torch "
+                      "compute path, made by the code before the paths shared one module tree; "
+                      "tests/engines/test_torch_paths.py pins them bit for bit.",
+             **{name: run(name) for name in PATHS}}, indent=1) + "\n")
+    else:
+        print(json.dumps({name: run(name) for name in sys.argv[1:]}))

@@ -1,0 +1,53 @@
+"""Every torch compute path (the reference forward, the fast forward, expert parallel over
+processes, the FSDP2 mesh) gives, bit for bit on the CPU, the per-step values it gave before
+they shared one module tree (tests/engines/reference/paths.json, made by
+tests/engines/paths_driver.py). The process paths run in a real subprocess that forks gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.engines.paths_driver import PATHS, REFERENCE, run
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPECTED = json.loads(REFERENCE.read_text())
+IN_PROCESS = [n for n, (_, (kind, _)) in PATHS.items() if kind in ("reference", "fast")]
+PROCESSES = [n for n in PATHS if n not in IN_PROCESS]
+
+
+@pytest.fixture(scope="module")
+def process_runs() -> dict:
+    proc = subprocess.run([sys.executable, "-m", "tests.engines.paths_driver", *PROCESSES], cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT)),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("name", IN_PROCESS)
+def test_one_device_path_steps_equal_the_recorded_ones_bit_for_bit(name):
+    assert run(name) == EXPECTED[name]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PROCESSES)
+def test_process_path_steps_equal_the_recorded_ones_bit_for_bit(process_runs, name):
+    assert process_runs[name] == EXPECTED[name]
+
+
+def test_the_recorded_paths_differ_where_their_specs_do():
+    """The pins cannot pass vacuously: each run trained (losses move), capacity runs dropped, and
+    the EP and mesh runs of one spec agree to float rounding without being the same record."""
+    for name in PATHS:
+        losses = [r["loss"] for r in EXPECTED[name]]
+        assert len(set(losses)) == len(losses), name
+        drops = sum(r["drop_frac_send"] + r["drop_frac_recv"] for r in EXPECTED[name])
+        assert (drops > 0) == ("capacity" in name), name
+    ep, mesh = EXPECTED["ep2-capacity"], EXPECTED["mesh-dp2-ep2-capacity"]
+    assert ep != mesh and all(abs(a["loss"] - b["loss"]) < 1e-4 for a, b in zip(ep, mesh))
