@@ -8,13 +8,16 @@ bench's shape and the bench's batches.
   (`compile_model=True`, DDP over one rank with fp32 gradient accumulation) and its
   `OLMoDDPOptimizer` (fp32 masters, fused AdamW with skip-step spike detection, its update path
   compiled). One step is what its `Trainer` runs: `train_batch`, `optim_step`, `zero_grads`.
-- torchtitan (0.3.0): `Qwen3Model` with MoE layers (its MoE family that matches this shape: GQA
-  with QK-norm, softmax top-k router, `GroupedExperts` through `torch._grouped_mm`), parallelised by
-  `parallelize_qwen3` (FSDP2 over one rank: bf16 parameters, fp32 reduction; per-block
+- torchtitan (0.3.0, or 0.2.x where torch is older than 0.3.0 needs; the installed version picks
+  the builder): `Qwen3Model` with MoE layers (its MoE family that matches this shape: GQA with
+  QK-norm, softmax top-k router, `GroupedExperts` through `torch._grouped_mm`). 0.3.0: parallelised
+  by `parallelize_qwen3` (FSDP2 over one rank: bf16 parameters, fp32 reduction; per-block
   `torch.compile`), AdamW from `default_adamw` (torch's AdamW on fp32 parameters), its chunked
   cross-entropy (compiled), FlexAttention (its default attention backend) and its forward-backward
-  captured as a CUDA graph (its Trainer's default). One step is its `Trainer.train_step`: zero
-  grads, the forward-backward, `clip_grad_norm_`, the optimizer step.
+  captured as a CUDA graph (its Trainer's default). 0.2.x: its Trainer's one-GPU path (no FSDP:
+  fp32 parameters under bf16 autocast; per-block `torch.compile`), fused AdamW from
+  `build_optimizers`, its cross-entropy (compiled) and SDPA (Qwen3's default there). One step is
+  its `Trainer.train_step`: zero grads, the forward-backward, `clip_grad_norm_`, the optimizer step.
 
 Both need torch.distributed: a one-rank process group on 127.0.0.1 is started once per process.
 Neither trains without CUDA: OLMo-core's optimizer takes only `torch.cuda` tensors (it tells
@@ -310,18 +313,168 @@ def olmo_v1_trainer(spec, device: str, compile_: bool = True):
 # ---- torchtitan -----------------------------------------------------------------------------------
 
 
-def titan_settings(m, seq: int) -> dict:
-    out = {"package": "torchtitan 0.3.0", "model": "Qwen3Model (torchtitan.models.qwen3, MoE layers)",
+def titan_version() -> str:
+    """The installed torchtitan's version ("0.3.0", "0.2.2", ...); its API changed at 0.3."""
+    from importlib.metadata import version
+
+    import torchtitan  # noqa: F401 - not installed: ModuleNotFoundError, as for the other peers
+
+    return version("torchtitan")
+
+
+def titan_generation(version: str) -> str:
+    """"0.3" for 0.3 and later (Config-object models, ChunkedLossWrapper, CUDA graphs), "0.2" for
+    the 0.2 releases (model-args dataclasses, JobConfig, one GPU under AMP)."""
+    major, minor = (int(p) for p in version.split(".")[:2])
+    return "0.3" if (major, minor) >= (0, 3) else "0.2"
+
+
+def titan_settings(m, seq: int, version: str | None = None) -> dict:
+    version = version or titan_version()
+    gen = titan_generation(version)
+    out = {"package": f"torchtitan {version}", "model": "Qwen3Model (torchtitan.models.qwen3, MoE layers)",
            "d_model": m.d_model, "n_layers": m.n_layers, "n_heads": m.n_heads, "n_kv_heads": m.n_kv_heads,
            "head_dim": m.head_dim, "vocab_size": m.vocab_size, "num_experts": m.n_routed_experts,
            "top_k": m.top_k, "expert_hidden": m.expert_hidden, "seq": seq,
            "sliding_window": None, "latent_dim": None, "shared_experts": 0,
-           "dispatch": "dropless (LocalTokenDispatcher; no capacity on one GPU)", **TITAN_TRAIN}
+           "dispatch": ("dropless (LocalTokenDispatcher; no capacity on one GPU)" if gen == "0.3" else
+                        "dropless (TokenReorderer and GroupedExperts; no capacity in its MoE)"),
+           **(TITAN_TRAIN if gen == "0.3" else TITAN2_TRAIN)}
     missing = [f for f, v in (("latent projection", m.latent_dim), ("shared experts", m.n_shared_experts),
                               ("sliding window", m.attention_window)) if v]
-    if missing:  # Qwen3's builder has none of these; the peer runs without them (fewer FLOPs a token)
+    if missing:  # Qwen3's MoE flavors have none of these; the peer runs without them (fewer FLOPs a token)
         out["not_in_qwen3"] = missing
     return out
+
+
+def titan_trainer(spec, device: str, cuda_graphs: bool = True, compile_: bool = True):
+    """(launch, read, info): torchtitan's Trainer.train_step per batch, by the installed release's
+    API (0.3 and later, or 0.2)."""
+    if titan_generation(titan_version()) == "0.3":
+        return titan3_trainer(spec, device, cuda_graphs=cuda_graphs, compile_=compile_)
+    return titan2_trainer(spec, device, compile_=compile_)
+
+
+def titan_meta(m, seq: int) -> dict:
+    """torchtitan's Qwen3 MoE built on the meta device: its parameters and its FLOPs a token."""
+    if titan_generation(titan_version()) == "0.3":
+        cfg = titan_model_config(m, seq)
+        with torch.device("meta"):
+            model = cfg.build()
+        n, f = cfg.get_nparams_and_flops(model, seq)
+    else:
+        from torchtitan.models.qwen3 import Qwen3Model
+
+        args = titan2_model_args(m, seq)
+        with torch.device("meta"):
+            model = Qwen3Model(args)
+        n, f = args.get_nparams_and_flops(model, seq)
+    return {"params": sum(p.numel() for p in model.parameters()), "num_params": int(n),
+            "num_flops_per_token": int(f), "version": titan_version()}
+
+
+# torchtitan 0.2 (0.2.2 is the last release before 0.3, whose FSDP imports torch.distributed.fsdp's
+# DataParallelMeshDims, which torch 2.11 lacks). Its Trainer on one GPU: ParallelDims with every
+# degree 1 enables no FSDP, so the model keeps fp32 parameters and its forward runs under bf16
+# autocast (distributed.utils.maybe_enable_amp); no CUDA graphs (0.3 added them).
+TITAN2_TRAIN = {"compile": "enable=True, components=[model, loss] (per-block torch.compile, fullgraph; in MoE "
+                           "blocks the attention, norms and router compiled, the grouped experts eager)",
+                "attention_backend": "sdpa (Qwen3ModelArgs.attn_type default, causal; SDPA backends in the "
+                                     "order cuDNN, flash, math)",
+                "cuda_graphs": "none (torchtitan 0.2 has no CUDA graph capture)",
+                "precision": "one GPU without FSDP (every parallel degree 1): fp32 parameters, bf16 autocast "
+                             "(maybe_enable_amp, mixed_precision_param=bfloat16)",
+                "optimizer": "build_optimizers: AdamW(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1, fused=True)",
+                "loss": "build_cross_entropy_loss: cross_entropy(sum) in fp32 over the full logits, over the "
+                        "valid tokens (compiled)", "max_norm": 1.0,
+                "activation_checkpoint": "none (one GPU with memory to spare)",
+                "moe": "MoEArgs as its Qwen3-MoE flavors (softmax, route_norm=True, route_scale=1.0, "
+                       "score_before_experts=False, no shared experts, load_balance_coeff=1e-3): "
+                       "TokenChoiceTopKRouter, GroupedExperts through torch._grouped_mm (use_grouped_mm=True), "
+                       "no EP",
+                "lr_schedule": "none built (its warm-up schedule changes no kernel)"}
+
+
+def titan2_model_args(m, seq: int):
+    """torchtitan 0.2's Qwen3ModelArgs at the bench's shape, MoE arguments as its 30B-A3B flavor."""
+    from torchtitan.models.moe import MoEArgs
+    from torchtitan.models.qwen3 import Qwen3ModelArgs
+
+    return Qwen3ModelArgs(
+        vocab_size=m.vocab_size, max_seq_len=seq, head_dim=m.head_dim, dim=m.d_model, n_layers=m.n_layers,
+        n_heads=m.n_heads, n_kv_heads=m.n_kv_heads, qk_norm=True, hidden_dim=m.expert_hidden, rope_theta=1000000,
+        moe_enabled=True, moe_inter_dim=m.expert_hidden,
+        moe_args=MoEArgs(num_experts=m.n_routed_experts, num_shared_experts=0, top_k=m.top_k, score_func="softmax",
+                         route_norm=True, route_scale=1.0, score_before_experts=False))
+
+
+def titan2_trainer(spec, device: str, compile_: bool = True):
+    """(launch, read, info): torchtitan 0.2's Trainer.train_step per batch, its model built,
+    parallelised and initialised as its Trainer.__init__ does on one GPU."""
+    from torchtitan.components.loss import IGNORE_INDEX, build_cross_entropy_loss
+    from torchtitan.components.optimizer import build_optimizers
+    from torchtitan.config import JobConfig
+    from torchtitan.distributed import ParallelDims
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.qwen3 import Qwen3Model, parallelize_qwen3
+
+    ensure_process_group(device)
+    m, o = spec.model, spec.optim
+    S, B = spec.data.seq_len, spec.data.batch_size
+    job = JobConfig()  # its defaults, then the bench's batch and learning rate
+    job.job.dump_folder = "/tmp/torchtitan_bench"
+    job.training.local_batch_size, job.training.seq_len, job.training.max_norm = B, S, o.grad_clip
+    job.compile.enable = compile_ and device == "cuda"
+    job.compile.components = ["model", "loss"]
+    job.activation_checkpoint.mode = "none"
+    job.optimizer.lr = o.peak_lr
+    p = job.parallelism
+    parallel_dims = ParallelDims(dp_shard=p.data_parallel_shard_degree, dp_replicate=p.data_parallel_replicate_degree,
+                                 cp=p.context_parallel_degree, tp=p.tensor_parallel_degree,
+                                 pp=p.pipeline_parallel_degree, ep=p.expert_parallel_degree,
+                                 etp=p.expert_tensor_parallel_degree, world_size=1)
+    args = titan2_model_args(m, S)
+    args.update_from_config(job)
+    torch.manual_seed(spec.seed)
+    with torch.device("meta"):
+        model = Qwen3Model(args)  # training.dtype is float32, torch's default
+    n_params, flops = args.get_nparams_and_flops(model, S)
+    loss_fn = build_cross_entropy_loss(job)
+    model = parallelize_qwen3(model, parallel_dims, job)
+    model.to_empty(device=device)
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.train()
+    optimizers = build_optimizers([model], job.optimizer, parallel_dims)
+    train_context = dist_utils.get_train_context(False)  # no loss parallel without TP
+    amp = dist_utils.maybe_enable_amp(parallel_dims, job.training.mixed_precision_param, device)
+    dev = torch.device(device)
+
+    def launch(b):  # Trainer.train_step and forward_backward_step (one microbatch, no PP)
+        optimizers.zero_grad()
+        x = to_device(b, dev)  # the bench's host handling for every variant (pinned upload)
+        inputs, labels = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+        global_valid_tokens = (labels != IGNORE_INDEX).sum().float()
+        with train_context():
+            with amp:
+                pred = model(inputs)  # sdpa: no attention masks, positions from 0
+                loss = loss_fn(pred, labels) / global_valid_tokens
+            del pred
+            loss.backward()
+        dist_utils.clip_grad_norm_([q for q in model.parameters()], job.training.max_norm, foreach=True,
+                                   pp_mesh=None, ep_enabled=False)
+        optimizers.step()
+        return loss.detach()
+
+    def read(loss):
+        return float(loss.float().item())
+
+    info = {"params": n_params, "num_flops_per_token": int(flops), "config": titan_settings(m, S),
+            "cuda_graphs": False, "compile": job.compile.enable}
+    return launch, read, info
+
+
+# torchtitan 0.3: model Config objects, FSDP2 over one rank, ChunkedLossWrapper, CUDA graphs.
 
 
 def titan_model_config(m, seq: int):
@@ -340,8 +493,8 @@ def titan_model_config(m, seq: int):
             rope=CosSinRoPE.Config(dim=m.head_dim, max_seq_len=seq, theta=1000000.0)))
 
 
-def titan_trainer(spec, device: str, cuda_graphs: bool = True, compile_: bool = True):
-    """(launch, read, info): torchtitan's Trainer.train_step per batch, its model built and
+def titan3_trainer(spec, device: str, cuda_graphs: bool = True, compile_: bool = True):
+    """(launch, read, info): torchtitan 0.3's Trainer.train_step per batch, its model built and
     parallelised as its Trainer.__init__ does."""
     from torchtitan.components.loss import ChunkedLossWrapper, CrossEntropyLoss
     from torchtitan.components.optimizer import default_adamw, register_moe_load_balancing_hook
@@ -422,7 +575,7 @@ def titan_trainer(spec, device: str, cuda_graphs: bool = True, compile_: bool = 
     def read(loss):
         return float(loss.float().item())  # sum loss / valid tokens of the batch = the mean
 
-    info = {"params": n_params, "num_flops_per_token": int(flops), "config": titan_settings(m, S),
+    info = {"params": n_params, "num_flops_per_token": int(flops), "config": titan_settings(m, S, titan_version()),
             "cuda_graphs": not training.disable_cuda_graphs, "compile": compile_cfg.enable}
     return launch, read, info
 
@@ -466,12 +619,7 @@ def meta_shapes(spec) -> dict:
     except Exception as err:  # noqa: BLE001
         out["olmo-core_v1"] = {"error": f"{type(err).__name__}: {err}"[:500]}
     try:
-        cfg = titan_model_config(m, S)
-        with torch.device("meta"):
-            model = cfg.build()
-        n, f = cfg.get_nparams_and_flops(model, S)
-        out["torchtitan"] = {"params": sum(p.numel() for p in model.parameters()), "num_params": int(n),
-                             "num_flops_per_token": int(f)}
+        out["torchtitan"] = titan_meta(m, S)
     except Exception as err:  # noqa: BLE001
         out["torchtitan"] = {"error": f"{type(err).__name__}: {err}"[:500]}
     return out

@@ -95,3 +95,11 @@ def test_vs_faster_peer_divides_by_the_faster_peer_of_the_same_shape():
     assert "| 2.00x |" in lines[("d768 seq 4096", "torch")]
     assert "| 1.00x |" in lines[("E64 seq 4096", "olmo-core_v1")]
     assert "failed: RuntimeError: needs Transformer Engine" in lines[("E64 seq 4096", "olmo-core")]
+
+
+def test_torchtitan_builder_follows_the_api_generation_of_its_version():
+    sys.path.insert(0, str(ROOT / "bench"))
+    import peers
+
+    assert [peers.titan_generation(v) for v in ("0.2.0", "0.2.2", "0.3.0", "0.3.1.dev0", "1.0.0")] == \
+        ["0.2", "0.2", "0.3", "0.3", "0.3"]
