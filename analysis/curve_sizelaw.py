@@ -18,7 +18,7 @@ __all__ = ["SIZE_LAWS", "CHINCHILLA_E", "CHINCHILLA_A", "CHINCHILLA_ALPHA", "KAP
 
 CHINCHILLA_E, CHINCHILLA_A, CHINCHILLA_ALPHA = 1.69, 406.4, 0.34
 KAPLAN_ALPHA_N = 0.076
-SIZE_PRIORS = ("kaplan", "chinchilla")
+SIZE_PRIORS = ("kaplan-floor", "kaplan", "chinchilla")
 SIZE_PRIOR_SD = 0.03  # relative loss sd per e-fold of N away from the fitted sizes
 
 

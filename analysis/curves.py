@@ -51,16 +51,20 @@ the next, all four predicting the hero) the additive law erred 6.5-8.7% where th
 8.4-22% (and once diverged): their extra parameters are extrapolated, not measured.
 With ONE size there is nothing to learn the scaling from, so predicting another size uses a prior
 (stated here, reported by `CurveFit.to_dict`, chosen by `size_prior`):
-- "kaplan" (default): the whole curve scales as (N / N_fit)^-0.076, Kaplan et al. (2020)'s
-  L(N) = (N_c / N)^0.076, a relative change that needs no loss floor;
+- "kaplan-floor" (default): Kaplan et al. (2020)'s L(N) = (N_c / N)^0.076 describes the loss of a
+  model trained to convergence, which is the curve's floor L0 (its limit at infinite LR area); so
+  L0(N) = L0 (N / N_fit)^-0.076 and the data term is left as fitted (in Chinchilla's additive form it
+  does not depend on N). When the fit leaves L0 on a bound of its range (short curves do not measure
+  their floor), the whole curve scales as under "kaplan" instead;
+- "kaplan": the whole curve scales as (N / N_fit)^-0.076, a relative change that needs no floor;
 - "chinchilla": Chinchilla's L(N) = E + A_N/N^0.34 (Hoffmann et al. 2022: E 1.69, A_N 406.4, alpha 0.34),
   rescaled to pass through the fitted L0 at the fitted size, gives L0(N); A, alpha, B, C, beta, gamma
   are kept (in Chinchilla's additive form the data term does not depend on N).
 The two published laws disagree by about 0.03 in relative loss per e-fold of N near 1e8 parameters
 (Kaplan's slope 0.076, Epoch's refit of Chinchilla ~0.11 there); a band at another size adds that
-(SIZE_PRIOR_SD per e-fold, as a relative sd) in quadrature. On the multipower curves (25M <-> 100M)
-the Kaplan prior errs by about 1% and the Chinchilla prior by about 5.6%: that data informed the
-default, so those curves are no independent test of it.
+(SIZE_PRIOR_SD per e-fold, as a relative sd of the floor under "kaplan-floor", of the whole loss
+otherwise) in quadrature. bench/forecast_backtest.py measures the three priors on every dataset
+(multipower 25M <-> 100M, and each ladder rung predicting the next size up) and the README reports it.
 
 Bands (`CurveFit.band`): the training residuals' relative scatter, the bootstrap refits' spread, an
 extrapolation term in LR area and, at another size, the size term, added in quadrature; the
@@ -137,7 +141,8 @@ class CurveFit:
     extrap_rel: float = 0.0  # backtested relative error per e-fold of LR area beyond the training curves
     s1_max: float | None = None  # largest LR area (S1 + S_W) a training curve reached
     info: dict = field(default_factory=dict)
-    size_prior: str = "kaplan"  # one size: how another size is predicted (module docstring)
+    size_prior: str = "kaplan-floor"  # one size: how another size is predicted (module docstring)
+    floor_free: bool = True  # L0 is inside its search range (the kaplan-floor prior needs a measured floor)
     size_law: str = "additive"  # several sizes: "additive" (only L0 moves with N) or "slopes" (log A, log alpha,
     # log B linear in log N too)
     sizes: list = field(default_factory=list)  # the training curves' sizes (params), when given
@@ -175,11 +180,24 @@ class CurveFit:
             th[0] = prior_l0(th[0], self.size_n, float(params))
         return th
 
-    def _size_factor(self, params: float | None) -> float:
-        """The Kaplan prior's ratio of losses at `params` and at the one training size."""
-        if self.law_kind != "none" or self.size_prior != "kaplan" or params is None or self.size_n is None:
+    def _size_ratio(self, params: float | None) -> float:
+        """Kaplan's L(N) ratio (N / N_fit)^-0.076 of a one-size fit; 1 when it does not apply."""
+        if self.law_kind != "none" or not self.size_prior.startswith("kaplan") or params is None or self.size_n is None:
             return 1.0
         return (float(params) / self.size_n) ** -KAPLAN_ALPHA_N
+
+    @property
+    def _scales_floor(self) -> bool:
+        """The kaplan-floor prior moves L0 alone when the fit measured it (not on a bound)."""
+        return self.size_prior == "kaplan-floor" and self.floor_free
+
+    def _apply_size_prior(self, pred_n: np.ndarray, th: np.ndarray, params: float | None) -> np.ndarray:
+        r = self._size_ratio(params)
+        if r == 1.0:
+            return pred_n
+        if self._scales_floor:
+            return pred_n + th[0] * (r - 1.0)
+        return pred_n * r
 
     def size_efolds(self, params: float | None) -> float:
         """e-folds of N from `params` to the nearest training size (0 inside their range or unknown)."""
@@ -198,7 +216,7 @@ class CurveFit:
         chunk = max(1, EVAL_CHUNK // max(n_blocks, 1))
         for i in range(0, len(steps_n), chunk):
             out[i : i + chunk] = Design(self.model, steps_n[i : i + chunk], lr_T).predict(th)
-        return out * self._size_factor(params)
+        return self._apply_size_prior(out, th, params)
 
     def predict_curve(self, curve: Curve) -> np.ndarray:
         return self.predict(curve.step, curve.lr_per_step, params=curve.params)
@@ -229,7 +247,8 @@ class CurveFit:
         return var
 
     def _size_var(self, params, pred: np.ndarray) -> np.ndarray:
-        return (SIZE_PRIOR_SD * self.size_efolds(params) * pred) ** 2
+        scale = self.curve_params()["L0"] if self.law_kind == "none" and self._scales_floor else pred
+        return (SIZE_PRIOR_SD * self.size_efolds(params) * scale) ** 2
 
     def predict_warnings(self, params: float | None) -> list[str]:
         """What a reader of a prediction at size `params` must know."""
@@ -259,6 +278,7 @@ class CurveFit:
             "info": self.info,
             "sizes": list(self.sizes),
             "prior": self.size_prior,
+            "floor_free": self.floor_free,
             "size_law_kind": self.size_law,
             "calib": self.calib,
             "calibration": self.calibration,
@@ -270,8 +290,14 @@ class CurveFit:
                             "refits' variance, in quadrature"),
         }
         if self.law_kind == "none":
+            whole = f"the whole curve x (N/N_fit)^-{KAPLAN_ALPHA_N} (Kaplan et al. 2020)"
             d["size_prior"] = (
-                f"one training size: another size N gets the whole curve x (N/N_fit)^-{KAPLAN_ALPHA_N} (Kaplan et al. 2020)"
+                (f"one training size: another size N gets L0(N) = L0 (N/N_fit)^-{KAPLAN_ALPHA_N}, Kaplan et al. "
+                 "(2020)'s L(N) for the converged loss, the data term unchanged (Chinchilla's additive form)"
+                 if self.floor_free else
+                 f"one training size: L0 sits on a bound of its range (not measured), so another size N gets {whole}")
+                if self.size_prior == "kaplan-floor" else
+                f"one training size: another size N gets {whole}"
                 if self.size_prior == "kaplan" else
                 f"one training size: another size N gets L0(N) = E + (L0 - E) (N/N_fit)^-{CHINCHILLA_ALPHA} with "
                 f"E/L0 from Chinchilla's L(N) = {CHINCHILLA_E} + {CHINCHILLA_A}/N^{CHINCHILLA_ALPHA} at N_fit; "
@@ -303,6 +329,7 @@ class CurveFit:
                 s1_max=d.get("s1_max"),
                 info=dict(d.get("info", {})),
                 size_prior=str(d.get("prior", "chinchilla")),
+                floor_free=bool(d.get("floor_free", True)),
                 size_law=str(d.get("size_law_kind", "slopes")),
                 sizes=list(d.get("sizes") or []),
                 calib=float(d.get("calib", 1.0)),
@@ -333,7 +360,7 @@ def fit_curves(
     seed: int = 0,
     joint: bool = False,
     exact: bool = False,
-    size_prior: str = "kaplan",
+    size_prior: str = "kaplan-floor",
     calibrate: bool | None = None,
     level: float = 0.9,
     size_law: str = "additive",
@@ -343,7 +370,7 @@ def fit_curves(
     joint=True fits the Multi-Power Law's B together with the rest (one stage) instead of from the
     instant model; exact=True evaluates LD term by term (slow; for checking the lumping).
     size_law: "additive" (several sizes: only L0 = E + a N^-p moves with N) or "slopes" (log A, log alpha,
-    log B linear in log N too). size_prior: "kaplan" or "chinchilla", how a one-size fit predicts another size. calibrate (default:
+    log B linear in log N too). size_prior: "kaplan-floor", "kaplan" or "chinchilla", how a one-size fit predicts another size. calibrate (default:
     with n_boot > 0) measures the band's calibration factor leave-one-curve-out at `level`.
     Raises CurveError for unusable input, CurveFitError when the fit does not converge."""
     if size_law not in SIZE_LAWS:
@@ -503,6 +530,7 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact, size_law="additive") 
                    size_n=sizes[0] if len(sizes) == 1 else None, size_law=size_law)
     fit.warnings += _bound_warnings(law.names, best.x, bounds)
     fit.converged = not fit.warnings
+    fit.floor_free = not any(w.startswith(("L0 =", "E =")) for w in fit.warnings)
     rel = []
     per_curve = []
     for c, des, log_n in zip(curves, designs, log_ns):

@@ -12,9 +12,11 @@ Datasets:
   predict all nine curves of the other size (4x up and 4x down), told only N.
 - a ladder directory of run dirs (spec.yaml + metrics.jsonl), e.g. the CPU demo's
   (`--ladder DIR`, default: trains experiments/proxy_cpu.py with its hero into --root) and, when
-  present, docs/results/h200_ladder: nested leave-largest-out of the final-loss law, the curve model
-  predicting the largest rung's curve from the others, the grad-norm envelope's nested backtest,
-  and the hero forecast against the hero's own run when it has finished.
+  present, docs/results/h200_ladder (its h200_ladder.tar.gz, unpacked into a temporary directory;
+  whatever runs it holds): nested leave-largest-out of the final-loss law, the curve model
+  predicting the largest rung's curve from the others, each one-size prior predicting every rung's
+  curve from the next smaller rung's alone, the grad-norm envelope's nested backtest, and the hero
+  forecast against the hero's own run when it has finished.
 
     .venv/bin/python bench/forecast_backtest.py [--ladder DIR ...] [--root DIR] [--no-train] [--markdown]
 """
@@ -24,14 +26,16 @@ from __future__ import annotations
 import argparse
 import subprocess
 import sys
+import tarfile
+import tempfile
 from pathlib import Path
 
 import numpy as np
 import pandas as pd
 
 from analysis import law_backtest
-from analysis.curves import Curve, fit_curves
-from analysis.forecast import RungRun, forecast
+from analysis.curves import SIZE_PRIORS, Curve, CurveError, fit_curves
+from analysis.forecast import RungRun, forecast, trajectory_coverage
 from analysis.gradnorm import RungGrad, backtest as gn_backtest
 from analysis.laws import fit_envelope
 from analysis.metrics_io import read_metrics_frame
@@ -105,7 +109,7 @@ def multipower(boot: int) -> None:
         row(f"multipower {size}", "protocol: fit 3 schedules, predict 6", "MPL band (calibrated LOO-curve)", n, e, c, w,
             f"calib x{fit.calib:.2f}")
     for src, dst in (("25M", "100M"), ("100M", "25M")):
-        for prior in ("kaplan", "chinchilla"):
+        for prior in SIZE_PRIORS:
             fit = fit_curves([_load(src, n, SIZES[src]) for n in TRAIN], n_boot=boot, size_prior=prior)
             n, e, c, w = _curve_scores(fit, [_load(dst, t, SIZES[dst]) for t in TRAIN + TEST])
             row("multipower", f"{src} protocol curves -> all 9 {dst} curves", f"MPL, one-size {prior} prior",
@@ -151,11 +155,7 @@ def ladder(name: str, path: Path, boot: int) -> None:
         row(name, "final loss: each rung from the smaller ones", "L(C) prediction interval", s["n"],
             s["mean_abs_rel_err"], s["coverage"], s["mean_rel_width"])
     # the curve model: the largest rung's curve from the others, told only its size and schedule
-    curves = []
-    for r in rungs:
-        df = r.metrics.dropna(subset=["loss"])
-        curves.append(Curve(df["step"].to_numpy(), df["lr"].to_numpy(), df["loss"].to_numpy(), params=r.active,
-                            name=r.spec.name))
+    curves = [_curve(r) for r in rungs]
     try:
         fit = fit_curves(curves[:-1], n_boot=boot)
         n, e, c, w = _curve_scores(fit, [curves[-1]])
@@ -163,6 +163,13 @@ def ladder(name: str, path: Path, boot: int) -> None:
             "not converged" if not fit.converged else "")
     except Exception as err:  # a failed fit is a result too
         print(f"{name}: curve model failed: {err}")
+    try:  # the same, its level anchored to the compute law's forecast of the final loss (as the hero's)
+        tc = trajectory_coverage(rungs)
+        row(name, f"train curve of {rungs[-1].spec.name} from the smaller rungs", "curve model on L(C)'s final loss",
+            tc["n"], tc["mean_abs_rel_err"], tc["coverage"], tc["mean_rel_width"])
+    except Exception as err:
+        print(f"{name}: anchored curve model failed: {err}")
+    one_size_priors(name, curves + ([_curve(hero)] if hero is not None and _finished(hero) else []), boot)
     gn = gn_backtest([_grad(r) for r in rungs])
     if gn:
         row(name, "grad norm: each rung >= 3rd from the smaller", "grad-norm envelope", gn["n"],
@@ -191,9 +198,46 @@ def ladder(name: str, path: Path, boot: int) -> None:
         float(np.mean((ghi - glo) / gm)))
 
 
+def _curve(r: RungRun) -> Curve:
+    df = r.metrics.dropna(subset=["loss"])
+    return Curve(df["step"].to_numpy(), df["lr"].to_numpy(), df["loss"].to_numpy(), params=r.active, name=r.spec.name)
+
+
+def one_size_priors(name: str, curves: list[Curve], boot: int) -> None:
+    """Each run's curve from the next smaller run's alone, under each one-size prior (pooled rows)."""
+    fits = []
+    for small, big in zip(curves, curves[1:]):
+        try:
+            fits.append((fit_curves([small], n_boot=boot), big))
+        except CurveError as err:
+            print(f"{name}: one-size fit of {small.name} failed: {err}")
+    if not fits:
+        return
+    for prior in SIZE_PRIORS:
+        n, errs, inside, width = 0, [], [], []
+        for fit, big in fits:
+            fit.size_prior = prior
+            k, e, c, w = _curve_scores(fit, [big])
+            n, errs, inside, width = n + k, errs + [e], inside + [c * k], width + [w * k]
+        row(name, f"each run's curve from the next smaller run's ({len(fits)} pairs)", f"MPL, one-size {prior} prior",
+            n, float(np.mean(errs)), sum(inside) / n, sum(width) / n)
+
+
 def _grad(r: RungRun) -> RungGrad:
     df = r.metrics.dropna(subset=["grad_norm"])
     return RungGrad(r.spec.name, r.active, (df["step"].to_numpy() + 1) / r.spec.total_steps, df["grad_norm"].to_numpy())
+
+
+def unpacked(path: Path, tmp: Path) -> Path:
+    """A directory of run dirs as it is, or the runs of its *.tar.gz results unpacked under tmp."""
+    tars = sorted(path.glob("*_ladder.tar.gz")) if path.is_dir() else []
+    if not tars or any(True for _ in iter_run_dirs(path)):
+        return path
+    out = tmp / path.name
+    for t in tars:
+        with tarfile.open(t) as tar:
+            tar.extractall(out, filter="data")
+    return out
 
 
 def markdown() -> str:
@@ -228,9 +272,10 @@ def main() -> None:
                 subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(ROOT / "experiments" / "proxy_cpu.py"),
                                 "--include-hero", "--no-tracking", *(["--root", args.root] if args.root else [])],
                                check=True)
-            ladders = [Path(root) / "runs" / "proxy_cpu"] + ([H200] if H200.is_dir() else [])
-        for p in ladders:
-            ladder(p.name if p != H200 else "h200 ladder", p, args.boot)
+            ladders = [Path(root) / "runs" / "proxy_cpu"] + ([H200] if (H200 / "h200_ladder.tar.gz").exists() else [])
+        with tempfile.TemporaryDirectory() as tmp:
+            for p in ladders:
+                ladder("h200 ladder" if p == H200 else p.name, unpacked(p, Path(tmp)), args.boot)
     if args.markdown:
         print()
         print(markdown())

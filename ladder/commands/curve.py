@@ -189,7 +189,8 @@ def register(app: typer.Typer) -> None:
         model: str = typer.Option("mpl", "--model", help="mpl (Multi-Power Law) or lra (Tissue et al. baseline)"),
         bands: bool = typer.Option(False, "--bands", help="add lo, hi columns (90% band, 32 bootstrap refits, "
                                                           "calibrated leave-one-curve-out)"),
-        size_prior: str = typer.Option("kaplan", "--size-prior", help="one training size: kaplan or chinchilla"),
+        size_prior: str = typer.Option("kaplan-floor", "--size-prior",
+                                        help="one training size: kaplan-floor, kaplan or chinchilla"),
         png: Path = typer.Option(None, "--png", help="write a plot of the curves, fits and bands here"),
     ) -> None:
         """Fit a loss-curve model to --train A.csv [B.csv ...] and predict --predict X.csv [Y.csv ...].
