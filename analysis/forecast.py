@@ -8,8 +8,10 @@ forecast.json.
   predicting the largest rung from the others, scaled by how much further (in log compute) the hero
   lies beyond the largest rung than that rung lay beyond the next.
 - Trajectory: the schedule-aware curve model (analysis.curves) fitted on all rung trajectories with
-  their sizes, evaluated at the hero's size under lr_at(hero, step); it is then shifted to end on the
-  law's final loss so the two forecasts agree, and its band grows to the final interval.
+  their sizes (each from FIT_FROM of its steps on, its clock in steps of the smallest batch's tokens so
+  that rungs of different batch sizes share the LR area per token), evaluated at the hero's size under
+  lr_at(hero, step); it is then shifted to end on the law's final loss so the two forecasts agree
+  (the compute law anchors the size dependence), and its band grows to the final interval.
 - Grad norm: analysis.gradnorm (log grad norm per bin of the fraction of training, linear in log
   active params with one slope; band from nested leave-largest-out backtests).
 
@@ -43,6 +45,9 @@ from engines.epochs import repeat_warning
 
 LEVEL = 0.9
 Z90 = 1.6448536269514722
+# the curve model is fitted on each rung from this fraction of its steps on (chosen over 0, 0.05 by the
+# leave-largest-out backtests of both ladders; the multipower curves start 9% in, after their warmup)
+FIT_FROM = 0.1
 
 
 @dataclass
@@ -141,11 +146,24 @@ def final_loss_coverage(rungs: list[RungRun]) -> dict | None:
     return out
 
 
-def _curves_from_rungs(rungs: list[RungRun]):
+def _ref_steps(spec: Spec, ref_tokens: float) -> tuple[float, np.ndarray]:
+    """(k, lr_U): a run's schedule in steps of `ref_tokens` tokens (k of them per step of its own),
+    so that runs of different batch sizes share one clock, the LR area per token."""
+    k = spec.data.tokens_per_step / ref_tokens
+    U = int(math.ceil(spec.total_steps * k))
+    return k, lr_at(spec, np.minimum(np.floor(np.arange(U) / k), spec.total_steps - 1).astype(np.int64))
+
+
+def _curves_from_rungs(rungs: list[RungRun], ref_tokens: float):
+    """Each rung's train loss from FIT_FROM of its steps on (past warmup: the curve model's LR-area
+    term describes training after the first steep fall), in steps of ref_tokens tokens."""
     out = []
     for r in rungs:
         df = r.metrics.dropna(subset=["loss"])
-        out.append(Curve(step=df["step"].to_numpy(), lr=df["lr"].to_numpy(), loss=df["loss"].to_numpy(), params=r.active))
+        df = df[df["step"] >= FIT_FROM * r.spec.total_steps]
+        k, lr_U = _ref_steps(r.spec, ref_tokens)
+        out.append(Curve.from_schedule(np.round(df["step"].to_numpy() * k).astype(np.int64), lr_U,
+                                       loss=df["loss"].to_numpy(), params=r.active, name=r.spec.name))
     return out
 
 
@@ -161,18 +179,20 @@ def train_eval_ratio(rungs: list[RungRun]) -> float:
 def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[dict, dict, dict]:
     """Hero train loss per step from the curve model, aligned to the final-loss forecast; the band
     holds the final interval (opening with progress) and the step-to-step noise of the rungs."""
-    fit = fit_curves(_curves_from_rungs(rungs))
+    ref = min([r.spec.data.tokens_per_step for r in rungs] + [hero.data.tokens_per_step])
+    fit = fit_curves(_curves_from_rungs(rungs, ref))
     steps_T = np.arange(hero.total_steps)
-    lr_T = lr_at(hero, steps_T)
+    k, lr_U = _ref_steps(hero, ref)
     n_hero = float(costs.param_counts(hero.model)["active"])
-    pred_T = np.asarray(fit.predict(steps_T, lr_T, params=n_hero), dtype=float)
+    pred_T = np.asarray(fit.predict(np.round(steps_T * k).astype(np.int64), lr_U, params=n_hero), dtype=float)
     rho = train_eval_ratio(rungs)
     shift = final["mean"] * rho - pred_T[-1]
     pred_T = pred_T + shift
     rung_fits, noise = {}, []
     for r in rungs:
         st = r.metrics["step"].to_numpy()
-        p = np.asarray(fit.predict(st, r.metrics["lr"].to_numpy(), params=r.active), dtype=float)
+        kr, lr_r = _ref_steps(r.spec, ref)
+        p = np.asarray(fit.predict(np.round(st * kr).astype(np.int64), lr_r, params=r.active), dtype=float)
         rung_fits[r.spec.name] = {"tokens": (st * r.spec.data.tokens_per_step).tolist(), "pred": p.tolist()}
         late = slice(len(st) // 2, None)
         noise.append(float(np.nanstd(r.metrics["loss"].to_numpy()[late] - p[late])))
