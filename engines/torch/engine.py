@@ -34,7 +34,6 @@ that many GPUs (engines/torch/ep_launch.py), else on one device with the shards 
 from __future__ import annotations
 
 import dataclasses
-import time
 import warnings
 from pathlib import Path
 from typing import Iterator
@@ -48,7 +47,8 @@ from engines.base import StepMetrics
 from engines.data import TokenStream
 from engines.options import EngineOptions
 from engines.torch.ep_launch import emulation_warning, train_processes, use_processes
-from engines.torch.fast import ASSUMED_MFU, FastLoss, fast_path_enabled, kernels_here, working_copies_enabled
+from engines.torch.experts import kernels_here
+from engines.torch.fast import ASSUMED_MFU, FastLoss, fast_path_enabled, working_copies_enabled
 from engines.torch.master import GuardedAdamW, MasterAdamW
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS, Trainer  # noqa: F401 (the order of a step's values)

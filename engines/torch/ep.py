@@ -20,12 +20,11 @@ same rules as the emulated shards of engines/torch/model.py, so the same drops b
 Dropless dispatch with ep > 1 uses a ragged all-to-all: counts per (destination, local expert)
 first, then the rows with variable split sizes (one host sync per layer for the sizes).
 
-Objective. Each rank's backward seeds its share of the global objective, sum_r total_r = total,
-so summed dense gradients and the experts' gradients (which arrive through the all-to-all's
-backward from every rank) are the single-device gradients: CE, output z-loss and router z-loss
-are local means / ep; the batch-scope balancing loss E * sum_e f_e p_e is linear in p, so rank r
-contributes E * sum_e f_e * (sum of its tokens' p_e) / T with f_e from the loads summed over
-ranks (one all-reduce after the forward); sequence scope is per sequence, so local mean / ep.
+Every rank runs the fast forward of engines/torch/fast.py on its model: the module tree of
+engines/torch/model.py with this rank's experts, whose dispatcher is PooledWave (capacity) or
+Ragged (dropless) below instead of the one-device ones. Its backward seeds its share of the
+global objective (model.sharded_objective), so summed dense gradients and the experts' gradients
+(which arrive through the all-to-all's backward from every rank) are the single-device gradients.
 
 Shape legend as in model.py, plus: t tokens of this rank, e experts of this rank, P ranks (ep),
 W waves, C sender rows per pool, X arrivals at this rank (W * P * C), R receiver rows per expert.
@@ -34,28 +33,20 @@ W waves, C sender rows per pool, X arrivals at this rank (W * P * C), R receiver
 from __future__ import annotations
 
 import os
+import socket
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
+from core.spec import ModelSpec
 from engines.dispatch_ref import capacities
 from engines.options import TorchKernels
-from engines.torch.fast import (
-    RowGather,
-    attention_residual,
-    block_weights,
-    grouped_swiglu,
-    head_losses,
-    kernels_here,
-    moe_combine,
-    moe_route,
-    sdpa_backend,
-)
-from engines.torch.model import Experts, MoETransformer, attention_mask, group_counts, partial_inverse, rope_tables
-from core.spec import ModelSpec
+from engines.torch.experts import grouped_swiglu, kernels_here, swiglu_padded
+from engines.torch.fast import FastLoss
+from engines.torch.model import Experts, MoETransformer, sharded_objective
+from engines.torch.rows import RowGather, group_counts, partial_inverse, rank_within
 
 EXPERT_MARK = ".moe.experts."
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
@@ -102,10 +93,11 @@ def build_local_model(m: ModelSpec, ctx: EPContext) -> MoETransformer:
     """The model of the spec with only this rank's routed experts (same parameter names; the
     expert stacks have E/ep rows). Built on the meta device, so no rank ever allocates all the
     experts; load weights with load_local() before use."""
+    dispatcher = PooledWave(m, ctx) if m.dispatch == "capacity" else Ragged(m, ctx)
     with torch.device("meta"):
         model = MoETransformer(m)
         for blk in model.blocks:
-            blk.moe.experts = Experts(m.n_routed_experts // ctx.size, m.expert_dim, m.expert_hidden)
+            blk.moe.experts = Experts(m.n_routed_experts // ctx.size, m.expert_dim, m.expert_hidden, dispatcher)
     return model.to_empty(device=ctx.device)
 
 
@@ -158,7 +150,7 @@ def _a2a_waves(x_WRL: torch.Tensor, group) -> torch.Tensor:
     return out
 
 
-class _WaveExchange(torch.autograd.Function):
+class WaveExchange(torch.autograd.Function):
     """Fixed-split all-to-all per wave; with equal splits its transpose is itself, so the
     backward sends the gradients back the same way."""
 
@@ -204,25 +196,6 @@ def all_reduce_sum(t: torch.Tensor, ctx: EPContext) -> torch.Tensor:
 # ---- dispatch -----------------------------------------------------------------------------------
 
 
-def _rank_within(group_N: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """How many earlier rows (in the given order) share each row's group; on the device."""
-    order_N = torch.argsort(group_N, stable=True)
-    counts_G = group_counts(group_N, n_groups)
-    starts_G = torch.cumsum(counts_G, 0) - counts_G
-    rank_sorted = torch.arange(group_N.shape[0], device=group_N.device) - starts_G[group_N[order_N]]
-    return torch.empty_like(rank_sorted).scatter_(0, order_N, rank_sorted)
-
-
-def _swiglu_padded(experts: Experts, buf_eRL: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    if buf_eRL.is_cuda:  # gate and up as one [e, L, 2F] batched matmul
-        Fh = experts.w_gate.shape[-1]
-        gu_eR2F = torch.bmm(buf_eRL, torch.cat([experts.w_gate, experts.w_up], -1).to(cdt))
-        h_eRF = F.silu(gu_eR2F[..., :Fh]) * gu_eR2F[..., Fh:]
-    else:
-        h_eRF = F.silu(torch.bmm(buf_eRL, experts.w_gate.to(cdt))) * torch.bmm(buf_eRL, experts.w_up.to(cdt))
-    return torch.bmm(h_eRF, experts.w_down.to(cdt))
-
-
 def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.Tensor, m: ModelSpec,
                         n_tokens: int, ctx: EPContext, cdt: torch.dtype):
     """Capacity dispatch of this rank's tokens over the ranks. n_tokens: tokens of the whole
@@ -239,7 +212,7 @@ def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.T
     # sender: assignments in priority order (slot-major, then token), one pool per destination and wave
     e_A = expert_tK.t().reshape(-1)
     dst_A = e_A // e_loc
-    pos_A = _rank_within(dst_A, P)
+    pos_A = rank_within(dst_A, P)
     sent_A = pos_A < W * c_send
     n_slots = W * P * c_send
     # flat index of each sent assignment in the [W, P, C] buffer; n_slots (an empty row) if dropped
@@ -250,20 +223,20 @@ def pooled_wave_experts(experts: Experts, x_tL: torch.Tensor, expert_tK: torch.T
     # x_tL[tok_A] for slot-major assignments; repeat's backward sums the K slots
     x_SL = RowGather.apply(x_tL.to(wire).repeat(K, 1), filler_S, at_A)
     send_WRL1 = torch.cat([x_SL, ids_S.unsqueeze(-1)], -1).view(W, P * c_send, L + 1)
-    recv_WRL1 = _WaveExchange.apply(send_WRL1, ctx.group)
+    recv_WRL1 = WaveExchange.apply(send_WRL1, ctx.group)
     # receiver: arrivals in (wave, source, row) order, ranked per local expert
     arr_XL1 = recv_WRL1.reshape(n_slots, L + 1)
     le_X = arr_XL1[:, L].detach().round().long()
     valid_X = le_X >= 0
-    rank_X = _rank_within(torch.where(valid_X, le_X, e_loc), e_loc + 1)
+    rank_X = rank_within(torch.where(valid_X, le_X, e_loc), e_loc + 1)
     kept_X = valid_X & (rank_X < c_recv)
     n_buf = e_loc * c_recv
     slot_X = torch.where(kept_X, le_X * c_recv + rank_X, torch.full_like(rank_X, n_buf))
     filler_B = partial_inverse(slot_X, n_buf)  # the arrival filling each buffer row
     buf_eRL = RowGather.apply(arr_XL1[:, :L].to(cdt), filler_B, slot_X).view(e_loc, c_recv, L)
-    out_eRL = _swiglu_padded(experts, buf_eRL, cdt)
+    out_eRL = swiglu_padded(experts, buf_eRL, cdt)
     y_WRL = RowGather.apply(out_eRL.reshape(n_buf, L).to(wire), slot_X, filler_B).view(W, P * c_send, L)
-    back_WRL = _WaveExchange.apply(y_WRL, ctx.group)  # unkept and empty rows carry zeros back
+    back_WRL = WaveExchange.apply(y_WRL, ctx.group)  # unkept and empty rows carry zeros back
     # back at the source: each assignment reads its row (the zero row if dropped anywhere)
     y_tKL = RowGather.apply(back_WRL.reshape(n_slots, L), at_A, filler_S).view(K, t, L).transpose(0, 1)
     n_send = (~sent_A).sum().float()
@@ -300,96 +273,61 @@ def ragged_experts(w_gu: torch.Tensor, w_down: torch.Tensor, x_tL: torch.Tensor,
     return y_AL.view(t, K, -1)
 
 
+class PooledWave:
+    """The capacity dispatcher over the ranks: pooled_wave_experts, C_recv from the step's tokens
+    (every rank holds the same number)."""
+
+    sharded = True
+
+    def __init__(self, m: ModelSpec, ctx: EPContext):
+        self.m, self.ctx = m, ctx
+
+    def __call__(self, kern, x_TL, expert_TK, gate_TK):
+        x_tL = x_TL.to(kern.cdt)
+        return pooled_wave_experts(kern.experts, x_tL, expert_TK, self.m, x_tL.shape[0] * self.ctx.size, self.ctx,
+                                   kern.cdt)
+
+
+class Ragged:
+    """The dropless dispatcher over the ranks: ragged_experts."""
+
+    sharded = True
+
+    def __init__(self, m: ModelSpec, ctx: EPContext):
+        self.m, self.ctx = m, ctx
+
+    def __call__(self, kern, x_TL, expert_TK, gate_TK):
+        y_tKL = ragged_experts(kern.gate_up(), kern.down(), x_TL.to(kern.cdt), expert_TK, self.m, self.ctx, kern.cdt,
+                               kern.o)
+        zero = torch.zeros((), device=x_TL.device)
+        return y_tKL, zero, zero
+
+
 # ---- the per-rank objective ------------------------------------------------------------------------
 
 
-def _router_probs(moe, h_TD: torch.Tensor) -> torch.Tensor:
-    """The router's probabilities over experts (the balancing loss's p; sigmoid scores
-    normalised per token), as in MoE.route."""
-    logits_TE = h_TD.float() @ moe.router.float()
-    if moe.m.router_kind == "softmax":
-        return torch.softmax(logits_TE, -1)
-    scores_TE = torch.sigmoid(logits_TE)
-    return scores_TE / scores_TE.sum(-1, keepdim=True)
-
-
-FORWARD_KEYS = ("loss", "z_loss", "router_z_loss", "router_entropy", "drop_send", "drop_recv")
-
-
-class EPLoss:
-    """This rank's share of the step objective and the step's global forward metrics.
+class EPLoss(FastLoss):
+    """This rank's share of the step objective and the step's global forward metrics: the fast
+    forward (its dense parts compiled on a GPU, the dispatch eager) on a model of
+    build_local_model, then model.sharded_objective.
 
     __call__(model, tokens_bS1, optim, n_tokens) -> (total_r, out): total_r is this rank's share
-    (sum over ranks = the single-device objective); out["metrics"] holds the global metrics of
+    (sum over ranks = the single-device objective); out["global"] holds the global metrics of
     model.loss_terms (already summed over ranks) and out["load_LE"] the global expert loads."""
 
     def __init__(self, model: MoETransformer, ctx: EPContext, kernels: TorchKernels | None = None):
-        self.ctx = ctx
-        self.o = kernels or kernels_here(TorchKernels())
+        o = kernels or kernels_here(TorchKernels())
         cuda = ctx.device.type == "cuda"
-        self.cdt = torch.bfloat16 if cuda else torch.float32
-        compile_dense = cuda and self.o.compile != "none"
-        # the dense parts compiled on a GPU, the dispatch (collectives, host sizes) eager
-        self._attn = torch.compile(attention_residual, dynamic=False) if compile_dense else attention_residual
-        self._route = torch.compile(moe_route, dynamic=False) if compile_dense else moe_route
-        self._head = torch.compile(head_losses, dynamic=False) if compile_dense else head_losses
-        self._backend = self.o.attn_backend if cuda else None
-        self._tables: dict = {}
+        super().__init__(model, ctx.device, o, compile="dense" if cuda and o.compile != "none" else "none")
+        self.ctx = ctx
+
+    def embed(self, model: MoETransformer, inputs_bS: torch.Tensor) -> torch.Tensor:
+        return model.embed.weight[inputs_bS]
 
     def __call__(self, model: MoETransformer, tokens_bS1: torch.Tensor, optim, n_tokens: int):
-        m, ctx, cdt = model.m, self.ctx, self.cdt
-        P = ctx.size
-        inputs_bS, targets_bS = tokens_bS1[:, :-1], tokens_bS1[:, 1:]
-        S = inputs_bS.shape[1]
-        if S not in self._tables:
-            cos, sin = rope_tables(S, m.head_dim, m.rope_theta, ctx.device)
-            self._tables[S] = (cos, sin, attention_mask(S, m.attention_window, ctx.device))
-        cos, sin, mask_SS = self._tables[S]
-        probs_sum, loads, seq_aux, router_z, entropy, n_send, n_recv = [], [], [], [], [], [], []
-        with torch.autocast(ctx.device.type, enabled=False), sdpa_backend(self._backend):
-            x_bSD = model.embed.weight[inputs_bS]
-            for block in model.blocks:
-                moe = block.moe
-                w = block_weights(block, cdt)
-                x_bSD = self._attn(block, w, x_bSD, cos, sin, mask_SS, cdt, self.o)
-                h_TD, expert_TK, gate_TK, st = self._route(block, x_bSD, self.o)
-                x_TL = (h_TD.to(cdt) @ moe.latent_down.to(cdt)) if m.latent_dim is not None else h_TD.to(cdt)
-                if m.dispatch == "capacity":
-                    y_TKL, ns, nr = pooled_wave_experts(moe.experts, x_TL, expert_TK, m, n_tokens, ctx, cdt)
-                else:
-                    y_TKL = ragged_experts(w["moe.experts.gate_up"], w["moe.experts.w_down"], x_TL, expert_TK,
-                                           m, ctx, cdt, self.o)
-                    ns = nr = torch.zeros((), device=ctx.device)
-                x_bSD = moe_combine(block, w, x_bSD, h_TD, y_TKL, gate_TK, cdt)
-                if m.balance_scope == "batch":
-                    probs_sum.append(_router_probs(moe, h_TD).sum(0))
-                else:
-                    seq_aux.append(st["aux"])
-                loads.append(st["load"])
-                router_z.append(st["router_z"])
-                entropy.append(st["entropy"])
-                n_send.append(ns)
-                n_recv.append(nr)
-            ce, z = self._head(x_bSD, model.final_norm, model.lm_head, targets_bS, cdt, self.o)
-        n_layers, K, E = len(model.blocks), m.top_k, m.n_routed_experts
-        router_z_mean = torch.stack(router_z).mean()
-        # one all-reduce of everything the forward measured: global loads set the balancing loss
-        fwd = torch.cat([
-            torch.stack([ce.detach() / P, z.detach() / P, router_z_mean.detach() / P,
-                         torch.stack(entropy).mean().detach() / P,
-                         torch.stack(n_send).sum() / (n_tokens * K * n_layers),
-                         torch.stack(n_recv).sum() / (n_tokens * K * n_layers)]).float(),
-            torch.stack(loads).float().reshape(-1)])
-        fwd = all_reduce_sum(fwd, ctx)
-        g = dict(zip(FORWARD_KEYS, fwd[: len(FORWARD_KEYS)]))
-        load_LE = fwd[len(FORWARD_KEYS):].view(n_layers, E)
-        if m.balance_scope == "batch":
-            f_LE = load_LE / (n_tokens * K)
-            aux_r = (E * (f_LE * torch.stack(probs_sum)).sum(-1) / n_tokens).mean()
-        else:
-            aux_r = torch.stack(seq_aux).mean() / P
-        total_r = (ce + optim.z_loss * z + optim.router_z_loss * router_z_mean) / P + optim.aux_loss * aux_r
-        return total_r, {"global": g, "aux_r": aux_r.detach(), "total_r": total_r.detach(), "load_LE": load_LE}
+        ce, z, st = self.forward(model, tokens_bS1)
+        return sharded_objective(ce, z, st, optim, model.m, n_tokens, self.ctx.size,
+                                 lambda t: all_reduce_sum(t, self.ctx))
 
 
 def step_metrics(out: dict, aux: torch.Tensor, total: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -449,6 +387,7 @@ def local_device(device: str | None, local: int, error: type[Exception]) -> torc
     torch.cuda.set_device(dev)
     return dev
 
+
 def setup_from_env(device: str | None = None) -> EPContext:
     """Join (or start) the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR/PORT); a plain process is a group of one. NCCL on CUDA, gloo on the CPU."""
@@ -461,16 +400,14 @@ def setup_from_env(device: str | None = None) -> EPContext:
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if world == 1:
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if dev.type == "cuda" else "gloo"
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
     return EPContext(rank=dist.get_rank(), size=dist.get_world_size(), device=dev, group=None)
 
 
-def _free_port() -> int:
-    import socket
-
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -32,11 +32,9 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from pydantic import ValidationError
-
 from core.fsutil import atomic_write_json
-from core.spec import Spec, SpecError, format_validation_error, load_spec
-from engines.base import DivergedError, StepMetrics
+from core.spec import Spec
+from engines.base import StepMetrics
 from engines.checkpoint import CheckpointError
 from engines.data import DataError, TokenStream
 from engines.options import EngineOptions
@@ -65,8 +63,9 @@ from engines.torch.ep import (
     setup_from_env,
     step_metrics,
 )
-from engines.torch.fast import kernels_here
+from engines.torch.experts import kernels_here
 from engines.torch.model import init_params
+from engines.torch.rank_main import drive, exit_now, read_args
 from engines.trainer import Trainer
 
 ENGINE_NAME = "torch"
@@ -241,22 +240,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
                    help="torch.profiler over two steps after the first two; each rank writes PREFIX.rank<r>.txt")
     args = p.parse_args(argv)
-    try:
-        spec = load_spec(args.spec)
-    except ValidationError as err:
-        print(f"error: invalid spec: {format_validation_error(err)}", file=sys.stderr)
-        return 2
-    except SpecError as err:
-        print(f"error: {err}", file=sys.stderr)
+    spec = read_args(args.spec, args.steps)
+    if spec is None:
         return 2
     try:
         options = (EngineOptions.from_dict(json.loads(args.options.read_text())) if args.options
                    else EngineOptions.from_env())
     except (OSError, ValueError, TypeError) as err:
         print(f"error: --options {args.options}: {err}" if args.options else f"error: {err}", file=sys.stderr)
-        return 2
-    if args.steps is not None and args.steps < 1:
-        print(f"error: --steps must be >= 1 (got {args.steps})", file=sys.stderr)
         return 2
     die_with_parent()  # a rank whose torchrun is gone stops too
     try:
@@ -266,46 +257,13 @@ def main(argv: list[str] | None = None) -> int:
     except EPError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    code = 0
     prof = StepProfiler(args.profile, ctx) if args.profile else None
-    try:
-        last = None
-        for rec in train_ep(spec, args.run_dir, ctx, resume=not args.no_resume, stop_after=args.steps,
-                            checkpoints=not args.no_checkpoints, options=options):
-            last = rec
-            if prof is not None:
-                prof.after_step()
-            if ctx.rank == 0 and (rec.step % args.log_every == 0):
-                print(f"step {rec.step}/{spec.total_steps} loss {rec.loss:.4f} drops {rec.drop_frac_send:.4f}/"
-                      f"{rec.drop_frac_recv:.4f} {rec.tokens_per_s:,.0f} tok/s", flush=True)
-        if ctx.rank == 0:
-            if last is None:
-                print(f"{spec.name}: nothing to do ({args.run_dir})", flush=True)
-            else:
-                print(f"{spec.name}: step {last.step + 1}/{spec.total_steps} on {ctx.size} rank(s), loss {last.loss:.4f}"
-                      f" -> {args.run_dir}", flush=True)
-        # every rank reaches the teardown together: a gloo rank whose peer has already closed its
-        # connections can abort in its transport thread ("terminate called without an active exception")
-        dist.barrier(group=ctx.group)
-    except (EPError, CheckpointError, DataError) as err:
-        if ctx.rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        code = 2
-    except DivergedError as err:
-        if ctx.rank == 0:
-            print(f"diverged: {err}", file=sys.stderr)
-        code = 3
-    finally:
-        dist.destroy_process_group()
-    return code
+    records = train_ep(spec, args.run_dir, ctx, resume=not args.no_resume, stop_after=args.steps,
+                       checkpoints=not args.no_checkpoints, options=options)
+    return drive(spec, args.run_dir, records, lead=ctx.rank == 0, where=f"{ctx.size} rank(s)",
+                 errors=(EPError, CheckpointError, DataError), barrier=lambda: dist.barrier(group=ctx.group),
+                 log_every=args.log_every, after_step=prof.after_step if prof is not None else None)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Leave without the interpreter's finalisation: after a complete run (metrics, status and
-    # checkpoints written atomically, the process group destroyed) a gloo rank could still abort
-    # there ("terminate called without an active exception", exit -6), its transport's worker
-    # threads torn down with the interpreter, which failed the whole launch.
-    os._exit(code)
+    exit_now(main())

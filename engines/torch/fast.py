@@ -8,14 +8,15 @@ What changes against the reference forward (model.loss_terms under autocast), an
   losses and the output log-partition stay fp32, as under autocast;
 - attention reads one fused QKV projection and calls SDPA with is_causal and no mask when there
   is no sliding window (the flash / cuDNN kernels);
-- dropless dispatch stays on the device: counts and group offsets by scatter-add (CUDA's
-  bincount reads its maximum back to the host), one torch._grouped_mm per expert weight over
-  the rows sorted by expert; dispatch and combine are row permutations whose backward is the
-  inverse permutation (a gather: no atomics); the combine's and the dispatch backward's
-  gather-and-sum run as Triton kernels (engines/torch/gather.py; kernels gather="inductor"
-  leaves them to Inductor); the expert matmuls' weight gradients run as one Triton kernel each
-  (engines/torch/grouped_dw.py; kernels grouped_dw="torch" leaves them to _grouped_mm);
-- capacity dispatch reuses model.capacity_plan (device-side) with fixed [E, C, L] buffers;
+- the routed experts go through the block's token dispatcher (engines/torch/dispatch.py, or an
+  expert-parallel one) with the fast kernels (engines/torch/experts.CastKernels): dropless
+  dispatch stays on the device (counts and group offsets by scatter-add, one grouped GEMM per
+  expert weight over the rows sorted by expert); dispatch and combine are row permutations whose
+  backward is the inverse permutation (a gather: no atomics); the combine's and the dispatch
+  backward's gather-and-sum run as Triton kernels (engines/torch/gather.py; kernels
+  gather="inductor" leaves them to Inductor); the expert matmuls' weight gradients run as one
+  Triton kernel each (engines/torch/grouped_dw.py; kernels grouped_dw="torch" leaves them to
+  _grouped_mm); capacity dispatch fills fixed [E, C, L] buffers by the device-side pooled-wave plan;
 - every block and the output head go through torch.compile (regional: one compiled graph
   serves all blocks, so compiling costs one block, not the depth).
 
@@ -29,20 +30,17 @@ dim, V vocab, E routed experts, K top-k, L expert width, F expert hidden, A assi
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engines.torch import adamw_kernel, gather, grouped_dw, swiglu, swiglu_gemm, xent
-from engines.torch.gather import Combine, gather_sum
 from engines.options import EngineOptions, TorchKernels
-from engines.torch.model import MoETransformer, attention_mask, capacity_rows, group_counts, objective, rope_tables
+from engines.torch import adamw_kernel, xent
+from engines.torch.experts import CastKernels, kernels_here
+from engines.torch.model import MoETransformer, attention_mask, objective, rope_tables
 from engines.torch.tf32 import mm_tf32
-
-
-def kernels_here(k: TorchKernels) -> TorchKernels:
-    """The kernel choices as they can run here: every Triton choice falls back to its compiled
-    form where Triton is not installed."""
-    return k.without_triton() if gather.triton is None else k
 
 
 def fast_path_enabled(device: torch.device, options: EngineOptions) -> bool:
@@ -71,69 +69,6 @@ def working_copies_enabled(device: torch.device, options: EngineOptions, expecte
     if kernels_here(options.torch_kernels).adamw == "triton" and adamw_kernel.triton is not None:
         return True  # MasterAdamW's own kernel: nothing to compile, so no warm-up to repay
     return expected_seconds is None or expected_seconds >= WORKING_COPIES_MIN_SECONDS
-
-
-# ---- permutations with gather backwards ----------------------------------------------------------
-
-
-def _with_zero_row(x_NL: torch.Tensor) -> torch.Tensor:
-    return torch.cat([x_NL, x_NL.new_zeros(1, x_NL.shape[-1])], 0)
-
-
-class _Dispatch(torch.autograd.Function):
-    """x_TL rows src_R (= token of each sorted assignment, or of each expert-buffer row) -> x_RL;
-    the backward gathers the gradient back to (token, slot) order with inv_A (each assignment's
-    row) and sums the K slots (with kernels: engines/torch/gather.py's gather-and-sum in one pass).
-    zero_row: src_R may name row T, a zero row (an unfilled buffer row), and inv_A row R (a dropped
-    assignment, which gets no gradient). Without the explicit backward, aten's and Inductor's
-    backward of x[src] accumulate into x, and every unfilled row adds into the same zero row."""
-
-    @staticmethod
-    def forward(ctx, x_TL, src_R, inv_A, K: int, kernels: bool = False, zero_row: bool = False):
-        ctx.save_for_backward(inv_A)
-        ctx.K, ctx.kernels, ctx.zero_row = K, kernels, zero_row
-        return (_with_zero_row(x_TL) if zero_row else x_TL).index_select(0, src_R)
-
-    @staticmethod
-    def backward(ctx, g_RL):
-        (inv_A,) = ctx.saved_tensors
-        T = inv_A.shape[0] // ctx.K
-        g = _with_zero_row(g_RL) if ctx.zero_row else g_RL
-        if ctx.kernels:
-            return gather_sum(g, inv_A.view(T, ctx.K), None, g.dtype), None, None, None, None, None
-        return g.index_select(0, inv_A).view(T, ctx.K, -1).sum(1), None, None, None, None, None
-
-
-class RowGather(torch.autograd.Function):
-    """y_ML = [x_NL; 0][idx_M] where every row of x is read at most once: inv_N is idx's partial
-    inverse (the output row reading each x row, M if none), so the backward is the gather
-    [g_ML; 0][inv_N]. Aten's backward of x[idx] accumulates into x with a sort per index, and
-    when every unfilled row reads the same zero row, its kernel walks hundreds of thousands of
-    duplicates one by one (about 120 ms a call on an H200, in the expert-parallel trainer)."""
-
-    @staticmethod
-    def forward(ctx, x_NL, idx_M, inv_N):
-        ctx.save_for_backward(inv_N)
-        return _with_zero_row(x_NL).index_select(0, idx_M)
-
-    @staticmethod
-    def backward(ctx, g_ML):
-        (inv_N,) = ctx.saved_tensors
-        return _with_zero_row(g_ML).index_select(0, inv_N), None, None
-
-
-class _Permute(torch.autograd.Function):
-    """y = x[idx] for a permutation idx whose inverse is inv; backward g[inv]."""
-
-    @staticmethod
-    def forward(ctx, x, idx, inv):
-        ctx.save_for_backward(inv)
-        return x.index_select(0, idx)
-
-    @staticmethod
-    def backward(ctx, g):
-        (inv,) = ctx.saved_tensors
-        return g.index_select(0, inv), None, None
 
 
 # ---- pieces --------------------------------------------------------------------------------------
@@ -193,76 +128,6 @@ def attention_residual(block, w, x_BSD, cos, sin, mask_SS, cdt: torch.dtype, o: 
     return x_BSD + (o_BHSQ.transpose(1, 2).reshape(B, S, H * Q) @ w["attn.wo"]).float()
 
 
-def _fused(x: torch.Tensor, cdt: torch.dtype, o: TorchKernels) -> bool:
-    """Whether the experts run through engines/torch/swiglu_gemm.py (o.experts)."""
-    return (o.experts in ("fused", "fused-gather") and cdt == torch.bfloat16
-            and o.grouped_mm_weights == "nmajor" and swiglu_gemm.kernels_usable(x))
-
-
-def grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype, o: TorchKernels) -> torch.Tensor:
-    """SwiGLU over rows sorted by expert (counts_E rows each), in cdt; w_gu [E, L, 2F] is gate|up."""
-    Fh = w_down.shape[1]
-    if x_AL.is_cuda and hasattr(torch, "_grouped_mm") and cdt == torch.bfloat16:
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        if _fused(x_AL, cdt, o) and o.experts == "fused":
-            return swiglu_gemm.fused_experts(x_AL, w_gu, w_down, offs_E)
-        wd = w_down
-        if o.grouped_mm_weights == "kmajor":
-            w_gu, wd = (w.transpose(-2, -1).contiguous().transpose(-2, -1) for w in (w_gu, wd))
-        # gate and up as one [E, L, 2F] matmul: wider tiles, one dx GEMM in the backward
-        kernel = o.grouped_dw == "triton"
-        gu_A2F = grouped_dw.grouped_mm(x_AL, w_gu, offs_E, kernel)
-        h_AF = swiglu.swiglu(gu_A2F, o.swiglu == "triton")
-        return grouped_dw.grouped_mm(h_AF, wd, offs_E, kernel)
-    outs, start = [], 0
-    for e, n in enumerate(counts_E.tolist()):  # CPU (or no grouped kernel): a host loop
-        x = x_AL[start : start + n]
-        gu = x @ w_gu[e]
-        outs.append((F.silu(gu[:, :Fh]) * gu[:, Fh:]) @ w_down[e])
-        start += n
-    return torch.cat(outs, 0)
-
-
-def dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt, o: TorchKernels):
-    """y_TKL, every assignment's expert output in (token, slot) order; with o.gather
-    "triton", y_TL, the outputs already summed with their gates (by the kernels on a GPU with
-    Triton, by their torch forms elsewhere)."""
-    T, K = expert_TK.shape
-    e_A = expert_TK.reshape(-1)  # token-major: a = t * K + j
-    order_A = torch.argsort(e_A, stable=True)
-    inv_A = torch.empty_like(order_A).scatter_(0, order_A, torch.arange(e_A.shape[0], device=e_A.device))
-    counts_E = group_counts(e_A, moe.m.n_routed_experts)
-    kernels = o.gather == "triton"
-    w_gu, w_down = w["moe.experts.gate_up"], w["moe.experts.w_down"]
-    if o.experts == "fused-gather" and _fused(x_TL, cdt, o):
-        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        y_sorted_AL = swiglu_gemm.fused_dispatch_experts(x_TL.to(cdt), order_A // K, inv_A, K, w_gu, w_down, offs_E)
-    else:
-        x_AL = _Dispatch.apply(x_TL.to(cdt), order_A // K, inv_A, K, kernels)
-        y_sorted_AL = grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt, o)
-    if kernels:
-        return Combine.apply(y_sorted_AL, gate_TK, inv_A, order_A, True, o.combine_grad == "triton")
-    return _Permute.apply(y_sorted_AL, inv_A, order_A).view(T, K, -1)
-
-
-def capacity_experts(moe, w, x_TL, expert_TK, cdt, o: TorchKernels):
-    """(y_TKL, send drops, receive drops) under the pooled-wave rules of model.capacity_plan."""
-    m = moe.m
-    T, K = expert_TK.shape
-    E, L = m.n_routed_experts, x_TL.shape[-1]
-    plan, slot_A, fill_R = capacity_rows(m, expert_TK)
-    C = plan["c_recv"]
-    src_R = torch.where(fill_R < T * K, fill_R // K, T)  # T: the zero row
-    # both row maps get gather backwards: a dropped assignment or an unfilled row reads a zero row
-    buf_ECL = _Dispatch.apply(x_TL.to(cdt), src_R, slot_A, K, o.gather == "triton", True).view(E, C, L)
-    Fh = w["moe.experts.w_down"].shape[1]
-    gu_EC2F = torch.bmm(buf_ECL, w["moe.experts.gate_up"])  # gate and up as one batched matmul
-    h_ECF = F.silu(gu_EC2F[..., :Fh]) * gu_EC2F[..., Fh:]
-    out_ECL = torch.bmm(h_ECF, w["moe.experts.w_down"])
-    y_TKL = RowGather.apply(out_ECL.reshape(E * C, L), slot_A, fill_R).view(T, K, L)
-    return y_TKL, plan["send_drop_TK"].sum().float(), plan["recv_drop_TK"].sum().float()
-
-
 def moe_route(block, x_BSD, o: TorchKernels):
     """(h_TD fp32, expert_TK, gate_TK, router stats) of a block's MoE input."""
     B, S, D = x_BSD.shape
@@ -289,22 +154,23 @@ def moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt):
 
 
 def moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt, o: TorchKernels):
-    """(y_TKL or y_TL (see dropless_experts), send drops, receive drops) of a block's routed experts."""
+    """(y_TKL or y_TL, send drops, receive drops) of a block's routed experts: the block's
+    dispatcher (engines/torch/dispatch.py, or an expert-parallel one) with the fast kernels."""
     moe, m = block.moe, block.moe.m
     x_TL = (h_TD.to(cdt) @ w["moe.latent_down"]) if m.latent_dim is not None else h_TD
-    if m.dispatch == "capacity":
-        return capacity_experts(moe, w, x_TL, expert_TK, cdt, o)
-    zero = torch.zeros((), device=x_BSD.device)
-    return dropless_experts(moe, w, x_TL, expert_TK, gate_TK, cdt, o), zero, zero
+    return moe.experts.dispatcher(CastKernels(moe.experts, w, cdt, o), x_TL, expert_TK, gate_TK)
 
 
-def moe_residual(block, w, x_BSD, cdt, o: TorchKernels):
-    """x + moe(moe_norm(x)) and the block's MoE statistics."""
+def moe_residual(block, w, x_BSD, cdt, o: TorchKernels, route=None):
+    """x + moe(moe_norm(x)) and the block's MoE statistics (route: moe_route or its compiled form)."""
     T, K = x_BSD.shape[0] * x_BSD.shape[1], block.moe.m.top_k
-    h_TD, expert_TK, gate_TK, stats = moe_route(block, x_BSD, o)
+    h_TD, expert_TK, gate_TK, stats = (route or moe_route)(block, x_BSD, o)
     y, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt, o)
     stats["drop_send"] = n_send / (T * K)
     stats["drop_recv"] = n_recv / (T * K)
+    stats["n_send"], stats["n_recv"] = n_send, n_recv
+    if block.moe.experts.dispatcher.sharded and block.moe.m.balance_scope == "batch":
+        stats["probs_sum"] = block.moe.router_probs(h_TD).sum(0)
     return moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt), stats
 
 
@@ -336,15 +202,17 @@ class FastLoss:
 
     With `working` (the engine's MasterAdamW), the matmuls read its 16-bit working copies and their
     gradients land there (the fp32 masters of those matrices get none); without it they cast the
-    masters every step."""
+    masters every step. compile: the compile mode (default options.compile on CUDA, none elsewhere).
+    The routed experts go through each block's dispatcher: the one-device one of the spec, or the
+    expert-parallel one of a model built by engines/torch/ep.py (EPLoss)."""
 
     def __init__(self, model: MoETransformer, device: torch.device, kernels: TorchKernels | None = None,
-                 working=None):
+                 working=None, compile: str | None = None):
         self.options = kernels or kernels_here(TorchKernels())
         self.working = working
         self.cdt = working.dtype if working is not None else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
-        mode = self.options.compile if device.type == "cuda" else "none"
+        mode = compile or (self.options.compile if device.type == "cuda" else "none")
         self._block, self._attn, self._moe_route, self._head = block_forward, None, None, head_losses
         self._cudagraphs = mode == "block-cudagraphs"
         if mode in ("block", "block-cudagraphs"):
@@ -356,7 +224,7 @@ class FastLoss:
                     torch._dynamo.mark_static_address(leaf)
             self._block = torch.compile(block_forward, dynamic=False, **kw)
             self._head = torch.compile(head_losses, dynamic=False, **kw)
-        elif mode == "dense":
+        elif mode == "dense":  # all but the expert dispatch (collectives, host sizes stay eager)
             self._attn = torch.compile(attention_residual, dynamic=False)
             self._moe_route = torch.compile(moe_route, dynamic=False)
             self._head = torch.compile(head_losses, dynamic=False)
@@ -383,12 +251,7 @@ class FastLoss:
             return self._block(block, w, x_BSD, cos, sin, mask_SS, self.cdt, self.options)
         w = w if w is not None else block_weights(block, self.cdt)
         x_BSD = self._attn(block, w, x_BSD, cos, sin, mask_SS, self.cdt, self.options)
-        T, K = x_BSD.shape[0] * x_BSD.shape[1], block.moe.m.top_k
-        h_TD, expert_TK, gate_TK, stats = self._moe_route(block, x_BSD, self.options)
-        y, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, self.cdt, self.options)
-        stats["drop_send"] = n_send / (T * K)
-        stats["drop_recv"] = n_recv / (T * K)
-        return moe_combine(block, w, x_BSD, h_TD, y, gate_TK, self.cdt), stats
+        return moe_residual(block, w, x_BSD, self.cdt, self.options, route=self._moe_route)
 
     def tables(self, S: int, m, device):
         key = (S, device)
@@ -397,7 +260,13 @@ class FastLoss:
             self._tables[key] = (cos, sin, attention_mask(S, m.attention_window, device))
         return self._tables[key]
 
-    def __call__(self, model: MoETransformer, tokens_BS1: torch.Tensor, optim):
+    def embed(self, model: MoETransformer, inputs_BS: torch.Tensor) -> torch.Tensor:
+        # F.embedding: its backward is a sorted segment sum; indexing's (index_put with
+        # accumulate) took 3.4 ms of a 119 ms H200 step
+        return F.embedding(inputs_BS, model.embed.weight)
+
+    def forward(self, model: MoETransformer, tokens_BS1: torch.Tensor):
+        """(mean CE, mean squared log-partition, per-layer statistics stacked over layers)."""
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
         S = inputs_BS.shape[1]
         cos, sin, mask_SS = self.tables(S, model.m, tokens_BS1.device)
@@ -406,25 +275,22 @@ class FastLoss:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are done with
         ctx = sdpa_backend(self.options.attn_backend if tokens_BS1.is_cuda else None)
         with torch.autocast(tokens_BS1.device.type, enabled=False), ctx:
-            # F.embedding: its backward is a sorted segment sum; indexing's (index_put with
-            # accumulate) took 3.4 ms of a 119 ms H200 step
-            x_BSD = F.embedding(inputs_BS, model.embed.weight)
+            x_BSD = self.embed(model, inputs_BS)
             stats = []
             for block, w in zip(model.blocks, per_block):
                 x_BSD, st = self._run_block(block, w, x_BSD, cos, sin, mask_SS)
                 stats.append(st)
             ce, z = self._head(x_BSD, model.final_norm, lm_head, targets_BS, self.cdt, self.options)
-        st = {k: torch.stack([s[k] for s in stats]) for k in stats[0]}
+        return ce, z, {k: torch.stack([s[k] for s in stats]) for k in stats[0]}
+
+    def __call__(self, model: MoETransformer, tokens_BS1: torch.Tensor, optim):
+        ce, z, st = self.forward(model, tokens_BS1)
         return objective(ce, z, st, optim)
 
 
 def sdpa_backend(name: str | None):
-    import contextlib
-
     if name is None:
         return contextlib.nullcontext()
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
     order = {"flash": SDPBackend.FLASH_ATTENTION, "cudnn": SDPBackend.CUDNN_ATTENTION,
              "efficient": SDPBackend.EFFICIENT_ATTENTION, "math": SDPBackend.MATH}
     first = order.pop(name)

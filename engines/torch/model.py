@@ -17,12 +17,21 @@ aux (Switch) = E * sum_e f_e * p_e, f_e = share of the T*K assignments picking e
 probability of e (sigmoid scores normalised per token), over the batch or per sequence (then
 averaged) by model.balance_scope; router_z = mean(logsumexp(router logits)^2).
 
-Dispatch: "dropless" sorts the assignments by expert and runs a grouped matmul (torch._grouped_mm
-on CUDA in bf16, a loop over experts elsewhere); "capacity" follows the pooled-wave semantics
-written out in engines/dispatch_ref.py (sender pools per shard pair and wave, a receiver bound per
-expert), emulating the EP shards on one device with fixed-shape [E, C_recv, L] expert buffers. Both combine an assignment's output
-in (token, slot) order, so capacity with no drops equals dropless. Routing metadata stays on the
-device: no host sync inside the forward pass except the CPU expert loop.
+One module tree serves every torch path. What differs between them is (a) the token dispatcher
+the Experts module holds (engines/torch/dispatch.py: Dropless or Capacity on one device, the
+model.dispatch of the spec; engines/torch/ep.py and dist/moe.py swap in their cross-process
+ones) and (b) the kernels: this file's forward is the reference (module weights, autocast on a
+GPU); engines/torch/fast.py computes the same blocks, router and head with explicit dtypes and
+the GPU kernels (EngineOptions.torch_fast and torch_kernels choose). Both combine an assignment's
+output in (token, slot) order, so capacity with no drops equals dropless. Routing metadata stays
+on the device: no host sync inside the forward pass except the CPU expert loop.
+
+Sharded objective (expert parallel, engines/torch/ep.py and dist/moe.py): each rank's backward
+seeds its share of the global objective, sum over the ranks = the one-device objective: CE,
+output z-loss and router z-loss are local means / world; the batch-scope balancing loss
+E * sum_e f_e p_e is linear in p, so a rank contributes E * sum_e f_e * (sum of its tokens' p_e) / T
+with f_e from the loads summed over ranks (one all-reduce after the forward); sequence scope is
+per sequence, so local mean / world.
 
 Shape legend: B batch, S sequence, T tokens (B*S), D model, H heads, G kv heads, Q head dim,
 V vocab, E routed experts, K top-k, L expert width (latent or D), F expert hidden, N shared
@@ -36,9 +45,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engines.dispatch_ref import capacities
-from engines.params import init_arrays, tensor_shapes
 from core.spec import ModelSpec
+from engines.params import init_arrays, tensor_shapes
+from engines.torch.dispatch import local_dispatcher
+from engines.torch.experts import ModuleKernels
 
 # ---- parameters ---------------------------------------------------------------------------------
 
@@ -125,11 +135,21 @@ class Attention(nn.Module):
 
 
 class Experts(nn.Module):
-    def __init__(self, E: int, L: int, Fh: int):
+    """The routed experts this process holds (SwiGLU stacks [E, L, F], [E, F, L]) and the token
+    dispatcher that brings them their rows (engines/torch/dispatch.py; expert parallel swaps it).
+    Its forward is the whole dispatch, so a wrapper hooking the module (FSDP2) holds the expert
+    weights for exactly that long."""
+
+    def __init__(self, E: int, L: int, Fh: int, dispatcher=None):
         super().__init__()
         self.w_gate = _param(E, L, Fh)
         self.w_up = _param(E, L, Fh)
         self.w_down = _param(E, Fh, L)
+        self.dispatcher = dispatcher
+
+    def forward(self, x_TL: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tensor):
+        """(y_TKL, send drops, receive drops) with the reference kernels (engines/torch/experts.py)."""
+        return self.dispatcher(ModuleKernels(self), x_TL, expert_TK, gate_TK)
 
     def grouped(self, x_AL: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """SwiGLU over rows already sorted by expert, counts_E rows per expert."""
@@ -158,58 +178,6 @@ def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
             and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
 
 
-def group_counts(group_A: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """Rows per group (int64) by scatter-add: CUDA's bincount reads its maximum back to the host."""
-    return torch.zeros(n_groups, dtype=torch.long, device=group_A.device).scatter_add_(
-        0, group_A, torch.ones_like(group_A))
-
-
-def _rank_within_groups(group_A: torch.Tensor, n_groups: int) -> torch.Tensor:
-    """How many earlier rows (in the given order) share each row's group; stays on the device."""
-    A = group_A.shape[0]
-    order_A = torch.argsort(group_A, stable=True)
-    counts_G = group_counts(group_A, n_groups)
-    starts_G = torch.cumsum(counts_G, 0) - counts_G
-    rank_sorted = torch.arange(A, device=group_A.device) - starts_G[group_A[order_A]]
-    return torch.empty_like(rank_sorted).scatter_(0, order_A, rank_sorted)
-
-
-def capacity_plan(expert_TK: torch.Tensor, n_experts: int, ep: int, n_waves: int, cf_send: float,
-                  cf_recv: float) -> dict[str, torch.Tensor | int]:
-    """Pooled-wave bookkeeping on the device (same rules as engines/dispatch_ref.py):
-    kept_TK, send_drop_TK, recv_drop_TK (bool), slot_TK (row e * C + rank in the [E*C] expert
-    buffers; E*C, one past the end, for dropped assignments), c_send, c_recv."""
-    T, K = expert_TK.shape
-    E = n_experts
-    c_send, c_recv = capacities(T, K, E, ep, n_waves, cf_send, cf_recv)
-    dev = expert_TK.device
-    # priority order: slot-major, then token (p = j * T + t)
-    e_P = expert_TK.t().reshape(-1)
-    t_P = torch.arange(T, device=dev).repeat(K)
-    src_P = t_P // (T // ep)
-    dst_P = e_P // (E // ep)
-    pos_P = _rank_within_groups(src_P * ep + dst_P, ep * ep)
-    send_drop_P = pos_P >= n_waves * c_send
-    wave_P, row_P = pos_P // c_send, pos_P % c_send
-    # arrivals at an expert in (wave, source, row) order; send-dropped rows sort after all arrivals
-    n_keys = n_waves * ep * c_send
-    key_P = torch.where(send_drop_P, torch.full_like(pos_P, n_keys), (wave_P * ep + src_P) * c_send + row_P)
-    order_P = torch.argsort(e_P * (n_keys + 1) + key_P, stable=True)
-    counts_E = group_counts(e_P, E)
-    starts_E = torch.cumsum(counts_E, 0) - counts_E
-    rank_sorted = torch.arange(T * K, device=dev) - starts_E[e_P[order_P]]
-    rank_P = torch.empty_like(rank_sorted).scatter_(0, order_P, rank_sorted)
-    recv_drop_P = ~send_drop_P & (rank_P >= c_recv)
-    kept_P = ~send_drop_P & ~recv_drop_P
-    slot_P = torch.where(kept_P, e_P * c_recv + rank_P, torch.full_like(rank_P, E * c_recv))
-
-    def tk(a_P):
-        return a_P.view(K, T).t()
-
-    return {"kept_TK": tk(kept_P), "send_drop_TK": tk(send_drop_P), "recv_drop_TK": tk(recv_drop_P),
-            "slot_TK": tk(slot_P), "c_send": c_send, "c_recv": c_recv}
-
-
 class SharedExperts(nn.Module):
     def __init__(self, N: int, D: int, R: int):
         super().__init__()
@@ -232,7 +200,7 @@ class MoE(nn.Module):
         if m.latent_dim is not None:
             self.latent_down = _param(m.d_model, m.latent_dim)
             self.latent_up = _param(m.latent_dim, m.d_model)
-        self.experts = Experts(E, m.expert_dim, m.expert_hidden)
+        self.experts = Experts(E, m.expert_dim, m.expert_hidden, local_dispatcher(m))
         if m.n_shared_experts > 0:
             self.shared = SharedExperts(m.n_shared_experts, m.d_model, m.shared_hidden)
 
@@ -265,66 +233,32 @@ class MoE(nn.Module):
         stats = {"aux": aux, "router_z": router_z, "entropy": entropy.detach(), "load": load_E}
         return expert_TK, gate_TK, stats
 
+    def router_probs(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """The router's probabilities over experts (the balancing loss's p; sigmoid scores
+        normalised per token), as in route, computed again from x_TD: an expert-parallel rank sums
+        them over its tokens for the batch-scope balancing loss."""
+        logits_TE = x_TD.float() @ self.router.float()
+        if self.m.router_kind == "softmax":
+            return torch.softmax(logits_TE, -1)
+        scores_TE = torch.sigmoid(logits_TE)
+        return scores_TE / scores_TE.sum(-1, keepdim=True)
+
     def forward(self, x_TD: torch.Tensor, seq_len: int):
         m = self.m
         T, K = x_TD.shape[0], m.top_k
         expert_TK, gate_TK, stats = self.route(x_TD, seq_len)
         x_TL = x_TD @ self.latent_down if m.latent_dim is not None else x_TD
-        if m.dispatch == "capacity":
-            y_TKL, n_send, n_recv = self._capacity(x_TL, expert_TK)
-        else:
-            y_TKL = self._dropless(x_TL, expert_TK)
-            n_send = n_recv = torch.zeros((), device=x_TD.device)
+        y_TKL, n_send, n_recv = self.experts(x_TL, expert_TK, gate_TK)
         y_TL = (y_TKL * gate_TK.unsqueeze(-1).to(y_TKL.dtype)).sum(1)
         y_TD = y_TL @ self.latent_up if m.latent_dim is not None else y_TL
         if m.n_shared_experts > 0:
             y_TD = y_TD + self.shared(x_TD)
         stats["drop_send"] = n_send / (T * K)
         stats["drop_recv"] = n_recv / (T * K)
+        stats["n_send"], stats["n_recv"] = n_send, n_recv
+        if self.experts.dispatcher.sharded and m.balance_scope == "batch":
+            stats["probs_sum"] = self.router_probs(x_TD).sum(0)
         return y_TD, stats
-
-    def _dropless(self, x_TL: torch.Tensor, expert_TK: torch.Tensor) -> torch.Tensor:
-        T, K = expert_TK.shape
-        e_A = expert_TK.reshape(-1)  # token-major: a = t * K + j
-        order_A = torch.argsort(e_A, stable=True)
-        counts_E = group_counts(e_A, self.m.n_routed_experts)
-        y_sorted_AL = self.experts.grouped(x_TL[order_A // K], counts_E)
-        y_AL = torch.empty_like(y_sorted_AL).index_copy(0, order_A, y_sorted_AL)
-        return y_AL.view(T, K, -1)
-
-    def _capacity(self, x_TL: torch.Tensor, expert_TK: torch.Tensor):
-        m = self.m
-        T, K = expert_TK.shape
-        E, L = m.n_routed_experts, x_TL.shape[-1]
-        plan, slot_A, fill_R = capacity_rows(m, expert_TK)
-        C = plan["c_recv"]
-        x_A1L = torch.cat([x_TL.repeat_interleave(K, 0), x_TL.new_zeros(1, L)], 0)
-        buf_ECL = x_A1L[fill_R].view(E, C, L)
-        out_ECL = self.experts.padded(buf_ECL)
-        out_flat = torch.cat([out_ECL.reshape(E * C, L), out_ECL.new_zeros(1, L)], 0)
-        y_TKL = out_flat[slot_A].view(T, K, L)  # dropped assignments read the zero row
-        return y_TKL, plan["send_drop_TK"].sum().float(), plan["recv_drop_TK"].sum().float()
-
-
-def partial_inverse(idx_M: torch.Tensor, N: int) -> torch.Tensor:
-    """For each of N rows, the position in idx_M that names it (idx_M names each row of [0, N) at
-    most once; N, a zero row, any number of times), or M where none does."""
-    M = idx_M.shape[0]
-    inv = torch.full((N + 1,), M, dtype=torch.long, device=idx_M.device)
-    inv.scatter_(0, idx_M, torch.arange(M, device=idx_M.device))  # the zero row's readers all land on N
-    return inv[:N]
-
-
-def capacity_rows(m: ModelSpec, expert_TK: torch.Tensor):
-    """(plan, slot_A, fill_R): the pooled-wave plan of capacity_plan, each assignment's row in the
-    [E, C] expert buffers (E*C for a dropped one), and for each of the E*C rows the assignment that
-    fills it (T*K, a zero row, for rows nobody fills)."""
-    T, K = expert_TK.shape
-    E = m.n_routed_experts
-    plan = capacity_plan(expert_TK, E, m.ep_size, m.n_waves, m.capacity_factor_send, m.capacity_factor_recv)
-    R = E * plan["c_recv"]
-    slot_A = plan["slot_TK"].reshape(-1)
-    return plan, slot_A, partial_inverse(slot_A, R)
 
 
 class Block(nn.Module):
@@ -415,3 +349,35 @@ def objective(ce: torch.Tensor, z: torch.Tensor, st: dict, optim) -> tuple[torch
         "total_loss": total.detach(),
     }
     return total, {"metrics": metrics, "load_LE": load_LE}
+
+
+FORWARD_KEYS = ("loss", "z_loss", "router_z_loss", "router_entropy", "drop_send", "drop_recv")
+
+
+def sharded_objective(ce: torch.Tensor, z: torch.Tensor, st: dict, optim, m: ModelSpec, n_tokens: int,
+                      world: int, all_reduce) -> tuple[torch.Tensor, dict]:
+    """This rank's share of the step objective (the module docstring's sharded objective) from its
+    local CE, output z term and per-layer statistics `st` (stacked over layers, with the raw drop
+    counts n_send / n_recv and, for batch-scope balancing, probs_sum), and the step's global
+    forward metrics. n_tokens: tokens of the whole step; all_reduce(t): t summed over the ranks.
+    Returns (total_r, {"global": forward metrics summed over the ranks, "aux_r", "total_r",
+    "load_LE": the global expert loads})."""
+    n_layers, K, E = st["load"].shape[0], m.top_k, m.n_routed_experts
+    router_z = st["router_z"].mean()
+    # one all-reduce of everything the forward measured: global loads set the balancing loss
+    fwd = torch.cat([
+        torch.stack([ce.detach() / world, z.detach() / world, router_z.detach() / world,
+                     st["entropy"].mean().detach() / world,
+                     st["n_send"].sum() / (n_tokens * K * n_layers),
+                     st["n_recv"].sum() / (n_tokens * K * n_layers)]).float(),
+        st["load"].float().reshape(-1)])
+    fwd = all_reduce(fwd)
+    g = dict(zip(FORWARD_KEYS, fwd[: len(FORWARD_KEYS)]))
+    load_LE = fwd[len(FORWARD_KEYS):].view(n_layers, E)
+    if m.balance_scope == "batch":
+        f_LE = load_LE / (n_tokens * K)
+        aux_r = (E * (f_LE * st["probs_sum"]).sum(-1) / n_tokens).mean()
+    else:
+        aux_r = st["aux"].mean() / world
+    total_r = (ce + optim.z_loss * z + optim.router_z_loss * router_z) / world + optim.aux_loss * aux_r
+    return total_r, {"global": g, "aux_r": aux_r.detach(), "total_r": total_r.detach(), "load_LE": load_LE}

@@ -20,7 +20,8 @@ from core.spec import Spec
 from engines.base import read_metrics
 from engines.options import EngineOptions, TorchKernels
 from engines.torch.engine import TorchStep
-from engines.torch.fast import FastLoss, kernels_here
+from engines.torch.experts import kernels_here
+from engines.torch.fast import FastLoss
 from engines.trainer import Trainer
 from ladder.presets import micro_spec
 from tests.engines.test_trainer_reference import SyntheticStream

@@ -96,7 +96,7 @@ def test_capacity_dispatch_of_both_engines_on_a_hand_built_routing():
     with torch.no_grad():
         for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down):
             w.copy_(torch.from_numpy(rng.normal(0, 0.3, size=tuple(w.shape)).astype(np.float32)))
-        y_TKL, t_send, t_recv = moe._capacity(torch.from_numpy(x_TL), torch.from_numpy(expert_TK))
+        y_TKL, t_send, t_recv = moe.experts(torch.from_numpy(x_TL), torch.from_numpy(expert_TK), torch.from_numpy(gate_TK))
         y_torch = (y_TKL * torch.from_numpy(gate_TK)[..., None]).sum(1).numpy()
     weights = [jnp.asarray(w.detach().numpy()) for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down)]
     fn = jax.jit(capacity_experts, static_argnums=(6, 7))

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from engines.dispatch_ref import capacities, capacity_plan as ref_plan
-from engines.torch.model import MoE, capacity_plan, init_params
+from engines.torch.dispatch import capacity_plan
+from engines.torch.model import MoE, init_params
 from ladder.presets import micro_spec
 
 

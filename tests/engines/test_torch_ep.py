@@ -211,7 +211,7 @@ def test_row_gather_backward_is_the_index_backward():
     read at most once, and the backward by the partial inverse equals aten's x[idx] backward."""
     import torch
 
-    from engines.torch.fast import RowGather
+    from engines.torch.rows import RowGather
 
     gen = torch.Generator().manual_seed(0)
     N, M, L = 7, 12, 5

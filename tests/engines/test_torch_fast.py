@@ -8,7 +8,8 @@ import torch
 
 from engines.data import TokenStream
 from engines.options import TorchKernels
-from engines.torch.fast import FastLoss, kernels_here
+from engines.torch.experts import kernels_here
+from engines.torch.fast import FastLoss
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.presets import micro_spec
 

@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engines.torch.ep import NO_MULTICAST, EPContext, EPError, _free_port, local_device
+from engines.torch.ep import NO_MULTICAST, EPContext, EPError, free_port, local_device
 from core.spec import ModelSpec
 
 
@@ -105,7 +105,7 @@ def setup_mesh(m: ModelSpec, batch_size: int, device: str | None = None) -> Mesh
     if not dist.is_initialized():
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
         if world == 1:
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
+            os.environ.setdefault("MASTER_PORT", str(free_port()))
         backend = "nccl" if dev.type == "cuda" else "gloo"
         kwargs = {"device_id": dev} if dev.type == "cuda" else {}
         dist.init_process_group(backend, rank=int(os.environ.get("RANK", "0")), world_size=world, **kwargs)

@@ -18,7 +18,6 @@ or layout (one line on stderr), 3 diverged.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 from pathlib import Path
@@ -27,11 +26,10 @@ from typing import Iterator
 import numpy as np
 import torch
 import torch.distributed as dist
-from pydantic import ValidationError
 
 from core.fsutil import atomic_write_json
-from core.spec import Spec, SpecError, format_validation_error, load_spec
-from engines.base import DivergedError, StepMetrics
+from core.spec import Spec
+from engines.base import StepMetrics
 from engines.checkpoint import CheckpointError, load_checkpoint, missing_parent_checkpoint, warn_if_other_data
 from engines.data import DataError, TokenStream
 from engines.torch.dist.checkpoint import (
@@ -51,6 +49,7 @@ from engines.torch.ep_launch import die_with_parent
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS, RunHistoryError, Trainer, check_same_run
 from engines.torch.ep import step_metrics
 from engines.torch.model import init_params
+from engines.torch.rank_main import drive, exit_now, read_args
 
 ENGINE_NAME = "torch"
 SUMMARY_FILE = "mesh.json"
@@ -246,16 +245,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if present")
     p.add_argument("--log-every", type=int, default=10)
     args = p.parse_args(argv)
-    try:
-        spec = load_spec(args.spec)
-    except ValidationError as err:
-        print(f"error: invalid spec: {format_validation_error(err)}", file=sys.stderr)
-        return 2
-    except SpecError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    if args.steps is not None and args.steps < 1:
-        print(f"error: --steps must be >= 1 (got {args.steps})", file=sys.stderr)
+    spec = read_args(args.spec, args.steps)
+    if spec is None:
         return 2
     die_with_parent()
     try:
@@ -263,35 +254,10 @@ def main(argv: list[str] | None = None) -> int:
     except MeshError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    code = 0
-    try:
-        last = None
-        for rec in train_mesh(spec, args.run_dir, mc, resume=not args.no_resume, stop_after=args.steps):
-            last = rec
-            if mc.rank == 0 and rec.step % args.log_every == 0:
-                print(f"step {rec.step}/{spec.total_steps} loss {rec.loss:.4f} drops {rec.drop_frac_send:.4f}/"
-                      f"{rec.drop_frac_recv:.4f} {rec.tokens_per_s:,.0f} tok/s", flush=True)
-        if mc.rank == 0:
-            where = f"{mc.dp} x {mc.ep} (data x expert)"
-            print(f"{spec.name}: nothing to do ({args.run_dir})" if last is None else
-                  f"{spec.name}: step {last.step + 1}/{spec.total_steps} on {where}, loss {last.loss:.4f}"
-                  f" -> {args.run_dir}", flush=True)
-        dist.barrier()
-    except (MeshError, CheckpointError, DataError) as err:
-        if mc.rank == 0:
-            print(f"error: {err}", file=sys.stderr)
-        code = 2
-    except DivergedError as err:
-        if mc.rank == 0:
-            print(f"diverged: {err}", file=sys.stderr)
-        code = 3
-    finally:
-        dist.destroy_process_group()
-    return code
+    records = train_mesh(spec, args.run_dir, mc, resume=not args.no_resume, stop_after=args.steps)
+    return drive(spec, args.run_dir, records, lead=mc.rank == 0, where=f"{mc.dp} x {mc.ep} (data x expert)",
+                 errors=(MeshError, CheckpointError, DataError), barrier=dist.barrier, log_every=args.log_every)
 
 
 if __name__ == "__main__":
-    code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)  # as ep_train: no gloo teardown in the interpreter's finalisation
+    exit_now(main())  # as ep_train: no gloo teardown in the interpreter's finalisation
