@@ -186,6 +186,7 @@ def olmo_trainer(spec, device: str, compile_: bool = True):
     if why:
         raise RuntimeError(why)
     ensure_process_group(device)
+    fresh_olmo_world_mesh()
     m, o = spec.model, spec.optim
     S, B = spec.data.seq_len, spec.data.batch_size
     cfg = olmo_model_config(m, S)
@@ -257,6 +258,14 @@ OLMO_V1 = {"capacity_factor": 1.25, "block": "moe_reordered_norm (OLMoE: QK-norm
            "attention_backend": "torch (SDPA)"}
 
 
+def fresh_olmo_world_mesh() -> None:
+    """OLMo-core builds one world mesh a process and refuses a second; a bench that builds its
+    train module again (--repeat) starts from none, on the same one-rank process group."""
+    from olmo_core.distributed import parallel
+
+    parallel._WORLD_MESH = None
+
+
 def olmo_v1_trainer(spec, device: str, compile_: bool = True):
     """(launch, read, info): OLMo-core's first MoE (capacity experts) through its
     TransformerTrainModule at the settings of its OLMoE recipe, where they can run here."""
@@ -268,6 +277,7 @@ def olmo_v1_trainer(spec, device: str, compile_: bool = True):
     from olmo_core.train.train_module import TransformerDataParallelConfig, TransformerTrainModuleConfig
 
     ensure_process_group(device)
+    fresh_olmo_world_mesh()
     m, o = spec.model, spec.optim
     S, B = spec.data.seq_len, spec.data.batch_size
     cfg = TransformerConfig.llama_like_moe(
