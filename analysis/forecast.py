@@ -154,7 +154,7 @@ def _ref_steps(spec: Spec, ref_tokens: float) -> tuple[float, np.ndarray]:
     return k, lr_at(spec, np.minimum(np.floor(np.arange(U) / k), spec.total_steps - 1).astype(np.int64))
 
 
-def _curves_from_rungs(rungs: list[RungRun], ref_tokens: float):
+def rung_curves(rungs: list[RungRun], ref_tokens: float):
     """Each rung's train loss from FIT_FROM of its steps on (past warmup: the curve model's LR-area
     term describes training after the first steep fall), in steps of ref_tokens tokens."""
     out = []
@@ -180,7 +180,7 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[
     """Hero train loss per step from the curve model, aligned to the final-loss forecast; the band
     holds the final interval (opening with progress) and the step-to-step noise of the rungs."""
     ref = min([r.spec.data.tokens_per_step for r in rungs] + [hero.data.tokens_per_step])
-    fit = fit_curves(_curves_from_rungs(rungs, ref))
+    fit = fit_curves(rung_curves(rungs, ref))
     steps_T = np.arange(hero.total_steps)
     k, lr_U = _ref_steps(hero, ref)
     n_hero = float(costs.param_counts(hero.model)["active"])
@@ -212,7 +212,9 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[
     traj = {"step": keep.tolist(), "tokens": (keep * hero.data.tokens_per_step).tolist(),
             "loss": pred_T[keep].tolist(), "lo": lo_T[keep].tolist(), "hi": hi_T[keep].tolist(), "shift": float(shift),
             "quantity": "train loss per step", "train_eval_ratio": rho, "step_noise": sigma, "method": "curve model"}
-    return traj, fit.to_dict(), rung_fits
+    model = fit.to_dict()
+    model["clock_tokens_per_step"] = ref  # the fit's step is this many tokens (a run of k x as many: step x k)
+    return traj, model, rung_fits
 
 
 def scaled_rung_trajectory(rungs: list[RungRun], hero: Spec, final: dict, n: int = 200) -> dict:

@@ -42,23 +42,34 @@ LADDER = "ladder"
 
 @dataclass
 class _Candidate:
-    """A curve model for this run: predict(steps, lr) = fit.predict(..., params) + shift."""
+    """A curve model for this run: predict(steps, lr) = fit.predict(..., params) + shift, on the fit's
+    clock (k of its steps per step of this run: a ladder model counts steps of its smallest batch)."""
 
     name: str
     fit: Any
     params: float | None = None
     shift: float = 0.0
     shift_sd: float = 0.0  # uncertainty of the level matched to the run
+    k: float = 1.0
 
-    def predict(self, steps, lr_T):
-        return np.asarray(self.fit.predict(steps, lr_T, params=self.params), dtype=np.float64) + self.shift
+    def _clock(self, steps, lr_T):
+        if self.k == 1.0:
+            return steps, lr_T
+        lr_T = np.asarray(lr_T)
+        u = np.arange(int(math.ceil(len(lr_T) * self.k)))
+        return (np.round(np.asarray(steps) * self.k).astype(np.int64),
+                lr_T[np.minimum(np.floor(u / self.k).astype(np.int64), len(lr_T) - 1)])
+
+    def predict(self, steps, lr_T, _z=None):
+        steps, lr_T = self._clock(steps, lr_T)
+        return np.asarray(self.fit.predict(steps, lr_T, params=self.params, _z=_z), dtype=np.float64) + self.shift
 
     def boot_sd(self, steps, lr_T) -> float:
         """The spread of the bootstrap refits' mean over `steps` (0 without a bootstrap)."""
         zs = getattr(self.fit, "boot_z", None)
         if zs is None or len(zs) < 2:
             return 0.0
-        draws = np.stack([np.mean(self.fit.predict(steps, lr_T, params=self.params, _z=z)) for z in zs])
+        draws = np.stack([np.mean(self.predict(steps, lr_T, _z=z)) for z in zs])
         return float(np.std(draws, ddof=1))
 
 
@@ -111,18 +122,20 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
     lr_run = lr_at(spec, np.arange(spec.total_steps))
     errors = (curves.CurveError, ValueError, FloatingPointError, ZeroDivisionError)
 
-    ladder_fit, ladder_n = None, None
+    ladder_fit, ladder_n, ladder_k = None, None, 1.0
     fc = state.forecast
     if fc is not None and fc.curve_model:
         try:
             ladder_fit = curves.CurveFit.from_dict(fc.curve_model)
             ladder_n = (fc.hero or {}).get("active_params")
+            clock = fc.curve_model.get("clock_tokens_per_step")
+            ladder_k = spec.data.tokens_per_step / float(clock) if clock else 1.0
         except errors:
             ladder_fit = None
 
     def build(name: str, mask, n_boot: int = 0) -> _Candidate:
         if name == LADDER:
-            base = _Candidate(LADDER, ladder_fit, ladder_n)
+            base = _Candidate(LADDER, ladder_fit, ladder_n, k=ladder_k)
             r = l_obs[mask] - base.predict(s_obs[mask], lr_run)
             base.shift = float(np.mean(r))
             base.shift_sd = float(np.std(r, ddof=1) / math.sqrt(len(r))) if len(r) > 1 else 0.0

@@ -35,7 +35,7 @@ import pandas as pd
 
 from analysis import law_backtest
 from analysis.curves import SIZE_PRIORS, Curve, CurveError, fit_curves
-from analysis.forecast import RungRun, forecast, trajectory_coverage
+from analysis.forecast import RungRun, final_interval, forecast, rung_curves, trajectory_forecast
 from analysis.gradnorm import RungGrad, backtest as gn_backtest
 from analysis.laws import fit_envelope
 from analysis.metrics_io import read_metrics_frame
@@ -154,22 +154,27 @@ def ladder(name: str, path: Path, boot: int) -> None:
         s = law_backtest.summarise(pred, lo, hi, act)
         row(name, "final loss: each rung from the smaller ones", "L(C) prediction interval", s["n"],
             s["mean_abs_rel_err"], s["coverage"], s["mean_rel_width"])
-    # the curve model: the largest rung's curve from the others, told only its size and schedule
-    curves = [_curve(r) for r in rungs]
-    try:
-        fit = fit_curves(curves[:-1], n_boot=boot)
-        n, e, c, w = _curve_scores(fit, [curves[-1]])
-        row(name, f"train curve of {rungs[-1].spec.name} from the smaller rungs", "MPL size law band", n, e, c, w,
-            "not converged" if not fit.converged else "")
-    except Exception as err:  # a failed fit is a result too
-        print(f"{name}: curve model failed: {err}")
+    # the curve model: the largest rung's curve (and the hero's) from the smaller runs, told only its
+    # size and schedule; curves as the forecast fits them (analysis.forecast.rung_curves)
+    runs = rungs + ([hero] if hero is not None and _finished(hero) else [])
+    curves = rung_curves(runs, min(r.spec.data.tokens_per_step for r in runs))
+    for k in range(len(rungs) - 1, len(runs)):
+        try:
+            fit = fit_curves(curves[:k], n_boot=boot)
+            n, e, c, w = _curve_scores(fit, [curves[k]])
+            row(name, f"train curve of {runs[k].spec.name} from the {k} smaller runs", "MPL size law band", n, e, c, w,
+                f"vs 25-step mean {100 * _smooth_err(fit, curves[k]):.2f}%, per-step noise {100 * _noise(curves[k]):.2f}%"
+                + ("; not converged" if not fit.converged else ""))
+        except Exception as err:  # a failed fit is a result too
+            print(f"{name}: curve model failed: {err}")
     try:  # the same, its level anchored to the compute law's forecast of the final loss (as the hero's)
-        tc = trajectory_coverage(rungs)
-        row(name, f"train curve of {rungs[-1].spec.name} from the smaller rungs", "curve model on L(C)'s final loss",
-            tc["n"], tc["mean_abs_rel_err"], tc["coverage"], tc["mean_rel_width"])
+        mean, lo, hi, _ = final_interval(rungs[:-1], rungs[-1].flops)
+        traj, _, _ = trajectory_forecast(rungs[:-1], rungs[-1].spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL})
+        _trajectory_row(name, f"train curve of {rungs[-1].spec.name} from the smaller rungs",
+                        "curve model on L(C)'s final loss", traj, rungs[-1])
     except Exception as err:
         print(f"{name}: anchored curve model failed: {err}")
-    one_size_priors(name, curves + ([_curve(hero)] if hero is not None and _finished(hero) else []), boot)
+    one_size_priors(name, curves, boot)
     gn = gn_backtest([_grad(r) for r in rungs])
     if gn:
         row(name, "grad norm: each rung >= 3rd from the smaller", "grad-norm envelope", gn["n"],
@@ -182,14 +187,8 @@ def ladder(name: str, path: Path, boot: int) -> None:
     row(name, f"hero {hero.spec.name} final eval loss", "hero final-loss interval", 1, abs(fl["mean"] / act - 1),
         float(fl["lo"] <= act <= fl["hi"]), (fl["hi"] - fl["lo"]) / fl["mean"])
     tr = fc["trajectory"]
-    m = hero.metrics.dropna(subset=["loss"])
-    steps = np.asarray(tr["step"])
-    keep = steps <= m["step"].max()
-    y = np.interp(steps[keep], m["step"], m["loss"])
-    p, l, h = (np.asarray(tr[k])[keep] for k in ("loss", "lo", "hi"))
-    s = law_backtest.summarise(p, l, h, y)
-    row(name, f"hero {hero.spec.name} train-loss trajectory", f"trajectory band ({tr.get('method', '')})", s["n"],
-        s["mean_abs_rel_err"], s["coverage"], s["mean_rel_width"])
+    _trajectory_row(name, f"hero {hero.spec.name} train-loss trajectory", f"trajectory band ({tr.get('method', '')})",
+                    tr, hero)
     g = fc["grad_norm"]
     hg = _grad(hero)
     glo, ghi, gm = (np.interp(hg.frac, g["frac"], g[k]) for k in ("lo", "hi", "mean"))
@@ -198,9 +197,30 @@ def ladder(name: str, path: Path, boot: int) -> None:
         float(np.mean((ghi - glo) / gm)))
 
 
-def _curve(r: RungRun) -> Curve:
-    df = r.metrics.dropna(subset=["loss"])
-    return Curve(df["step"].to_numpy(), df["lr"].to_numpy(), df["loss"].to_numpy(), params=r.active, name=r.spec.name)
+def _trajectory_row(name: str, split: str, method: str, tr: dict, run: RungRun) -> None:
+    """A forecast trajectory against a run's per-step train loss; the note gives the error against the
+    run's centred 25-step mean too (what a forecast of the expected loss can reach)."""
+    m = run.metrics.dropna(subset=["loss"])
+    steps = np.asarray(tr["step"])
+    keep = (steps >= m["step"].min()) & (steps <= m["step"].max())
+    smooth = m["loss"].rolling(25, center=True, min_periods=1).mean()
+    y, ys = np.interp(steps[keep], m["step"], m["loss"]), np.interp(steps[keep], m["step"], smooth)
+    p, l, h = (np.asarray(tr[k])[keep] for k in ("loss", "lo", "hi"))
+    s = law_backtest.summarise(p, l, h, y)
+    row(name, split, method, s["n"], s["mean_abs_rel_err"], s["coverage"], s["mean_rel_width"],
+        f"vs 25-step mean {100 * float(np.mean(np.abs(p / ys - 1))):.2f}%")
+
+
+def _smooth_err(fit, c: Curve) -> float:
+    smooth = pd.Series(c.loss).rolling(25, center=True, min_periods=1).mean().to_numpy()
+    return float(np.mean(np.abs(fit.predict_curve(c) / smooth - 1)))
+
+
+def _noise(c: Curve) -> float:
+    """The floor of any forecast's error on a per-step train loss: its mean relative deviation from
+    its own centred 25-step mean."""
+    smooth = pd.Series(c.loss).rolling(25, center=True, min_periods=1).mean().to_numpy()
+    return float(np.mean(np.abs(c.loss / smooth - 1)))
 
 
 def one_size_priors(name: str, curves: list[Curve], boot: int) -> None:
@@ -242,10 +262,11 @@ def unpacked(path: Path, tmp: Path) -> Path:
 
 def markdown() -> str:
     pct = lambda v: "-" if v is None else f"{100 * v:.2f}%"  # noqa: E731
-    lines = ["| dataset | split | method | n | mean error | 90% coverage | mean width |", "|---|---|---|---|---|---|---|"]
+    lines = ["| dataset | split | method | n | mean error | 90% coverage | mean width | note |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in ROWS:
         lines.append(f"| {r['dataset']} | {r['split']} | {r['method']} | {r['n']} | {pct(r['mean_abs_rel_err'])} | "
-                     f"{pct(r['coverage'])} | {pct(r['mean_rel_width'])} |")
+                     f"{pct(r['coverage'])} | {pct(r['mean_rel_width'])} | {r['note']} |")
     return "\n".join(lines)
 
 
@@ -275,7 +296,7 @@ def main() -> None:
             ladders = [Path(root) / "runs" / "proxy_cpu"] + ([H200] if (H200 / "h200_ladder.tar.gz").exists() else [])
         with tempfile.TemporaryDirectory() as tmp:
             for p in ladders:
-                ladder("h200 ladder" if p == H200 else p.name, unpacked(p, Path(tmp)), args.boot)
+                ladder("h200 ladder" if p.resolve() == H200 else p.name, unpacked(p, Path(tmp)), args.boot)
     if args.markdown:
         print()
         print(markdown())
