@@ -22,7 +22,7 @@ import pandas as pd
 
 from analysis import curve_optim
 from analysis.curve_design import Design
-from analysis.curves import Curve, fit_curves
+from analysis.curves import SIZE_PRIORS, Curve, fit_curves
 
 TRAIN = ["cosine_24000", "constant_24000", "wsdcon_9"]
 TEST = ["constant_72000", "cosine_72000", "wsd_20000_24000", "wsdld_20000_24000", "wsdcon_3", "wsdcon_18"]
@@ -110,7 +110,7 @@ def main() -> None:
     print("\n== across sizes ==")
     test100 = [load(data, "100M", n, 100e6) for n in TRAIN + TEST]
     for label, names in (("3 protocol curves", TRAIN), ("all 9 curves", TRAIN + TEST)):
-        for prior in ("kaplan", "chinchilla"):
+        for prior in SIZE_PRIORS:
             f = fit_curves([load(data, "25M", n, 25e6) for n in names], size_prior=prior)
             e = errors(f, test100)
             signed = np.mean([np.mean((f.predict_curve(c) - c.loss) / c.loss) for c in test100])
