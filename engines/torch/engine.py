@@ -309,7 +309,7 @@ class TorchStep:
         return {}
 
     def describe(self) -> dict:
-        return describe(self.options, self.device, self.opt)
+        return {**describe(self.options, self.device, self.opt), "torch_dispatch": dispatcher_name(self.model)}
 
     def finish(self, first_step: int, steps: int) -> None:
         pass
@@ -322,6 +322,11 @@ def describe(options: EngineOptions, device: torch.device, opt: torch.optim.Opti
     return {"device": str(device), "torch_fast": fast, "torch_master": isinstance(opt, MasterAdamW),
             "torch_kernels": dataclasses.asdict(kernels_here(options.torch_kernels)) if fast else None,
             "torch_ep": options.torch_ep, "cpu_threads": options.cpu_threads}
+
+
+def dispatcher_name(model: MoETransformer) -> str:
+    """The token dispatcher the model's experts use (engines/torch/dispatch.py, ep.py, dist/moe.py)."""
+    return type(model.blocks[0].moe.experts.dispatcher).__name__
 
 
 class TorchEngine:

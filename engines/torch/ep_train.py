@@ -42,6 +42,7 @@ from engines.torch.engine import (
     METRIC_KEYS,
     build_optimizer,
     cpu_threads,
+    dispatcher_name,
     optimizer_from_numpy,
     optimizer_to_numpy,
     queue_update,
@@ -154,7 +155,7 @@ class EPStep:
         o, cuda = self.options, self.ctx.device.type == "cuda"
         return {"device": str(self.ctx.device), "torch_fast": False,  # its own sharded loss, on the fp32 masters
                 "torch_master": False, "torch_kernels": dataclasses.asdict(kernels_here(o.torch_kernels)) if cuda else None,
-                "torch_ep": "processes", "cpu_threads": o.cpu_threads}
+                "torch_ep": "processes", "cpu_threads": o.cpu_threads, "torch_dispatch": dispatcher_name(self.model)}
 
     def finish(self, first_step: int, steps: int) -> None:
         write_summary(self.run_dir, self.model, self.ctx, first_step=first_step, steps=steps)

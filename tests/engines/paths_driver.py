@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from core.spec import Spec
-from engines.base import read_metrics
+from engines.base import read_metrics, read_status
 from engines.options import EngineOptions, TorchKernels
 from engines.torch.engine import TorchStep
 from engines.torch.experts import kernels_here
@@ -53,6 +53,13 @@ def spec_of(name: str) -> Spec:
 
 def _values(run_dir: Path) -> list[dict]:
     return [{k: r.get(k) for k in KEYS} for r in read_metrics(run_dir)]
+
+
+DISPATCHERS: dict[str, str] = {}  # name -> the token dispatcher its run recorded in status.json
+
+
+def _note_dispatcher(name: str, run_dir: Path) -> None:
+    DISPATCHERS[name] = read_status(run_dir)["options"].get("torch_dispatch")
 
 
 class FastCPUStep(TorchStep):
@@ -102,6 +109,7 @@ def run(name: str) -> list[dict]:
             torch.set_num_threads(1)
             module = (FastCPUStep if kind == "fast" else TorchStep)(spec, torch.device("cpu"))
             list(Trainer(spec, run_dir, module, checkpoints=False, stream=SyntheticStream(spec)).fit())
+            _note_dispatcher(name, run_dir)
             return _values(run_dir)
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
@@ -116,6 +124,7 @@ def run(name: str) -> list[dict]:
         codes = [p.exitcode for p in procs]
         if codes != [0] * world:
             raise RuntimeError(f"{name}: ranks exited {codes}")
+        _note_dispatcher(name, run_dir)
         return _values(run_dir)
 
 
@@ -127,4 +136,5 @@ if __name__ == "__main__":
                       "tests/engines/test_torch_paths.py pins them bit for bit.",
              **{name: run(name) for name in PATHS}}, indent=1) + "\n")
     else:
-        print(json.dumps({name: run(name) for name in sys.argv[1:]}))
+        values = {name: run(name) for name in sys.argv[1:]}
+        print(json.dumps({"values": values, "dispatchers": DISPATCHERS}))

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engines.paths_driver import PATHS, REFERENCE, run
+from tests.engines.paths_driver import DISPATCHERS, PATHS, REFERENCE, run
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = json.loads(REFERENCE.read_text())
@@ -33,12 +33,20 @@ def process_runs() -> dict:
 @pytest.mark.parametrize("name", IN_PROCESS)
 def test_one_device_path_steps_equal_the_recorded_ones_bit_for_bit(name):
     assert run(name) == EXPECTED[name]
+    assert DISPATCHERS[name] == ("Capacity" if "capacity" in name else "Dropless")
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PROCESSES)
 def test_process_path_steps_equal_the_recorded_ones_bit_for_bit(process_runs, name):
-    assert process_runs[name] == EXPECTED[name]
+    assert process_runs["values"][name] == EXPECTED[name]
+
+
+@pytest.mark.slow
+def test_each_process_path_ran_and_recorded_its_own_dispatcher(process_runs):
+    assert process_runs["dispatchers"] == {"ep2-capacity": "PooledWave", "ep2-dropless": "Ragged",
+                                           "mesh-dp2-ep2-capacity": "MeshPooledWave",
+                                           "mesh-dp1-ep2-dropless": "MeshRagged"}
 
 
 def test_the_recorded_paths_differ_where_their_specs_do():

@@ -44,7 +44,7 @@ from engines.torch.dist.checkpoint import (
 from engines.torch.dist.fsdp import build_sharded_model, full_arrays, grad_norm_and_clip, held_bytes, load_full, reshard
 from engines.torch.dist.mesh import MeshContext, MeshError, check_mesh, setup_mesh
 from engines.options import EngineOptions
-from engines.torch.engine import cpu_threads
+from engines.torch.engine import cpu_threads, dispatcher_name
 from engines.torch.ep_launch import die_with_parent
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS, RunHistoryError, Trainer, check_same_run
 from engines.torch.ep import step_metrics
@@ -150,6 +150,12 @@ class MeshStep:
 
     def extra(self) -> dict:
         return {"mesh": [self.mc.dp, self.mc.ep]}
+
+    def describe(self) -> dict:
+        """How this run computes (status.json and the checkpoint info): the reference forward in
+        fp32 with the mesh's dispatcher."""
+        return {"device": str(self.mc.device), "torch_fast": False, "torch_master": False,
+                "torch_dispatch": dispatcher_name(self.model)}
 
     def finish(self, first_step: int, steps: int) -> None:
         write_summary(self.run_dir, self.model, self.opt, self.mc, first_step=first_step, steps=steps)
