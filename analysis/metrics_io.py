@@ -29,6 +29,9 @@ import pandas as pd
 
 from analysis.metric_names import MetricNames
 from core.rundir import iter_run_dirs, parse_metrics_lines
+from core.schedule import lr_at
+from core.spec import load_spec
+from engines.checkpoint import list_checkpoints
 
 __all__ = ["MetricsError", "RunRef", "read_metrics_frame", "finish_frame", "tokens_from_spec", "resolve_metrics_path",
            "resolve_run", "check_spec_matches", "ALIASES"]
@@ -265,10 +268,6 @@ class RunRef:
         """Steps of the complete checkpoints in the run dir (oldest first)."""
         if self.run_dir is None:
             return []
-        try:
-            from engines.checkpoint import list_checkpoints
-        except ImportError:
-            return []
         out = []
         for d in list_checkpoints(self.run_dir):
             try:
@@ -279,8 +278,6 @@ class RunRef:
 
 
 def _run_dir_facts(run_dir: Path) -> tuple[Any, str | None]:
-    from core.spec import load_spec
-
     spec = None
     for name in SPEC_FILES:
         if (run_dir / name).exists():
@@ -352,8 +349,6 @@ def check_spec_matches(spec: Any, df: pd.DataFrame, ref: RunRef | None = None) -
     run dir, an LR column that is not this spec's schedule (from its lineage.resume_step on: the
     records before it are the parent's), tokens per step that differ, or steps past its end."""
     import numpy as np
-
-    from core.schedule import lr_at
 
     origin = ref.label if ref else "the run"
     if ref is not None and ref.spec_id and ref.spec_id != spec.id:

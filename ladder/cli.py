@@ -10,6 +10,7 @@ import sys
 import typer
 
 from ladder import commands
+from ladder.errors import run_cli
 
 app = typer.Typer(
     help="Scaling-ladder experiments for mixture-of-experts language models.",
@@ -30,8 +31,6 @@ _register_all()
 
 
 def main() -> None:
-    from ladder.errors import run_cli
-
     sys.exit(run_cli(app))
 
 

@@ -27,7 +27,7 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from ladder import ledger, localray
+from ladder import ledger, localray, tracking
 from ladder.errors import LadderError
 from ladder.experiment import Experiment, load_experiment
 from ladder.preflight import check_memory
@@ -36,6 +36,11 @@ from ladder.train_launch import check_layout as check_workers_layout
 from ladder.train_launch import infeasible as workers_infeasible
 from core.spec import Spec
 from engines.checkpoint import resume_step
+from engines.base import DivergedError, read_status, write_status
+from engines.registry import engine_names, get_engine
+from ladder.local import dispatch_local, infeasible, local_gpus
+from ladder.progress import Reporter, SweepDisplay, progress_sink
+from ladder.tracking import resolve_tracking_uri
 
 DEFER_POLL_S = 2.0
 STOP_GRACE_S = 10.0  # how long a Ctrl-C waits for workers to stop at a step before ray.cancel
@@ -55,8 +60,6 @@ def select_specs(exp: Experiment, only: str | None, include_hero: bool, engine: 
         names = ", ".join(s.name for s in exp.all_specs())
         raise LadderError(f"--only {only!r} matches no spec of experiment {exp.name!r} (specs: {names})")
     if engine:
-        from engines.registry import engine_names
-
         if engine not in engine_names():
             raise LadderError(f"unknown engine {engine!r}; registered engines: {', '.join(sorted(engine_names()))}")
         specs = [s.replace(engine=engine) for s in specs]
@@ -144,10 +147,6 @@ class StopRequested(Exception):
 def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
     """Runs on a Ray worker: claim, train with resume, release. (The controller mirrors the
     run dir into MLflow; the worker only trains.)"""
-    from engines.base import DivergedError, read_status, write_status
-    from engines.registry import get_engine
-    from ladder.progress import Reporter
-
     spec = Spec.model_validate_json(spec_json)
     rd = Path(run_dir)
     host, pid = socket.gethostname(), os.getpid()
@@ -340,8 +339,6 @@ def submit(
         return result
 
     if local:
-        from ladder.local import dispatch_local, infeasible, local_gpus
-
         why = infeasible([p.spec for p in todo], local_gpus(), os.cpu_count() or 1)
         if why:
             raise LadderError("refused before training anything, this machine can never run these: " + " | ".join(why))
@@ -357,7 +354,6 @@ def submit(
     stop_ray = _start_ray(address, ray_timeout)
     try:
         check_feasible([p.spec for p in todo], ray.nodes())
-        from ladder.progress import progress_sink
 
         def dispatch(todo, ctx, result, display, mirror):
             _dispatch(todo, ctx, result, display, max_concurrent, retries, mirror)
@@ -375,8 +371,6 @@ def _sweep(exp: Experiment, planned: list[Planned], todo: list[Planned], result:
            t_start: float, hint: str, dispatch, ctx_extra: dict[str, Any]) -> SubmitResult:
     """Train `todo` through `dispatch(todo, ctx, result, display, mirror)` (Ray tasks, or local
     subprocesses) with the submission's claims owner, MLflow mirror, progress display and summary."""
-    from ladder.progress import SweepDisplay
-
     for p in todo:
         ledger.write_spec_file(p.run_dir, p.spec)
     owner = uuid.uuid4().hex
@@ -415,15 +409,11 @@ def _sweep(exp: Experiment, planned: list[Planned], todo: list[Planned], result:
 
 def _untracked(root: Path, tracking_uri: str | None, planned: list[Planned]) -> list[Planned]:
     """Finished runs the tracking store is not known to hold in full (cheap: tracking.json)."""
-    from ladder.tracking import resolve_tracking_uri
-
     uri = resolve_tracking_uri(tracking_uri, root)
     return [p for p in planned if p.action == "skip-finished" and not ledger.tracking_complete(p.run_dir, uri, p.spec)]
 
 
 def _catch_up(console: Console, root: Path, tracking_uri: str | None, exp: Experiment, backlog: list[Planned]) -> None:
-    from ladder import tracking
-
     uri = tracking.resolve_tracking_uri(tracking_uri, root)
     tracking.bounded_http_retries()
     try:
@@ -451,8 +441,6 @@ class _Mirror:
     the run's child run from the moment a worker starts training it."""
 
     def __init__(self, console: Console, root: Path, uri: str | None, exp: Experiment, specs: list[Spec], owner: str):
-        from ladder import tracking
-
         self.uri = tracking.resolve_tracking_uri(uri, root)
         self.exp = exp
         self.sub = None
@@ -473,8 +461,6 @@ class _Mirror:
         self.pump = tracking.TrackingPump()
 
     def started(self, p: Planned) -> None:
-        from ladder import tracking
-
         if not self.pump.watching(p.spec.id):
             self.pump.watch(
                 p.spec.id,
@@ -493,8 +479,6 @@ class _Mirror:
             self.ended(p, "finished")
 
     def close(self, result: SubmitResult, status: str, timeout_s: float = 60.0) -> None:
-        from ladder import tracking
-
         synced = self.pump.close(timeout_s)
         result.tracking_s, result.tracking_open_s = self.pump.busy_s, self.pump.open_s
         for sid, out in result.outcomes.items():

@@ -40,11 +40,12 @@ from core.rundir import METRICS_FILE, SPEC_FILE, RunDir
 from engines.base import read_status
 from core.fsutil import atomic_write_json, atomic_write_text
 from ladder.errors import LadderError
+from core.spec import SpecError, load_spec
+from ladder.experiment import Experiment, load_experiment
 
 if TYPE_CHECKING:
     import pandas as pd
 
-    from ladder.experiment import Experiment
     from core.spec import Spec
 
 TRACKING_FILE = "tracking.json"
@@ -187,8 +188,6 @@ def records(
 ) -> list[RunRecord]:
     """One record per spec: the run dirs under root, plus the specs of an experiment file that
     have no run dir yet (pending). `experiment` is a name, an experiment file or an Experiment."""
-    from core.spec import load_spec
-
     root = ladder_root(root)
     exp_obj = as_experiment(experiment)
     name = exp_obj.name if exp_obj is not None else (str(experiment) if experiment else None)
@@ -231,9 +230,6 @@ def runs_frame(
 
 def as_experiment(experiment) -> "Experiment | None":
     """An Experiment from an Experiment, an experiment file or a module name; None for a bare name."""
-    from ladder.experiment import Experiment, load_experiment
-    from core.spec import SpecError
-
     if experiment is None or isinstance(experiment, Experiment):
         return experiment
     text = str(experiment)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Any, Iterable
 from core.rundir import parse_metrics_lines
 from engines.base import METRICS_FILE
 from ladder import ledger
+from core.spec import load_spec
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -593,8 +594,6 @@ class SyncResult:
 def sync_runs(root: str | Path | None = None, experiment: str | None = None, tracking_uri: str | None = None) -> list[SyncResult]:
     """Upload to MLflow whatever of each run dir it lacks; runs a live worker is training are
     left to that worker."""
-    from core.spec import load_spec
-
     root = ledger.ladder_root(root)
     uri = resolve_tracking_uri(tracking_uri, root)
     prepare_store(uri)

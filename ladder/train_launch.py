@@ -36,6 +36,7 @@ from typing import Iterator
 from core.rundir import METRICS_FILE, parse_metrics_lines
 from core.spec import Spec
 from engines.base import StepMetrics
+from engines.checkpoint import latest_checkpoint
 
 MAX_FAILURES = 3
 POLL_S = 0.5
@@ -188,7 +189,6 @@ def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True,
             shutil.rmtree(run_dir / d, ignore_errors=True)
     metrics = run_dir / METRICS_FILE
     from engines.torch.dist.checkpoint import latest_sharded
-    from engines.checkpoint import latest_checkpoint
 
     found = [int(p.name[5:]) for p in (latest_sharded(run_dir), latest_checkpoint(run_dir)) if p is not None]
     next_step = max(found, default=0)  # where the workers resume; earlier records are passed over

@@ -15,6 +15,10 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
+from analysis.metric_names import load_metric_names
+from analysis.metrics_io import check_spec_matches, tokens_from_spec
+from analysis.monitor import MonitorSettings, load_forecast, monitor
+from core.spec import load_spec
 
 EXIT_CRITICAL = 3
 TERMINAL_STATES = ("finished", "diverged", "failed")
@@ -36,10 +40,7 @@ def open_inputs(run: str | None, metrics: str | None, spec_path: str | None, roo
                 loss_col: str | None, tracking_uri: str | None = None, metric_names: str | None = None):
     """(source, frame, spec): the run's metrics through its source, and its spec (--spec, else the
     run's own: its run dir's spec.yaml, or the spec artifact of an MLflow run this project logged)."""
-    from analysis.metric_names import load_metric_names
-    from analysis.metrics_io import check_spec_matches, tokens_from_spec
     from analysis.sources import FileSource, open_source
-    from core.spec import load_spec
 
     names = load_metric_names(metric_names)
     src = open_source(run, metrics, root=root, tracking_uri=tracking_uri, names=names,
@@ -111,8 +112,6 @@ def register(app: typer.Typer) -> None:
         root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
     ) -> None:
         """Flag where a run leaves its forecast: band, spikes, grad norm, drops, router entropy, NaN, throughput."""
-        from analysis.metrics_io import tokens_from_spec
-        from analysis.monitor import MonitorSettings, load_forecast, monitor
         from analysis.monitor_plot import plot_report
 
         settings = MonitorSettings.load(settings_path, parse_overrides(overrides))

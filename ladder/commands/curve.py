@@ -27,7 +27,10 @@ from rich.console import Console
 from rich.table import Table
 
 from ladder.errors import LadderError
-from core.fsutil import json_safe
+from core.fsutil import atomic_write_text, json_safe
+from analysis.csvio import TableError, read_table
+from core.schedule import lr_at
+from core.spec import load_spec
 
 _LIST_OPTIONS = ("--train", "--predict", "--params", "--schedule")
 
@@ -89,9 +92,6 @@ def _dense_schedule(source: str) -> np.ndarray:
     """A per-step LR array from a spec file (YAML/JSON) or a per-step LR file."""
     import pandas as pd
 
-    from core.schedule import lr_at
-    from core.spec import load_spec
-
     path = Path(source)
     if not path.is_file():
         raise LadderError(f"--schedule {source}: no such file")
@@ -122,7 +122,6 @@ def _read_curve(path: Path, need_loss: bool, params: float | None = None, schedu
     """A validated Curve from a CSV; every problem is a LadderError naming the file."""
     import pandas as pd
 
-    from analysis.csvio import TableError, read_table
     from analysis.curves import Curve, CurveError
 
     try:
@@ -162,8 +161,6 @@ def _read_curve(path: Path, need_loss: bool, params: float | None = None, schedu
 
 
 def _write_csv(dest: Path, cols: dict) -> Path:
-    from core.fsutil import atomic_write_text
-
     buf = io.StringIO()
     buf.write(",".join(cols) + "\n")
     for row in zip(*cols.values()):

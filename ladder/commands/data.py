@@ -11,15 +11,17 @@ import typer
 
 from core.spec import Spec, load_spec
 from ladder.errors import LadderError
+from engines.corpus import build
+from engines.data import default_workers
+from engines.shards import prepare
+from engines.tokenizer import check_vocab, load_tokenizer, train_bpe
+from ladder.experiment import check_engine, load_experiment
 
 data_app = typer.Typer(help="Tokenizers, the offline corpus and pre-tokenized shards.", no_args_is_help=True)
 
 
 def specs_of(target: str) -> list[Spec]:
     """The specs of an experiment file (rungs, hero and extras) or of one spec file."""
-    from engines.tokenizer import check_vocab
-    from ladder.experiment import check_engine, load_experiment
-
     if target.endswith((".yaml", ".yml", ".json")):
         specs = [check_engine(load_spec(target))]
     else:
@@ -35,8 +37,6 @@ def tokenizer_cmd(
     min_frequency: int = typer.Option(2, "--min-frequency"),
 ) -> None:
     """Train a byte-level BPE with `tokenizers` and write its tokenizer.json."""
-    from engines.tokenizer import train_bpe
-
     files = []
     for c in corpus:
         found = sorted(p for p in c.parent.glob(c.name) if p.is_file()) if any(ch in str(c) for ch in "*?[") else [c]
@@ -59,8 +59,6 @@ def corpus_cmd(
     native: bool = typer.Option(True, "--native/--no-native", help="include C, C++ and CUDA sources"),
 ) -> None:
     """Build the offline corpus from installed packages (engines.corpus)."""
-    from engines.corpus import build
-
     for t in tokenizer:
         if not t.is_file():
             raise LadderError(f"--tokenizer {t}: no such file")
@@ -78,10 +76,6 @@ def prepare_cmd(
     import re
 
     from rich.progress import BarColumn, DownloadColumn, Progress, TextColumn, TimeRemainingColumn, TransferSpeedColumn
-
-    from engines.data import default_workers
-    from engines.shards import prepare
-    from engines.tokenizer import load_tokenizer
 
     specs = [s for s in specs_of(target) if not only or re.search(only, s.name)]
     jobs: dict[tuple, tuple] = {}  # one job per (source origin, tokenizer); the strictest vocabulary limit

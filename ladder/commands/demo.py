@@ -13,6 +13,9 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from ladder.commands.forecast import analysis_dir
+from ladder.experiment import load_experiment
+from ladder.ledger import is_finished, ladder_root, last_metrics, run_dir_for
 
 console = Console()
 
@@ -27,8 +30,6 @@ def _ladder(*args: str, check: bool = True, capture: bool = False) -> subprocess
 
 
 def _steps_done(run_dir: Path) -> int:
-    from ladder.ledger import last_metrics
-
     last = last_metrics(run_dir)
     return -1 if last is None else int(last["step"])
 
@@ -41,10 +42,6 @@ def register(app: typer.Typer) -> None:
         cut: float = typer.Option(0.6, "--cut", help="the replan's deadline as a share of the hero's projected time left"),
     ) -> None:
         """Train the ladder, forecast, train and watch the hero, replan it, and write the report."""
-        from ladder.commands.forecast import analysis_dir
-        from ladder.experiment import load_experiment
-        from ladder.ledger import is_finished, ladder_root, run_dir_for
-
         t0 = time.time()
         exp = load_experiment(experiment)
         root = ladder_root()
@@ -68,7 +65,6 @@ def register(app: typer.Typer) -> None:
             target = max(2, int(0.15 * hero.total_steps))
             while _steps_done(hero_dir) < target and proc.poll() is None:
                 time.sleep(1.0)
-            from ladder.ledger import last_metrics
 
             last = last_metrics(hero_dir) or {}
             tps = float(last.get("tokens_per_s") or 1.0)

@@ -9,7 +9,12 @@ import typer
 from rich.console import Console
 
 from ladder.errors import LadderError
-from ladder.ledger import inside
+from ladder.ledger import inside, is_finished, ladder_root, run_dir_for
+from analysis.metrics_io import read_metrics_frame
+from core import costs
+from core.fsutil import atomic_write_json
+from ladder.experiment import load_experiment
+from ladder.tracking import log_artifact_to_parent, log_forecast
 
 
 def analysis_dir(root: Path, experiment: str) -> Path:
@@ -41,8 +46,6 @@ def check_forecast(fc: dict, path: Path) -> None:
 
 def finished_rungs(root: Path, exp, holdout: str | None = None):
     from analysis.forecast import RungRun
-    from analysis.metrics_io import read_metrics_frame
-    from ladder.ledger import is_finished, run_dir_for
 
     rungs, missing = [], []
     for spec in exp.rungs:
@@ -73,10 +76,6 @@ def register(app: typer.Typer) -> None:
         """Fit the laws and the curve model on the finished rungs; forecast the hero (forecast.json + plot)."""
         from analysis.forecast import forecast
         from analysis.report import plot_law
-        from core import costs
-        from ladder.experiment import load_experiment
-        from core.fsutil import atomic_write_json
-        from ladder.ledger import ladder_root
 
         exp = load_experiment(experiment)
         if exp.hero is None:
@@ -96,8 +95,6 @@ def register(app: typer.Typer) -> None:
         plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, fc, None)
         if not no_tracking:
             try:
-                from ladder.tracking import log_artifact_to_parent, log_forecast
-
                 log_forecast(exp, path, tracking_uri, r)
                 log_artifact_to_parent(exp, out / "law.png", None, tracking_uri, r)
             except Exception as e:  # the forecast file is the record; tracking can catch up later
@@ -143,11 +140,7 @@ def register(app: typer.Typer) -> None:
         no_tracking: bool = typer.Option(False, "--no-tracking", help="do not attach the report to the MLflow parent run"),
     ) -> None:
         """A self-contained HTML report (plots as PNG files beside it)."""
-        from analysis.metrics_io import read_metrics_frame
         from analysis.report import build_report
-        from core import costs
-        from ladder.experiment import load_experiment
-        from ladder.ledger import is_finished, ladder_root, run_dir_for
 
         exp = load_experiment(experiment)
         r = ladder_root(root)
@@ -172,8 +165,6 @@ def register(app: typer.Typer) -> None:
                             hero_finished=hero_finished)
         if not no_tracking and forecast is not None:
             try:
-                from ladder.tracking import log_artifact_to_parent
-
                 for f in sorted(Path(out).iterdir()):
                     log_artifact_to_parent(exp, f, "report", tracking_uri, r)
             except Exception as e:  # the report on disk is the record

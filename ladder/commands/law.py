@@ -22,6 +22,8 @@ from rich.table import Table
 
 from core.fsutil import json_safe
 from ladder.errors import LadderError
+from analysis.csvio import TableError, read_table
+from analysis.isoflop import IsoflopError, fit_isoflop, group_budgets
 
 # The analysis modules (scipy, matplotlib) load when a law command runs, not with every `ladder` command.
 _KINDS = ("law", "envelope", "moe")
@@ -61,8 +63,6 @@ def _load(file: Path, cols: dict[str, str], loss_col: str, drop_highest: int, mi
           where: list[tuple[str, str]] = ()):
     """Read the CSV, keep the rows --where selects, validate the named columns (numeric, finite,
     positive), then drop the `drop_highest` highest-loss rows."""
-    from analysis.csvio import TableError, read_table
-
     if drop_highest < 0:
         raise LadderError(f"--drop-highest must be >= 0, got {drop_highest}")
     needed = [*cols.values(), loss_col]
@@ -91,8 +91,6 @@ def _load(file: Path, cols: dict[str, str], loss_col: str, drop_highest: int, mi
 
 
 def _validate(df: pd.DataFrame, file: Path, cols: list[str]) -> pd.DataFrame:
-    from analysis.csvio import TableError
-
     for c in cols:
         v = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=np.float64)
         bad = ~np.isfinite(v) | (v <= 0)
@@ -410,7 +408,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """IsoFLOP profiles (Chinchilla approach 2): a loss minimum per budget, then N*(C) and D*(C)."""
         from analysis import fitplots
-        from analysis.isoflop import IsoflopError, fit_isoflop, group_budgets
         if not tol > 0:
             raise LadderError(f"--group-tol must be positive, got {tol}")
         df = _load(file, {"N": params_col, "C": flops_col}, loss_col, 0, min_rows=3, where=_parse_where(where))

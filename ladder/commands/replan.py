@@ -18,6 +18,12 @@ from rich.console import Console
 from rich.table import Table
 
 from ladder.errors import LadderError
+from analysis.monitor import MonitorSettings, load_forecast
+from engines.checkpoint import init_from_checkpoint, step_dir_name
+from ladder import ledger
+from ladder.commands.compare import load_inputs, parse_overrides
+from ladder.controller import submit
+from ladder.experiment import Experiment
 
 
 def render(plan, console: Console) -> None:
@@ -71,9 +77,6 @@ def check_apply(plan, n: int):
 
 def apply_option(plan, n: int, root: Optional[str], console: Console) -> dict:
     """Submit option n (1-based) as a continuation of the run through the controller."""
-    from engines.checkpoint import step_dir_name
-    from ladder import ledger
-
     opt = check_apply(plan, n)
     parent_dir = plan.state.run_dir
     if parent_dir is None:
@@ -88,15 +91,11 @@ def apply_option(plan, n: int, root: Optional[str], console: Console) -> dict:
     child_dir = ledger.run_dir_for(root_path, experiment, opt.spec)
     step = int(opt.resume_step or 0)
     if step > 0:
-        from engines.checkpoint import init_from_checkpoint
-
         src = parent_dir / "checkpoints" / step_dir_name(step)
         if not src.exists():
             raise LadderError(f"--apply {n}: the parent's checkpoint {src} is gone (kept: {plan.state.checkpoints})")
         init_from_checkpoint(child_dir, src, metrics_from=parent_dir)
     ledger.write_spec_file(child_dir, opt.spec)
-    from ladder.controller import submit
-    from ladder.experiment import Experiment
 
     exp = Experiment(name=experiment, rungs=(opt.spec,))
     console.print(f"submitting option {n} ({opt.kind}) as {opt.spec.name} ({opt.spec.id}) from step {step} into {child_dir}",
@@ -131,9 +130,7 @@ def register(app: typer.Typer) -> None:
         """Options for a live run: keep, shorten the horizon, re-time the mix, fix drops, rewind a divergence."""
         import time
 
-        from analysis.monitor import MonitorSettings, load_forecast
         from analysis.replan import ReplanError, RunState, make_replan, parse_deadline, write_replan
-        from ladder.commands.compare import load_inputs, parse_overrides
 
         if not 0 < lr_factor < 1:
             raise LadderError(f"--lr-factor must be between 0 and 1 (got {lr_factor})")

@@ -7,6 +7,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from core.fsutil import atomic_write_text
+from ladder.stack_config import STACKS, load_stack_config, spec_from_stack
 
 spec_app = typer.Typer(help="Specs for runs this project did not launch.", no_args_is_help=True)
 
@@ -48,9 +50,6 @@ def from_run_cmd(
     role: str = typer.Option("hero", "--role", help="rung, hero or branch"),
 ) -> None:
     """Write a spec YAML for a run another stack trains, from its config file and a few flags."""
-    from core.fsutil import atomic_write_text
-    from ladder.stack_config import STACKS, load_stack_config, spec_from_stack
-
     if stack not in STACKS:
         raise ValueError(f"--stack {stack!r}: known stacks are {', '.join(STACKS)}")
     if out.is_dir():

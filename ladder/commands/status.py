@@ -7,13 +7,14 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from ladder.ledger import as_experiment, ladder_root, records
+from ladder.tracking import resolve_tracking_uri
 
 
 def experiment_name(experiment: str | None) -> str | None:
     """A name as given, or the name an experiment file declares."""
     if experiment is None:
         return None
-    from ladder.ledger import as_experiment
 
     exp = as_experiment(experiment)
     return exp.name if exp is not None else experiment
@@ -78,9 +79,6 @@ def register(app: typer.Typer) -> None:
         from rich.console import Console
         from rich.table import Table
 
-        from ladder.ledger import ladder_root, records
-        from ladder.tracking import resolve_tracking_uri
-
         r = ladder_root(root)
         recs = records(r, experiment, resolve_tracking_uri(tracking_uri, r))
         colour = {"finished": "green", "running": "cyan", "failed": "red", "diverged": "magenta", "pending": "dim"}
@@ -105,9 +103,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """The ledger for scripts: tab-separated lines, or JSON with --json."""
         import dataclasses
-
-        from ladder.ledger import ladder_root, records
-        from ladder.tracking import resolve_tracking_uri
 
         r = ladder_root(root)
         rows = [dataclasses.asdict(x) for x in records(r, experiment, resolve_tracking_uri(tracking_uri, r))]

@@ -6,6 +6,8 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from ladder.controller import submit
+from ladder.datacheck import refuse_repeats
 
 
 def register(app: typer.Typer) -> None:
@@ -29,9 +31,6 @@ def register(app: typer.Typer) -> None:
                                             help="train diverged specs again, from their newest intact checkpoint"),
     ) -> None:
         """Train the experiment's rungs (finished ones are skipped, interrupted ones resume)."""
-        from ladder.controller import submit
-        from ladder.datacheck import refuse_repeats
-
         refuse_repeats(experiment, only=only, include_hero=include_hero)  # data seen twice: one line, exit 2
         try:
             result = submit(

@@ -6,6 +6,10 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from ladder.commands.status import experiment_name
+from ladder.errors import LadderError
+from ladder.ledger import ladder_root
+from ladder.tracking import resolve_tracking_uri, sync_runs
 
 
 def register(app: typer.Typer) -> None:
@@ -18,11 +22,6 @@ def register(app: typer.Typer) -> None:
         """Upload missing metrics of every run (nothing is sent twice)."""
         from rich.console import Console
         from rich.table import Table
-
-        from ladder.commands.status import experiment_name
-        from ladder.errors import LadderError
-        from ladder.tracking import resolve_tracking_uri, sync_runs
-        from ladder.ledger import ladder_root
 
         r = ladder_root(root)
         uri = resolve_tracking_uri(tracking_uri, r)

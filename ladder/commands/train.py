@@ -8,6 +8,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from core.spec import load_spec
+from engines.base import DivergedError, read_status
+from engines.registry import engine_names, get_engine
+from ladder.errors import LadderError
+from ladder.preflight import check_memory
 
 
 def register(app: typer.Typer) -> None:
@@ -26,12 +31,6 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Train one spec in-process with a progress bar (step, loss, tokens/s)."""
         from rich.console import Console
-
-        from engines.base import DivergedError, read_status
-        from engines.registry import engine_names, get_engine
-        from ladder.errors import LadderError
-        from ladder.preflight import check_memory
-        from core.spec import load_spec
 
         spec = load_spec(spec_path)
         if engine is not None:
