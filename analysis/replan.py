@@ -61,7 +61,7 @@ from analysis.metrics_io import RunRef
 from analysis.monitor import Forecast, MonitorReport, MonitorSettings, measured_tokens_per_s, monitor, planned_tokens_per_s
 from analysis.replan_specs import derive, shorten_spec
 from analysis.run_forecaster import Forecaster, curve_forecaster
-from core.spec import Rejoin, Spec, save_spec
+from core.spec import Spec, save_spec
 from core import costs
 from core.fsutil import atomic_write_text
 
