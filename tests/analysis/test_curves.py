@@ -382,7 +382,7 @@ def test_cli_params_per_file_and_a_dense_schedule_file(tmp_path):
     assert doc["predict"][0]["params"] == 1e8 and doc["fit"]["sizes"] == [25e6]
     out = pd.read_csv(tmp_path / "out" / "wsdcon_3.csv")
     assert np.allclose(out["lr"], lr_dense[out["step"]])
-    assert any("kaplan prior" in w for w in doc["warnings"])
+    assert any("kaplan-floor prior" in w for w in doc["warnings"])
 
 
 def test_cli_schedule_for_an_unknown_file_exits_2(tmp_path):
