@@ -136,3 +136,33 @@ def test_forecast_reports_warnings_and_the_coverage_of_every_interval(trained_la
     assert gn["n"] > 0 and 0.0 <= gn["coverage"] <= 1.0 and gn["mean_rel_width"] > 0
     assert "coverage" in d["coverage"]["trajectory"] or "error" in d["coverage"]["trajectory"]
     json.dumps(d)  # forecast.json is strict JSON
+
+
+def test_the_h200_heros_trajectory_from_rungs_of_different_batches_follows_its_run(tmp_path):
+    """The committed H200 ladder (docs/results): its rungs' batches differ, so the curve model counts
+    steps in tokens of the smallest batch; fitted on the four rungs and anchored to the law, the hero's
+    trajectory lies within 5% of the hero's own 25-step mean loss (bench/forecast_backtest.py: 3.4%)."""
+    import tarfile
+
+    import numpy as np
+
+    from analysis.forecast import RungRun, forecast
+    from analysis.metrics_io import read_metrics_frame
+    from core.rundir import iter_run_dirs
+    from core.spec import load_spec
+
+    with tarfile.open(ROOT / "docs" / "results" / "h200_ladder" / "h200_ladder.tar.gz") as tar:
+        tar.extractall(tmp_path, filter="data")
+    runs = [RungRun(load_spec(rd.spec_path), rd.path, read_metrics_frame(rd.metrics_path)) for rd in iter_run_dirs(tmp_path)]
+    rungs = [r for r in runs if r.spec.role == "rung"]
+    hero = next(r for r in runs if r.spec.role == "hero")
+    batches = {r.spec.data.tokens_per_step for r in runs}
+    assert len(batches) > 1
+    fc = forecast("h200", rungs, hero.spec)
+    assert fc.curve_model_error is None and fc.trajectory["method"] == "curve model"
+    assert fc.curve_model["clock_tokens_per_step"] == min(batches)
+    m = hero.metrics.dropna(subset=["loss"])
+    smooth = m["loss"].rolling(25, center=True, min_periods=1).mean()
+    steps = np.asarray(fc.trajectory["step"])
+    err = np.abs(np.asarray(fc.trajectory["loss"]) / np.interp(steps, m["step"], smooth) - 1)
+    assert err.mean() < 0.05

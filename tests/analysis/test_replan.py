@@ -131,8 +131,11 @@ def test_the_continuation_final_loss_lands_in_the_replan_forecast_interval(short
 
 @pytest.mark.slow
 @pytest.mark.xfail(strict=True, reason="known gap: on the no-repeat data stream this 80-step micro run's curve fit "
-                   "extrapolates low (a mean under 1.97 against 2.66) and its own holdout error, extrapolated per step, "
-                   "widens the interval to 0-3.9; the interval is honest but says nothing")
+                   "extrapolates low (a mean near 1.6 against 2.6): its LR decays from the start, so over its 64 "
+                   "post-warmup points the LR's fall and the step count's move together and the fit cannot tell the "
+                   "annealing term B from the power law (B runs to ~900); its own holdout error, extrapolated per "
+                   "step, widens the interval to 0-3.9. Honest, but it says nothing; with no ladder there is no "
+                   "prior on B to lean on")
 def test_the_replan_forecast_interval_is_narrower_than_the_fall_so_far(shortened):
     plan, _, _ = shortened
     short = plan["options"][1]
