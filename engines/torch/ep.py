@@ -15,7 +15,8 @@ column, -1 in unused rows) goes through dist.all_to_all_single; the receiver ran
 per local expert in (wave, source, row) order, keeps at most C_recv, runs its experts on a fixed
 [E/ep, C_recv, L] buffer, and the outputs go back the same way. Drops are counted where they
 happen (send drops at the source, receive drops at the destination) and summed over ranks. The
-same rules as the emulated shards of engines/torch/model.py, so the same drops by construction.
+same rules as the emulated shards of engines/torch/dispatch.py (Capacity), so the same drops by
+construction.
 
 Dropless dispatch with ep > 1 uses a ragged all-to-all: counts per (destination, local expert)
 first, then the rows with variable split sizes (one host sync per layer for the sizes).

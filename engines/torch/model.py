@@ -140,7 +140,7 @@ class Experts(nn.Module):
     Its forward is the whole dispatch, so a wrapper hooking the module (FSDP2) holds the expert
     weights for exactly that long."""
 
-    def __init__(self, E: int, L: int, Fh: int, dispatcher=None):
+    def __init__(self, E: int, L: int, Fh: int, dispatcher):
         super().__init__()
         self.w_gate = _param(E, L, Fh)
         self.w_up = _param(E, L, Fh)
