@@ -11,7 +11,9 @@ forecast.json.
   their sizes (each from FIT_FROM of its steps on, its clock in steps of the smallest batch's tokens so
   that rungs of different batch sizes share the LR area per token), evaluated at the hero's size under
   lr_at(hero, step); it is then shifted to end on the law's final loss so the two forecasts agree
-  (the compute law anchors the size dependence), and its band grows to the final interval.
+  (the compute law anchors the size dependence), and its band grows to the final interval; its
+  half-widths are then scaled by the factor that would have held LEVEL of the largest rung's curve
+  forecast the same way from the smaller rungs (calibrate_trajectory).
 - Grad norm: analysis.gradnorm (log grad norm per bin of the fraction of training, linear in log
   active params with one slope; band from nested leave-largest-out backtests).
 
@@ -48,6 +50,7 @@ Z90 = 1.6448536269514722
 # the curve model is fitted on each rung from this fraction of its steps on (chosen over 0, 0.05 by the
 # leave-largest-out backtests of both ladders; the multipower curves start 9% in, after their warmup)
 FIT_FROM = 0.1
+CALIB_MIN, CALIB_MAX = 0.5, 10.0  # the trajectory band's calibration factor is kept in this range
 
 
 @dataclass
@@ -257,8 +260,27 @@ def trajectory_coverage(rungs: list[RungRun]) -> dict | None:
     y = np.interp(steps[keep], df["step"], df["loss"])
     p, l, h = (np.asarray(traj[k])[keep] for k in ("loss", "lo", "hi"))
     out = law_backtest.summarise(p, l, h, y)
-    out.update(method=f"{target.spec.name}'s train loss from the smaller rungs", level=LEVEL)
+    # the factor by which the band's half-widths (each side its own) would hold LEVEL of these points
+    half = np.where(y >= p, h - p, p - l)
+    ok = half > 0
+    factor = float(np.clip(np.quantile(np.abs(y - p)[ok] / half[ok], LEVEL), CALIB_MIN, CALIB_MAX)) if ok.any() else 1.0
+    out.update(method=f"{target.spec.name}'s train loss from the smaller rungs", level=LEVEL, calibration_factor=factor)
     return out
+
+
+def calibrate_trajectory(traj: dict, backtest: dict | None) -> None:
+    """Scale the trajectory band's half-widths by the backtest's calibration factor (the largest
+    rung's curve forecast from the others, as the hero's is), so that LEVEL of that rung's points
+    would have fallen inside; the hero's own run is then the independent check."""
+    factor = (backtest or {}).get("calibration_factor")
+    if not factor or not traj.get("loss"):
+        traj["calibration"] = {"factor": 1.0, "method": "none: no backtest of the trajectory on this ladder"}
+        return
+    p, lo, hi = (np.asarray(traj[k], dtype=float) for k in ("loss", "lo", "hi"))
+    traj["lo"] = (p - factor * (p - lo)).tolist()
+    traj["hi"] = (p + factor * (hi - p)).tolist()
+    traj["calibration"] = {"factor": factor, "method": "half-widths x the factor that holds "
+                           f"{LEVEL:.0%} of the largest rung's points forecast from the smaller rungs"}
 
 
 def memorisation_warnings(rungs: list[RungRun]) -> list[str]:
@@ -351,6 +373,7 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> HeroForecast:
         fc.coverage["trajectory"] = trajectory_coverage(rungs)
     except Exception as e:  # a backtest that cannot be made is reported, not fatal
         fc.coverage["trajectory"] = {"error": f"{type(e).__name__}: {e}"}
+    calibrate_trajectory(fc.trajectory, fc.coverage["trajectory"])
     for k, v in fc.coverage.items():
         if v is None:
             fc.warnings.append(f"the {k.replace('_', ' ')} interval has no backtest on this ladder (too few rungs): "
