@@ -138,27 +138,42 @@ def test_forecast_reports_warnings_and_the_coverage_of_every_interval(trained_la
     json.dumps(d)  # forecast.json is strict JSON
 
 
-def test_the_h200_heros_trajectory_from_rungs_of_different_batches_follows_its_run(tmp_path):
-    """The committed H200 ladder (docs/results): its rungs' batches differ, so the curve model counts
-    steps in tokens of the smallest batch; fitted on the four rungs and anchored to the law, the hero's
-    trajectory lies within 5% of the hero's own 25-step mean loss (bench/forecast_backtest.py: 3.4%)."""
-    import tarfile
 
-    import numpy as np
+@pytest.fixture(scope="module")
+def h200_forecast(tmp_path_factory):
+    """The committed H200 ladder's runs (docs/results) and the hero's forecast from its four rungs."""
+    import tarfile
 
     from analysis.forecast import RungRun, forecast
     from analysis.metrics_io import read_metrics_frame
     from core.rundir import iter_run_dirs
     from core.spec import load_spec
 
+    root = tmp_path_factory.mktemp("h200")
     with tarfile.open(ROOT / "docs" / "results" / "h200_ladder" / "h200_ladder.tar.gz") as tar:
-        tar.extractall(tmp_path, filter="data")
-    runs = [RungRun(load_spec(rd.spec_path), rd.path, read_metrics_frame(rd.metrics_path)) for rd in iter_run_dirs(tmp_path)]
-    rungs = [r for r in runs if r.spec.role == "rung"]
+        tar.extractall(root, filter="data")
+    runs = [RungRun(load_spec(rd.spec_path), rd.path, read_metrics_frame(rd.metrics_path)) for rd in iter_run_dirs(root)]
     hero = next(r for r in runs if r.spec.role == "hero")
+    return runs, hero, forecast("h200", [r for r in runs if r.spec.role == "rung"], hero.spec)
+
+
+def _on_hero_steps(fc, hero, key):
+    import numpy as np
+
+    m = hero.metrics.dropna(subset=["loss"])
+    steps = np.asarray(fc.trajectory["step"])
+    return m, steps, np.interp(m["step"], steps, fc.trajectory[key])
+
+
+def test_the_h200_heros_trajectory_from_rungs_of_different_batches_follows_its_run(h200_forecast):
+    """The H200 rungs' batches differ, so the curve model counts steps in tokens of the smallest
+    batch; fitted on the four rungs and anchored to the law, the hero's trajectory lies within 5% of
+    the hero's own 25-step mean loss (bench/forecast_backtest.py: 3.4%)."""
+    import numpy as np
+
+    runs, hero, fc = h200_forecast
     batches = {r.spec.data.tokens_per_step for r in runs}
     assert len(batches) > 1
-    fc = forecast("h200", rungs, hero.spec)
     assert fc.curve_model_error is None and fc.trajectory["method"] == "curve model"
     assert fc.curve_model["clock_tokens_per_step"] == min(batches)
     m = hero.metrics.dropna(subset=["loss"])
@@ -166,3 +181,16 @@ def test_the_h200_heros_trajectory_from_rungs_of_different_batches_follows_its_r
     steps = np.asarray(fc.trajectory["step"])
     err = np.abs(np.asarray(fc.trajectory["loss"]) / np.interp(steps, m["step"], smooth) - 1)
     assert err.mean() < 0.05
+
+
+def test_the_h200_heros_calibrated_trajectory_band_holds_about_90pct_of_its_steps(h200_forecast):
+    """The band's half-widths are scaled by the factor the largest rung's backtest asks for; on the
+    hero, which no part of the forecast saw, it holds 91% of the per-step train losses."""
+    import numpy as np
+
+    _, hero, fc = h200_forecast
+    assert fc.trajectory["calibration"]["factor"] == fc.coverage["trajectory"]["calibration_factor"] != 1.0
+    m, steps, lo = _on_hero_steps(fc, hero, "lo")
+    _, _, hi = _on_hero_steps(fc, hero, "hi")
+    inside = ((m["loss"] >= lo) & (m["loss"] <= hi))[(m["step"] >= steps[0]) & (m["step"] <= steps[-1])]
+    assert 0.85 <= float(np.mean(inside)) <= 0.97
