@@ -89,7 +89,10 @@ def test_nan_stops_the_run_and_keeps_the_last_good_checkpoint(tmp_path):
 
 
 def test_every_step_reports_its_own_throughput(run):
-    # steps are read one late: each record's time must still be its own step's (the first,
-    # which compiles, aside)
-    tps = np.array([r.tokens_per_s for r in run[1][1:]])
-    assert np.all(tps < 20 * np.median(tps)) and np.all(tps > np.median(tps) / 20)
+    # steps are read one late: each record's time must still be its own step's. Step 0 compiles;
+    # were its time read with step 1's, step 1 would carry the compilation (a load stall of a
+    # quarter of a compilation is what this leaves room for, not a 20x step-to-step ratio)
+    tps = np.array([r.tokens_per_s for r in run[1]])
+    assert np.all(np.isfinite(tps)) and np.all(tps > 0)
+    seconds = 1.0 / tps  # per token, so per step up to the constant tokens a step
+    assert seconds[1] < seconds[0] / 4 and np.median(seconds[1:]) < seconds[0] / 4
