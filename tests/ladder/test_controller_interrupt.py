@@ -24,7 +24,7 @@ from ladder.experiment import load_experiment
 
 pytestmark = pytest.mark.slow
 
-STEPS = 40
+STEPS = 80  # long enough that a starved poller still sends its Ctrl-C before all four finish
 # four rungs: a Ctrl-C that comes late (a busy machine) can leave the first two finished, and the
 # second submission still needs two to train (one finished and one mid-way when it is killed)
 RUNGS = [("a", {}), ("b", {"seed": 1}), ("c", {"seed": 2}), ("d", {"seed": 3})]
