@@ -148,6 +148,7 @@ def fit_curves(
     calibrate: bool | None = None,
     level: float = 0.9,
     size_law: str = "additive",
+    floor_law: tuple[float, float] | None = None,
 ) -> CurveFit:
     """Fit `model` ("mpl" or "lra") to `curves` with shared parameters (a size law across sizes when
     the curves carry several `params` values). n_boot > 0 adds block-bootstrap refits for bands.
@@ -156,6 +157,8 @@ def fit_curves(
     size_law: "additive" (several sizes: only L0 = E + a N^-p moves with N) or "slopes" (log A, log alpha,
     log B linear in log N too). size_prior: "kaplan-floor", "kaplan" or "chinchilla", how a one-size fit predicts another size. calibrate (default:
     with n_boot > 0) measures the band's calibration factor leave-one-curve-out at `level`.
+    floor_law: (E, p), the floor's size law L0(N) = E + a (N/N_ref)^-p held there instead of fitted
+    (curves of three or more sizes), e.g. from a ladder's compute law (analysis.forecast.floor_law).
     Raises CurveError for unusable input, CurveFitError when the fit does not converge."""
     if size_law not in SIZE_LAWS:
         raise CurveError(f"unknown size law {size_law!r}; choose one of {', '.join(SIZE_LAWS)}")
@@ -167,10 +170,10 @@ def fit_curves(
     # L-BFGS-B makes thousands of tiny BLAS calls; a multi-threaded BLAS spins its threads on each
     # one and on a busy machine runs many times slower than one thread.
     if threadpool_limits is None:
-        fit = _fit_curves(curves, model, n_boot, seed, joint, exact, size_law)
+        fit = _fit_curves(curves, model, n_boot, seed, joint, exact, size_law, floor_law)
         return _finish(fit, curves, model, joint, size_prior, calibrate, level)
     with threadpool_limits(limits=1, user_api="blas"):
-        fit = _fit_curves(curves, model, n_boot, seed, joint, exact, size_law)
+        fit = _fit_curves(curves, model, n_boot, seed, joint, exact, size_law, floor_law)
         return _finish(fit, curves, model, joint, size_prior, calibrate, level)
 
 
@@ -230,9 +233,11 @@ def _calibrate(fit: CurveFit, curves, model, joint, size_prior, level) -> tuple[
         if c.params is not None and c.params not in {x.params for x in rest}:
             continue
         try:
-            sub = _fit_curves(rest, model, 0, 0, joint, False, fit.size_law)
+            floor = fit.info.get("floor_law")
+            floor = (floor["E"], floor["p"]) if floor else None
+            sub = _fit_curves(rest, model, 0, 0, joint, False, fit.size_law, floor)
             designs = [Design(model, x.step, x.lr_per_step) for x in rest]
-            sub.extrap_rel = _backtest_extrapolation(rest, designs, model, joint, fit.size_law)
+            sub.extrap_rel = _backtest_extrapolation(rest, designs, model, joint, fit.size_law, floor)
             sub.size_prior, sub.sizes = size_prior, list(sub.info.get("sizes") or [])
             pred = sub.predict_curve(c)
         except CurveError:
@@ -249,7 +254,7 @@ def _calibrate(fit: CurveFit, curves, model, joint, size_prior, level) -> tuple[
                "factor": k, "coverage_uncalibrated": float(np.mean(r <= zq))}
 
 
-def _fit_curves(curves, model, n_boot, seed, joint, exact, size_law="additive") -> CurveFit:
+def _fit_curves(curves, model, n_boot, seed, joint, exact, size_law="additive", floor_law=None) -> CurveFit:
     t0 = time.perf_counter()
     if model not in MODELS:
         raise CurveError(f"unknown curve model {model!r}; choose one of {', '.join(MODELS)}")
@@ -295,6 +300,13 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact, size_law="additive") 
             thetas.append(r.x)
         z0 = sized_start(thetas, [math.log(n) for n in sizes], law)
         bounds = bounds_for(law, y_min)
+        if floor_law is not None:
+            if kind != "many":
+                raise CurveError(f"a given floor law needs curves of three or more sizes, got {len(sizes)}")
+            E, p = float(floor_law[0]), float(floor_law[1])
+            if not (math.isfinite(E) and math.isfinite(p) and 0 <= E < y_min and p > 0):
+                raise CurveError(f"floor law E={E:g}, p={p:g}: need 0 <= E < the lowest loss ({y_min:g}) and p > 0")
+            bounds = fix_bound(fix_bound(bounds, law.names.index("E"), E), law.names.index("p"), math.log(p))
         fixed = {}
         if model == "mpl" and not joint:
             for name in [n for n in ("B", "s_B") if n in law.names]:
@@ -334,7 +346,7 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact, size_law="additive") 
     fit.s1_max = float(max(math.exp(d.logS1_n[-1]) for d in designs))
     if n_boot > 0:
         fit.boot_z = _bootstrap(model, law, best.x, bounds, designs, ys, log_ns, eta_ref, n_boot, seed, joint)
-        fit.extrap_rel = _backtest_extrapolation(curves, designs, model, joint, size_law)
+        fit.extrap_rel = _backtest_extrapolation(curves, designs, model, joint, size_law, floor_law)
 
     fit.info = {
         "objective": float(best.fun),
@@ -343,13 +355,14 @@ def _fit_curves(curves, model, n_boot, seed, joint, exact, size_law="additive") 
         "sizes": sizes,
         "iterations": int(best.nit),
         "converged": fit.converged,
+        **({"floor_law": {"E": float(floor_law[0]), "p": float(floor_law[1])}} if floor_law is not None else {}),
         "train": per_curve,
         "seconds": round(time.perf_counter() - t0, 3),
     }
     return fit
 
 
-def _backtest_extrapolation(curves, designs, model, joint, size_law="additive") -> float:
+def _backtest_extrapolation(curves, designs, model, joint, size_law="additive", floor_law=None) -> float:
     """Relative error per e-fold of LR area when extrapolating: refit on each curve's points up to
     half its final LR area, predict the rest; least squares of |error| against log(S1 / S1_cut)."""
     early, late = [], []
@@ -362,7 +375,7 @@ def _backtest_extrapolation(curves, designs, model, joint, size_law="additive") 
     if not early:
         return 0.0
     try:
-        bt = _fit_curves(early, model, 0, 0, joint, False, size_law)
+        bt = _fit_curves(early, model, 0, 0, joint, False, size_law, floor_law)
     except CurveError:
         return 0.0
     num = den = 0.0

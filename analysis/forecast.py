@@ -170,6 +170,15 @@ def rung_curves(rungs: list[RungRun], ref_tokens: float):
     return out
 
 
+def floor_law(rungs: list[RungRun]) -> tuple[float, float]:
+    """(E, p) for a curve size law's floor L0(N) = E + a N^-p from the ladder's compute law
+    L(C) = E + A C^-alpha on the rungs' final losses: its E, and p = alpha x k where the rungs' compute
+    grows as N^k (least squares of log C on log N). bench/forecast_backtest.py measures it."""
+    fit = _law(rungs).to_dict()
+    k = float(np.polyfit(np.log([r.active for r in rungs]), np.log([r.flops for r in rungs]), 1)[0])
+    return float(fit["E"]), float(fit["alpha"]) * k
+
+
 def train_eval_ratio(rungs: list[RungRun]) -> float:
     """Train loss over the last 5% of steps / final eval loss, of the largest rung: the trajectory
     forecasts the per-step train loss a run logs, the law its final eval loss."""

@@ -35,7 +35,7 @@ import pandas as pd
 
 from analysis import law_backtest
 from analysis.curves import SIZE_PRIORS, Curve, CurveError, fit_curves
-from analysis.forecast import RungRun, final_interval, forecast, rung_curves, trajectory_forecast
+from analysis.forecast import RungRun, final_interval, floor_law, forecast, rung_curves, trajectory_forecast
 from analysis.gradnorm import RungGrad, backtest as gn_backtest
 from analysis.laws import fit_envelope
 from analysis.metrics_io import read_metrics_frame
@@ -167,6 +167,15 @@ def ladder(name: str, path: Path, boot: int) -> None:
                 + ("; not converged" if not fit.converged else ""))
         except Exception as err:  # a failed fit is a result too
             print(f"{name}: curve model failed: {err}")
+        try:  # the same with the floor's size law (E, p) held at the compute law's of those runs
+            E, p = floor_law(runs[:k])
+            fit = fit_curves(curves[:k], n_boot=boot, floor_law=(E, p))
+            n, e, c, w = _curve_scores(fit, [curves[k]])
+            row(name, f"train curve of {runs[k].spec.name} from the {k} smaller runs",
+                f"MPL size law, floor E {E:.3g} p {p:.3f} from L(C)", n, e, c, w,
+                f"vs 25-step mean {100 * _smooth_err(fit, curves[k]):.2f}%" + ("; not converged" if not fit.converged else ""))
+        except Exception as err:
+            print(f"{name}: curve model with the compute law's floor failed: {err}")
     try:  # the same, its level anchored to the compute law's forecast of the final loss (as the hero's)
         mean, lo, hi, _ = final_interval(rungs[:-1], rungs[-1].flops)
         traj, _, _ = trajectory_forecast(rungs[:-1], rungs[-1].spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL})

@@ -389,3 +389,17 @@ def test_cli_schedule_for_an_unknown_file_exits_2(tmp_path):
     cmd = [*LADDER, "curve", "fit", "--train", str(DATA / "25M" / "cosine_24000.csv"), "--schedule", "nope.csv=x.yaml"]
     r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
     assert r.returncode == 2 and "none of the --train/--predict files" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_a_given_floor_law_is_held_and_needs_three_sizes():
+    """floor_law=(E, p) (e.g. from a ladder's compute law) holds the floor's size law there instead of fitting it."""
+    curves = []
+    for n, shift in ((1e6, 0.4), (2e6, 0.3), (4e6, 0.22)):
+        for c in _synthetic(["cosine", "step"], _mpl({**PAPER_25M, "L0": 2.0 + shift}), noise=1e-3):
+            c.params = n
+            curves.append(c)
+    fit = fit_curves(curves, floor_law=(1.5, 0.4))
+    assert fit.params["E"] == pytest.approx(1.5) and fit.params["p"] == pytest.approx(0.4)
+    assert fit.info["floor_law"] == {"E": 1.5, "p": 0.4}
+    with pytest.raises(CurveError, match="three or more sizes"):
+        fit_curves([c for c in curves if c.params != 4e6], floor_law=(1.5, 0.4))
