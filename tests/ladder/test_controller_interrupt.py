@@ -24,7 +24,7 @@ from ladder.experiment import load_experiment
 
 pytestmark = pytest.mark.slow
 
-STEPS = 80  # long enough that a starved poller still sends its Ctrl-C before all four finish
+STEPS = 40
 # four rungs: a Ctrl-C that comes late (a busy machine) can leave the first two finished, and the
 # second submission still needs two to train (one finished and one mid-way when it is killed)
 RUNGS = [("a", {}), ("b", {"seed": 1}), ("c", {"seed": 2}), ("d", {"seed": 3})]
@@ -40,10 +40,17 @@ def last_step(run_dir: Path) -> int:
     return -1 if rec is None else rec["step"]
 
 
+def _terminal_sigint() -> None:
+    """A Ctrl-C from a terminal: SIGINT at its default, even where the tests themselves run with it
+    ignored (a non-interactive shell's `make test &` hands its background jobs SIGINT ignored)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_submit(path: Path, root: Path) -> subprocess.Popen:
     return subprocess.Popen(
         [sys.executable, "-m", "ladder.cli", "submit", str(path), "--root", str(root)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+        preexec_fn=_terminal_sigint,
     )
 
 
