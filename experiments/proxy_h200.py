@@ -22,7 +22,7 @@ width d/2 inside a latent of d/2, 2 shared experts, head dim 64 with KV heads = 
   from its context; with one batch for all, the small rungs stopped after 130-600 steps, before
   that fall, and the law fitted to them missed the largest rung by 35%. Eval reads the same
   512K held-out tokens at every size (8 batches of 64, 64 of 8), every 100 steps or 1/20 of
-  the run, whichever is longer.
+  the run, whichever is longer (the hero every 100 steps, as it ran).
 - Peak LR 0.04 / sqrt(d) (2.9e-3 at d192, 1.8e-3 at d512), as the byte-level ladder used.
 - Checkpoints every 1,000 steps (a resumed run loses
   at most a minute; each checkpoint of the hero is about 1.5 GB).

@@ -26,12 +26,16 @@ EXPERIMENT = ROOT / "experiments" / "proxy_h200.py"
 PROBES = ROOT / "experiments" / "probe_h200.py"
 
 
-@pytest.fixture(scope="module")
-def ladder_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("h200")
-    with tarfile.open(RESULTS / "h200_ladder.tar.gz") as tar:
+def _unpack(tmp_path_factory, tarball: str) -> Path:
+    root = tmp_path_factory.mktemp(tarball.split(".")[0])
+    with tarfile.open(RESULTS / tarball) as tar:
         tar.extractall(root / "runs", filter="data")
     return root
+
+
+@pytest.fixture(scope="module")
+def ladder_root(tmp_path_factory) -> Path:
+    return _unpack(tmp_path_factory, "h200_ladder.tar.gz")
 
 
 def _runs(root: Path, experiment: str = "proxy_h200") -> dict[str, RunDir]:
@@ -40,34 +44,28 @@ def _runs(root: Path, experiment: str = "proxy_h200") -> dict[str, RunDir]:
 
 @pytest.fixture(scope="module")
 def probe_root(tmp_path_factory) -> Path:
-    root = tmp_path_factory.mktemp("h200-probes")
-    with tarfile.open(RESULTS / "probes.tar.gz") as tar:
-        tar.extractall(root / "runs", filter="data")
-    return root
+    return _unpack(tmp_path_factory, "probes.tar.gz")
 
 
-def test_the_committed_runs_are_the_experiment_as_declared(ladder_root):
-    """Each run dir holds the spec the experiment file declares today (same id), finished on its last step."""
-    runs = _runs(ladder_root)
-    exp = load_experiment(EXPERIMENT)
+def _assert_declared(root: Path, experiment: Path) -> None:
+    """Each run dir holds a spec the experiment file declares today (same id), finished on its last step."""
+    exp = load_experiment(experiment)
+    runs = _runs(root, exp.name)
     assert sorted(runs) == sorted(s.name for s in exp.all_specs())
     for spec in exp.all_specs():
         rd = runs[spec.name]
         assert load_spec(rd.spec_path).id == spec.id == rd.path.name.rsplit("-", 1)[1]
         assert rd.read_status()["state"] == "finished"
         assert [r["step"] for r in rd.read_metrics(warn=None)] == list(range(spec.total_steps))
+
+
+def test_the_committed_runs_are_the_experiment_as_declared(ladder_root):
+    _assert_declared(ladder_root, EXPERIMENT)
 
 
 def test_the_committed_probes_are_the_probe_experiment_as_declared(probe_root):
     """The batch and LR probes beside the ladder: the specs experiments/probe_h200.py declares, finished."""
-    runs = _runs(probe_root, "probe_h200")
-    exp = load_experiment(PROBES)
-    assert sorted(runs) == sorted(s.name for s in exp.all_specs())
-    for spec in exp.all_specs():
-        rd = runs[spec.name]
-        assert load_spec(rd.spec_path).id == spec.id == rd.path.name.rsplit("-", 1)[1]
-        assert rd.read_status()["state"] == "finished"
-        assert [r["step"] for r in rd.read_metrics(warn=None)] == list(range(spec.total_steps))
+    _assert_declared(probe_root, PROBES)
 
 
 def test_no_run_read_a_token_twice(ladder_root):
