@@ -11,9 +11,13 @@ forecast.json.
   their sizes (each from FIT_FROM of its steps on, its clock in steps of the smallest batch's tokens so
   that rungs of different batch sizes share the LR area per token), evaluated at the hero's size under
   lr_at(hero, step); it is then shifted to end on the law's final loss so the two forecasts agree
-  (the compute law anchors the size dependence), and its band grows to the final interval; its
-  half-widths are then scaled by the factor that would have held LEVEL of the largest rung's curve
-  forecast the same way from the smaller rungs (calibrate_trajectory).
+  (the compute law anchors the size dependence), and its band grows to the final interval. Where the
+  rungs read the hero's tokens (the same data stream, at any batch size) the trajectory carries the
+  rungs' per-step deviations from their own trend there (analysis.stream_residual: the batch
+  content's share of the step-to-step noise), and the band's noise term there is the scatter they
+  leave (leave-one-rung-out). Its half-widths are then scaled by the factor that would have held
+  LEVEL of the largest rung's curve forecast the same way from the smaller rungs, measured
+  separately on the steps that carry stream deviations and on the rest (calibrate_trajectory).
 - Grad norm: analysis.gradnorm (log grad norm per bin of the fraction of training, linear in log
   active params with one slope; band from nested leave-largest-out backtests).
 
@@ -40,6 +44,8 @@ import pandas as pd
 from analysis import fitwarn, gradnorm, law_backtest
 from analysis.curves import Curve, fit_curves
 from analysis.laws import fit_envelope
+from analysis.stream_residual import TREND_STEPS, StreamRun, loo_residual_sd, same_stream
+from analysis.stream_residual import transfer as stream_transfer
 from core import costs
 from core.schedule import lr_at
 from core.spec import Spec
@@ -50,6 +56,9 @@ Z90 = 1.6448536269514722
 # the curve model is fitted on each rung from this fraction of its steps on (chosen over 0, 0.05 by the
 # leave-largest-out backtests of both ladders; the multipower curves start 9% in, after their warmup)
 FIT_FROM = 0.1
+# carry the rungs' batch-content deviations to the hero's steps at the tokens they read (chosen by the
+# backtests of both ladders; analysis.stream_residual)
+STREAM_DEVIATIONS = True
 CALIB_MIN, CALIB_MAX = 0.5, 10.0  # the trajectory band's calibration factor is kept in this range
 
 
@@ -188,9 +197,12 @@ def train_eval_ratio(rungs: list[RungRun]) -> float:
     return float(tail.mean()) / big.final_loss
 
 
-def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[dict, dict, dict]:
+def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
+                        stream_deviations: bool = STREAM_DEVIATIONS) -> tuple[dict, dict, dict]:
     """Hero train loss per step from the curve model, aligned to the final-loss forecast; the band
-    holds the final interval (opening with progress) and the step-to-step noise of the rungs."""
+    holds the final interval (opening with progress) and the step-to-step noise of the rungs. With
+    stream_deviations, the steps whose tokens the rungs read carry the rungs' per-step deviations there
+    (analysis.stream_residual) and their noise term is the scatter those leave."""
     ref = min([r.spec.data.tokens_per_step for r in rungs] + [hero.data.tokens_per_step])
     fit = fit_curves(rung_curves(rungs, ref))
     steps_T = np.arange(hero.total_steps)
@@ -211,8 +223,26 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[
     sigma = float(np.median(noise))
     frac_T = (steps_T + 1) / hero.total_steps
     early = 0.02 * pred_T * (1 - frac_T)
-    lo_T = pred_T - np.hypot((final["mean"] - final["lo"]) * rho * np.sqrt(frac_T), Z90 * sigma) - early
-    hi_T = pred_T + np.hypot((final["hi"] - final["mean"]) * rho * np.sqrt(frac_T), Z90 * sigma) + early
+    # the batch-content deviations the rungs measured at the hero's tokens (analysis.stream_residual):
+    # where they cover a step, the forecast carries them and the step noise is what they leave
+    noise_T, cov_T = np.full(hero.total_steps, sigma), np.zeros(hero.total_steps, dtype=bool)
+    stream = {"method": "none: no rung reads the hero's data stream" if stream_deviations else "off", "covered_steps": 0}
+    if stream_deviations:
+        srs = [StreamRun.from_run(r) for r in same_stream(hero, rungs)]
+        dev_T, cov_T = stream_transfer(srs, steps_T, hero.data.tokens_per_step)
+        loo = loo_residual_sd(srs)
+        if cov_T.any() and loo.get("n", 0) > 0:
+            pred_T = pred_T * np.exp(dev_T)
+            noise_T = np.where(cov_T, loo["residual_sd"] * pred_T, sigma)
+            stream = {"method": "per-step deviations of the rungs that read the hero's data stream, at its tokens "
+                      f"(analysis.stream_residual, trend {TREND_STEPS} steps)", "runs": [r.name for r in srs],
+                      "covered_steps": int(cov_T.sum()),
+                      "first_uncovered_step": int(np.argmin(cov_T)) if not cov_T.all() else None,
+                      "residual_sd": loo["residual_sd"], "deviation_sd": loo["deviation_sd"]}
+        else:
+            cov_T = np.zeros(hero.total_steps, dtype=bool)
+    lo_T = pred_T - np.hypot((final["mean"] - final["lo"]) * rho * np.sqrt(frac_T), Z90 * noise_T) - early
+    hi_T = pred_T + np.hypot((final["hi"] - final["mean"]) * rho * np.sqrt(frac_T), Z90 * noise_T) + early
     # the curve model describes training after warmup (its LR-area term diverges at step 0), and no
     # loss sits above that of a uniform prediction
     pred_T, lo_T, hi_T = (np.minimum(a, math.log(hero.model.vocab_size)) for a in (pred_T, lo_T, hi_T))
@@ -220,10 +250,13 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict) -> tuple[
     warm = sched.warmup_steps if sched.warmup_steps is not None else round(sched.warmup_frac * hero.total_steps)
     start = min(max(warm, round(0.02 * hero.total_steps)), hero.total_steps - 2)
     every = max(1, hero.total_steps // 400)
-    keep = np.unique(np.r_[steps_T[start::every], steps_T[-1]])
+    # every k-th step, and every step that carries stream deviations
+    keep = np.unique(np.r_[steps_T[start::every], steps_T[cov_T & (steps_T >= start)], steps_T[-1]])
     traj = {"step": keep.tolist(), "tokens": (keep * hero.data.tokens_per_step).tolist(),
             "loss": pred_T[keep].tolist(), "lo": lo_T[keep].tolist(), "hi": hi_T[keep].tolist(), "shift": float(shift),
-            "quantity": "train loss per step", "train_eval_ratio": rho, "step_noise": sigma, "method": "curve model"}
+            "quantity": "train loss per step", "train_eval_ratio": rho, "step_noise": sigma, "stream": stream,
+            "stream_covered": cov_T[keep].tolist(),
+            "method": "curve model" + (" + stream deviations" if stream["covered_steps"] else "")}
     model = fit.to_dict()
     model["clock_tokens_per_step"] = ref  # the fit's step is this many tokens (a run of k x as many: step x k)
     return traj, model, rung_fits
@@ -254,7 +287,7 @@ def grad_norm_envelope(rungs: list[RungRun], hero: Spec, n_bins: int = 50) -> di
                              hero.total_steps, n_bins=n_bins, level=LEVEL)
 
 
-def trajectory_coverage(rungs: list[RungRun]) -> dict | None:
+def trajectory_coverage(rungs: list[RungRun], stream_deviations: bool = STREAM_DEVIATIONS) -> dict | None:
     """The largest rung's train-loss curve forecast from the others as the hero's is (the curve model,
     aligned to final_interval's forecast of its final loss), against its own run."""
     ordered = sorted(rungs, key=lambda r: r.flops)
@@ -262,34 +295,68 @@ def trajectory_coverage(rungs: list[RungRun]) -> dict | None:
         return None
     base, target = ordered[:-1], ordered[-1]
     mean, lo, hi, _ = final_interval(base, target.flops)
-    traj, _, _ = trajectory_forecast(base, target.spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL})
-    df = target.metrics.dropna(subset=["loss"])
-    steps = np.asarray(traj["step"])
-    keep = (steps >= df["step"].min()) & (steps <= df["step"].max())
-    y = np.interp(steps[keep], df["step"], df["loss"])
-    p, l, h = (np.asarray(traj[k])[keep] for k in ("loss", "lo", "hi"))
+    traj, _, _ = trajectory_forecast(base, target.spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
+                                     stream_deviations)
+    p, l, h, y = on_run_steps(traj, target)
+    cov = on_run_covered(traj, target)
     out = law_backtest.summarise(p, l, h, y)
-    # the factor by which the band's half-widths (each side its own) would hold LEVEL of these points
+    # the factor by which the band's half-widths (each side its own) would hold LEVEL of these points:
+    # one for the steps that carry stream deviations and one for the rest (their errors differ in kind)
     half = np.where(y >= p, h - p, p - l)
-    ok = half > 0
-    factor = float(np.clip(np.quantile(np.abs(y - p)[ok] / half[ok], LEVEL), CALIB_MIN, CALIB_MAX)) if ok.any() else 1.0
-    out.update(method=f"{target.spec.name}'s train loss from the smaller rungs", level=LEVEL, calibration_factor=factor)
+    ratio = np.abs(y - p) / np.where(half > 0, half, np.nan)
+
+    def factor(m) -> float | None:
+        r = ratio[m & np.isfinite(ratio)]
+        return float(np.clip(np.quantile(r, LEVEL), CALIB_MIN, CALIB_MAX)) if len(r) else None
+
+    f_all = factor(np.ones(len(y), dtype=bool)) or 1.0
+    out.update(method=f"{target.spec.name}'s train loss from the smaller rungs", level=LEVEL, calibration_factor=f_all)
+    if cov.any():  # calibration_factor is then the uncovered steps' one
+        out.update(calibration_factor_covered=factor(cov) or f_all, calibration_factor=factor(~cov) or f_all,
+                   calibration_factor_all=f_all, covered_share=float(cov.mean()))
     return out
+
+
+def on_run_steps(traj: dict, run: RungRun) -> tuple[np.ndarray, ...]:
+    """(forecast, lo, hi, loss) at every logged step of the run inside the trajectory's steps (the
+    trajectory holds every step where it carries stream deviations, every k-th elsewhere)."""
+    df = run.metrics.dropna(subset=["loss"])
+    steps = np.asarray(traj["step"])
+    st = df["step"].to_numpy()
+    keep = (st >= steps.min()) & (st <= steps.max())
+    p, l, h = (np.interp(st[keep], steps, np.asarray(traj[k], dtype=float)) for k in ("loss", "lo", "hi"))
+    return p, l, h, df["loss"].to_numpy()[keep]
+
+
+def on_run_covered(traj: dict, run: RungRun) -> np.ndarray:
+    """Whether each step on_run_steps returns carries stream deviations (they are kept one by one)."""
+    df = run.metrics.dropna(subset=["loss"])
+    steps = np.asarray(traj["step"])
+    st = df["step"].to_numpy()
+    st = st[(st >= steps.min()) & (st <= steps.max())]
+    flags = np.asarray(traj.get("stream_covered") or np.zeros(len(steps), dtype=bool), dtype=bool)
+    return np.isin(st, steps[flags])
 
 
 def calibrate_trajectory(traj: dict, backtest: dict | None) -> None:
     """Scale the trajectory band's half-widths by the backtest's calibration factor (the largest
     rung's curve forecast from the others, as the hero's is), so that LEVEL of that rung's points
-    would have fallen inside; the hero's own run is then the independent check."""
+    would have fallen inside; the hero's own run is then the independent check. Steps that carry
+    stream deviations get the factor measured on such steps of the backtest, the rest the other."""
     factor = (backtest or {}).get("calibration_factor")
     if not factor or not traj.get("loss"):
         traj["calibration"] = {"factor": 1.0, "method": "none: no backtest of the trajectory on this ladder"}
         return
     p, lo, hi = (np.asarray(traj[k], dtype=float) for k in ("loss", "lo", "hi"))
-    traj["lo"] = (p - factor * (p - lo)).tolist()
-    traj["hi"] = (p + factor * (hi - p)).tolist()
+    f_cov = backtest.get("calibration_factor_covered", factor)
+    f = np.where(np.asarray(traj.get("stream_covered") or np.zeros(len(p), dtype=bool), dtype=bool), f_cov, factor)
+    traj["lo"] = (p - f * (p - lo)).tolist()
+    traj["hi"] = (p + f * (hi - p)).tolist()
     traj["calibration"] = {"factor": factor, "method": "half-widths x the factor that holds "
                            f"{LEVEL:.0%} of the largest rung's points forecast from the smaller rungs"}
+    if "calibration_factor_covered" in backtest:
+        traj["calibration"].update(factor_covered=f_cov, method=traj["calibration"]["method"] + ", measured separately "
+                                   "on the steps that carry stream deviations (factor_covered) and on the rest")
 
 
 def memorisation_warnings(rungs: list[RungRun]) -> list[str]:
@@ -339,7 +406,7 @@ class HeroForecast:
         return d
 
 
-def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> HeroForecast:
+def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviations: bool = STREAM_DEVIATIONS) -> HeroForecast:
     if len(rungs) < 3:
         raise ValueError(f"forecast needs at least 3 finished rungs with eval losses, found {len(rungs)}")
     final, fit, bt = final_loss_forecast(rungs, hero)
@@ -371,7 +438,7 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> HeroForecast:
     )
     fc.warnings += [f"final-loss law: {w}" for w in law["warnings"]]
     try:
-        fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, final)
+        fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, final, stream_deviations)
         fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]
     except Exception as e:  # the final-loss forecast stands on its own; say why the curve model is missing
         fc.curve_model_error = f"{type(e).__name__}: {e}"
@@ -379,7 +446,7 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec) -> HeroForecast:
         fc.warnings.append(f"no curve model ({fc.curve_model_error}): the trajectory is the largest rung's, scaled")
     fc.coverage = {"final_loss": final_loss_coverage(rungs), "grad_norm": fc.grad_norm.get("backtest")}
     try:
-        fc.coverage["trajectory"] = trajectory_coverage(rungs)
+        fc.coverage["trajectory"] = trajectory_coverage(rungs, stream_deviations)
     except Exception as e:  # a backtest that cannot be made is reported, not fatal
         fc.coverage["trajectory"] = {"error": f"{type(e).__name__}: {e}"}
     calibrate_trajectory(fc.trajectory, fc.coverage["trajectory"])

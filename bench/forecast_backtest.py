@@ -6,17 +6,20 @@ and the interval's mean relative width (hi - lo) / prediction.
 
 Datasets:
 - chinchilla: Epoch AI's 240 Chinchilla points (5 highest-loss dropped), L(N, D): 10-fold
-  cross-validation, and a fit on N <= max/4 predicting the rest.
+  cross-validation, and a fit on N <= max/4 predicting the rest; and the hero final-loss interval's
+  method on ladders cut from their compute envelope (4 points predicting the next 2).
 - multipower 25M / 100M (tests/data/multipower): the published protocol (fit cosine_24000,
   constant_24000, wsdcon_9; predict the other six), and across sizes: one size's protocol curves
-  predict all nine curves of the other size (4x up and 4x down), told only N.
+  predict all nine curves of the other size (4x up and 4x down), told only N; with and without the
+  fitted size's deviations at equal steps (the two sizes read one data order).
 - a ladder directory of run dirs (spec.yaml + metrics.jsonl), e.g. the CPU demo's
   (`--ladder DIR`, default: trains experiments/proxy_cpu.py with its hero into --root) and, when
   present, docs/results/h200_ladder (its h200_ladder.tar.gz, unpacked into a temporary directory;
   whatever runs it holds): nested leave-largest-out of the final-loss law, the curve model
-  predicting the largest rung's curve from the others, each one-size prior predicting every rung's
-  curve from the next smaller rung's alone, the grad-norm envelope's nested backtest, and the hero
-  forecast against the hero's own run when it has finished.
+  predicting the largest rung's curve from the others (with and without the smaller runs' stream
+  deviations, analysis.stream_residual), each one-size prior predicting every rung's curve from the
+  next smaller rung's alone, the grad-norm envelope's nested backtest, and the hero forecast against
+  the hero's own run when it has finished (its trajectory with and without stream deviations).
 
     .venv/bin/python bench/forecast_backtest.py [--ladder DIR ...] [--root DIR] [--no-train] [--markdown]
 """
@@ -35,10 +38,13 @@ import pandas as pd
 
 from analysis import law_backtest
 from analysis.curves import SIZE_PRIORS, Curve, CurveError, fit_curves
-from analysis.forecast import RungRun, final_interval, floor_law, forecast, rung_curves, trajectory_forecast
+from analysis.forecast import (FIT_FROM, RungRun, final_interval, floor_law, forecast, on_run_steps, rung_curves,
+                               trajectory_forecast)
 from analysis.gradnorm import RungGrad, backtest as gn_backtest
 from analysis.laws import fit_envelope
 from analysis.metrics_io import read_metrics_frame
+from analysis.stream_residual import StreamRun, same_stream
+from analysis.stream_residual import transfer as stream_transfer
 from core.rundir import iter_run_dirs
 from core.spec import load_spec
 from ladder.ledger import ladder_root
@@ -80,6 +86,41 @@ def chinchilla() -> None:
         ex["n"], ex["mean_abs_rel_err"], ex["coverage"], ex["mean_rel_width"])
 
 
+class _EnvelopePoint:
+    """A compute-envelope point as analysis.forecast.final_interval reads a rung (flops, final loss)."""
+
+    def __init__(self, flops: float, loss: float):
+        self.flops, self.final_loss = float(flops), float(loss)
+
+
+def chinchilla_envelope() -> None:
+    """The hero final-loss interval's method (analysis.forecast.final_interval: the L(C) law on four
+    points, widened by its own leave-largest-out backtest) on ladders cut from the Chinchilla points:
+    the compute envelope (least loss per bin of log10 C; bins 0.5 and 0.6 decades wide, each at two
+    offsets), every four consecutive envelope points predicting the next two (2-17x beyond)."""
+    df = pd.read_csv(CHINCHILLA).sort_values("loss", kind="stable").iloc[:-5]
+    C, L = df["Training FLOP"].to_numpy(), df["loss"].to_numpy()
+    lc = np.log10(C)
+    pred, lo, hi, act = [], [], [], []
+    for width in (0.5, 0.6):
+        for off in (0.0, width / 2):
+            edges = np.arange(lc.min() - off, lc.max() + width, width)
+            env = []
+            for a, b in zip(edges[:-1], edges[1:]):
+                m = (lc >= a) & (lc < b)
+                if m.any():
+                    i = int(np.argmin(np.where(m, L, np.inf)))
+                    env.append(_EnvelopePoint(C[i], L[i]))
+            env.sort(key=lambda r: r.flops)
+            for s in range(len(env) - 4):
+                for t in env[s + 4:s + 6]:
+                    m_, l_, h_, _ = final_interval(env[s:s + 4], t.flops)
+                    pred.append(m_), lo.append(l_), hi.append(h_), act.append(t.final_loss)
+    r = law_backtest.summarise(pred, lo, hi, act)
+    row("chinchilla", "compute envelope: 4 points predict the next 2", "hero final-loss interval's method", r["n"],
+        r["mean_abs_rel_err"], r["coverage"], r["mean_rel_width"], "4 binnings of the envelope; windows overlap")
+
+
 # ---- multipower ----------------------------------------------------------------------------------
 
 
@@ -114,6 +155,34 @@ def multipower(boot: int) -> None:
             n, e, c, w = _curve_scores(fit, [_load(dst, t, SIZES[dst]) for t in TRAIN + TEST])
             row("multipower", f"{src} protocol curves -> all 9 {dst} curves", f"MPL, one-size {prior} prior",
                 n, e, c, w)
+
+
+def multipower_stream(width: int = 5) -> None:
+    """Stream deviations across sizes on multipower: the two sizes' curves read one data order (their
+    deviations at equal steps correlate 0.96-0.99), logged every 64-128 steps, so a logged point stands
+    for its step alone. Each 25M / 100M curve's forecast from the other size's protocol fit (default
+    prior) is multiplied by exp(the mean deviation of the fitted size's protocol curves at that step),
+    a deviation being log loss minus its centred rolling mean over `width` logged points. Errors only."""
+    def dev(size: str, name: str) -> pd.Series:
+        df = pd.read_csv(MULTIPOWER / size / f"{name}.csv")
+        ll = np.log(df["loss"].to_numpy())
+        return pd.Series(ll - pd.Series(ll).rolling(width, center=True, min_periods=1).mean().to_numpy(),
+                         index=df["step"].to_numpy())
+
+    for src, dst in (("25M", "100M"), ("100M", "25M")):
+        fit = fit_curves([_load(src, n, SIZES[src]) for n in TRAIN])
+        seen = pd.concat([dev(src, n) for n in TRAIN], axis=1).mean(axis=1)
+        errs, covered, n = [], [], 0
+        for t in TRAIN + TEST:
+            c = _load(dst, t, SIZES[dst])
+            d = seen.reindex(c.step).to_numpy()
+            p = fit.predict_curve(c) * np.exp(np.nan_to_num(d))
+            errs.append(float(np.mean(np.abs(p / c.loss - 1))))
+            covered.append(np.isfinite(d).mean())
+            n += len(c.step)
+        row("multipower", f"{src} protocol curves -> all 9 {dst} curves", "MPL kaplan-floor + stream deviations", n,
+            float(np.mean(errs)), None, None,
+            f"trend over {width} logged points; {100 * np.mean(covered):.0f}% of points covered")
 
 
 # ---- ladders (run directories) ---------------------------------------------------------------------
@@ -165,6 +234,7 @@ def ladder(name: str, path: Path, boot: int) -> None:
             row(name, f"train curve of {runs[k].spec.name} from the {k} smaller runs", "MPL size law band", n, e, c, w,
                 f"vs 25-step mean {100 * _smooth_err(fit, curves[k]):.2f}%, per-step noise {100 * _noise(curves[k]):.2f}%"
                 + ("; not converged" if not fit.converged else ""))
+            _stream_row(name, fit, runs[:k], runs[k], curves[k])
         except Exception as err:  # a failed fit is a result too
             print(f"{name}: curve model failed: {err}")
         try:  # the same with the floor's size law (E, p) held at the compute law's of those runs
@@ -176,13 +246,15 @@ def ladder(name: str, path: Path, boot: int) -> None:
                 f"vs 25-step mean {100 * _smooth_err(fit, curves[k]):.2f}%" + ("; not converged" if not fit.converged else ""))
         except Exception as err:
             print(f"{name}: curve model with the compute law's floor failed: {err}")
-    try:  # the same, its level anchored to the compute law's forecast of the final loss (as the hero's)
-        mean, lo, hi, _ = final_interval(rungs[:-1], rungs[-1].flops)
-        traj, _, _ = trajectory_forecast(rungs[:-1], rungs[-1].spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL})
-        _trajectory_row(name, f"train curve of {rungs[-1].spec.name} from the smaller rungs",
-                        "curve model on L(C)'s final loss", traj, rungs[-1])
-    except Exception as err:
-        print(f"{name}: anchored curve model failed: {err}")
+    for stream in (False, True):  # the same, its level anchored to the compute law's forecast of the final loss
+        try:  # (as the hero's), without and with the stream deviations of the smaller rungs
+            mean, lo, hi, _ = final_interval(rungs[:-1], rungs[-1].flops)
+            traj, _, _ = trajectory_forecast(rungs[:-1], rungs[-1].spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
+                                             stream_deviations=stream)
+            _trajectory_row(name, f"train curve of {rungs[-1].spec.name} from the smaller rungs",
+                            "curve model on L(C)'s final loss" + (" + stream deviations" if stream else ""), traj, rungs[-1])
+        except Exception as err:
+            print(f"{name}: anchored curve model failed: {err}")
     one_size_priors(name, curves, boot)
     gn = gn_backtest([_grad(r) for r in rungs])
     if gn:
@@ -195,9 +267,10 @@ def ladder(name: str, path: Path, boot: int) -> None:
     act = hero.final_loss
     row(name, f"hero {hero.spec.name} final eval loss", "hero final-loss interval", 1, abs(fl["mean"] / act - 1),
         float(fl["lo"] <= act <= fl["hi"]), (fl["hi"] - fl["lo"]) / fl["mean"])
-    tr = fc["trajectory"]
-    _trajectory_row(name, f"hero {hero.spec.name} train-loss trajectory", f"trajectory band ({tr.get('method', '')})",
-                    tr, hero)
+    for stream in (False, True):  # the default forecast carries stream deviations (analysis.forecast.STREAM_DEVIATIONS)
+        tr = fc["trajectory"] if stream else forecast(name, rungs, hero.spec, stream_deviations=False).to_dict()["trajectory"]
+        _trajectory_row(name, f"hero {hero.spec.name} train-loss trajectory",
+                        f"trajectory band ({tr.get('method', '')}, {_factors(tr)})", tr, hero)
     g = fc["grad_norm"]
     hg = _grad(hero)
     glo, ghi, gm = (np.interp(hg.frac, g["frac"], g[k]) for k in ("lo", "hi", "mean"))
@@ -209,15 +282,44 @@ def ladder(name: str, path: Path, boot: int) -> None:
 def _trajectory_row(name: str, split: str, method: str, tr: dict, run: RungRun) -> None:
     """A forecast trajectory against a run's per-step train loss; the note gives the error against the
     run's centred 25-step mean too (what a forecast of the expected loss can reach)."""
-    m = run.metrics.dropna(subset=["loss"])
-    steps = np.asarray(tr["step"])
-    keep = (steps >= m["step"].min()) & (steps <= m["step"].max())
-    smooth = m["loss"].rolling(25, center=True, min_periods=1).mean()
-    y, ys = np.interp(steps[keep], m["step"], m["loss"]), np.interp(steps[keep], m["step"], smooth)
-    p, l, h = (np.asarray(tr[k])[keep] for k in ("loss", "lo", "hi"))
+    p, l, h, y = on_run_steps(tr, run)
     s = law_backtest.summarise(p, l, h, y)
     row(name, split, method, s["n"], s["mean_abs_rel_err"], s["coverage"], s["mean_rel_width"],
-        f"vs 25-step mean {100 * float(np.mean(np.abs(p / ys - 1))):.2f}%")
+        f"vs 25-step mean {100 * _mean25_err(p, y):.2f}%" + _covered_note(tr))
+
+
+def _factors(tr: dict) -> str:
+    cal = tr.get("calibration") or {}
+    out = f"x{cal.get('factor', 1):.2f}"
+    return out + (f", covered x{cal['factor_covered']:.2f}" if "factor_covered" in cal else "")
+
+
+def _mean25_err(pred, loss) -> float:
+    """Mean |relative error| of the forecast's centred 25-step mean against the run's (for a smooth
+    forecast, the forecast itself against the run's 25-step mean)."""
+    sm = lambda v: pd.Series(v).rolling(25, center=True, min_periods=1).mean().to_numpy()  # noqa: E731
+    return float(np.mean(np.abs(sm(pred) / sm(loss) - 1)))
+
+
+def _covered_note(tr: dict) -> str:
+    st = tr.get("stream") or {}
+    if not st.get("covered_steps"):
+        return ""
+    return f"; stream deviations on {st['covered_steps']} steps, left sd {100 * st['residual_sd']:.2f}%"
+
+
+def _stream_row(name: str, fit, base: list[RungRun], target: RungRun, c: Curve) -> None:
+    """The curve model's forecast times the stream deviations that the smaller runs measured at the
+    target's tokens (analysis.stream_residual), scored per step (no band: errors only)."""
+    srs = [StreamRun.from_run(r) for r in same_stream(target.spec, base)]
+    df = target.metrics.dropna(subset=["loss"])
+    st = df["step"].to_numpy()[df["step"].to_numpy() >= FIT_FROM * target.spec.total_steps]
+    dev, cov = stream_transfer(srs, st, target.spec.data.tokens_per_step)
+    p = fit.predict_curve(c) * np.exp(dev)
+    row(name, f"train curve of {target.spec.name} from the {len(base)} smaller runs", "MPL size law + stream deviations",
+        len(p), float(np.mean(np.abs(p / c.loss - 1))), None, None,
+        f"vs 25-step mean {100 * _mean25_err(p, c.loss):.2f}%; {100 * cov.mean():.0f}% of its steps covered, "
+        f"per-step error there {100 * float(np.mean(np.abs(p[cov] / c.loss[cov] - 1))):.2f}%")
 
 
 def _smooth_err(fit, c: Curve) -> float:
@@ -292,8 +394,10 @@ def main() -> None:
     only = set(args.only or ("chinchilla", "multipower", "ladders"))
     if "chinchilla" in only:
         chinchilla()
+        chinchilla_envelope()
     if "multipower" in only:
         multipower(args.boot)
+        multipower_stream()
     if "ladders" in only:
         ladders = args.ladder
         if ladders is None:
