@@ -319,8 +319,12 @@ def live_verdict(forecast: dict, df) -> tuple[str, bool] | None:
     loss = float(d["loss"].iloc[-LIVE_WINDOW:].mean())
     if not len(steps) or step < steps[0] or step > steps[-1]:
         return f"{head}, train loss {loss:.4f} (mean of the last {min(LIVE_WINDOW, len(d))} steps); no forecast at that step", False
-    f_mid, f_lo, f_hi = (float(np.interp(step, steps, a)) for a in (mid, lo, hi))
+    # the forecast's mean over the same steps as the loss's: a trajectory that carries the rungs' stream
+    # deviations (analysis.forecast) moves step by step as the loss does
+    win = d["step"].to_numpy()[-LIVE_WINDOW:].astype(float)
+    win = win[(win >= steps[0]) & (win <= steps[-1])]
+    f_mid, f_lo, f_hi = (float(np.mean(np.interp(win, steps, a))) for a in (mid, lo, hi))
     inside = f_lo <= loss <= f_hi
     return (f"{head}, train loss {loss:.4f} (mean of the last {min(LIVE_WINDOW, len(d))} steps) vs forecast "
-            f"{f_mid:.4f} at that step (band {f_lo:.4f} to {f_hi:.4f}): {100 * (loss - f_mid) / loss:+.2f}%, "
-            f"{'inside' if inside else 'OUTSIDE'} the band"), inside
+            f"{f_mid:.4f} at that step (mean over the same steps; band {f_lo:.4f} to {f_hi:.4f}): "
+            f"{100 * (loss - f_mid) / loss:+.2f}%, {'inside' if inside else 'OUTSIDE'} the band"), inside

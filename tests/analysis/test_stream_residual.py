@@ -93,3 +93,22 @@ def test_the_h200_rungs_deviations_forecast_each_others(tmp_path):
     assert len({r.tokens_per_step for r in rungs}) > 1 and len({r.key for r in rungs}) == 1
     loo = loo_residual_sd(rungs)
     assert loo["residual_sd"] < 0.5 * loo["deviation_sd"]
+
+
+def test_a_live_hero_is_judged_against_the_forecast_over_the_same_steps():
+    """A trajectory that carries stream deviations moves step by step; the report's verdict on an
+    unfinished hero compares the mean of its last steps with the forecast's mean over those steps,
+    not with the forecast at the last step alone (a content spike there)."""
+    import pandas as pd
+
+    from analysis.report import live_verdict
+
+    steps = np.arange(400)
+    rng = np.random.default_rng(0)
+    loss = 3.0 - steps / 400 + 0.05 * rng.standard_normal(400)
+    loss[199] += 0.4  # the batch at the hero's latest step is hard, in the forecast and in the run
+    fc = {"hero": {"total_steps": 400},
+          "trajectory": {"step": steps.tolist(), "loss": loss.tolist(), "lo": (0.99 * loss).tolist(),
+                         "hi": (1.01 * loss).tolist()}}
+    text, inside = live_verdict(fc, pd.DataFrame({"step": steps[:200], "loss": loss[:200]}))
+    assert inside and "+0.00%" in text, text
