@@ -84,8 +84,14 @@ class StepModule(Protocol):
         """(params, optimizer state) as engine-neutral arrays; None on a process that does not
         write (called on every process: gathering them may be collective)."""
 
+    def batch_part(self, batch_size: int) -> tuple[int, int]:
+        """(part, parts): this process reads only the part-th of `parts` contiguous, equal parts
+        of a step's batch of `batch_size` sequences (ValueError if it cannot be split so).
+        Optional: a module without it reads the whole batch."""
+
     def launch(self, step: int, batch_BS1: np.ndarray, lr: float) -> Any:
-        """Queue step `step` (forward, backward, update) without waiting for it."""
+        """Queue step `step` (forward, backward, update) without waiting for it; batch_BS1 holds
+        the rows batch_part names (all of them without it)."""
 
     def read(self, handle: Any) -> tuple[dict[str, float], bool]:
         """The step's values by VALUE_KEYS and whether it was finite: its one host sync."""
@@ -298,12 +304,19 @@ class Trainer:
         lrs = LearningRates(spec)
         t_prev = time.perf_counter()
 
+        batch_part = getattr(module, "batch_part", None)
+
         def launch(step: int):
             t0 = time.perf_counter()
-            batch = self.stream.batch(step)
+            if batch_part is None:
+                batch = self.stream.batch(step)
+                B = batch.shape[0]
+            else:
+                B = self.stream.batch_size_at(step)
+                batch = self.stream.batch(step, *batch_part(B))
             lr = lrs(step)
             handle = module.launch(step, batch, lr)
-            return handle, lr, batch.shape[0] * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
+            return handle, lr, B * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
 
         def read(step: int, launched) -> StepMetrics:
             nonlocal t_prev

@@ -21,6 +21,7 @@ import pytest
 from engines.base import read_metrics, read_status
 from engines.checkpoint import init_from_checkpoint, latest_checkpoint, load_checkpoint
 from engines.torch.dist.checkpoint import export, latest_sharded, read_full
+from engines.torch.dist.mesh import MeshContext
 from engines.torch.engine import TorchEngine
 from ladder.presets import micro_spec
 from core.spec import save_spec
@@ -203,3 +204,16 @@ def test_dropless_dp2_ep2_gives_the_single_process_losses_and_drops_nothing(runs
     # the capacity run's drops move its loss far beyond that tolerance: the two are not the same run
     capacity = read_metrics(runs / "single")
     assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(capacity, single)) > 50 * 2e-5
+
+
+def test_each_rank_reads_part_d_of_source_shard_e_and_the_parts_tile_the_batch():
+    B, dp, ep = 24, 3, 2
+    seen = []
+    for rank in range(dp * ep):
+        mc = MeshContext(rank=rank, world=dp * ep, dp=dp, ep=ep, device=None, mesh=None, flat=None)
+        d, e = divmod(rank, ep)
+        rows = mc.rows(B)
+        assert rows.start == e * (B // ep) + d * (B // (dp * ep))  # part d of source shard e
+        assert (rows.start, rows.stop) == (mc.part * B // mc.world, (mc.part + 1) * B // mc.world)
+        seen.extend(range(rows.start, rows.stop))
+    assert sorted(seen) == list(range(B))

@@ -33,8 +33,11 @@ class SyntheticStream:
     def _tokens(self, key):
         return np.random.default_rng([self.seed, *key]).integers(0, self.V, (self.B, self.S + 1)).astype(np.int32)
 
-    def batch(self, step):
-        return self._tokens([0, step])
+    def batch_size_at(self, step):
+        return self.B
+
+    def batch(self, step, rank=0, world=1):
+        return self._tokens([0, step])[rank * self.B // world:(rank + 1) * self.B // world]
 
     def eval_batch(self, i):
         return self._tokens([1, i])

@@ -67,12 +67,16 @@ class MeshContext:
         n = m.n_routed_experts // self.ep
         return self.e * n, (self.e + 1) * n
 
+    @property
+    def part(self) -> int:
+        """This rank's sequences are the part-th of world contiguous, equal parts of a step batch:
+        part d of source shard e (with batch_size % world == 0, e * B/ep + d * B/world)."""
+        return self.e * self.dp + self.d
+
     def rows(self, batch_size: int) -> slice:
         """This rank's sequences of a [batch_size, ...] step batch: part d of source shard e."""
-        per_shard = batch_size // self.ep
-        per_rank = per_shard // self.dp
-        start = self.e * per_shard + self.d * per_rank
-        return slice(start, start + per_rank)
+        per_rank = batch_size // self.world
+        return slice(self.part * per_rank, (self.part + 1) * per_rank)
 
     def local_batch(self, batch_BS1: np.ndarray) -> np.ndarray:
         return batch_BS1[self.rows(batch_BS1.shape[0])]

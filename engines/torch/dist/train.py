@@ -103,11 +103,16 @@ class MeshStep:
         opt["step"] = np.asarray(optimizer_step(self.opt), np.int64)
         return params, opt
 
+    def batch_part(self, batch_size: int) -> tuple[int, int]:
+        """Each rank reads only its own sequences of a step's batch (engines.data.TokenStream.batch)."""
+        check_mesh(self.spec.model, self.mc.world, batch_size)
+        return self.mc.part, self.mc.world
+
     def launch(self, step: int, batch_BS1: np.ndarray, lr: float):
+        """batch_BS1: this rank's rows of the step's batch (batch_part), [B / world, S + 1]."""
         spec, model, opt, mc, m = self.spec, self.model, self.opt, self.mc, self.spec.model
-        check_mesh(m, mc.world, batch_BS1.shape[0])
-        n_tok = batch_BS1.shape[0] * (batch_BS1.shape[1] - 1)
-        x = torch.from_numpy(mc.local_batch(batch_BS1)).to(mc.device, dtype=torch.long)
+        n_tok = batch_BS1.shape[0] * mc.world * (batch_BS1.shape[1] - 1)
+        x = torch.from_numpy(batch_BS1).to(mc.device, dtype=torch.long)
         for g in opt.param_groups:
             g["lr"] = lr
         total_r, out = model(x, spec.optim, n_tok)
