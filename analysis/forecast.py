@@ -359,6 +359,24 @@ def calibrate_trajectory(traj: dict, backtest: dict | None) -> None:
                                    "on the steps that carry stream deviations (factor_covered) and on the rest")
 
 
+def calibration_warnings(backtest: dict | None) -> list[str]:
+    """A trajectory calibration factor held at CALIB_MIN or CALIB_MAX: the band is then wider
+    (at the lower bound) or narrower (at the upper) than its backtest asked for."""
+    out = []
+    for key, what in (("calibration_factor", "steps without stream deviations"),
+                      ("calibration_factor_covered", "steps with stream deviations")):
+        f = (backtest or {}).get(key)
+        if key == "calibration_factor" and "calibration_factor_covered" not in (backtest or {}):
+            what = "every step"
+        if f is not None and f <= CALIB_MIN:
+            out.append(f"trajectory band: its calibration factor on {what} sits at its lower bound "
+                       f"{CALIB_MIN:g}: the band there is wider than its backtest asked for")
+        elif f is not None and f >= CALIB_MAX:
+            out.append(f"trajectory band: its calibration factor on {what} sits at its upper bound "
+                       f"{CALIB_MAX:g}: the band there is narrower than its backtest asked for")
+    return out
+
+
 def memorisation_warnings(rungs: list[RungRun]) -> list[str]:
     """Rungs whose final eval loss sits well above their train loss over the last 5% of steps."""
     out = []
@@ -450,6 +468,7 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
     except Exception as e:  # a backtest that cannot be made is reported, not fatal
         fc.coverage["trajectory"] = {"error": f"{type(e).__name__}: {e}"}
     calibrate_trajectory(fc.trajectory, fc.coverage["trajectory"])
+    fc.warnings += calibration_warnings(fc.coverage["trajectory"])
     for k, v in fc.coverage.items():
         if v is None:
             fc.warnings.append(f"the {k.replace('_', ' ')} interval has no backtest on this ladder (too few rungs): "

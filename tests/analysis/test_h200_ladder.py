@@ -102,6 +102,10 @@ def test_the_forecast_reproduces_from_the_committed_runs(ladder_root):
     assert math.isclose(got["backtest"]["rel_error"], want["backtest"]["rel_error"], rel_tol=1e-9)
     assert got["warnings"] == want["warnings"]
     assert got["coverage"]["final_loss"]["coverage"] == want["coverage"]["final_loss"]["coverage"]
+    assert got["trajectory"]["method"] == want["trajectory"]["method"]
+    assert got["trajectory"]["step"] == want["trajectory"]["step"]
+    for key in ("loss", "lo", "hi"):
+        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got["trajectory"][key], want["trajectory"][key]))
 
 
 def test_the_report_states_the_hero_against_the_forecast(ladder_root, tmp_path):
