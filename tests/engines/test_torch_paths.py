@@ -3,15 +3,11 @@ processes, the FSDP2 mesh) gives on the CPU the per-step values it gave before t
 module tree (tests/engines/reference/paths.json, made by tests/engines/paths_driver.py). The
 process paths run in a real subprocess that forks gloo ranks.
 
-On the CPU the values were recorded on they are equal bit for bit. Another CPU's float32 kernels
-(MKL and ATen pick code by vendor and vector width: AVX2, AVX-512) round sums differently, by up
-to 2e-6 relative on an AMD EPYC with AVX-512; so counts, drops, steps and learning rates must be
-equal and every other value within 1e-5 relative, well under what a changed computation moves."""
+Bit for bit on the CPU they were recorded on, to float32 rounding on others (tests/engines/pins.py)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import subprocess
 import sys
@@ -20,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.engines.paths_driver import DISPATCHERS, PATHS, REFERENCE, run
+from tests.engines.pins import same_steps
 
 ROOT = Path(__file__).resolve().parents[2]
 EXPECTED = json.loads(REFERENCE.read_text())
@@ -34,25 +31,6 @@ def process_runs() -> dict:
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
-
-
-EXACT = ("step", "lr", "drop_frac_send", "drop_frac_recv", "expert_load_max")
-
-
-def same_steps(got: list[dict], expected: list[dict]) -> bool:
-    """The records hold the same steps and keys, the exact keys equal, every other float within
-    1e-5 relative (float32 rounding on another CPU; bit for bit on the recording one)."""
-    if len(got) != len(expected) or any(g.keys() != e.keys() for g, e in zip(got, expected)):
-        return False
-    for g, e in zip(got, expected):
-        for k, want in e.items():
-            have = g[k]
-            if k in EXACT or not isinstance(want, float) or not isinstance(have, float):
-                if have != want:
-                    return False
-            elif not math.isclose(have, want, rel_tol=1e-5, abs_tol=1e-9):
-                return False
-    return True
 
 
 def test_the_comparison_fails_on_a_changed_value():
