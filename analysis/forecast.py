@@ -317,25 +317,32 @@ def trajectory_coverage(rungs: list[RungRun], stream_deviations: bool = STREAM_D
     return out
 
 
-def on_run_steps(traj: dict, run: RungRun) -> tuple[np.ndarray, ...]:
-    """(forecast, lo, hi, loss) at every logged step of the run inside the trajectory's steps (the
-    trajectory holds every step where it carries stream deviations, every k-th elsewhere)."""
+def stream_covered(traj: dict) -> np.ndarray:
+    """Whether each of the trajectory's steps carries stream deviations (none for a trajectory without them)."""
+    return np.asarray(traj.get("stream_covered") or np.zeros(len(traj["step"]), dtype=bool), dtype=bool)
+
+
+def _run_points(traj: dict, run: RungRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(the trajectory's steps, the run's logged steps inside them, the run's loss there)."""
     df = run.metrics.dropna(subset=["loss"])
     steps = np.asarray(traj["step"])
     st = df["step"].to_numpy()
     keep = (st >= steps.min()) & (st <= steps.max())
-    p, l, h = (np.interp(st[keep], steps, np.asarray(traj[k], dtype=float)) for k in ("loss", "lo", "hi"))
-    return p, l, h, df["loss"].to_numpy()[keep]
+    return steps, st[keep], df["loss"].to_numpy()[keep]
+
+
+def on_run_steps(traj: dict, run: RungRun) -> tuple[np.ndarray, ...]:
+    """(forecast, lo, hi, loss) at every logged step of the run inside the trajectory's steps (the
+    trajectory holds every step where it carries stream deviations, every k-th elsewhere)."""
+    steps, st, y = _run_points(traj, run)
+    p, l, h = (np.interp(st, steps, np.asarray(traj[k], dtype=float)) for k in ("loss", "lo", "hi"))
+    return p, l, h, y
 
 
 def on_run_covered(traj: dict, run: RungRun) -> np.ndarray:
     """Whether each step on_run_steps returns carries stream deviations (they are kept one by one)."""
-    df = run.metrics.dropna(subset=["loss"])
-    steps = np.asarray(traj["step"])
-    st = df["step"].to_numpy()
-    st = st[(st >= steps.min()) & (st <= steps.max())]
-    flags = np.asarray(traj.get("stream_covered") or np.zeros(len(steps), dtype=bool), dtype=bool)
-    return np.isin(st, steps[flags])
+    steps, st, _ = _run_points(traj, run)
+    return np.isin(st, steps[stream_covered(traj)])
 
 
 def calibrate_trajectory(traj: dict, backtest: dict | None) -> None:
@@ -349,7 +356,7 @@ def calibrate_trajectory(traj: dict, backtest: dict | None) -> None:
         return
     p, lo, hi = (np.asarray(traj[k], dtype=float) for k in ("loss", "lo", "hi"))
     f_cov = backtest.get("calibration_factor_covered", factor)
-    f = np.where(np.asarray(traj.get("stream_covered") or np.zeros(len(p), dtype=bool), dtype=bool), f_cov, factor)
+    f = np.where(stream_covered(traj), f_cov, factor)
     traj["lo"] = (p - f * (p - lo)).tolist()
     traj["hi"] = (p + f * (hi - p)).tolist()
     traj["calibration"] = {"factor": factor, "method": "half-widths x the factor that holds "
@@ -362,12 +369,12 @@ def calibrate_trajectory(traj: dict, backtest: dict | None) -> None:
 def calibration_warnings(backtest: dict | None) -> list[str]:
     """A trajectory calibration factor held at CALIB_MIN or CALIB_MAX: the band is then wider
     (at the lower bound) or narrower (at the upper) than its backtest asked for."""
+    bt = backtest or {}
+    split = "calibration_factor_covered" in bt
     out = []
-    for key, what in (("calibration_factor", "steps without stream deviations"),
+    for key, what in (("calibration_factor", "steps without stream deviations" if split else "every step"),
                       ("calibration_factor_covered", "steps with stream deviations")):
-        f = (backtest or {}).get(key)
-        if key == "calibration_factor" and "calibration_factor_covered" not in (backtest or {}):
-            what = "every step"
+        f = bt.get(key)
         if f is not None and f <= CALIB_MIN:
             out.append(f"trajectory band: its calibration factor on {what} sits at its lower bound "
                        f"{CALIB_MIN:g}: the band there is wider than its backtest asked for")
