@@ -43,7 +43,7 @@ from analysis.forecast import (FIT_FROM, RungRun, final_interval, floor_law, for
 from analysis.gradnorm import RungGrad, backtest as gn_backtest
 from analysis.laws import fit_envelope
 from analysis.metrics_io import read_metrics_frame
-from analysis.stream_residual import StreamRun, same_stream
+from analysis.stream_residual import StreamRun, deviations, same_stream
 from analysis.stream_residual import transfer as stream_transfer
 from core.rundir import iter_run_dirs
 from core.spec import load_spec
@@ -165,9 +165,8 @@ def multipower_stream(width: int = 5) -> None:
     a deviation being log loss minus its centred rolling mean over `width` logged points. Errors only."""
     def dev(size: str, name: str) -> pd.Series:
         df = pd.read_csv(MULTIPOWER / size / f"{name}.csv")
-        ll = np.log(df["loss"].to_numpy())
-        return pd.Series(ll - pd.Series(ll).rolling(width, center=True, min_periods=1).mean().to_numpy(),
-                         index=df["step"].to_numpy())
+        run = StreamRun(name, df["step"], df["loss"], 1.0)
+        return pd.Series(deviations(run, width), index=run.steps)
 
     for src, dst in (("25M", "100M"), ("100M", "25M")):
         fit = fit_curves([_load(src, n, SIZES[src]) for n in TRAIN])
