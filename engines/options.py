@@ -47,6 +47,9 @@ class TorchKernels:
     compile: str = "block-cudagraphs"
     # SDPA kernels in order of preference ("cudnn": cuDNN, then flash, efficient, math); None: SDPA's own
     attn_backend: str | None = "cudnn"
+    # a sliding window on a GPU: "flex" (FlexAttention with a block mask, skipping the blocks
+    # outside the window) or "mask" (SDPA with a dense [S, S] bool mask)
+    window_attention: str = "flex"
     # weights as _grouped_mm reads them: "nmajor" [E, K, N] as stored, or "kmajor" (a transposed copy)
     grouped_mm_weights: str = "nmajor"
     # dropless combine and dispatch backward: "triton" (engines/torch/gather.py) or "inductor"

@@ -7,7 +7,9 @@ What changes against the reference forward (model.loss_terms under autocast), an
   casts of the masters made every step); the residual stream, norms' statistics, routing, router
   losses and the output log-partition stay fp32, as under autocast;
 - attention reads one fused QKV projection and calls SDPA with is_causal and no mask when there
-  is no sliding window (the flash / cuDNN kernels);
+  is no sliding window (the flash / cuDNN kernels); a sliding window runs through FlexAttention
+  with a block mask on a GPU (kernels window_attention="flex": the blocks wholly outside the
+  window are skipped, where SDPA with a dense [S, S] mask computed every block);
 - the routed experts go through the block's token dispatcher (engines/torch/dispatch.py, or an
   expert-parallel one) with the fast kernels (engines/torch/experts.CastKernels): dropless
   dispatch stays on the device (counts and group offsets by scatter-add, one grouped GEMM per
@@ -35,6 +37,7 @@ import contextlib
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from engines.options import EngineOptions, TorchKernels
 from engines.torch import adamw_kernel, xent
@@ -88,7 +91,27 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
+# FlexAttention runs as a generated kernel only compiled; inside a compiled block Dynamo traces
+# straight into it, outside (compile "none") this compiled wrapper is the kernel
+_flex_compiled = torch.compile(flex_attention, dynamic=False)
+
+
+def window_block_mask(seq_len: int, window: int, device) -> BlockMask:
+    """FlexAttention's block mask of causal attention within the last `window` positions (the
+    mask of model.attention_mask, as blocks: those wholly outside it are skipped)."""
+
+    def causal_window(b, h, q_idx, kv_idx):
+        return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
+
+    return create_block_mask(causal_window, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device)
+
+
 def _sdpa(q, k, v, mask_SS, gqa: bool):
+    """Causal attention of q [B, H, S, Q] over k, v [B, G, S, Q]: SDPA with is_causal (mask_SS
+    None), FlexAttention (a BlockMask) or SDPA with a dense [S, S] bool mask."""
+    if isinstance(mask_SS, BlockMask):
+        flex = _flex_compiled if q.is_cuda else flex_attention
+        return flex(q, k, v, block_mask=mask_SS, enable_gqa=gqa)
     if mask_SS is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SS, enable_gqa=gqa)
@@ -257,7 +280,17 @@ class FastLoss:
         key = (S, device)
         if key not in self._tables:
             cos, sin = rope_tables(S, m.head_dim, m.rope_theta, device)
-            self._tables[key] = (cos, sin, attention_mask(S, m.attention_window, device))
+            window = m.attention_window
+            if (window is not None and window < S and self.options.window_attention == "flex"
+                    and torch.device(device).type == "cuda"):
+                mask = window_block_mask(S, window, device)
+                if self._cudagraphs:  # the same mask every step: replays read it in place
+                    for t in mask.as_tuple():
+                        if isinstance(t, torch.Tensor):
+                            torch._dynamo.mark_static_address(t)
+            else:
+                mask = attention_mask(S, window, device)
+            self._tables[key] = (cos, sin, mask)
         return self._tables[key]
 
     def embed(self, model: MoETransformer, inputs_BS: torch.Tensor) -> torch.Tensor:

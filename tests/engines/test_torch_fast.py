@@ -73,3 +73,29 @@ def test_capacity_dispatch_through_the_gather_kernels_path_matches_the_reference
     assert torch.allclose(t_fast, t_ref, rtol=1e-6, atol=1e-6)
     for name, g in g_ref.items():
         assert torch.allclose(g_fast[name], g, rtol=1e-4, atol=1e-6), name
+
+
+@pytest.mark.parametrize("seq, window", [(384, 130), (256, 128), (200, 64)])
+def test_flex_window_block_mask_gives_the_dense_masks_attention(seq, window):
+    """FlexAttention with window_block_mask (the GPU's windowed attention) attends exactly where
+    model.attention_mask allows: its output equals SDPA's with the dense mask (here in eager fp32
+    on the CPU, which has no FlexAttention backward; tests/engines/test_gpu_bf16.py checks the
+    gradients on a GPU), with windows that skip whole blocks, end mid-block and on a boundary."""
+    from engines.torch.fast import _sdpa, window_block_mask
+    from engines.torch.model import attention_mask
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, n, seq, 16, generator=g) for n in (4, 1, 1))
+    o_flex = _sdpa(q, k, v, window_block_mask(seq, window, "cpu"), gqa=True)
+    o_dense = _sdpa(q, k, v, attention_mask(seq, window, "cpu"), gqa=True)
+    o_causal = _sdpa(q, k, v, None, gqa=True)
+    assert torch.allclose(o_flex, o_dense, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(o_flex, o_causal, rtol=1e-3, atol=1e-3)  # the window cuts something
+
+
+def test_the_cpu_fast_path_keeps_the_dense_window_mask():
+    spec = micro_spec()
+    assert spec.model.attention_window is not None and spec.model.attention_window < spec.data.seq_len
+    model = MoETransformer(spec.model)
+    _, _, mask = FastLoss(model, torch.device("cpu")).tables(spec.data.seq_len, spec.model, "cpu")
+    assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
