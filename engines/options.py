@@ -59,6 +59,8 @@ class TorchKernels:
     # the experts' SwiGLU: "grouped", "fused" (in the matmul epilogues, engines/torch/swiglu_gemm.py)
     # or "fused-gather" (the dispatch's row gather fused too)
     experts: str = "grouped"
+    # the router's top-k: "triton" (engines/torch/topk.py) or "torch" (torch.topk)
+    topk: str = "triton"
     # the router's logits matmul: "tf32" (tensor cores, engines/torch/tf32.py) or "fp32"
     router: str = "tf32"
     # where RoPE runs: "bshq" (the projection's own layout) or "bhsq" (transposed as SDPA reads it)
@@ -75,7 +77,7 @@ class TorchKernels:
     def without_triton(self) -> "TorchKernels":
         """The same choices with every Triton kernel replaced by its compiled form."""
         fallback = {"gather": "inductor", "grouped_dw": "torch", "xent": "inductor", "swiglu": "inductor",
-                    "combine_grad": "inductor", "adamw": "compile"}
+                    "combine_grad": "inductor", "adamw": "compile", "topk": "torch"}
         return dataclasses.replace(self, **{k: v for k, v in fallback.items() if getattr(self, k) == "triton"})
 
 

@@ -44,6 +44,7 @@ from engines.torch import adamw_kernel, xent
 from engines.torch.experts import CastKernels, kernels_here
 from engines.torch.model import MoETransformer, attention_mask, objective, rope_tables
 from engines.torch.tf32 import mm_tf32
+from engines.torch.topk import topk_indices
 
 
 def fast_path_enabled(device: torch.device, options: EngineOptions) -> bool:
@@ -158,7 +159,8 @@ def moe_route(block, x_BSD, o: TorchKernels):
     logits_TE = None
     if o.router == "tf32":  # (on the CPU an fp32 matmul through the same op)
         logits_TE = mm_tf32(h_TD, block.moe.router)
-    expert_TK, gate_TK, stats = block.moe.route(h_TD, S, logits_TE)
+    topk = topk_indices if o.topk == "triton" else None
+    expert_TK, gate_TK, stats = block.moe.route(h_TD, S, logits_TE, topk)
     return h_TD, expert_TK, gate_TK, stats
 
 

@@ -204,8 +204,9 @@ class MoE(nn.Module):
         if m.n_shared_experts > 0:
             self.shared = SharedExperts(m.n_shared_experts, m.d_model, m.shared_hidden)
 
-    def route(self, x_TD: torch.Tensor, seq_len: int, logits_TE: torch.Tensor | None = None):
-        """(expert_TK, gate_TK, stats); logits_TE: the router logits if the caller computed them."""
+    def route(self, x_TD: torch.Tensor, seq_len: int, logits_TE: torch.Tensor | None = None, topk=None):
+        """(expert_TK, gate_TK, stats); logits_TE: the router logits if the caller computed them;
+        topk(select_TE, K) -> expert_TK: the selection (default torch.topk's indices)."""
         m = self.m
         T, E, K = x_TD.shape[0], m.n_routed_experts, m.top_k
         if logits_TE is None:
@@ -213,7 +214,10 @@ class MoE(nn.Module):
                 logits_TE = x_TD.float() @ self.router.float()
         scores_TE = torch.softmax(logits_TE, -1) if m.router_kind == "softmax" else torch.sigmoid(logits_TE)
         select_TE = scores_TE + self.router_bias if m.router_bias_balancing else scores_TE
-        expert_TK = torch.topk(select_TE.detach(), K, dim=-1).indices
+        if topk is None:
+            expert_TK = torch.topk(select_TE.detach(), K, dim=-1).indices
+        else:
+            expert_TK = topk(select_TE.detach(), K)
         gate_TK = scores_TE.gather(1, expert_TK)
         if m.router_kind == "sigmoid":
             gate_TK = gate_TK / gate_TK.sum(-1, keepdim=True)
