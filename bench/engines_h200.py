@@ -556,7 +556,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, olmo-core, olmo-core_v1, torchtitan, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, torch_maskattn, torch_maskattn_cap, torch_torchtopk, jax_bf16moments, jax_defaulttiles, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, torch_maskattn, torch_maskattn_cap, torch_torchtopk, torch_flexcausal, jax_bf16moments, jax_defaulttiles, jax_cublas")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --only list this many times over, interleaved (run-to-run spread)")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
@@ -741,6 +741,9 @@ def main(argv=None) -> int:
                                        "options": {"window_attention": "mask"}}),
         "torch_maskattn_cap": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                            "options": {"window_attention": "mask"}}),
+        # plain causal attention (the OLMoE shape) through FlexAttention instead of SDPA's cuDNN kernel
+        "torch_flexcausal": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+                                         "options": {"causal_attention": "flex"}}),
         # the router's top-k by torch.topk instead of engines/torch/topk.py's kernel
         "torch_torchtopk": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"topk": "torch"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),

@@ -50,6 +50,8 @@ class TorchKernels:
     # a sliding window on a GPU: "flex" (FlexAttention with a block mask, skipping the blocks
     # outside the window) or "mask" (SDPA with a dense [S, S] bool mask)
     window_attention: str = "flex"
+    # plain causal attention on a GPU: "sdpa" (is_causal through attn_backend's kernels) or "flex"
+    causal_attention: str = "sdpa"
     # weights as _grouped_mm reads them: "nmajor" [E, K, N] as stored, or "kmajor" (a transposed copy)
     grouped_mm_weights: str = "nmajor"
     # dropless combine and dispatch backward: "triton" (engines/torch/gather.py) or "inductor"

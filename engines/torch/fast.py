@@ -97,14 +97,18 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 _flex_compiled = torch.compile(flex_attention, dynamic=False)
 
 
-def window_block_mask(seq_len: int, window: int, device) -> BlockMask:
-    """FlexAttention's block mask of causal attention within the last `window` positions (the
-    mask of model.attention_mask, as blocks: those wholly outside it are skipped)."""
+def window_block_mask(seq_len: int, window: int | None, device) -> BlockMask:
+    """FlexAttention's block mask of causal attention within the last `window` positions (None:
+    plain causal); the mask of model.attention_mask, as blocks: those wholly outside it are skipped."""
 
     def causal_window(b, h, q_idx, kv_idx):
         return (kv_idx <= q_idx) & (q_idx - kv_idx < window)
 
-    return create_block_mask(causal_window, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device)
+    def causal(b, h, q_idx, kv_idx):
+        return kv_idx <= q_idx
+
+    mask_mod = causal if window is None or window >= seq_len else causal_window
+    return create_block_mask(mask_mod, B=None, H=None, Q_LEN=seq_len, KV_LEN=seq_len, device=device)
 
 
 def _sdpa(q, k, v, mask_SS, gqa: bool):
@@ -283,8 +287,9 @@ class FastLoss:
         if key not in self._tables:
             cos, sin = rope_tables(S, m.head_dim, m.rope_theta, device)
             window = m.attention_window
-            if (window is not None and window < S and self.options.window_attention == "flex"
-                    and torch.device(device).type == "cuda"):
+            windowed = window is not None and window < S
+            flex = self.options.window_attention if windowed else self.options.causal_attention
+            if flex == "flex" and torch.device(device).type == "cuda":
                 mask = window_block_mask(S, window, device)
                 if self._cudagraphs:  # the same mask every step: replays read it in place
                     for t in mask.as_tuple():
