@@ -288,8 +288,8 @@ class FastLoss:
             cos, sin = rope_tables(S, m.head_dim, m.rope_theta, device)
             window = m.attention_window
             windowed = window is not None and window < S
-            flex = self.options.window_attention if windowed else self.options.causal_attention
-            if flex == "flex" and torch.device(device).type == "cuda":
+            kind = self.options.window_attention if windowed else self.options.causal_attention
+            if kind == "flex" and torch.device(device).type == "cuda":
                 mask = window_block_mask(S, window, device)
                 if self._cudagraphs:  # the same mask every step: replays read it in place
                     for t in mask.as_tuple():

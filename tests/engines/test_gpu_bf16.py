@@ -28,8 +28,8 @@ SHAPE = {"model.d_model": 256, "model.n_heads": 4, "model.n_kv_heads": 4, "model
          "data.seq_len": 256, "data.batch_size": 4, "data.total_tokens": 256 * 4 * 10}
 
 
-def _setup(dispatch):
-    spec = micro_spec(**{**SHAPE, "model.dispatch": dispatch})
+def _setup(dispatch, **changes):
+    spec = micro_spec(**{**SHAPE, **changes, "model.dispatch": dispatch})
     dev = torch.device("cuda")
     model = MoETransformer(spec.model).to(dev)
     model.load_numpy(init_params(spec.model, spec.seed))
@@ -118,11 +118,8 @@ def test_windowed_attention_through_flex_matches_the_fp32_path(compile_mode):
 
     window = {"model.attention_window": 200, "model.n_kv_heads": 1, "data.seq_len": 512,
               "data.total_tokens": 512 * 4 * 10}
-    spec = micro_spec(**{**SHAPE, **window, "model.dispatch": "dropless"})
-    dev = torch.device("cuda")
-    model = MoETransformer(spec.model).to(dev)
-    model.load_numpy(init_params(spec.model, spec.seed))
-    x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).to(dev, dtype=torch.long)
+    spec, model, x = _setup("dropless", **window)
+    dev = x.device
     loss32, g32 = _grads(model, loss_terms, x, spec.optim)
     got = {}
     for kind in ("flex", "mask"):
