@@ -308,7 +308,7 @@ def torch_trainer(spec, options=None):
     return launch, read
 
 
-def jax_trainer(spec, first_batch, compiler_options: dict | None = None):
+def jax_trainer(spec, first_batch, compiler_options: dict | None = None, kernels: dict | None = None):
     """The JAX engine's jitted train step, compiled once ahead of the loop (jit would compile
     again), on a fresh state at the peak LR: (launch(batch) -> device metrics, read(metrics) ->
     (loss, send drop share, receive drop share), sync(), close(), info)."""
@@ -319,16 +319,17 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None):
 
     from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
     from engines.jax.model import ModelConfig, init_params
-    from engines.jax.train import TrainState
+    from engines.jax.train import init_state
+    from engines.options import JaxKernels
 
     configure_jax()
-    cfg = ModelConfig.from_spec(spec.model)
+    cfg = dataclasses.replace(ModelConfig.from_spec(spec.model), kernels=JaxKernels(**(kernels or {})))
     if jax.default_backend() == "gpu":
         cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # as JaxEngine.train does on a GPU
     mesh = make_mesh(cfg)
     train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
     params, buffers = init_params(cfg, spec.seed)
-    box = {"state": place(TrainState(params, buffers, tx.init(params)), mesh)}
+    box = {"state": place(init_state(cfg, params, buffers, tx), mesh)}
     lr = jnp.float32(spec.optim.peak_lr)
     info = {}
     t_c = time.perf_counter()
@@ -391,11 +392,13 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
             torch.cuda.empty_cache()
 
 
-def run_jax(spec, batches, warmup, env: dict | None = None, compiler_options: dict | None = None):
+def run_jax(spec, batches, warmup, env: dict | None = None, compiler_options: dict | None = None,
+            kernels: dict | None = None):
     import jax
 
     with env_vars(env):  # switches read when the state is built
-        launch, read, jax_sync, close, info = jax_trainer(spec, batches[0], compiler_options)
+        launch, read, jax_sync, close, info = jax_trainer(spec, batches[0], compiler_options, kernels)
+    info["kernels"] = dict(kernels or {})
     try:
         out, dt, t_warm = timed_loop(launch, read, batches, warmup, jax_sync)
         info["tokens_per_s_read_at_once"] = read_at_once_tps(launch, read, batches[warmup:], jax_sync)
@@ -556,7 +559,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, olmo-core, olmo-core_v1, torchtitan, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, torch_maskattn, torch_maskattn_cap, torch_torchtopk, torch_flexcausal, jax_bf16moments, jax_defaulttiles, jax_cublas")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, torch_maskattn, torch_maskattn_cap, torch_torchtopk, torch_flexcausal, jax_bf16moments, jax_defaulttiles, jax_cublas, jax_xlaloss, jax_castweights, jax_before")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --only list this many times over, interleaved (run-to-run spread)")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
@@ -757,6 +760,12 @@ def main(argv=None) -> int:
         "jax_defaulttiles": (run_jax, {"env": {"MOE_LADDER_JAX_MGPU": "default"}}),
         # XLA's own GEMM choice without its Triton GEMM fusions (cuBLAS for every matmul)
         "jax_cublas": (run_jax, {"compiler_options": {"xla_gpu_enable_triton_gemm": False}}),
+        # the head's losses by autodiff over fp32 logits instead of engines/jax/loss.py's custom VJP
+        "jax_xlaloss": (run_jax, {"kernels": {"loss": "xla"}}),
+        # every matmul casting its fp32 master instead of reading the working copies
+        "jax_castweights": (run_jax, {"kernels": {"weights": "cast"}}),
+        # both: the JAX step before either
+        "jax_before": (run_jax, {"kernels": {"loss": "xla", "weights": "cast"}}),
     }
 
     profiled = {n for n in args.profile.split(",") if n}

@@ -161,7 +161,7 @@ def jax_run(spec_path: Path, out_path: Path) -> None:
 
     from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
     from engines.jax.model import ModelConfig, init_params
-    from engines.jax.train import TrainState
+    from engines.jax.train import init_state
     from core.spec import load_spec
 
     spec = load_spec(spec_path)
@@ -176,7 +176,7 @@ def jax_run(spec_path: Path, out_path: Path) -> None:
                          "want ep_size (a mesh) or 1 (shards emulated)")
     train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
     params, buffers = init_params(cfg, spec.seed)
-    box = {"state": place(TrainState(params, buffers, tx.init(params)), mesh)}
+    box = {"state": place(init_state(cfg, params, buffers, tx), mesh)}
 
     def run_step(batch, lr):
         box["state"], m = train_step(box["state"], put_batch(batch, mesh), jnp.float32(lr))

@@ -15,9 +15,9 @@ Switches read from the environment (the README's switch table):
     MOE_LADDER_JAX_MGPU_TILES  a path                         a tile file of bench/tune_mgpu.py
     MOE_LADDER_CPU_THREADS     a count                        torch threads of a CPU run
 
-The torch kernel choices whose alternatives measured slower everywhere (TorchKernels below) are
-fields only: a bench builds EngineOptions with them to compare, nothing reads them from the
-environment. Where Triton is missing, every Triton choice falls back to its compiled form
+The torch and JAX kernel choices whose alternatives measured slower everywhere (TorchKernels and
+JaxKernels below) are fields only: a bench builds EngineOptions with them to compare, nothing
+reads them from the environment. Where Triton is missing, every Triton choice falls back to its compiled form
 (TorchKernels.without_triton).
 """
 
@@ -84,6 +84,25 @@ class TorchKernels:
 
 
 @dataclass(frozen=True)
+class JaxKernels:
+    """The JAX engine's choices on a GPU (bench/RESULTS_h200.md has each measurement); in fp32 on
+    the CPU neither changes anything."""
+
+    # the output head's losses: "fused" (a custom VJP over the 16-bit logits, engines/jax/loss.py)
+    # or "xla" (autodiff over the logits upcast to fp32)
+    loss: str = "fused"
+    # the matmuls' weights: "working" (bf16 copies the optimizer writes beside the fp32 masters)
+    # or "cast" (each matmul casts its fp32 master in every step)
+    weights: str = "working"
+
+    def __post_init__(self):
+        if self.loss not in ("fused", "xla"):
+            raise OptionsError(f"JaxKernels.loss={self.loss!r}: choose fused or xla")
+        if self.weights not in ("working", "cast"):
+            raise OptionsError(f"JaxKernels.weights={self.weights!r}: choose working or cast")
+
+
+@dataclass(frozen=True)
 class EngineOptions:
     torch_fast: bool = True
     torch_master: bool | None = None  # None: decided per run (engines/torch/fast.working_copies_enabled)
@@ -91,6 +110,7 @@ class EngineOptions:
     torch_kernels: TorchKernels = field(default_factory=TorchKernels)
     jax_mgpu: str = "1"
     jax_mgpu_tiles: str | None = None
+    jax_kernels: JaxKernels = field(default_factory=JaxKernels)
     cpu_threads: int | None = None  # None: one for tiny steps, else torch's own
 
     def __post_init__(self):
@@ -145,4 +165,5 @@ class EngineOptions:
     def from_dict(cls, d: Mapping) -> "EngineOptions":
         d = dict(d)
         d["torch_kernels"] = TorchKernels(**d.get("torch_kernels", {}))
+        d["jax_kernels"] = JaxKernels(**d.get("jax_kernels", {}))
         return cls(**d)

@@ -13,8 +13,9 @@ between devices; the rest of the model is data-parallel over the same devices. O
 expert shards are emulated on one device, with the same drops.
 
 Precision: fp32 on the CPU with full-precision matmuls (parity with the torch engine); on a GPU
-the weights, gradients and AdamW state stay fp32 and the matmuls take bf16 inputs with fp32
-accumulation (routing, norms, softmaxes and losses in fp32), as the torch engine's autocast does.
+the master weights, their gradients and AdamW state stay fp32 and the matmuls take bf16 inputs
+(working copies of the masters, engines/jax/train.py) with fp32 accumulation (routing, norms,
+softmaxes and losses in fp32), as the torch engine's MasterAdamW does.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from engines.data import TokenStream
 from engines.jax.fast import load_tiles
 from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.jax.moe import EP_AXIS, capacities
-from engines.jax.train import TrainState, make_eval_step, make_optimizer, make_train_step
+from engines.jax.train import TrainState, init_state, make_eval_step, make_optimizer, make_train_step
 from engines.options import EngineOptions
 from engines.params import is_buffer
 from engines.trainer import FINITE_KEYS, Trainer
@@ -132,7 +133,7 @@ def state_from_arrays(cfg: ModelConfig, tx: optax.GradientTransformation, model:
         nu={k: jnp.asarray(opt.get(f"v/{k}", np.zeros(shapes[k], np.float32)), adam.nu[k].dtype) for k in params},
     )
     opt_state = tuple(new_adam if s is adam else s for s in opt_state)
-    return TrainState(params, buffers, opt_state)
+    return init_state(cfg, params, buffers, tx, opt_state)
 
 
 def place(state: TrainState, mesh: Mesh | None) -> TrainState:
@@ -169,7 +170,7 @@ class JaxStep:
 
     def init_fresh(self) -> None:
         params, buffers = init_params(self.cfg, self.spec.seed)
-        self.state = place(TrainState(params, buffers, self.tx.init(params)), self.mesh)
+        self.state = place(init_state(self.cfg, params, buffers, self.tx), self.mesh)
 
     def load_arrays(self, params: dict, opt: dict, origin: str) -> None:
         self.state = place(state_from_arrays(self.cfg, self.tx, params, opt, origin), self.mesh)
@@ -200,7 +201,8 @@ class JaxStep:
 
     def describe(self) -> dict:
         o = self.options
-        return {"jax_mgpu": o.jax_mgpu, "jax_mgpu_tiles": o.jax_mgpu_tiles, "backend": jax.default_backend(),
+        return {"jax_mgpu": o.jax_mgpu, "jax_mgpu_tiles": o.jax_mgpu_tiles,
+                "jax_kernels": dataclasses.asdict(self.cfg.kernels), "backend": jax.default_backend(),
                 "devices": self.devices}
 
     def finish(self, first_step: int, steps: int) -> None:
@@ -222,7 +224,7 @@ class JaxEngine:
             load_tiles(options.jax_mgpu_tiles)  # a bad tile file is named before any work
         configure_jax()
         cfg = dataclasses.replace(ModelConfig.from_spec(spec.model), mgpu=options.jax_mgpu,
-                                  mgpu_tiles=options.jax_mgpu_tiles)
+                                  mgpu_tiles=options.jax_mgpu_tiles, kernels=options.jax_kernels)
         if jax.default_backend() == "gpu":
             cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # fp32 weights, bf16 matmuls
         if cfg.dispatch == "capacity":

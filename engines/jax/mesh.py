@@ -38,7 +38,7 @@ from engines.data import TokenStream
 from engines.jax.engine import EXPERT_SUFFIXES, JaxStep, configure_jax, state_from_arrays
 from engines.jax.model import ModelConfig, init_params
 from engines.jax.moe import EP_AXIS, capacities
-from engines.jax.train import TrainState
+from engines.jax.train import TrainState, init_state
 from engines.options import EngineOptions
 
 DATA_AXIS = "data"
@@ -107,7 +107,7 @@ class MeshJaxStep(JaxStep):
 
     def init_fresh(self) -> None:
         params, buffers = init_params(self.cfg, self.spec.seed)
-        self.state = place_2d(TrainState(params, buffers, self.tx.init(params)), self.mesh)
+        self.state = place_2d(init_state(self.cfg, params, buffers, self.tx), self.mesh)
 
     def load_arrays(self, params: dict, opt: dict, origin: str) -> None:
         self.state = place_2d(state_from_arrays(self.cfg, self.tx, params, opt, origin), self.mesh)
@@ -130,7 +130,7 @@ def mesh_step_module(spec: Spec, dp: int, options: EngineOptions | None = None) 
     """The JAX engine's step module for `spec` on a dp x model.ep_size mesh of the visible devices."""
     options = options or EngineOptions.from_env()
     configure_jax()
-    cfg = ModelConfig.from_spec(spec.model)
+    cfg = dataclasses.replace(ModelConfig.from_spec(spec.model), kernels=options.jax_kernels)
     if jax.default_backend() == "gpu":
         cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")
     capacities(cfg, spec.data.tokens_per_step)

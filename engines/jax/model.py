@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from engines.options import JaxKernels
 from engines.params import init_arrays, is_buffer, tensor_shapes
 from core.spec import ModelSpec
 
@@ -53,6 +54,7 @@ class ModelConfig:
     compute_dtype: str = "float32"  # matmul inputs; bfloat16 on a GPU (fp32 accumulation, fp32 weights)
     mgpu: str = "1"  # the Mosaic-GPU kernels of dropless dispatch (engines/options.EngineOptions.jax_mgpu)
     mgpu_tiles: str | None = None  # a tile file for them (EngineOptions.jax_mgpu_tiles)
+    kernels: JaxKernels = JaxKernels()  # the head's losses and the matmuls' weights (EngineOptions.jax_kernels)
 
     @classmethod
     def from_spec(cls, m: ModelSpec) -> "ModelConfig":
@@ -94,8 +96,9 @@ def init_params(cfg: ModelConfig, seed: int) -> tuple[Params, Params]:
 # ---- layers -------------------------------------------------------------------------------
 
 
-def mm(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
-    """x @ w with inputs in the compute dtype and an fp32 result (fp32 master weights stay fp32).
+def mm(x: jax.Array, w: jax.Array, dtype, out=jnp.float32) -> jax.Array:
+    """x @ w with inputs in the compute dtype and an fp32 result (fp32 master weights stay fp32;
+    `out` the compute dtype keeps a 16-bit product as it is).
 
     In a 16-bit compute dtype the product is formed in that dtype (fp32 accumulation inside the
     kernel, as torch's bf16 matmul) and upcast afterwards: the upcast's transpose hands the
@@ -104,7 +107,7 @@ def mm(x: jax.Array, w: jax.Array, dtype) -> jax.Array:
     TF32 GEMMs (about 3x slower; 20 ms of a 140 ms step on an H200)."""
     if jnp.dtype(dtype) == jnp.float32:
         return jnp.matmul(x.astype(dtype), w.astype(dtype), preferred_element_type=jnp.float32)
-    return jnp.matmul(x.astype(dtype), w.astype(dtype)).astype(jnp.float32)
+    return jnp.matmul(x.astype(dtype), w.astype(dtype)).astype(out)
 
 
 def einsum(spec: str, a: jax.Array, b: jax.Array, dtype) -> jax.Array:
@@ -192,7 +195,8 @@ MoeFn = Callable[[Params, Params, str, jax.Array], tuple[jax.Array, dict]]
 
 
 def forward(params: Params, buffers: Params, tokens_BS: jax.Array, cfg: ModelConfig, moe_fn: MoeFn):
-    """Logits [B, S, V] and per-layer MoE statistics (each a [n_layers, ...] array)."""
+    """Logits [B, S, V] and per-layer MoE statistics (each a [n_layers, ...] array). The logits
+    are fp32, or in the compute dtype where the fused losses read them (JaxKernels.loss "fused")."""
     B, S = tokens_BS.shape
     cos, sin = rope_tables(S, cfg.head_dim, cfg.rope_theta)
     mask_SS = jnp.asarray(attention_mask(S, cfg.window))
@@ -209,6 +213,6 @@ def forward(params: Params, buffers: Params, tokens_BS: jax.Array, cfg: ModelCon
         x_BSD = x_BSD + y_TD.reshape(B, S, cfg.d_model)
         stats.append(st)
     x_BSD = rms_norm(x_BSD, params["final_norm.weight"], cfg.norm_eps)
-    logits_BSV = mm(x_BSD, params["lm_head"], cfg.dtype)
+    logits_BSV = mm(x_BSD, params["lm_head"], cfg.dtype, out=cfg.dtype if cfg.kernels.loss == "fused" else jnp.float32)
     stacked = {k: jnp.stack([s[k] for s in stats]) for k in stats[0]}
     return logits_BSV, stacked

@@ -99,9 +99,13 @@ def dropless_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype=jnp
     # expert of each block; blocks past the last expert's rows are empty (zero rows, any weights)
     blk_B = jnp.minimum(jnp.searchsorted(pad_end_E, jnp.arange(n_blocks) * block, side="right"), E - 1)
     x_BnL = x_NL.reshape(n_blocks, block, L)
-    h_BnF = jax.nn.silu(einsum("bnl,blf->bnf", x_BnL, wg_ELF[blk_B], dtype))
-    h_BnF = h_BnF * einsum("bnl,blf->bnf", x_BnL, wu_ELF[blk_B], dtype)
-    y_NL = einsum("bnf,bfl->bnl", h_BnF, wd_EFL[blk_B], dtype).reshape(n_blocks * block, L)
+
+    def per_block(w_E__):  # gathered in fp32: the gather's transpose sums an expert's blocks in fp32
+        return w_E__.astype(jnp.float32)[blk_B]
+
+    h_BnF = jax.nn.silu(einsum("bnl,blf->bnf", x_BnL, per_block(wg_ELF), dtype))
+    h_BnF = h_BnF * einsum("bnl,blf->bnf", x_BnL, per_block(wu_ELF), dtype)
+    y_NL = einsum("bnf,bfl->bnl", h_BnF, per_block(wd_EFL), dtype).reshape(n_blocks * block, L)
     y_AL = jnp.zeros((A, L), jnp.float32).at[order_A].set(y_NL[row_A])
     return jnp.sum(y_AL.reshape(T, K, L) * gate_TK[..., None], axis=1)
 

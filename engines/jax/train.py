@@ -5,6 +5,12 @@ core.schedule.lr_at, outside), never an optax schedule of its own, so the one LR
 rules both engines. AdamW is optax's own construction (scale_by_adam, decoupled weight decay on
 matrices only, times -lr) after clip_by_global_norm; the grad norm reported is the one before
 clipping. The router-bias buffers move by sign balancing after the update, outside the gradient.
+
+Working copies (JaxKernels.weights "working", a 16-bit compute dtype): the state holds each
+matmul weight's master rounded to the compute dtype, written by the step beside the update. The
+forward reads them as they are and their gradients arrive in that dtype, upcast where the norm
+and the optimizer read them: the same values as casting each master inside its matmul (the cast's
+own gradient is that upcast), without a cast of every weight in every step.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh
 
+from engines.jax.loss import head_losses, head_losses_autodiff
 from engines.jax.model import ModelConfig, Params, forward
 from engines.jax.moe import make_moe_fn
 from core.spec import OptimSpec
@@ -26,6 +33,28 @@ class TrainState(NamedTuple):
     params: Params  # fp32 masters (the matmuls cast them to the compute dtype where they read them)
     buffers: Params
     opt_state: optax.OptState
+    working: Params  # the matmul weights in the compute dtype (working_copies; empty without them)
+
+
+def working_names(cfg: ModelConfig, params: Params) -> list[str]:
+    """The weights the step keeps working copies of: every matrix a matmul reads in the compute
+    dtype (not the embedding, a gather, nor the router, an fp32 matmul); none in fp32 or with
+    JaxKernels.weights "cast"."""
+    if cfg.dtype == jnp.float32 or cfg.kernels.weights != "working":
+        return []
+    return [k for k, v in params.items() if v.ndim >= 2 and k != "embed.weight" and not k.endswith(".moe.router")]
+
+
+def working_copies(cfg: ModelConfig, params: Params) -> Params:
+    return {k: params[k].astype(cfg.dtype) for k in working_names(cfg, params)}
+
+
+def init_state(cfg: ModelConfig, params: Params, buffers: Params, tx: optax.GradientTransformation,
+               opt_state: optax.OptState | None = None) -> TrainState:
+    """A state of these masters and buffers: fresh optimizer state unless one is given, and the
+    working copies of the masters."""
+    opt_state = tx.init(params) if opt_state is None else opt_state
+    return TrainState(params, buffers, opt_state, working_copies(cfg, params))
 
 
 def decay_mask(params: Params) -> Params:
@@ -66,19 +95,15 @@ def make_optimizer(optim: OptimSpec, params: Params) -> optax.GradientTransforma
     )
 
 
-def cross_entropy(logits_BSV: jax.Array, targets_BS: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """(mean token cross-entropy, mean squared log-partition: the logit z-loss term)."""
-    lse_BS = jax.nn.logsumexp(logits_BSV, axis=-1)
-    tgt_BS = jnp.take_along_axis(logits_BSV, targets_BS[..., None], axis=-1)[..., 0]
-    return jnp.mean(lse_BS - tgt_BS), jnp.mean(lse_BS**2)
-
-
 def loss_and_stats(params: Params, buffers: Params, tokens_BS1: jax.Array, cfg: ModelConfig,
                    optim: OptimSpec, mesh: Mesh | None):
+    """(total loss, (stats, per-layer expert loads)); `params` may hold working copies in place
+    of masters."""
     inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
     moe_fn = make_moe_fn(cfg, inputs_BS.shape[1], mesh)
     logits_BSV, st = forward(params, buffers, inputs_BS, cfg, moe_fn)
-    ce, z = cross_entropy(logits_BSV, targets_BS)
+    losses = head_losses if cfg.kernels.loss == "fused" else head_losses_autodiff
+    ce, z = losses(logits_BSV.reshape(-1, logits_BSV.shape[-1]), targets_BS.reshape(-1))
     aux = jnp.mean(st["aux"])
     router_z = jnp.mean(st["router_z"])
     total = ce + optim.z_loss * z + optim.aux_loss * aux + optim.router_z_loss * router_z
@@ -112,13 +137,15 @@ def make_train_step(cfg: ModelConfig, optim: OptimSpec, tx: optax.GradientTransf
     grad_fn = jax.value_and_grad(partial(loss_and_stats, cfg=cfg, optim=optim, mesh=mesh), has_aux=True)
 
     def step(state: TrainState, tokens_BS1: jax.Array, lr: jax.Array):
-        (total, (stats, load_LE)), grads = grad_fn(state.params, state.buffers, tokens_BS1)
+        weights = {**state.params, **state.working}
+        (total, (stats, load_LE)), grads = grad_fn(weights, state.buffers, tokens_BS1)
+        grads = {k: g.astype(jnp.float32) for k, g in grads.items()}  # a working copy's arrive 16-bit
         grad_norm = jnp.sqrt(sum(jnp.sum(jnp.square(g)) for g in jax.tree.leaves(grads)))
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         params = jax.tree.map(lambda p, u: p - lr * u, state.params, updates)
         buffers = balance_biases(state.buffers, load_LE, bias_rate) if cfg.bias_balancing else state.buffers
         stats = dict(stats, grad_norm=grad_norm, total_loss=total)
-        return TrainState(params, buffers, opt_state), stats
+        return TrainState(params, buffers, opt_state, working_copies(cfg, params)), stats
 
     return jax.jit(step, donate_argnums=(0,))
 

@@ -25,7 +25,7 @@ SCRIPT = textwrap.dedent(
     from engines.jax.engine import (JaxEngine, compiled_steps, configure_jax, make_mesh, place,
                                     put_batch)
     from engines.jax.model import ModelConfig, init_params
-    from engines.jax.train import TrainState
+    from engines.jax.train import init_state
     from engines.data import TokenStream
     from engines.base import read_metrics
     from ladder.presets import micro_spec
@@ -45,7 +45,7 @@ SCRIPT = textwrap.dedent(
     for name, mesh in (("emulated", None), ("devices", make_mesh(cfg))):
         step_fn, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
         params, buffers = init_params(cfg, spec.seed)
-        state = place(TrainState(params, buffers, tx.init(params)), mesh)
+        state = place(init_state(cfg, params, buffers, tx), mesh)
         rows = []
         for s in range(spec.total_steps):
             batch = put_batch(stream.batch(s), mesh)

@@ -8,7 +8,7 @@ import numpy as np
 
 from engines.jax.engine import state_from_arrays, state_to_arrays
 from engines.jax.model import ModelConfig, init_params
-from engines.jax.train import TrainState, make_optimizer
+from engines.jax.train import init_state, make_optimizer
 from ladder.presets import micro_spec
 
 SPEC = micro_spec(engine="jax", **{"optim.moments": "bf16"})
@@ -53,7 +53,7 @@ def test_bf16_moments_go_through_a_checkpoint_unchanged():
     params, buffers = init_params(cfg, SPEC.seed)
     tx = make_optimizer(SPEC.optim, params)
     _, opt_state = tx.update(_grads(params, 2), tx.init(params), params)
-    model, opt = state_to_arrays(TrainState(params, buffers, opt_state))
+    model, opt = state_to_arrays(init_state(cfg, params, buffers, tx, opt_state))
     assert all(v.dtype == np.float32 for k, v in opt.items() if k != "step")
     back = state_from_arrays(cfg, tx, model, opt, "test")
     for key in ("mu", "nu"):
