@@ -192,23 +192,6 @@ def _dispatch_bwd(K, inv_A, g_AL):
 dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
-@jax.custom_vjp
-def permute_rows(x_AL: jax.Array, idx_A: jax.Array, inv_A: jax.Array) -> jax.Array:
-    """x_AL[idx_A] for a permutation idx_A whose inverse is inv_A; backward g[inv_A]."""
-    return x_AL[idx_A]
-
-
-def _permute_fwd(x_AL, idx_A, inv_A):
-    return x_AL[idx_A], inv_A
-
-
-def _permute_bwd(inv_A, g_AL):
-    return g_AL[inv_A], None, None
-
-
-permute_rows.defvjp(_permute_fwd, _permute_bwd)
-
-
 def inverse_permutation(order_A: jax.Array) -> jax.Array:
     """inv with inv[order_A[a]] = a. The indices are unique, and saying so lets XLA write the
     scatter with plain stores."""
@@ -263,6 +246,64 @@ def _gather_rows_bwd(inv_N, g_ML):
 gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 
 
+# ---- the experts' SwiGLU and the gated combine, with 16-bit residuals ---------------------------
+# Autodiff of the fp32 SwiGLU over the upcast gate|up product stores that fp32 [A, 2F] upcast for
+# the backward, and autodiff of the combine an fp32 [A, L] copy of the expert outputs; both write
+# fp32 [A, *] gradients that a convert then halves. These VJPs keep the 16-bit arrays the matmuls
+# wrote and compute in fp32 inside each fusion.
+
+
+@jax.custom_vjp
+def swiglu(gu_A2F: jax.Array) -> jax.Array:
+    """silu(gate) * up of a [A, 2F] gate|up product, in fp32, returned in gu's dtype."""
+    F = gu_A2F.shape[-1] // 2
+    g_AF, u_AF = gu_A2F[:, :F].astype(jnp.float32), gu_A2F[:, F:].astype(jnp.float32)
+    return (jax.nn.silu(g_AF) * u_AF).astype(gu_A2F.dtype)
+
+
+def _swiglu_fwd(gu_A2F):
+    return swiglu(gu_A2F), gu_A2F
+
+
+def _swiglu_bwd(gu_A2F, dh_AF):
+    F = gu_A2F.shape[-1] // 2
+    g_AF, u_AF = gu_A2F[:, :F].astype(jnp.float32), gu_A2F[:, F:].astype(jnp.float32)
+    dh_AF = dh_AF.astype(jnp.float32)
+    s_AF = jax.nn.sigmoid(g_AF)
+    dg_AF = dh_AF * u_AF * s_AF * (1.0 + g_AF * (1.0 - s_AF))
+    du_AF = dh_AF * g_AF * s_AF
+    return (jnp.concatenate([dg_AF, du_AF], -1).astype(gu_A2F.dtype),)
+
+
+swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
+
+
+@partial(jax.custom_vjp, nondiff_argnums=(4,))
+def combine(y_sorted_AL: jax.Array, gate_TK: jax.Array, inv_A: jax.Array, order_A: jax.Array, K: int) -> jax.Array:
+    """y_TL = sum_k gate_TK[t, k] * y_sorted_AL[inv_A[t K + k]] in fp32: the expert-sorted outputs
+    back to (token, slot) order (order_A the sort, inv_A its inverse) and gated. Backward: the
+    gates' gradient by the same gather, the outputs' by the gather through order_A, in y's dtype."""
+    T = gate_TK.shape[0]
+    y_TKL = y_sorted_AL[inv_A].reshape(T, K, -1).astype(jnp.float32)
+    return jnp.sum(y_TKL * gate_TK[..., None], axis=1)
+
+
+def _combine_fwd(y_sorted_AL, gate_TK, inv_A, order_A, K):
+    return combine(y_sorted_AL, gate_TK, inv_A, order_A, K), (y_sorted_AL, gate_TK, inv_A, order_A)
+
+
+def _combine_bwd(K, res, g_TL):
+    y_sorted_AL, gate_TK, inv_A, order_A = res
+    T = gate_TK.shape[0]
+    y_TKL = y_sorted_AL[inv_A].reshape(T, K, -1).astype(jnp.float32)
+    dgate_TK = jnp.sum(y_TKL * g_TL[:, None, :], axis=-1)
+    dy_sorted_AL = (g_TL[order_A // K] * gate_TK.reshape(-1)[order_A][:, None]).astype(y_sorted_AL.dtype)
+    return dy_sorted_AL, dgate_TK, None, None
+
+
+combine.defvjp(_combine_fwd, _combine_bwd)
+
+
 def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, choice: Choice = TUNED) -> jax.Array:
     """Dropless experts (the contract of moe.dropless_experts): assignments sorted by expert,
     SwiGLU through three grouped matmuls, outputs back in (token, slot) order, gated sum in fp32."""
@@ -273,10 +314,7 @@ def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, choic
     sizes_E = sorted_counts(e_A[order_A], E)
     inv_A = inverse_permutation(order_A)
     x_AL = dispatch_rows(x_TL.astype(dtype), order_A // K, inv_A, K)
-    F = wg_ELF.shape[-1]
     # gate and up as one [E, L, 2F] matmul: wider tiles, one dx matmul in the backward
-    gu_A2F = mgpu_gmm(x_AL, jnp.concatenate([wg_ELF, wu_ELF], -1).astype(dtype), sizes_E, choice).astype(jnp.float32)
-    h_AF = (jax.nn.silu(gu_A2F[:, :F]) * gu_A2F[:, F:]).astype(dtype)
-    y_sorted_AL = mgpu_gmm(h_AF, wd_EFL.astype(dtype), sizes_E, choice)
-    y_AL = permute_rows(y_sorted_AL, inv_A, order_A).astype(jnp.float32)
-    return jnp.sum(y_AL.reshape(T, K, -1) * gate_TK[..., None], axis=1)
+    gu_A2F = mgpu_gmm(x_AL, jnp.concatenate([wg_ELF, wu_ELF], -1).astype(dtype), sizes_E, choice)
+    y_sorted_AL = mgpu_gmm(swiglu(gu_A2F), wd_EFL.astype(dtype), sizes_E, choice)
+    return combine(y_sorted_AL, gate_TK, inv_A, order_A, K)

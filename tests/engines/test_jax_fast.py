@@ -63,6 +63,46 @@ def _dropless_dispatch_equals_the_blocked_reference():
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_swiglu_vjp_equals_autodiff_of_the_fp32_swiglu(dtype):
+    gu = (2.0 * jax.random.normal(jax.random.key(7), (40, 12))).astype(dtype)
+    dh = jax.random.normal(jax.random.key(8), (40, 6)).astype(dtype)
+
+    def plain(gu):
+        g, u = gu[:, :6].astype(jnp.float32), gu[:, 6:].astype(jnp.float32)
+        return (jax.nn.silu(g) * u).astype(dtype)
+
+    got, got_vjp = jax.vjp(fast.swiglu, gu)
+    want, want_vjp = jax.vjp(plain, gu)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    (g,), (r,) = got_vjp(dh), want_vjp(dh)
+    assert g.dtype == dtype
+    tol = 1e-6 if dtype == jnp.float32 else 2**-7
+    np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_combine_vjp_equals_autodiff_of_the_gated_sum(dtype):
+    T, K, L = 12, 3, 5
+    e_A = jax.random.randint(jax.random.key(9), (T * K,), 0, 4)
+    order = jnp.argsort(e_A, stable=True)
+    inv = fast.inverse_permutation(order)
+    y_sorted = jax.random.normal(jax.random.key(10), (T * K, L)).astype(dtype)
+    gate = jax.random.uniform(jax.random.key(11), (T, K))
+    g_TL = jax.random.normal(jax.random.key(12), (T, L))
+
+    def plain(y_sorted, gate):
+        y_TKL = y_sorted[inv].reshape(T, K, L).astype(jnp.float32)
+        return jnp.sum(y_TKL * gate[..., None], axis=1)
+
+    got, got_vjp = jax.vjp(lambda y, g: fast.combine(y, g, inv, order, K), y_sorted, gate)
+    want, want_vjp = jax.vjp(plain, y_sorted, gate)
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    for g, r in zip(got_vjp(g_TL), want_vjp(g_TL)):
+        assert g.dtype == r.dtype
+        np.testing.assert_allclose(np.asarray(g, np.float32), np.asarray(r, np.float32), rtol=1e-5, atol=1e-6)
+
+
 def test_kernels_are_used_only_where_they_apply():
     assert not fast.mgpu_usable(1024, 512, jnp.float32)  # fp32: the reference path
     assert not fast.mgpu_usable(1000, 512, jnp.bfloat16)  # widths that do not tile
