@@ -1,12 +1,13 @@
 """The JAX engine really trains the micro spec on real text and leaves a complete run dir."""
 
+import jax
 import numpy as np
 import pytest
 
 from engines.base import DivergedError, read_metrics, read_status
 from engines.checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint
 from engines.data import TokenStream
-from engines.jax.engine import JaxEngine
+from engines.jax.engine import JaxEngine, _compiled_steps
 from engines.registry import get_engine
 from ladder.presets import micro_spec
 
@@ -18,6 +19,8 @@ SPEC = micro_spec(engine="jax", **{"optim.peak_lr": 1e-2})
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     run_dir = tmp_path_factory.mktemp("jax-dropless")
+    _compiled_steps.cache_clear()  # step 0 compiles, whatever ran earlier in this process
+    jax.clear_caches()
     return run_dir, list(JaxEngine().train(SPEC, run_dir))
 
 
