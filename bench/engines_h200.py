@@ -308,10 +308,12 @@ def torch_trainer(spec, options=None):
     return launch, read
 
 
-def jax_trainer(spec, first_batch, compiler_options: dict | None = None, kernels: dict | None = None):
+def jax_trainer(spec, first_batch, compiler_options: dict | None = None, kernels: dict | None = None,
+                keep_hlo: bool = False):
     """The JAX engine's jitted train step, compiled once ahead of the loop (jit would compile
     again), on a fresh state at the peak LR: (launch(batch) -> device metrics, read(metrics) ->
-    (loss, send drop share, receive drop share), sync(), close(), info)."""
+    (loss, send drop share, receive drop share), sync(), close(), info); info["hlo"] holds the
+    compiled step's HLO text with keep_hlo."""
     import dataclasses
 
     import jax
@@ -335,6 +337,8 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None, kernels
     t_c = time.perf_counter()
     step_fn = train_step.lower(box["state"], put_batch(first_batch, mesh), lr).compile(compiler_options)
     info["compile_s"] = time.perf_counter() - t_c
+    if keep_hlo:
+        info["hlo"] = step_fn.as_text()
     try:
         mem = step_fn.memory_analysis()
         info["planned_bytes"] = int(mem.argument_size_in_bytes + mem.temp_size_in_bytes

@@ -157,6 +157,62 @@ def main(argv=None) -> int:
     return 0
 
 
+def _hlo_section(hlo: str, title: str) -> list[str]:
+    """The lines of one of an HLO module's header tables (FileNames, FileLocations, ...)."""
+    lines = hlo.splitlines()
+    try:
+        start = lines.index(title) + 1
+    except ValueError:
+        return []
+    out = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        out.append(line)
+    return out
+
+
+def hlo_sources(hlo: str, under: str = "engines/") -> dict[str, str]:
+    """What each fusion and custom call of a compiled XLA module computes, by the name its GPU
+    kernel carries in a trace (the instruction's name with '.' as '_'): its output shape, its JAX
+    op name and the innermost source line whose file path holds `under`."""
+    files = {int(i): f for i, f in (re.match(r'(\d+) "(.*)"$', l).groups() for l in _hlo_section(hlo, "FileNames"))}
+    locs, frames = {}, {}
+    for line in _hlo_section(hlo, "FileLocations"):
+        m = re.match(r"(\d+) \{file_name_id=(\d+) .*?line=(\d+)", line)
+        if m:
+            locs[int(m[1])] = (files.get(int(m[2]), "?"), int(m[3]))
+    for line in _hlo_section(hlo, "StackFrames"):
+        m = re.match(r"(\d+) \{file_location_id=(\d+) parent_frame_id=(\d+)", line)
+        if m:
+            frames[int(m[1])] = (int(m[2]), int(m[3]))
+
+    def source(frame: int) -> str:
+        seen = set()
+        while frame in frames and frame not in seen:
+            seen.add(frame)
+            loc, parent = frames[frame]
+            path, line = locs.get(loc, ("?", 0))
+            if under in path:
+                return f"{path[path.find(under):]}:{line}"
+            frame = parent
+        return ""
+
+    out = {}
+    pat = re.compile(r"\s*(?:ROOT\s+)?%?(?P<name>[\w.\-]+) = (?P<shape>.+?) (?P<op>fusion|custom-call)\(")
+    for line in hlo.splitlines():
+        m = pat.match(line)
+        if not m:
+            continue
+        op_name = re.search(r'op_name="([^"]*)"', line)
+        frame = re.search(r"stack_frame_id=(\d+)", line)
+        shape = re.sub(r"\{[^}]*\}", "", m["shape"])  # layouts off
+        where = source(int(frame[1])) if frame else ""
+        what = op_name[1].split("/")[-1] if op_name else m["op"]
+        out[m["name"].replace(".", "_")] = " ".join(x for x in (shape, what, where) if x)
+    return out
+
+
 def profile_jax(args) -> int:
     """The JAX engine's jitted step under jax.profiler; GPU kernel times are read back from the
     Perfetto trace it writes (events on the device's stream lines)."""
@@ -177,11 +233,14 @@ def profile_jax(args) -> int:
     n = args.warmup + args.steps
     spec = eb.make_spec(n, seq=seq, batch=batch, engine="jax")
     stream = TokenStream.from_spec(spec)
-    launch, read, sync, close, _ = eb.jax_trainer(spec, stream.batch(0))
+    launch, read, sync, close, info = eb.jax_trainer(spec, stream.batch(0), keep_hlo=True)
+    what = hlo_sources(info["hlo"])
     batches = [stream.batch(i) for i in range(n)]
     eb.run_steps(launch, read, batches[: args.warmup])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    with gzip.open(out / "jax_step.hlo.txt.gz", "wt") as f:  # the compiled step, to look the fusions up in
+        f.write(info["hlo"])
     trace_dir = out / "jax_trace"
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         t0 = time.perf_counter()
@@ -209,13 +268,13 @@ def profile_jax(args) -> int:
         for line, kern in sorted(by_line.items(), key=lambda kv: -sum(kv[1].values())):
             tot = sum(kern.values())
             lines += ["", f"### {line}: {tot / 1e3 / args.steps:.1f} ms/step", "",
-                      "| op | category | ms/step |", "|---|---|---:|"]
+                      "| op | category | ms/step | output, JAX op, source (jax_step.hlo.txt.gz) |", "|---|---|---:|---|"]
             cats: dict = defaultdict(float)
             for k, v in kern.items():
                 cats[category(k)] += v
-            lines += [f"| (category) {c} | | {v / 1e3 / args.steps:.2f} |"
+            lines += [f"| (category) {c} | | {v / 1e3 / args.steps:.2f} | |"
                       for c, v in sorted(cats.items(), key=lambda kv: -kv[1])]
-            lines += [f"| `{k[:150]}` | {category(k)} | {v / 1e3 / args.steps:.2f} |"
+            lines += [f"| `{k[:150]}` | {category(k)} | {v / 1e3 / args.steps:.2f} | {what.get(k, '')[:160]} |"
                       for k, v in sorted(kern.items(), key=lambda kv: -kv[1])[: args.top]]
     text = "\n".join(lines) + "\n"
     print(text)
