@@ -94,12 +94,17 @@ class JaxKernels:
     # the matmuls' weights: "working" (bf16 copies the optimizer writes beside the fp32 masters)
     # or "cast" (each matmul casts its fp32 master in every step)
     weights: str = "working"
+    # dropless experts' SwiGLU and gated combine: "vjp" (custom VJPs keeping the 16-bit expert
+    # products as residuals, engines/jax/fast.py) or "autodiff" (fp32 upcasts stored for the backward)
+    experts: str = "vjp"
 
     def __post_init__(self):
         if self.loss not in ("fused", "xla"):
             raise OptionsError(f"JaxKernels.loss={self.loss!r}: choose fused or xla")
         if self.weights not in ("working", "cast"):
             raise OptionsError(f"JaxKernels.weights={self.weights!r}: choose working or cast")
+        if self.experts not in ("vjp", "autodiff"):
+            raise OptionsError(f"JaxKernels.experts={self.experts!r}: choose vjp or autodiff")
 
 
 @dataclass(frozen=True)

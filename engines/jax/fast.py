@@ -304,9 +304,29 @@ def _combine_bwd(K, res, g_TL):
 combine.defvjp(_combine_fwd, _combine_bwd)
 
 
-def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, choice: Choice = TUNED) -> jax.Array:
+@jax.custom_vjp
+def permute_rows(x_AL: jax.Array, idx_A: jax.Array, inv_A: jax.Array) -> jax.Array:
+    """x_AL[idx_A] for a permutation idx_A whose inverse is inv_A; backward g[inv_A]."""
+    return x_AL[idx_A]
+
+
+def _permute_fwd(x_AL, idx_A, inv_A):
+    return x_AL[idx_A], inv_A
+
+
+def _permute_bwd(inv_A, g_AL):
+    return g_AL[inv_A], None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
+def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, choice: Choice = TUNED,
+                  vjp: bool = True) -> jax.Array:
     """Dropless experts (the contract of moe.dropless_experts): assignments sorted by expert,
-    SwiGLU through three grouped matmuls, outputs back in (token, slot) order, gated sum in fp32."""
+    SwiGLU through three grouped matmuls, outputs back in (token, slot) order, gated sum in fp32.
+    `vjp` (JaxKernels.experts "vjp"): the SwiGLU and the combine through swiglu and combine above;
+    else by autodiff of their fp32 forms."""
     T, K = expert_TK.shape
     E = wg_ELF.shape[0]
     e_A = expert_TK.reshape(-1)  # token-major: a = t*K + j
@@ -316,5 +336,12 @@ def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, choic
     x_AL = dispatch_rows(x_TL.astype(dtype), order_A // K, inv_A, K)
     # gate and up as one [E, L, 2F] matmul: wider tiles, one dx matmul in the backward
     gu_A2F = mgpu_gmm(x_AL, jnp.concatenate([wg_ELF, wu_ELF], -1).astype(dtype), sizes_E, choice)
-    y_sorted_AL = mgpu_gmm(swiglu(gu_A2F), wd_EFL.astype(dtype), sizes_E, choice)
-    return combine(y_sorted_AL, gate_TK, inv_A, order_A, K)
+    if vjp:
+        y_sorted_AL = mgpu_gmm(swiglu(gu_A2F), wd_EFL.astype(dtype), sizes_E, choice)
+        return combine(y_sorted_AL, gate_TK, inv_A, order_A, K)
+    gu_A2F = gu_A2F.astype(jnp.float32)
+    F = gu_A2F.shape[-1] // 2
+    h_AF = (jax.nn.silu(gu_A2F[:, :F]) * gu_A2F[:, F:]).astype(dtype)
+    y_sorted_AL = mgpu_gmm(h_AF, wd_EFL.astype(dtype), sizes_E, choice)
+    y_AL = permute_rows(y_sorted_AL, inv_A, order_A).astype(jnp.float32)
+    return jnp.sum(y_AL.reshape(T, K, -1) * gate_TK[..., None], axis=1)

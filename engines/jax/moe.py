@@ -75,14 +75,14 @@ def _block_rows(n_assign: int, n_experts: int) -> int:
 
 
 def dropless_experts(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype=jnp.float32,
-                     mgpu: fast.Choice = fast.TUNED) -> jax.Array:
+                     mgpu: fast.Choice = fast.TUNED, vjp: bool = True) -> jax.Array:
     """Every assignment is computed: rows sorted by expert, each expert's rows padded to whole
     blocks, one batched matmul over blocks (each block multiplies its own expert's weights).
     Static shapes: at most A + E * (block - 1) rows, whatever the routing. On a Hopper GPU in
     bf16 the Mosaic-GPU ragged dot kernels do it instead (engines/jax/fast.py; `mgpu`: how they
-    are chosen)."""
+    are chosen; `vjp`: their SwiGLU and combine as custom VJPs)."""
     if fast.mgpu_usable(wg_ELF.shape[1], wg_ELF.shape[2], dtype, mgpu[0]):
-        return fast.dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, mgpu)
+        return fast.dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, mgpu, vjp)
     T, K = expert_TK.shape
     E, L = wg_ELF.shape[0], x_TL.shape[-1]
     A = T * K
@@ -227,7 +227,8 @@ def make_moe_fn(cfg: ModelConfig, seq_len: int, mesh: Mesh | None = None):
         if cfg.dispatch == "capacity":
             y_TL, n_send, n_recv = capacity_experts(x_TL, expert_TK, gate_TK, *w, cfg, mesh)
         else:
-            y_TL = dropless_experts(x_TL, expert_TK, gate_TK, *w, dtype=cfg.dtype, mgpu=(cfg.mgpu, cfg.mgpu_tiles))
+            y_TL = dropless_experts(x_TL, expert_TK, gate_TK, *w, dtype=cfg.dtype, mgpu=(cfg.mgpu, cfg.mgpu_tiles),
+                                    vjp=cfg.kernels.experts == "vjp")
             n_send = n_recv = jnp.zeros((), jnp.float32)
         y_TD = mm(y_TL, p[f"{b}.moe.latent_up"], cfg.dtype) if cfg.latent_dim is not None else y_TL
         n_assign = T * cfg.top_k

@@ -39,12 +39,13 @@ def test_grouped_matmul_gradients_equal_ragged_dot():
         np.testing.assert_allclose(g, r, rtol=1e-5, atol=1e-5)
 
 
-def test_dropless_dispatch_equals_the_blocked_reference():
+@pytest.mark.parametrize("vjp", [True, False], ids=["vjp", "autodiff"])
+def test_dropless_dispatch_equals_the_blocked_reference(vjp):
     with jax.default_matmul_precision("highest"):  # a GPU's fp32 default is TF32: 1e-3 apart
-        _dropless_dispatch_equals_the_blocked_reference()
+        _dropless_dispatch_equals_the_blocked_reference(vjp)
 
 
-def _dropless_dispatch_equals_the_blocked_reference():
+def _dropless_dispatch_equals_the_blocked_reference(vjp):
     T, K, E, L, F = 24, 2, 4, 8, 6
     ks = jax.random.split(jax.random.key(1), 6)
     x = jax.random.normal(ks[0], (T, L))
@@ -54,11 +55,14 @@ def _dropless_dispatch_equals_the_blocked_reference():
           jax.random.normal(ks[5], (E, F, L)))
 
     def loss(fn):
-        return lambda x, *w: jnp.sum(jnp.sin(fn(x, expert, gate, *w, dtype=jnp.float32)))
+        return lambda x, gate, *w: jnp.sum(jnp.sin(fn(x, expert, gate, *w, dtype=jnp.float32)))
 
-    np.testing.assert_allclose(loss(fast.dropless_mgpu)(x, *ws), loss(moe.dropless_experts)(x, *ws), rtol=1e-5)
-    got = jax.grad(loss(fast.dropless_mgpu), (0, 1, 2, 3))(x, *ws)
-    want = jax.grad(loss(moe.dropless_experts), (0, 1, 2, 3))(x, *ws)
+    def mgpu(*a, **kw):
+        return fast.dropless_mgpu(*a, **kw, vjp=vjp)
+
+    np.testing.assert_allclose(loss(mgpu)(x, gate, *ws), loss(moe.dropless_experts)(x, gate, *ws), rtol=1e-5)
+    got = jax.grad(loss(mgpu), (0, 1, 2, 3, 4))(x, gate, *ws)
+    want = jax.grad(loss(moe.dropless_experts), (0, 1, 2, 3, 4))(x, gate, *ws)
     for g, r in zip(got, want):
         np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)
 
