@@ -15,9 +15,9 @@ Switches read from the environment (the README's switch table):
     MOE_LADDER_JAX_MGPU_TILES  a path                         a tile file of bench/tune_mgpu.py
     MOE_LADDER_CPU_THREADS     a count                        torch threads of a CPU run
 
-The torch and JAX kernel choices whose alternatives measured slower everywhere (TorchKernels and
-JaxKernels below) are fields only: a bench builds EngineOptions with them to compare, nothing
-reads them from the environment. Where Triton is missing, every Triton choice falls back to its compiled form
+The torch and JAX kernel choices whose alternatives measured slower (TorchKernels and JaxKernels
+below; bench/RESULTS_h200.md has each measurement) are fields only: a bench builds EngineOptions
+with them to compare, nothing reads them from the environment. Where Triton is missing, every Triton choice falls back to its compiled form
 (TorchKernels.without_triton).
 """
 
