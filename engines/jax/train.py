@@ -30,7 +30,7 @@ from core.spec import OptimSpec
 
 
 class TrainState(NamedTuple):
-    params: Params  # fp32 masters (the matmuls cast them to the compute dtype where they read them)
+    params: Params  # fp32 masters (a matmul reads a working copy where there is one, else casts its master)
     buffers: Params
     opt_state: optax.OptState
     working: Params  # the matmul weights in the compute dtype (working_copies; empty without them)
