@@ -45,9 +45,11 @@ browser:
 
 # The two-node Ray Train cluster tests run in a pytest process of their own: after the rest of the
 # suite in one process, Ray Train's controller actor of their second job was once dropped before
-# it started (ActorDiedError); alone they pass.
+# it started (ActorDiedError); alone they pass. The rest runs on two pytest-xdist workers, a test
+# file to one worker (its module fixtures, such as one local Ray, stay in one process).
+TEST_WORKERS ?= 2
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q --ignore=tests/ladder/test_train_launch_cluster.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/ladder/test_train_launch_cluster.py
 	$(BIN)/python -m pytest -q tests/ladder/test_train_launch_cluster.py
 
 clean:
