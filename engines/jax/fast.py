@@ -192,6 +192,23 @@ def _dispatch_bwd(K, inv_A, g_AL):
 dispatch_rows.defvjp(_dispatch_fwd, _dispatch_bwd)
 
 
+@jax.custom_vjp
+def permute_rows(x_AL: jax.Array, idx_A: jax.Array, inv_A: jax.Array) -> jax.Array:
+    """x_AL[idx_A] for a permutation idx_A whose inverse is inv_A; backward g[inv_A]."""
+    return x_AL[idx_A]
+
+
+def _permute_fwd(x_AL, idx_A, inv_A):
+    return x_AL[idx_A], inv_A
+
+
+def _permute_bwd(inv_A, g_AL):
+    return g_AL[inv_A], None, None
+
+
+permute_rows.defvjp(_permute_fwd, _permute_bwd)
+
+
 def inverse_permutation(order_A: jax.Array) -> jax.Array:
     """inv with inv[order_A[a]] = a. The indices are unique, and saying so lets XLA write the
     scatter with plain stores."""
@@ -253,21 +270,27 @@ gather_rows.defvjp(_gather_rows_fwd, _gather_rows_bwd)
 # wrote and compute in fp32 inside each fusion.
 
 
-@jax.custom_vjp
-def swiglu(gu_A2F: jax.Array) -> jax.Array:
-    """silu(gate) * up of a [A, 2F] gate|up product, in fp32, returned in gu's dtype."""
+def _halves_fp32(gu_A2F: jax.Array) -> tuple[jax.Array, jax.Array]:
     F = gu_A2F.shape[-1] // 2
-    g_AF, u_AF = gu_A2F[:, :F].astype(jnp.float32), gu_A2F[:, F:].astype(jnp.float32)
+    return gu_A2F[:, :F].astype(jnp.float32), gu_A2F[:, F:].astype(jnp.float32)
+
+
+def swiglu_fp32(gu_A2F: jax.Array) -> jax.Array:
+    """silu(gate) * up of a [A, 2F] gate|up product, in fp32, returned in gu's dtype (autodiff of
+    it stores the fp32 halves: JaxKernels.experts "autodiff")."""
+    g_AF, u_AF = _halves_fp32(gu_A2F)
     return (jax.nn.silu(g_AF) * u_AF).astype(gu_A2F.dtype)
 
 
+swiglu = jax.custom_vjp(swiglu_fp32)  # the same, with gu itself as the residual
+
+
 def _swiglu_fwd(gu_A2F):
-    return swiglu(gu_A2F), gu_A2F
+    return swiglu_fp32(gu_A2F), gu_A2F
 
 
 def _swiglu_bwd(gu_A2F, dh_AF):
-    F = gu_A2F.shape[-1] // 2
-    g_AF, u_AF = gu_A2F[:, :F].astype(jnp.float32), gu_A2F[:, F:].astype(jnp.float32)
+    g_AF, u_AF = _halves_fp32(gu_A2F)
     dh_AF = dh_AF.astype(jnp.float32)
     s_AF = jax.nn.sigmoid(g_AF)
     dg_AF = dh_AF * u_AF * s_AF * (1.0 + g_AF * (1.0 - s_AF))
@@ -278,14 +301,17 @@ def _swiglu_bwd(gu_A2F, dh_AF):
 swiglu.defvjp(_swiglu_fwd, _swiglu_bwd)
 
 
+def _by_token(y_sorted_AL, inv_A, K):
+    """The sorted rows in (token, slot) order, [T, K, L] in fp32."""
+    return y_sorted_AL[inv_A].reshape(-1, K, y_sorted_AL.shape[-1]).astype(jnp.float32)
+
+
 @partial(jax.custom_vjp, nondiff_argnums=(4,))
 def combine(y_sorted_AL: jax.Array, gate_TK: jax.Array, inv_A: jax.Array, order_A: jax.Array, K: int) -> jax.Array:
     """y_TL = sum_k gate_TK[t, k] * y_sorted_AL[inv_A[t K + k]] in fp32: the expert-sorted outputs
     back to (token, slot) order (order_A the sort, inv_A its inverse) and gated. Backward: the
     gates' gradient by the same gather, the outputs' by the gather through order_A, in y's dtype."""
-    T = gate_TK.shape[0]
-    y_TKL = y_sorted_AL[inv_A].reshape(T, K, -1).astype(jnp.float32)
-    return jnp.sum(y_TKL * gate_TK[..., None], axis=1)
+    return jnp.sum(_by_token(y_sorted_AL, inv_A, K) * gate_TK[..., None], axis=1)
 
 
 def _combine_fwd(y_sorted_AL, gate_TK, inv_A, order_A, K):
@@ -294,31 +320,12 @@ def _combine_fwd(y_sorted_AL, gate_TK, inv_A, order_A, K):
 
 def _combine_bwd(K, res, g_TL):
     y_sorted_AL, gate_TK, inv_A, order_A = res
-    T = gate_TK.shape[0]
-    y_TKL = y_sorted_AL[inv_A].reshape(T, K, -1).astype(jnp.float32)
-    dgate_TK = jnp.sum(y_TKL * g_TL[:, None, :], axis=-1)
+    dgate_TK = jnp.sum(_by_token(y_sorted_AL, inv_A, K) * g_TL[:, None, :], axis=-1)
     dy_sorted_AL = (g_TL[order_A // K] * gate_TK.reshape(-1)[order_A][:, None]).astype(y_sorted_AL.dtype)
     return dy_sorted_AL, dgate_TK, None, None
 
 
 combine.defvjp(_combine_fwd, _combine_bwd)
-
-
-@jax.custom_vjp
-def permute_rows(x_AL: jax.Array, idx_A: jax.Array, inv_A: jax.Array) -> jax.Array:
-    """x_AL[idx_A] for a permutation idx_A whose inverse is inv_A; backward g[inv_A]."""
-    return x_AL[idx_A]
-
-
-def _permute_fwd(x_AL, idx_A, inv_A):
-    return x_AL[idx_A], inv_A
-
-
-def _permute_bwd(inv_A, g_AL):
-    return g_AL[inv_A], None, None
-
-
-permute_rows.defvjp(_permute_fwd, _permute_bwd)
 
 
 def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, choice: Choice = TUNED,
@@ -336,12 +343,8 @@ def dropless_mgpu(x_TL, expert_TK, gate_TK, wg_ELF, wu_ELF, wd_EFL, dtype, choic
     x_AL = dispatch_rows(x_TL.astype(dtype), order_A // K, inv_A, K)
     # gate and up as one [E, L, 2F] matmul: wider tiles, one dx matmul in the backward
     gu_A2F = mgpu_gmm(x_AL, jnp.concatenate([wg_ELF, wu_ELF], -1).astype(dtype), sizes_E, choice)
+    y_sorted_AL = mgpu_gmm((swiglu if vjp else swiglu_fp32)(gu_A2F), wd_EFL.astype(dtype), sizes_E, choice)
     if vjp:
-        y_sorted_AL = mgpu_gmm(swiglu(gu_A2F), wd_EFL.astype(dtype), sizes_E, choice)
         return combine(y_sorted_AL, gate_TK, inv_A, order_A, K)
-    gu_A2F = gu_A2F.astype(jnp.float32)
-    F = gu_A2F.shape[-1] // 2
-    h_AF = (jax.nn.silu(gu_A2F[:, :F]) * gu_A2F[:, F:]).astype(dtype)
-    y_sorted_AL = mgpu_gmm(h_AF, wd_EFL.astype(dtype), sizes_E, choice)
     y_AL = permute_rows(y_sorted_AL, inv_A, order_A).astype(jnp.float32)
     return jnp.sum(y_AL.reshape(T, K, -1) * gate_TK[..., None], axis=1)
