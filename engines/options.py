@@ -17,8 +17,8 @@ Switches read from the environment (the README's switch table):
 
 The torch and JAX kernel choices whose alternatives measured slower (TorchKernels and JaxKernels
 below; bench/RESULTS_h200.md has each measurement) are fields only: a bench builds EngineOptions
-with them to compare, nothing reads them from the environment. Where Triton is missing, every Triton choice falls back to its compiled form
-(TorchKernels.without_triton).
+with them to compare, nothing reads them from the environment. Where Triton is missing, every
+Triton choice falls back to its compiled form (TorchKernels.without_triton).
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ class TorchKernels:
 @dataclass(frozen=True)
 class JaxKernels:
     """The JAX engine's choices on a GPU (bench/RESULTS_h200.md has each measurement); in fp32 on
-    the CPU neither changes anything."""
+    the CPU none changes the arithmetic beyond rounding."""
 
     # the output head's losses: "fused" (a custom VJP over the 16-bit logits, engines/jax/loss.py)
     # or "xla" (autodiff over the logits upcast to fp32)
@@ -99,12 +99,10 @@ class JaxKernels:
     experts: str = "vjp"
 
     def __post_init__(self):
-        if self.loss not in ("fused", "xla"):
-            raise OptionsError(f"JaxKernels.loss={self.loss!r}: choose fused or xla")
-        if self.weights not in ("working", "cast"):
-            raise OptionsError(f"JaxKernels.weights={self.weights!r}: choose working or cast")
-        if self.experts not in ("vjp", "autodiff"):
-            raise OptionsError(f"JaxKernels.experts={self.experts!r}: choose vjp or autodiff")
+        for name, allowed in (("loss", ("fused", "xla")), ("weights", ("working", "cast")),
+                              ("experts", ("vjp", "autodiff"))):
+            if getattr(self, name) not in allowed:
+                raise OptionsError(f"JaxKernels.{name}={getattr(self, name)!r}: choose {' or '.join(allowed)}")
 
 
 @dataclass(frozen=True)
