@@ -64,6 +64,9 @@ def main(argv=None) -> int:
     ap.add_argument("--experts", type=int, default=64)
     ap.add_argument("--top-k", type=int, default=8)
     ap.add_argument("--tiny", action="store_true")
+    ap.add_argument("--lax", action="store_true",
+                    help="time each op's current tiles against lax.ragged_dot compiled with XLA's cuDNN "
+                         "ragged-dot fusion (fwd and dx; no sweep)")
     args = ap.parse_args(argv)
 
     import jax
@@ -122,6 +125,34 @@ def main(argv=None) -> int:
             reps.append((time.perf_counter() - t) / args.iters * 1e3)
         return sorted(reps)[1]
 
+    def time_cfg(op, cfg, ref, scale, flops):
+        try:
+            fn, ops_ = build(op, cfg)
+            err = None if ref is None else float(jnp.max(jnp.abs(fn(*ops_).astype(jnp.float32) - ref))) / scale
+            ms = time_ms(fn, ops_)
+        except Exception as e:
+            return {"cfg": cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]}
+        return {"cfg": cfg, "ms": ms, "tflops": flops / ms / 1e9, "rel_err": err}
+
+    def time_lax(op, ref, scale, flops):
+        """The op's lax form (the transposed weight included for dx) compiled with XLA's cuDNN
+        ragged-dot fusion; whether the compiled module holds a cuDNN call says if the fusion fired
+        (else XLA rewrote it to a dense dot over every group)."""
+        kind, (a, b), tr, _, _ = cases[op]
+        if kind != "rd":
+            return {"error": "weight gradients are not a cuDNN ragged-dot fusion"}
+        fn = (lambda a, b: lax.ragged_dot(a, jnp.swapaxes(b, 1, 2), sizes)) if tr else \
+            (lambda a, b: lax.ragged_dot(a, b, sizes))
+        try:
+            compiled = jax.jit(fn).lower(a, b).compile(
+                compiler_options={"xla_gpu_experimental_use_ragged_dot_fusion": True})
+            text = compiled.as_text()
+            err = float(jnp.max(jnp.abs(compiled(a, b).astype(jnp.float32) - ref))) / scale
+            ms = time_ms(compiled, (a, b))
+        except Exception as e:
+            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+        return {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": err, "cudnn": "cudnn" in text.lower()}
+
     t0 = time.time()
     results = {}
     for op in [o for o in args.ops.split(",") if o]:
@@ -135,6 +166,11 @@ def main(argv=None) -> int:
         except Exception as err:
             print(f"{op}: no reference ({type(err).__name__}); outputs unchecked", flush=True)
             ref = None
+        if args.lax:
+            results[op] = {"key": list(key), "current": time_cfg(op, current, ref, scale, flops),
+                           "lax_cudnn": time_lax(op, ref, scale, flops)}
+            print(f"[{time.time() - t0:6.1f}s] {op}: {results[op]}", flush=True)
+            continue
         for cfg in [current] + [c for c in grid(args.tiny) if c != current]:
             if time.time() - t0 > args.budget_s:
                 print(f"[{time.time() - t0:6.1f}s] budget reached during {op}", flush=True)
@@ -164,7 +200,7 @@ def main(argv=None) -> int:
     (out / "tune_mgpu.json").write_text(json.dumps(results, indent=1))
     # the winners as a tile file the JAX engine reads from $MOE_LADDER_JAX_MGPU_TILES
     tiles = [{"op": r["key"][0], "m": r["key"][1], "n": r["key"][2], "config": r["best"]["cfg"]}
-             for r in results.values() if r["best"] is not None]
+             for r in results.values() if r.get("best") is not None]
     (out / "mgpu_tiles.json").write_text(json.dumps({"tiles": tiles}, indent=1))
     print(f"{len(tiles)} tuned matmuls in {out / 'mgpu_tiles.json'} (MOE_LADDER_JAX_MGPU_TILES=that path)")
     return 0
