@@ -563,7 +563,7 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
                     help="comma list of: ref, olmo-core, olmo-core_v1, torchtitan, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
-                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, torch_maskattn, torch_maskattn_cap, torch_torchtopk, torch_flexcausal, jax_bf16moments, jax_defaulttiles, jax_cublas, jax_xlaloss, jax_castweights, jax_before, jax_autodiffexperts, jax_allbefore")
+                         "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, torch_maskattn, torch_maskattn_cap, torch_torchtopk, torch_flexcausal, jax_bf16moments, jax_defaulttiles, jax_cublas, jax_xlaloss, jax_castweights, jax_before, jax_autodiffexperts, jax_allbefore, jax_gathergates")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --only list this many times over, interleaved (run-to-run spread)")
     ap.add_argument("--scaling", action="store_true", help="also 8 and 128 experts, and sequence 8192")
@@ -770,6 +770,8 @@ def main(argv=None) -> int:
         "jax_castweights": (run_jax, {"kernels": {"weights": "cast"}}),
         # the dropless experts' SwiGLU and combine by autodiff instead of engines/jax/fast.py's VJPs
         "jax_autodiffexperts": (run_jax, {"kernels": {"experts": "autodiff"}}),
+        # the router's gates by take_along_axis (a scatter-add gradient) instead of moe.pick
+        "jax_gathergates": (run_jax, {"kernels": {"gates": "gather"}}),
         # the fused losses and working copies both off (the experts' VJPs kept)
         "jax_before": (run_jax, {"kernels": {"loss": "xla", "weights": "cast"}}),
         # all three off: the JAX step as it was before them

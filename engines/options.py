@@ -97,10 +97,14 @@ class JaxKernels:
     # dropless experts' SwiGLU and gated combine: "vjp" (custom VJPs keeping the 16-bit expert
     # products as residuals, engines/jax/fast.py) or "autodiff" (fp32 upcasts stored for the backward)
     experts: str = "vjp"
+    # the router's gates of the chosen experts: "pick" (a masked sum over a one-hot, whose
+    # gradient is elementwise, engines/jax/moe.py) or "gather" (take_along_axis, whose gradient
+    # is a scatter-add with atomics)
+    gates: str = "pick"
 
     def __post_init__(self):
         for name, allowed in (("loss", ("fused", "xla")), ("weights", ("working", "cast")),
-                              ("experts", ("vjp", "autodiff"))):
+                              ("experts", ("vjp", "autodiff")), ("gates", ("pick", "gather"))):
             if getattr(self, name) not in allowed:
                 raise OptionsError(f"JaxKernels.{name}={getattr(self, name)!r}: choose {' or '.join(allowed)}")
 

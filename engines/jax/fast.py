@@ -18,6 +18,7 @@ from typing import Literal
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, field_validator
 
 MGPU = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
@@ -170,6 +171,16 @@ def mgpu_usable(L: int, F: int, dtype, mode: str = "1") -> bool:
 # A gather's own transpose is a scatter-add, which XLA runs with atomics (12 ms of a 140 ms step on
 # an H200 for the dispatch alone); for a permutation the transpose is the inverse permutation, a
 # gather.
+
+
+def take_rows(x_NL: jax.Array, idx_M: jax.Array) -> jax.Array:
+    """x_NL[idx_M]. Rows of a 16-bit dtype and even width move as 32-bit words (a bitcast on
+    each side): XLA's gather loads one element a thread."""
+    N, L = x_NL.shape
+    if jnp.dtype(x_NL.dtype).itemsize != 2 or L % 2:
+        return x_NL[idx_M]
+    words_NW = lax.bitcast_convert_type(x_NL.reshape(N, L // 2, 2), jnp.uint32)
+    return lax.bitcast_convert_type(words_NW[idx_M], x_NL.dtype).reshape(idx_M.shape[0], L)
 
 
 @partial(jax.custom_vjp, nondiff_argnums=(3,))

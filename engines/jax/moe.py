@@ -30,6 +30,15 @@ EP_AXIS = "ep"
 # ---- router -------------------------------------------------------------------------------
 
 
+def pick(scores_TE: jax.Array, expert_TK: jax.Array) -> jax.Array:
+    """scores_TE[t, expert_TK[t, k]] as a masked sum over a one-hot [T, K, E]: the same values
+    (one term, the rest exact zeros), and a transpose that is elementwise. take_along_axis's
+    transpose is a scatter-add into [T, E], which XLA runs with atomics (1.8 ms of a 97 ms step
+    on an H200 at 64 experts); the one-hot fuses into its producer and consumer."""
+    hit_TKE = expert_TK[..., None] == jnp.arange(scores_TE.shape[-1], dtype=expert_TK.dtype)
+    return jnp.sum(jnp.where(hit_TKE, scores_TE[:, None, :], 0), axis=-1)
+
+
 def route(h_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: ModelConfig, seq_len: int):
     """Top-k choices, their gates and the router statistics of one layer.
 
@@ -44,7 +53,10 @@ def route(h_TD: jax.Array, router_DE: jax.Array, bias_E: jax.Array, cfg: ModelCo
         scores_TE = jax.nn.sigmoid(logits_TE)
     select_TE = scores_TE + bias_E if cfg.bias_balancing else scores_TE
     _, expert_TK = lax.top_k(lax.stop_gradient(select_TE), K)
-    gate_TK = jnp.take_along_axis(scores_TE, expert_TK, axis=-1)
+    if cfg.kernels.gates == "pick":
+        gate_TK = pick(scores_TE, expert_TK)
+    else:
+        gate_TK = jnp.take_along_axis(scores_TE, expert_TK, axis=-1)
     if cfg.router_kind == "sigmoid":
         gate_TK = gate_TK / jnp.sum(gate_TK, axis=-1, keepdims=True)
     # probabilities over experts for balancing and entropy (sigmoid scores normalised per token)
