@@ -19,10 +19,12 @@ import argparse
 import json
 import os
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from kernels_h200 import jax_time_ms  # noqa: E402
 
 
 def main(argv=None) -> int:
@@ -68,24 +70,13 @@ def main(argv=None) -> int:
                         lambda g: (fast.take_rows(g.astype(bf), src_A).astype(jnp.float32) * gate_A[:, None]).astype(bf)),
     }
 
-    def time_ms(fn, ops):
-        jax.block_until_ready(fn(*ops))
-        reps = []
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(args.iters):
-                out = fn(*ops)
-            jax.block_until_ready(out)
-            reps.append((time.perf_counter() - t) / args.iters * 1e3)
-        return sorted(reps)[1]
-
     results = {}
     for name, (ops, native, wide) in cases.items():
         f_native, f_wide = jax.jit(native), jax.jit(wide)
         a, b = np.asarray(f_native(*ops).astype(jnp.float32)), np.asarray(f_wide(*ops).astype(jnp.float32))
         same = bool(np.array_equal(a, b))
         rel = float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30))
-        results[name] = {"native_ms": time_ms(f_native, ops), "take_rows_ms": time_ms(f_wide, ops),
+        results[name] = {"native_ms": jax_time_ms(f_native, ops, args.iters), "take_rows_ms": jax_time_ms(f_wide, ops, args.iters),
                          "bitwise_equal": same, "max_rel_diff": rel}
         print(f"{name}: {results[name]}", flush=True)
     out = Path(args.out)

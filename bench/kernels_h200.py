@@ -43,6 +43,22 @@ def timeit(fn, reps=20):
     return (time.perf_counter() - t) / reps * 1e3
 
 
+def jax_time_ms(fn, ops, iters=10):
+    """Milliseconds a call of the JAX function fn(*ops): the median of three runs of `iters` calls,
+    after one untimed call."""
+    import jax
+
+    jax.block_until_ready(fn(*ops))
+    reps = []
+    for _ in range(3):
+        t = time.perf_counter()
+        for _ in range(iters):
+            out = fn(*ops)
+        jax.block_until_ready(out)
+        reps.append((time.perf_counter() - t) / iters * 1e3)
+    return sorted(reps)[1]
+
+
 def routing_sizes(seed=0, n_rows=None, n_experts=None, K=8):
     """Expert sizes of one top-K routing of n_rows / K tokens (default: this bench's A rows over E
     experts, top-8) with mildly skewed router scores."""

@@ -37,7 +37,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from kernels_h200 import routing_sizes  # noqa: E402
+from kernels_h200 import jax_time_ms, routing_sizes  # noqa: E402
 
 OPS = ("gu_fwd", "gu_dx", "gu_dw", "dn_fwd", "dn_dx", "dn_dw")
 
@@ -115,15 +115,7 @@ def main(argv=None) -> int:
         return jax.jit(lambda a, b: fast._call(trd, a, b, group_sizes=sizes, **cfg)), (a, b)
 
     def time_ms(fn, ops_):
-        jax.block_until_ready(fn(*ops_))
-        reps = []
-        for _ in range(3):
-            t = time.perf_counter()
-            for _ in range(args.iters):
-                out = fn(*ops_)
-            jax.block_until_ready(out)
-            reps.append((time.perf_counter() - t) / args.iters * 1e3)
-        return sorted(reps)[1]
+        return jax_time_ms(fn, ops_, args.iters)
 
     def time_cfg(op, cfg, ref, scale, flops):
         try:

@@ -58,6 +58,28 @@ def test_tile_tuner_reports_every_expert_matmul(tmp_path):
     assert load_tiles(str(tmp_path / "mgpu_tiles.json")) == {}  # a tile file, empty when nothing ran
 
 
+def test_tile_tuner_lax_mode_times_current_tiles_and_lax_form(tmp_path):
+    """--lax reports, for each forward and input-gradient matmul, the current tiles' entry and the
+    lax.ragged_dot form's timing with whether a cuDNN call was compiled (none on the CPU)."""
+    _run(str(ROOT / "bench/tune_mgpu.py"), "--tiny", "--lax", "--ops", "gu_fwd,dn_dx", "--out", str(tmp_path),
+         cwd=tmp_path)
+    got = json.loads((tmp_path / "tune_mgpu.json").read_text())
+    for op in ("gu_fwd", "dn_dx"):
+        assert got[op]["lax_cudnn"]["ms"] > 0 and got[op]["lax_cudnn"]["cudnn"] is False
+        assert got[op]["lax_cudnn"]["rel_err"] == 0.0
+        assert "cfg" in got[op]["current"]
+
+
+def test_gather_bench_forms_agree(tmp_path):
+    """bench/jax_gather.py times each row move both ways; the moves of bf16 rows agree bitwise."""
+    _run(str(ROOT / "bench/jax_gather.py"), "--tiny", "--out", str(tmp_path), cwd=tmp_path)
+    moves = json.loads((tmp_path / "jax_gather.json").read_text())["moves"]
+    assert sorted(moves) == ["combine", "combine_bwd", "dispatch", "dispatch_bwd"]
+    for name in ("dispatch", "dispatch_bwd", "combine"):
+        assert moves[name]["bitwise_equal"], name
+    assert moves["combine_bwd"]["max_rel_diff"] < 1e-2  # one more rounding to bf16
+
+
 @pytest.mark.parametrize("engine", ["torch", "jax"])
 def test_profiler_writes_its_table(tmp_path, engine):
     _run(str(ROOT / "bench/profile_h200.py"), "--tiny", "--engine", engine, "--warmup", "1", "--steps", "1",

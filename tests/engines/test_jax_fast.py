@@ -217,3 +217,15 @@ def test_a_tile_file_comes_before_the_built_in_tiles_and_a_bad_one_is_named(tmp_
     bad.write_text(json.dumps({"tiles": [{"op": "fwd", "m": 768, "n": 1024, "config": {"block_m": 64}}]}))
     with pytest.raises(ValueError, match=r"(?s)bad.json.*missing block_k, block_n"):
         fast.mgpu_config("fwd", x, w, choice=("1", str(bad)))
+
+
+@pytest.mark.parametrize("dtype,width", [(jnp.bfloat16, 64), (jnp.float32, 64), (jnp.bfloat16, 7)])
+def test_take_rows_moves_the_same_rows_bitwise(dtype, width):
+    """Rows of a 16-bit dtype and even width move as 32-bit words; every form gives x[idx] bitwise."""
+    x_NL = jax.random.normal(jax.random.key(0), (40, width)).astype(dtype)
+    idx_M = jax.random.randint(jax.random.key(1), (97,), 0, 40)
+    got = fast.take_rows(x_NL, idx_M)
+    assert got.dtype == x_NL.dtype and got.shape == (97, width)
+    np.testing.assert_array_equal(np.asarray(got.astype(jnp.float32)), np.asarray(x_NL[idx_M].astype(jnp.float32)))
+    hlo = jax.jit(fast.take_rows).lower(x_NL, idx_M).as_text()
+    assert ("xui32>" in hlo) == (dtype == jnp.bfloat16 and width % 2 == 0)  # the gather of words
