@@ -54,7 +54,7 @@ class ModelConfig:
     compute_dtype: str = "float32"  # matmul inputs; bfloat16 on a GPU (fp32 accumulation, fp32 weights)
     mgpu: str = "1"  # the Mosaic-GPU kernels of dropless dispatch (engines/options.EngineOptions.jax_mgpu)
     mgpu_tiles: str | None = None  # a tile file for them (EngineOptions.jax_mgpu_tiles)
-    kernels: JaxKernels = JaxKernels()  # losses, weights, experts on a GPU (EngineOptions.jax_kernels)
+    kernels: JaxKernels = JaxKernels()  # losses, weights, experts, gates (EngineOptions.jax_kernels)
 
     @classmethod
     def from_spec(cls, m: ModelSpec) -> "ModelConfig":

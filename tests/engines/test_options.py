@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from engines.options import EngineOptions, OptionsError, TorchKernels
+from engines.options import EngineOptions, JaxKernels, OptionsError, TorchKernels
 
 
 def test_the_environment_switches_set_the_options():
@@ -36,8 +36,16 @@ def test_a_bad_switch_is_refused_by_name(env, named):
     assert "\n" not in str(err.value)
 
 
+@pytest.mark.parametrize("field", ["loss", "weights", "experts", "gates"])
+def test_a_bad_jax_kernel_choice_is_refused_by_name(field):
+    with pytest.raises(OptionsError, match=rf"JaxKernels.{field}='fastest': choose ") as err:
+        JaxKernels(**{field: "fastest"})
+    assert "\n" not in str(err.value)
+
+
 def test_options_round_trip_through_json():
-    o = EngineOptions(torch_ep="processes", cpu_threads=1, torch_kernels=TorchKernels(gather="inductor"))
+    o = EngineOptions(torch_ep="processes", cpu_threads=1, torch_kernels=TorchKernels(gather="inductor"),
+                      jax_kernels=JaxKernels(experts="autodiff", gates="gather"))
     assert EngineOptions.from_dict(json.loads(json.dumps(o.to_dict()))) == o
 
 
