@@ -9,10 +9,8 @@ The 4-process runs are forked from one driver process, which saves the torch imp
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -25,6 +23,7 @@ from engines.torch.dist.mesh import MeshContext
 from engines.torch.engine import TorchEngine
 from ladder.presets import micro_spec
 from core.spec import save_spec
+from tests.engines.fork_ranks import cpu_env, drive
 
 pytestmark = pytest.mark.slow
 
@@ -42,50 +41,12 @@ SPEC = micro_spec("mesh", **{"model.ep_size": 2, "model.dispatch": "capacity", "
 # the same spec with dropless dispatch: the ragged all-to-all over each data row
 DROPLESS = SPEC.replace(name="dropless", **{"model.dispatch": "dropless"})
 
-DRIVER = textwrap.dedent(
-    """
-    import json, multiprocessing as mp, os, socket, sys
-    import torch._dynamo  # AdamW imports it lazily (seconds); once here, not once per rank
-    from engines.torch.dist import train
-
-    def worker(rank, world, port, argv):
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        os._exit(train.main(argv))
-
-    codes = []
-    for world, argv in json.loads(sys.argv[1]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [mp.get_context("fork").Process(target=worker, args=(r, world, port, argv)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(240)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        codes.append([p.exitcode for p in procs])
-    print("CODES " + json.dumps(codes))
-    """
-)
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1", PYTHONPATH=str(ROOT))
-
-
 def _args(root: Path, run: str, *extra: str) -> list[str]:
     return [str(root / "mesh.yaml"), "--run-dir", str(root / run), "--device", "cpu", *extra]
 
 
 def _drive(jobs: list) -> list:
-    proc = subprocess.run([PY, "-c", DRIVER, json.dumps(jobs)], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("CODES "))[6:])
+    return drive("engines.torch.dist.train", jobs, join_s=240, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -175,7 +136,7 @@ def test_two_ranks_continue_four_ranks_export_to_the_single_process_result(runs)
 
 
 def test_a_process_count_that_is_no_mesh_is_one_clear_line(runs, tmp_path):
-    env = dict(_env(), WORLD_SIZE="3", RANK="0", LOCAL_RANK="0")
+    env = dict(cpu_env(), WORLD_SIZE="3", RANK="0", LOCAL_RANK="0")
     proc = subprocess.run([PY, "-m", "engines.torch.dist.train", *_args(runs, "x")[:1], "--run-dir",
                            str(tmp_path / "run"), "--device", "cpu"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)

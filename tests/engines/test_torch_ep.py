@@ -9,10 +9,8 @@ which saves the torch import per rank."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +21,7 @@ from engines.checkpoint import latest_checkpoint, load_checkpoint
 from engines.torch.engine import TorchEngine
 from ladder.presets import micro_spec
 from core.spec import save_spec
+from tests.engines.fork_ranks import cpu_env, drive
 
 pytestmark = pytest.mark.slow
 
@@ -44,41 +43,6 @@ SPECS = {
     "dropless2": micro_spec("dropless2", **COMMON, **TWO, **{"model.dispatch": "dropless"}),
 }
 
-DRIVER = textwrap.dedent(
-    """
-    import json, multiprocessing as mp, os, socket, sys
-    import torch._dynamo  # AdamW imports it lazily (seconds); once here, not once per rank
-    from engines.torch import ep_train
-
-    def worker(rank, world, port, argv):
-        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank),
-                          LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        os._exit(ep_train.main(argv))
-
-    codes = []
-    for world, argv in json.loads(sys.argv[1]):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        procs = [mp.get_context("fork").Process(target=worker, args=(r, world, port, argv)) for r in range(world)]
-        for p in procs:
-            p.start()
-        for p in procs:
-            p.join(120)
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-                p.join()
-        codes.append([p.exitcode for p in procs])
-    print("CODES " + json.dumps(codes))
-    """
-)
-
-
-def _env() -> dict:
-    return dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1", PYTHONPATH=str(ROOT))
-
-
 def _train_args(spec_path: Path, run_dir: Path, *extra: str) -> list[str]:
     return [str(spec_path), "--run-dir", str(run_dir), "--device", "cpu", *extra]
 
@@ -94,18 +58,14 @@ def runs(tmp_path_factory):
     proc = subprocess.run(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "engines.torch.ep_train",
          *_train_args(root / "ep2.yaml", root / "ep2-ranks", "--steps", "3")],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=180)
+        cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out["ep2_status_at_stop"] = read_status(root / "ep2-ranks")
     # ... then continued from its checkpoint; 4 ranks; dropless over 2 ranks
     jobs = [[2, _train_args(root / "ep2.yaml", root / "ep2-ranks")],
             [4, _train_args(root / "ep4.yaml", root / "ep4-ranks")],
             [2, _train_args(root / "dropless2.yaml", root / "dropless2-ranks", "--profile", str(root / "prof"))]]
-    proc = subprocess.run([PY, "-c", DRIVER, json.dumps(jobs)], cwd=ROOT, env=_env(), capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    codes = json.loads(next(l for l in proc.stdout.splitlines() if l.startswith("CODES "))[6:])
-    assert codes == [[0, 0], [0, 0, 0, 0], [0, 0]], proc.stderr[-4000:]
+    assert drive("engines.torch.ep_train", jobs, join_s=120, timeout=300) == [[0, 0], [0, 0, 0, 0], [0, 0]]
     out["root"] = root
     return out
 
@@ -191,7 +151,7 @@ def test_a_run_stopped_early_is_left_resumable_and_the_continuation_finishes(run
 def test_a_process_count_other_than_ep_size_is_a_clear_error(runs, tmp_path):
     proc = subprocess.run([PY, "-m", "engines.torch.ep_train",
                            *_train_args(runs["root"] / "ep2.yaml", tmp_path / "run")],
-                          cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
     assert "model.ep_size is 2 but 1 process(es) were started" in proc.stderr
     assert "Traceback" not in proc.stderr
