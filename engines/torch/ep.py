@@ -389,6 +389,19 @@ def local_device(device: str | None, local: int, error: type[Exception]) -> torc
     return dev
 
 
+def join_process_group(dev: torch.device, rank: int, world: int) -> None:
+    """torch.distributed's default group, unless one exists: NCCL on a GPU, else gloo; the
+    rendezvous from torchrun's environment (127.0.0.1 and a free port for a single process)."""
+    if dist.is_initialized():
+        return
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if world == 1:
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    backend = "nccl" if dev.type == "cuda" else "gloo"
+    kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+    dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+
+
 def setup_from_env(device: str | None = None) -> EPContext:
     """Join (or start) the process group torchrun describes (RANK, WORLD_SIZE, LOCAL_RANK,
     MASTER_ADDR/PORT); a plain process is a group of one. NCCL on CUDA, gloo on the CPU."""
@@ -398,13 +411,7 @@ def setup_from_env(device: str | None = None) -> EPContext:
     rank = int(os.environ.get("RANK", "0"))
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = local_device(device, local, EPError)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if world == 1:
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
+    join_process_group(dev, rank, world)
     return EPContext(rank=dist.get_rank(), size=dist.get_world_size(), device=dev, group=None)
 
 

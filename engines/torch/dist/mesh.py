@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from engines.torch.ep import NO_MULTICAST, EPContext, EPError, free_port, local_device
+from engines.torch.ep import NO_MULTICAST, EPContext, EPError, join_process_group, local_device
 from core.spec import ModelSpec
 
 
@@ -106,13 +106,7 @@ def setup_mesh(m: ModelSpec, batch_size: int, device: str | None = None) -> Mesh
     dp = check_mesh(m, world, batch_size)  # before any rendezvous
     local = int(os.environ.get("LOCAL_RANK", "0"))
     dev = local_device(device, local, MeshError)
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        if world == 1:
-            os.environ.setdefault("MASTER_PORT", str(free_port()))
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        kwargs = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, rank=int(os.environ.get("RANK", "0")), world_size=world, **kwargs)
+    join_process_group(dev, int(os.environ.get("RANK", "0")), world)
     mesh = init_device_mesh(dev.type, (dp, m.ep_size), mesh_dim_names=("data", "expert"))
     return MeshContext(rank=dist.get_rank(), world=world, dp=dp, ep=m.ep_size, device=dev, mesh=mesh,
                        flat=mesh._flatten("data_expert"))
