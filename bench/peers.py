@@ -175,6 +175,30 @@ class MetricSink:
         self.metrics["train/CE loss"] = value
 
 
+def olmo_steps(tm, tokens: int, device: str):
+    """(launch, read) of one OLMo-core train module stepped outside its Trainer: launch(batch)
+    uploads the batch (the bench's host handling for every variant, a pinned upload), runs one
+    forward, backward and optimizer step and returns the CE loss as a device tensor; read(loss)
+    reads it."""
+    sink = MetricSink(tokens)
+    tm._attach_trainer(sink)
+    tm.zero_grads()  # as its Trainer does before the first step
+    dev = torch.device(device)
+
+    def launch(b):
+        x = to_device(b, dev)
+        sink.global_step += 1
+        tm.train_batch({"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()})
+        tm.optim_step()
+        tm.zero_grads()
+        return sink.metrics.get("train/CE loss")
+
+    def read(loss):
+        return float(loss.detach().float().item())
+
+    return launch, read
+
+
 def olmo_trainer(spec, device: str, compile_: bool = True):
     """(launch(batch) -> handle, read(handle) -> loss, info): one OLMo-core Trainer step per batch."""
     from olmo_core.config import DType
@@ -204,22 +228,7 @@ def olmo_trainer(spec, device: str, compile_: bool = True):
                                                 accumulate_grads_in_fp32=True),
         z_loss_multiplier=OLMO_TRAIN["z_loss_multiplier"], max_grad_norm=o.grad_clip)
     tm = tm_cfg.build(model, device=torch.device(device))
-    sink = MetricSink(B * S)
-    tm._attach_trainer(sink)
-    tm.zero_grads()  # as its Trainer does before the first step
-    dev = torch.device(device)
-
-    def launch(b):
-        x = to_device(b, dev)  # the bench's host handling for every variant (pinned upload)
-        sink.global_step += 1
-        tm.train_batch({"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()})
-        tm.optim_step()
-        tm.zero_grads()
-        return sink.metrics.get("train/CE loss")
-
-    def read(loss):
-        return float(loss.detach().float().item())
-
+    launch, read = olmo_steps(tm, B * S, device)
     info = {"params": sum(p.numel() for p in tm.model_parts[0].parameters()), "config": olmo_settings(m, S),
             "compile": compile_ and device == "cuda"}
     return launch, read, info
@@ -299,22 +308,7 @@ def olmo_v1_trainer(spec, device: str, compile_: bool = True):
                                                 reduce_dtype=DType.float32),
         z_loss_multiplier=OLMO_V1["z_loss_multiplier"], max_grad_norm=o.grad_clip,
     ).build(model, device=torch.device(device))
-    sink = MetricSink(B * S)
-    tm._attach_trainer(sink)
-    tm.zero_grads()
-    dev = torch.device(device)
-
-    def launch(b):
-        x = to_device(b, dev)
-        sink.global_step += 1
-        tm.train_batch({"input_ids": x[:, :-1].contiguous(), "labels": x[:, 1:].contiguous()})
-        tm.optim_step()
-        tm.zero_grads()
-        return sink.metrics.get("train/CE loss")
-
-    def read(loss):
-        return float(loss.detach().float().item())
-
+    launch, read = olmo_steps(tm, B * S, device)
     info = {"params": int(cfg.num_params), "config": olmo_v1_settings(m, S), "compile": compile_ and device == "cuda",
             "num_flops_per_token": int(tm.model.num_flops_per_token(S))}
     return launch, read, info
