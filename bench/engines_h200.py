@@ -334,9 +334,20 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None, kernels
     box = {"state": place(init_state(cfg, params, buffers, tx), mesh)}
     lr = jnp.float32(spec.optim.peak_lr)
     info = {}
+    hits = []  # the persistent compilation cache's hits while the step compiles (--jax-cache)
+
+    def on_event(event, **_):
+        if event == "/jax/compilation_cache/cache_hits":
+            hits.append(event)
+
+    jax.monitoring.register_event_listener(on_event)
     t_c = time.perf_counter()
-    step_fn = train_step.lower(box["state"], put_batch(first_batch, mesh), lr).compile(compiler_options)
+    try:
+        step_fn = train_step.lower(box["state"], put_batch(first_batch, mesh), lr).compile(compiler_options)
+    finally:
+        jax.monitoring.unregister_event_listener(on_event)
     info["compile_s"] = time.perf_counter() - t_c
+    info["step_from_cache"] = bool(hits)
     if keep_hlo:
         info["hlo"] = step_fn.as_text()
     try:
@@ -577,6 +588,10 @@ def main(argv=None) -> int:
     ap.add_argument("--then", default="", help="variants at the --shape shape run last, after the --d768 list")
     ap.add_argument("--profile", default="", help="torch variants whose step is profiled after timing")
     ap.add_argument("--profile-steps", type=int, default=3)
+    ap.add_argument("--jax-cache", default="",
+                    help="JAX's persistent compilation cache in this folder: a JAX variant compiled once (in "
+                         "this process, or an earlier one on the same machine) loads instead of compiling again, "
+                         "so --repeat costs one compile a variant; the row's compile_s says which it was")
     args = ap.parse_args(argv)
 
     import torch
@@ -604,6 +619,11 @@ def main(argv=None) -> int:
         import jax
 
         env["jax"] = jax.__version__
+        if args.jax_cache:
+            jax.config.update("jax_compilation_cache_dir", str(Path(args.jax_cache).resolve()))
+            jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+            jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+            env["jax_cache"] = str(Path(args.jax_cache).resolve())
     except Exception as err:
         env["jax"] = f"unavailable: {err}"
     log("env", env)
@@ -672,7 +692,9 @@ def main(argv=None) -> int:
                     r["vs_ref"] = r["tokens_per_s"] / tps
         row["vs_ref"] = tps / ref_tps[key] if key in ref_tps else None
         log(f"{name} {key}: {tps:,.0f} tok/s, {row['tflops']:.0f} TFLOP/s, MFU {row['mfu']:.1%}, "
-            f"peak {row['peak_gib']:.1f} GiB, warm-up {t_warm:.0f}s, losses {losses[0]:.3f} -> {losses[-1]:.3f}")
+            f"peak {row['peak_gib']:.1f} GiB, warm-up {t_warm:.0f}s"
+            f"{' (step from the compilation cache)' if info.get('step_from_cache') else ''}, "
+            f"losses {losses[0]:.3f} -> {losses[-1]:.3f}")
         record(row)
         gc.collect()
         if DEVICE == "cuda":

@@ -46,6 +46,18 @@ def test_repeat_runs_the_variant_list_over_interleaved(tmp_path):
     assert rows[0]["losses"] == pytest.approx(rows[2]["losses"], rel=1e-6)  # the same run, repeated
 
 
+def test_a_repeated_jax_variant_loads_its_step_from_the_compilation_cache(tmp_path):
+    """--jax-cache: the second row of one JAX variant finds its compiled step in the cache (the
+    first compiles and writes it) and trains the same losses."""
+    cache = tmp_path / "jaxcache"
+    _run(str(ROOT / "bench/engines_h200.py"), "--tiny", "--only", "jax,jax", "--steps", "1", "--warmup", "1",
+         "--jax-cache", str(cache), "--out", str(tmp_path), cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["jax", "jax"] and rows[0]["losses"] == rows[1]["losses"]
+    assert [r["info"]["step_from_cache"] for r in rows] == [False, True]
+    assert len([p for p in cache.iterdir() if p.name.startswith("jit_step-")]) == 1
+
+
 def test_tile_tuner_reports_every_expert_matmul(tmp_path):
     """bench/tune_mgpu.py starts and reports all six matmuls (on the CPU every Mosaic-GPU config
     is refused, and each op says so)."""
