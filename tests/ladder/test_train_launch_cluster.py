@@ -30,7 +30,7 @@ from ladder.controller import submit
 from ladder.experiment import load_experiment
 from ladder.train_launch import train_on_workers
 from tests.conftest import tiny_spec
-from tests.engines.test_dist_mesh import DRIVER
+from tests.engines.fork_ranks import drive
 
 pytestmark = pytest.mark.slow
 
@@ -128,10 +128,7 @@ def _uninterrupted(spec, root: Path) -> Path:
     save_spec(spec, root / "spec.yaml")
     run = root / "plain4"
     jobs = [[4, [str(root / "spec.yaml"), "--run-dir", str(run), "--device", "cpu"]]]
-    proc = subprocess.run([sys.executable, "-c", DRIVER, json.dumps(jobs)], cwd=ROOT, capture_output=True, text=True,
-                          timeout=600, env=dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1",
-                                                PYTHONPATH=str(ROOT)))
-    assert "CODES [[0, 0, 0, 0]]" in proc.stdout, proc.stderr[-3000:]
+    assert drive("engines.torch.dist.train", jobs, join_s=240, timeout=600) == [[0, 0, 0, 0]]
     return run
 
 
