@@ -591,7 +591,7 @@ def main(argv=None) -> int:
     ap.add_argument("--jax-cache", default="",
                     help="JAX's persistent compilation cache in this folder: a JAX variant compiled once (in "
                          "this process, or an earlier one on the same machine) loads instead of compiling again, "
-                         "so --repeat costs one compile a variant; the row's compile_s says which it was")
+                         "so --repeat costs one compile a variant; the row's info.step_from_cache says which it was")
     args = ap.parse_args(argv)
 
     import torch
@@ -620,10 +620,10 @@ def main(argv=None) -> int:
 
         env["jax"] = jax.__version__
         if args.jax_cache:
-            jax.config.update("jax_compilation_cache_dir", str(Path(args.jax_cache).resolve()))
+            env["jax_cache"] = str(Path(args.jax_cache).resolve())
+            jax.config.update("jax_compilation_cache_dir", env["jax_cache"])
             jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
             jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
-            env["jax_cache"] = str(Path(args.jax_cache).resolve())
     except Exception as err:
         env["jax"] = f"unavailable: {err}"
     log("env", env)

@@ -9,8 +9,8 @@ The moves, per layer (A = T*K assignments sorted by expert, order_A the sort, in
     dispatch      x_TL[order_A // K]                          -> x_AL (bf16)
     dispatch_bwd  sum_k g_AL[inv_A] over the K slots, fp32    -> g_TL
     combine       sum_k gate * y_AL[inv_A], fp32              -> y_TL
-    combine_bwd   g_TL[order_A // K] * gate, to bf16          -> dy_AL   (g_TL fp32; "bf16g": g_TL
-                  rounded to bf16 before the gather, one more rounding)
+    combine_bwd   g_TL[order_A // K] * gate, to bf16          -> dy_AL   (g_TL fp32; the take_rows
+                  form rounds g_TL to bf16 before the gather: one more rounding, not bitwise)
 """
 
 from __future__ import annotations

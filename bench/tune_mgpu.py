@@ -114,16 +114,21 @@ def main(argv=None) -> int:
             return jax.jit(lambda a, b: fast._call(rd, a, b, group_sizes=sizes, transpose_rhs=tr, **cfg)), (a, b)
         return jax.jit(lambda a, b: fast._call(trd, a, b, group_sizes=sizes, **cfg)), (a, b)
 
-    def time_ms(fn, ops_):
-        return jax_time_ms(fn, ops_, args.iters)
+    def failure(e: Exception, n: int) -> str:
+        return f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:n]
+
+    def rel_err(out, ref, scale):
+        return None if ref is None else float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref))) / scale
 
     def time_cfg(op, cfg, ref, scale, flops):
+        """One configuration's time and error, or why it failed (shared memory or tiling the
+        shape refuses it)."""
         try:
             fn, ops_ = build(op, cfg)
-            err = None if ref is None else float(jnp.max(jnp.abs(fn(*ops_).astype(jnp.float32) - ref))) / scale
-            ms = time_ms(fn, ops_)
+            err = rel_err(fn(*ops_), ref, scale)
+            ms = jax_time_ms(fn, ops_, args.iters)
         except Exception as e:
-            return {"cfg": cfg, "error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]}
+            return {"cfg": cfg, "error": failure(e, 160)}
         return {"cfg": cfg, "ms": ms, "tflops": flops / ms / 1e9, "rel_err": err}
 
     def time_lax(op, ref, scale, flops):
@@ -139,10 +144,10 @@ def main(argv=None) -> int:
             compiled = jax.jit(fn).lower(a, b).compile(
                 compiler_options={"xla_gpu_experimental_use_ragged_dot_fusion": True})
             text = compiled.as_text()
-            err = float(jnp.max(jnp.abs(compiled(a, b).astype(jnp.float32) - ref))) / scale
-            ms = time_ms(compiled, (a, b))
+            err = rel_err(compiled(a, b), ref, scale)
+            ms = jax_time_ms(compiled, (a, b), args.iters)
         except Exception as e:
-            return {"error": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:300]}
+            return {"error": failure(e, 300)}
         return {"ms": ms, "tflops": flops / ms / 1e9, "rel_err": err, "cudnn": "cudnn" in text.lower()}
 
     t0 = time.time()
@@ -157,7 +162,7 @@ def main(argv=None) -> int:
             scale = float(jnp.max(jnp.abs(ref)))
         except Exception as err:
             print(f"{op}: no reference ({type(err).__name__}); outputs unchecked", flush=True)
-            ref = None
+            ref = scale = None
         if args.lax:
             results[op] = {"key": list(key), "current": time_cfg(op, current, ref, scale, flops),
                            "lax_cudnn": time_lax(op, ref, scale, flops)}
@@ -167,15 +172,7 @@ def main(argv=None) -> int:
             if time.time() - t0 > args.budget_s:
                 print(f"[{time.time() - t0:6.1f}s] budget reached during {op}", flush=True)
                 break
-            try:
-                fn, ops_ = build(op, cfg)
-                err = None if ref is None else float(jnp.max(jnp.abs(fn(*ops_).astype(jnp.float32) - ref))) / scale
-                ms = time_ms(fn, ops_)
-            except Exception as e:  # shared memory or tiling the shape refuses: skip the config
-                msg = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"[:160]
-                rows.append({"cfg": cfg, "error": msg})
-                continue
-            rows.append({"cfg": cfg, "ms": ms, "tflops": flops / ms / 1e9, "rel_err": err})
+            rows.append(time_cfg(op, cfg, ref, scale, flops))
         ok = [r for r in rows if "ms" in r]
         best = min(ok, key=lambda r: r["ms"]) if ok else None
         cur = rows[0] if rows and rows[0]["cfg"] == current else None
