@@ -23,7 +23,8 @@ from core.fsutil import atomic_write_text
 IDENTITY_FIELDS = ("model", "data", "optim", "schedule", "engine", "seed")
 # fields added after spec ids were in use: in the identity only when set off their default, so
 # that every earlier spec keeps its id (and its ledger entries)
-LATE_FIELDS = {("optim", "moments"): "fp32", ("data", "max_epochs"): 1.0}
+LATE_FIELDS = {("optim", "moments"): "fp32", ("data", "max_epochs"): 1.0, ("data", "eval_tokens"): 2**20,
+               ("data", "eval_seq_len"): None}
 # bf16 moments round each update to 8 significant bits: the second moment's step change,
 # (1 - beta2) * (g^2 - v), must stay above that rounding (2^-8 of v) for gradients near its mean
 BF16_MOMENTS_MAX_BETA2 = 0.99
@@ -173,7 +174,12 @@ class DataSpec(_Frozen):
     total_tokens: int = Field(gt=0)
     phases: tuple[DataPhase, ...] = ()
     context_stages: tuple[ContextStage, ...] = ()
-    eval_fraction: float = Field(default=0.01, gt=0, lt=0.5, description="held-out share of every source")
+    eval_fraction: float = Field(default=0.01, gt=0, lt=0.5, description="the most of every source its fixed "
+                                 "eval set may hold (engines/evalset.py)")
+    eval_tokens: int = Field(default=2**20, gt=0, description="tokens of every source's fixed eval set (at most "
+                             "eval_fraction of the source, at least two windows); the same for every run")
+    eval_seq_len: int | None = Field(default=None, gt=0, description="tokens an eval window predicts (default "
+                                     "seq_len); set it when an experiment's runs differ in sequence length")
 
     @model_validator(mode="after")
     def _mixture(self) -> "DataSpec":

@@ -5,7 +5,9 @@ API
     stream = TokenStream.from_spec(spec)       # opens (or prepares) every source's token shards
     x_BS1 = stream.batch(step)                 # np.int32 [B, S+1]: inputs x[:, :-1], targets x[:, 1:]
     x_bS1 = stream.batch(step, rank=r, world=R)  # rank r's rows of that batch, only they are read
-    x_BS1 = stream.eval_batch(i)               # the i-th held-out batch (fixed mixture, fixed shape)
+    stream.eval_plan(windows=None)             # [(source, lo, hi)]: the fixed eval set's batches, in order
+    x_BS1 = stream.eval_batch(source, lo, hi)  # those windows of that source's eval set (int32)
+    stream.eval_fingerprint                    # the eval set's identity (status.json; fits compare it)
     stream.mixture_at(step), stream.seq_len_at(step), stream.batch_size_at(step)
     stream.epochs()                            # {source: passes over its training windows in the run}
     stream.fingerprint                         # hash of the tokenizer and every source's tokens
@@ -17,13 +19,16 @@ Tokens. spec.data.tokenizer is bytes, a tokenizer.json, or a preset (engines.tok
 source is tokenized once into memory-mapped shards (engines.shards): documents end with the
 tokenizer's end-of-text id, and training reads windows straight from the np.memmap parts.
 
-Held-out split. The last max(ceil(eval_fraction * n), K) tokens of each source are held out for
-eval_batch, K = max_seq_len + 1 with max_seq_len the largest sequence length of any context stage,
-gated or not, so the split does not move when a stage opens. Training never touches them.
+Held out by document. Every source has a fixed eval set (engines.evalset): about
+min(data.eval_tokens, eval_fraction * n) tokens in windows of eval_seq_len + 1, drawn across the
+whole source, whose documents are held out whole. It depends on the source's tokens and the
+window only, so every run of an experiment (any seed, batch, sequence length, engine or ranks)
+scores the same tokens. Training never reads a block that touches a held-out document.
 
-Windows without replacement. The training part of a source is cut into n_blocks = split // K
-non-overlapping blocks of K tokens; at sequence length S a block holds m = K // (S + 1) windows
-of S + 1 tokens (m = 1 without context stages). A run is a list of segments (ranges of steps
+Windows without replacement. The source is cut into blocks of K = max_seq_len + 1 tokens
+(max_seq_len the largest sequence length of any context stage, gated or not, so the blocks do
+not move when a stage opens); the n_blocks of them that touch no held-out document are
+training's. At sequence length S a block holds m = K // (S + 1) windows of S + 1 tokens (m = 1 without context stages). A run is a list of segments (ranges of steps
 with one mixture, batch size and sequence length: the phases' and ungated context stages' start
 steps cut it). Within a segment that began at step a, the first n = B * (t - a) rows are shared
 out by the cumulative mixture: source i owns floor(W_i * n) - floor(W_{i-1} * n) of them (W_i the
@@ -32,7 +37,8 @@ source, and every source's cursor at any step, are closed-form (O(segments) to c
 i's c-th window of a segment lies in its block b = b0 + c // m at offset (c % m) * (S + 1), where
 b0 counts the blocks earlier segments used (a block is never reused after a stage change). The
 block is looked up through a stateless pseudo-random permutation of the source's blocks (a
-Feistel network keyed by (seed, source name, epoch), cycle-walked onto [0, n_blocks)), epoch =
+Feistel network keyed by (seed, source name, epoch), cycle-walked onto [0, n_blocks), then
+mapped to the training blocks' positions), epoch =
 b // n_blocks: a window comes back only after every block of its source has been read, i.e.
 past one epoch. A step's rows are then put in a pseudo-random order keyed by (seed, step), so
 every data-parallel rank's share (`batch(step, rank=r, world=R)`: rows [r*B//R, (r+1)*B//R)) is a
@@ -45,8 +51,10 @@ get weight 0. Sequence length: spec.data.seq_len until the first ungated context
 start step floor(start_frac * total_steps) has been reached (gated stages wait for a replan).
 Tokens per step stay constant: batch_size_at(step) = max(1, batch_size * seq_len // seq_len_at(step)).
 
-Eval. eval_batch(i) draws windows with uniform starts in each source's held-out tail (Philox
-keyed by (seed, EVAL_TAG, i); raw outputs, so nothing depends on numpy's sampling algorithms).
+Eval. eval_plan() lists the eval set's batches: EVAL_ROWS windows of one source each, sources in
+spec order, windows in their fixed reading order (a periodic eval takes each source's first
+windows, the final eval all of them); eval_batch reads one. The trainer scores them and reports
+each source's mean and standard error and the base mixture's.
 
 Errors. A missing, empty or too short source, a bad tokenizer, a token id at or above
 model.vocab_size, a truncated shard or one whose fingerprint no longer matches raises DataError
@@ -63,11 +71,11 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.spec import DataSpec, SourceSpec, Spec
+from engines.evalset import GROUP as EVAL_ROWS, MIN_WINDOWS, EvalSet, build_eval_set, combined_fingerprint, train_blocks
 from engines.shards import ShardSet, prepare
 from engines.sources import DataError, cache_dir  # noqa: F401  (re-exported: engines catch DataError here)
 from engines.tokenizer import Tokenizer, TokenizerError, load_tokenizer
 
-EVAL_TAG = 0x6576616C  # "eval"
 ROW_TAG = 0x726F7773  # "rows"
 FEISTEL_ROUNDS = 4  # with a strong round function, 4 rounds make a pseudo-random permutation (Luby-Rackoff)
 _M64 = (1 << 64) - 1
@@ -84,7 +92,9 @@ def default_workers() -> int:
 class SourceTokens:
     name: str
     shards: ShardSet
-    split: int  # tokens[:split] train, tokens[split:] held out
+    evalset: EvalSet  # the fixed held-out windows (engines.evalset)
+    blocks: np.ndarray  # int64: the training blocks (of `block` tokens) that touch no held-out document
+    block: int
     digest: str
     n_docs: int
 
@@ -93,26 +103,27 @@ class SourceTokens:
         return self.shards.n_tokens
 
     @property
+    def split(self) -> int:
+        """Training tokens: the blocks training may read."""
+        return len(self.blocks) * self.block
+
+    @property
     def tokens(self) -> np.ndarray:
         """Every token in memory (small sources and tests; training reads the shards)."""
         return self.shards.to_array()
 
-    @property
-    def train(self) -> np.ndarray:
-        return self.tokens[: self.split]
 
-    @property
-    def eval(self) -> np.ndarray:
-        return self.tokens[self.split:]
-
-
-def held_out(n: int, eval_fraction: float, min_eval: int) -> int:
-    return max(math.ceil(eval_fraction * n), min_eval)
+def held_out(n: int, eval_fraction: float, min_eval: int, eval_tokens: int | None = None) -> int:
+    """Tokens a source of n gives to its eval set (before whole documents and blocks round it up)."""
+    cap = math.ceil(eval_fraction * n)
+    return max(min(cap, eval_tokens) if eval_tokens is not None else cap, min_eval)
 
 
 def load_source(source: SourceSpec, tokenizer: str | Tokenizer = "bytes", eval_fraction: float = 0.01,
-                min_eval: int = 2, vocab_limit: int | None = None, workers: int | None = None) -> SourceTokens:
-    """One source's tokens (prepared into shards on first use) with its held-out split."""
+                min_eval: int = 2, vocab_limit: int | None = None, workers: int | None = None,
+                eval_tokens: int = 2**20, eval_window: int | None = None) -> SourceTokens:
+    """One source's tokens (prepared into shards on first use), its fixed eval set of windows of
+    `eval_window` tokens (default min_eval) and its training blocks of min_eval tokens."""
     try:
         tok = tokenizer if isinstance(tokenizer, Tokenizer) else load_tokenizer(tokenizer)
     except TokenizerError as err:
@@ -122,13 +133,18 @@ def load_source(source: SourceSpec, tokenizer: str | Tokenizer = "bytes", eval_f
                         f"more than model.vocab_size {vocab_limit:,}")
     shards = prepare(source, tok, workers=workers, vocab_limit=vocab_limit)
     n = shards.n_tokens
-    n_eval = held_out(n, eval_fraction, min_eval)
-    if n - n_eval < min_eval:
+    block, window = min_eval, eval_window or min_eval
+    if n < MIN_WINDOWS * window + 2 * block:
         raise DataError(
-            f"data source {source.name!r} has {n} tokens: too few for a training and a held-out split "
-            f"of at least {min_eval} tokens each (sequence length + 1)"
+            f"data source {source.name!r} has {n} tokens: too few for a held-out set of {MIN_WINDOWS} windows of "
+            f"{window} tokens and training (sequence length + 1 = {block} tokens at least twice)"
         )
-    return SourceTokens(source.name, shards, n - n_eval, shards.digest, shards.n_docs)
+    es = build_eval_set(source.name, shards, eval_tokens, eval_fraction, window)
+    blocks = train_blocks(n, block, es.held_H2)
+    if len(blocks) < 1:
+        raise DataError(f"data source {source.name!r}: its eval set's documents cover every training block of "
+                        f"{block} tokens; give it more text or a smaller data.eval_tokens")
+    return SourceTokens(source.name, shards, es, blocks, block, shards.digest, shards.n_docs)
 
 
 # ---- the schedule of windows -----------------------------------------------------------------
@@ -163,6 +179,11 @@ def _mixture(data: DataSpec, phase_starts, step: int) -> dict[str, float]:
 
 def max_seq_len(data: DataSpec) -> int:
     return max([data.seq_len] + [c.seq_len for c in data.context_stages])
+
+
+def eval_seq_len(data: DataSpec) -> int:
+    """Tokens an eval window predicts: data.eval_seq_len, else data.seq_len."""
+    return data.eval_seq_len or data.seq_len
 
 
 def segments(data: DataSpec, total_steps: int) -> list[Segment]:
@@ -205,8 +226,8 @@ def schedule_epochs(data: DataSpec, total_steps: int, train_tokens: dict[str, in
 
 
 def train_tokens_of(n_tokens: int, data: DataSpec) -> int:
-    """Training tokens of a source of n_tokens (the held-out tail taken off)."""
-    return n_tokens - held_out(n_tokens, data.eval_fraction, max_seq_len(data) + 1)
+    """Training tokens of a source of n_tokens, about (its eval set's documents taken off)."""
+    return n_tokens - held_out(n_tokens, data.eval_fraction, max_seq_len(data) + 1, data.eval_tokens)
 
 
 # ---- a stateless permutation -----------------------------------------------------------------
@@ -253,14 +274,6 @@ def permute(x: np.ndarray, n: int, key: int) -> np.ndarray:
 # ---- the stream -------------------------------------------------------------------------------
 
 
-def _philox(seed: int, tag: int, index: int) -> np.random.Philox:
-    return np.random.Philox(np.random.SeedSequence([seed, tag, index]))
-
-
-def _unit(raw: np.ndarray) -> np.ndarray:
-    return (raw >> np.uint64(11)).astype(np.float64) * (1.0 / 2**53)
-
-
 class TokenStream:
     def __init__(self, data: DataSpec, seed: int, total_steps: int, vocab_size: int | None = None,
                  workers: int | None = None):
@@ -275,11 +288,13 @@ class TokenStream:
         except TokenizerError as err:
             raise DataError(str(err)) from err
         workers = default_workers() if workers is None else workers
+        self.eval_seq_len = eval_seq_len(data)
         self.sources = {
-            s.name: load_source(s, self.tokenizer, data.eval_fraction, self.block, vocab_size, workers)
+            s.name: load_source(s, self.tokenizer, data.eval_fraction, self.block, vocab_size, workers,
+                                data.eval_tokens, self.eval_seq_len + 1)
             for s in data.sources
         }
-        self.n_blocks = np.asarray([self.sources[n].split // self.block for n in self.names], np.int64)
+        self.n_blocks = np.asarray([len(self.sources[n].blocks) for n in self.names], np.int64)
         self._segments = segments(data, total_steps)
         self._before = _blocks_before(self._segments, len(self.names))
         self._perm_keys = [_key(seed, "blocks", n) for n in self.names]
@@ -337,12 +352,13 @@ class TokenStream:
             nb = int(self.n_blocks[i])
             epoch, local = np.divmod(block[rows], nb)
             if epoch.min() == epoch.max():  # all but the step that crosses an epoch's end
-                phys = permute(local, nb, _key(self._perm_keys[i], int(epoch[0])))
+                perm = permute(local, nb, _key(self._perm_keys[i], int(epoch[0])))
             else:
-                phys = np.empty_like(local)
+                perm = np.empty_like(local)
                 for e in range(int(epoch.min()), int(epoch.max()) + 1):
                     at = epoch == e
-                    phys[at] = permute(local[at], nb, _key(self._perm_keys[i], e))
+                    perm[at] = permute(local[at], nb, _key(self._perm_keys[i], e))
+            phys = self.sources[self.names[i]].blocks[perm]
             starts[rows] = phys * self.block + (c[rows] % seg.per_block) * seg.window
         return src, starts
 
@@ -362,29 +378,58 @@ class TokenStream:
                 out_BS1[rows] = self.sources[name].shards.gather(starts[rows], window)
         return out_BS1
 
-    def eval_batch(self, i: int) -> np.ndarray:
-        """The i-th held-out batch: base mixture, spec.data.seq_len and batch_size, int32 [B, S+1]."""
-        batch, window = self.data.batch_size, self.data.seq_len + 1
-        raw = _philox(self.seed, EVAL_TAG, i).random_raw(2 * batch).reshape(batch, 2)
-        cum = np.cumsum([self.base_mixture()[n] for n in self.names])
-        cum[-1] = np.inf  # rounding never leaves a row without a source
-        src_B = np.searchsorted(cum, _unit(raw[:, 0]), side="right")
-        out_BS1 = np.empty((batch, window), np.int32)
-        for k, name in enumerate(self.names):
-            rows = np.nonzero(src_B == k)[0]
-            if len(rows):
-                st = self.sources[name]
-                n_starts = st.n_tokens - st.split - window + 1
-                starts = st.split + (raw[rows, 1] % np.uint64(n_starts)).astype(np.int64)
-                out_BS1[rows] = st.shards.gather(starts, window)
-        return out_BS1
+    # ---- the fixed eval set ----
+    def eval_windows(self, source: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Windows [lo, hi) of `source`'s eval set in its reading order: int32 [n, eval_seq_len + 1]."""
+        es = self.sources[source].evalset
+        return self.sources[source].shards.gather(es.starts_W[lo:hi], es.window)
+
+    def eval_plan(self, windows: int | None = None, rows: int = EVAL_ROWS) -> list[tuple[str, int, int]]:
+        """(source, lo, hi) of every eval batch: each source's first `windows` windows (all of them
+        when None) in groups of `rows`, source after source in spec order. Sources of weight 0 in
+        the base mixture are scored too (per source), though they do not enter the mixture."""
+        out = []
+        for n in self.names:
+            total = self.sources[n].evalset.n_windows
+            k = total if windows is None else min(windows, total)
+            out += [(n, lo, min(lo + rows, k)) for lo in range(0, k, rows)]
+        return out
+
+    def eval_batch(self, source: str, lo: int, hi: int, seq_len: int | None = None) -> np.ndarray:
+        """One eval batch, int32 [n, S+1]: windows [lo, hi) of `source`; with seq_len S shorter than
+        the eval windows, each window is cut into consecutive pieces of S+1 tokens (sharing their edge
+        token), so a model of shorter context scores the same tokens."""
+        x = self.eval_windows(source, lo, hi)
+        L = x.shape[1] - 1
+        if seq_len is None or seq_len >= L:
+            return x
+        if L % seq_len:
+            raise DataError(f"eval windows of {L} tokens cannot be cut into sequences of {seq_len}: set "
+                            f"data.eval_seq_len to a multiple of every run's sequence length")
+        k = L // seq_len
+        idx = np.arange(k)[:, None] * seq_len + np.arange(seq_len + 1)[None, :]
+        return x[:, idx].reshape(-1, seq_len + 1)
+
+    @property
+    def eval_fingerprint(self) -> str:
+        """The fixed eval set's identity: every source's windows and the mixture weights."""
+        return combined_fingerprint({n: self.sources[n].evalset for n in self.names}, self.base_mixture())
+
+    def eval_summary(self) -> dict:
+        """What status.json records about the eval set."""
+        return {"fingerprint": self.eval_fingerprint, "seq_len": self.eval_seq_len,
+                "sources": {n: {"fingerprint": st.evalset.fingerprint, "windows": st.evalset.n_windows,
+                                "tokens": st.evalset.n_tokens, "held_out_tokens": st.evalset.held_tokens,
+                                "train_tokens": st.split, "weight": self.base_mixture()[n]}
+                            for n, st in self.sources.items()}}
 
     # ---- identity ----
     @property
     def fingerprint(self) -> str:
         h = hashlib.sha256(f"tokenizer:{self.tokenizer.digest}\n".encode())
         for n in self.names:
-            h.update(f"{n}:{self.sources[n].digest}:{self.sources[n].split}\n".encode())
+            st = self.sources[n]
+            h.update(f"{n}:{st.digest}:{st.evalset.fingerprint}:{st.split}\n".encode())
         return h.hexdigest()[:16]
 
     def state(self, step: int) -> dict:
@@ -398,12 +443,10 @@ class TokenStream:
         p = np.zeros(self.tokenizer.vocab_size, np.float64)
         for n, w in self.base_mixture().items():
             counts = np.zeros(len(p), np.float64)
-            sh, left = self.sources[n].shards, self.sources[n].split
-            for part in sh.parts:
-                take = min(left, len(part))
-                if take > 0:
-                    counts += np.bincount(np.asarray(part[:take]), minlength=len(p))[: len(p)]
-                left -= take
+            st = self.sources[n]
+            for lo in range(0, len(st.blocks), 4096):
+                x = st.shards.gather(st.blocks[lo:lo + 4096] * st.block, st.block)
+                counts += np.bincount(x.ravel(), minlength=len(p))[: len(p)]
             p += w * counts / counts.sum()
         p = p[p > 0]
         return float(-(p * np.log(p)).sum())

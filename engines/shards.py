@@ -316,6 +316,15 @@ class ShardSet:
                 s, at, p = s + take, at + take, p + 1
         return out_KL
 
+    def doc_ends(self) -> np.ndarray:
+        """int64 [n_docs]: the end offset (exclusive) of every document in the source's token array."""
+        ends, k = [], 0
+        for p in self.index["parts"]:
+            if p["n_tokens"]:  # empty parts hold no memmap, so offsets count the others only
+                ends.append(np.load(self.dir / f"{Path(p['file']).stem}.docs.npy").astype(np.int64) + self.offsets[k])
+                k += 1
+        return np.concatenate(ends) if ends else np.zeros(0, np.int64)
+
     def to_array(self) -> np.ndarray:
         """Every token in one in-memory array (for small sources and tests)."""
         return np.concatenate([np.asarray(p) for p in self.parts]) if self.parts else np.zeros(0, np.uint8)

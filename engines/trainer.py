@@ -12,7 +12,11 @@ does everything around the steps, the same way for each of them:
                         metrics.jsonl.<time>.bak)
     the step loop       engines/lookahead.py: step s + 1 is launched before step s is read,
                         except where an eval, a checkpoint or the end needs the state at once
-    eval and checkpoint every run.eval_every / run.checkpoint_every updates and at the end
+    eval and checkpoint every run.eval_every / run.checkpoint_every updates and at the end; an
+                        eval scores the fixed eval set (engines/evalset.py): run.eval_batches
+                        groups of each source's windows periodically, every window at the end
+                        (the final eval, which laws fit), reported per source and for the base
+                        mixture, each with its standard error (score_eval)
     divergence          a non-finite step is recorded, status.json says "diverged" and the run
                         raises DivergedError; nothing after the last checkpoint is ever saved
     status and metrics  status.json (running -> finished | failed | diverged) and metrics.jsonl
@@ -47,7 +51,7 @@ from engines.checkpoint import (
     save_checkpoint,
     warn_if_other_data,
 )
-from engines.data import TokenStream
+from engines.data import EVAL_ROWS, TokenStream, max_seq_len
 from engines.lookahead import lookahead_steps
 
 # a step's values by name, as StepModule.read returns them
@@ -55,6 +59,35 @@ METRIC_KEYS = ("loss", "z_loss", "aux_loss", "router_z_loss", "drop_frac_send", 
                "expert_load_max", "router_entropy", "total_loss")
 VALUE_KEYS = METRIC_KEYS + ("grad_norm",)
 FINITE_KEYS = ("loss", "total_loss", "grad_norm")  # a step that makes any of these NaN/inf is not applied
+
+
+def score_eval(plan: list[tuple[str, int, int]], losses: list[float], weights: dict[str, float]) -> dict:
+    """Per-source means and standard errors of the eval loss from its batches' mean losses.
+
+    Every batch is a group of windows of one source (the same groups in every run), so a source's
+    mean is the window-weighted mean of its groups and its standard error the spread of the group
+    means: se = sqrt(sum n_g^2 (m_g - m)^2 * G / (G - 1)) / sum n_g. The mixture is sum_s w_s m_s over
+    the base mixture's weights w (normalised over the sources scored), se = sqrt(sum_s w_s^2 se_s^2).
+    Returns {"eval_loss", "eval_loss_se", "eval_loss/<source>", "eval_loss_se/<source>", "eval_windows"}."""
+    by: dict[str, list[tuple[int, float]]] = {}
+    for (src, lo, hi), v in zip(plan, losses):
+        by.setdefault(src, []).append((hi - lo, float(v)))
+    out: dict = {}
+    means, ses = {}, {}
+    for src, groups in by.items():
+        n = np.asarray([g[0] for g in groups], np.float64)
+        m = np.asarray([g[1] for g in groups], np.float64)
+        mean = float((n * m).sum() / n.sum())
+        G = len(groups)
+        se = float(np.sqrt((n**2 * (m - mean) ** 2).sum() * G / (G - 1)) / n.sum()) if G > 1 else float("nan")
+        means[src], ses[src] = mean, se
+        out[f"eval_loss/{src}"], out[f"eval_loss_se/{src}"] = mean, se
+    w = {s: weights.get(s, 0.0) for s in means}
+    total = sum(w.values()) or 1.0
+    out["eval_loss"] = float(sum(w[s] / total * means[s] for s in means))
+    out["eval_loss_se"] = float(np.sqrt(sum((w[s] / total) ** 2 * ses[s] ** 2 for s in means if w[s] > 0)))
+    out["eval_windows"] = int(sum(hi - lo for _, lo, hi in plan))
+    return out
 
 
 class RunHistoryError(CheckpointError):
@@ -96,8 +129,9 @@ class StepModule(Protocol):
     def read(self, handle: Any) -> tuple[dict[str, float], bool]:
         """The step's values by VALUE_KEYS and whether it was finite: its one host sync."""
 
-    def evaluate(self, stream: TokenStream) -> float:
-        """Mean loss over the spec's held-out batches."""
+    def eval_losses(self, batches: list[np.ndarray]) -> list[float]:
+        """Each eval batch's mean token loss, in order (called on every process with the same
+        batches: a multi-process module splits each batch over its ranks itself)."""
 
     def agree(self, value: Any) -> Any:
         """The lead's `value` on every process (the identity for one process)."""
@@ -168,7 +202,7 @@ class Trainer:
     stop_after: end this launch after that step of the schedule (with a checkpoint; the LR
     still follows the whole schedule); checkpoints False: write none (benchmarks); stream: the
     token stream (default: the spec's, engines/data.TokenStream; anything with its batch,
-    eval_batch, state and fingerprint)."""
+    eval_plan, eval_batch, base_mixture, state and fingerprint)."""
 
     def __init__(self, spec: Spec, run_dir: str | Path, module: StepModule, stop_after: int | None = None,
                  checkpoints: bool = True, stream: TokenStream | None = None):
@@ -199,7 +233,20 @@ class Trainer:
     def _status(self, state: str, **info) -> None:
         if self.module.lead:
             self.run.write_status(state, engine=self.module.engine, spec_id=self.spec.id, **info,
-                                  **self.module.extra(), options=self._options())
+                                  **self.module.extra(), options=self._options(), eval_set=self._eval_summary())
+
+    def _eval_summary(self) -> dict | None:
+        summary = getattr(self.stream, "eval_summary", None)
+        return summary() if summary is not None else None
+
+    def evaluate(self, final: bool) -> dict:
+        """Score the fixed eval set: every window when final, else run.eval_batches groups a source."""
+        plan = self.stream.eval_plan(None if final else self.spec.run.eval_batches * EVAL_ROWS)
+        seq = max_seq_len(self.spec.data)  # windows longer than the model's context are cut to it
+        losses = self.module.eval_losses([self.stream.eval_batch(src, lo, hi, seq) for src, lo, hi in plan])
+        out = score_eval(plan, losses, self.stream.base_mixture())
+        out["eval_final"] = final
+        return out
 
     def _options(self) -> dict:
         describe = getattr(self.module, "describe", None)
@@ -365,7 +412,9 @@ class Trainer:
             raise DivergedError(f"loss became {rec.loss} (grad norm {rec.grad_norm}) at step {rec.step}; {where}")
         done = rec.step + 1
         if self.eval_due(done):
-            rec.eval_loss = self.module.evaluate(self.stream)
+            scored = self.evaluate(final=done == self.spec.total_steps)
+            rec.eval_loss = scored.pop("eval_loss")
+            rec.extra.update(scored)
         if writer is not None:
             writer.write(rec)
         if self.save_due(done):

@@ -291,16 +291,16 @@ class TorchStep:
     def read(self, pending: HostCopy) -> tuple[dict[str, float], bool]:
         return read_step(self.opt, pending)
 
-    def evaluate(self, stream: TokenStream) -> float:
+    def eval_losses(self, batches) -> list[float]:
         model, device = self.model, self.device
         model.eval()
         losses = []
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            for i in range(self.spec.run.eval_batches):
-                x = torch.from_numpy(stream.eval_batch(i)).to(device, dtype=torch.long)
+            for batch in batches:
+                x = torch.from_numpy(batch).to(device, dtype=torch.long)
                 losses.append(loss_terms(model, x, self.spec.optim)[1]["metrics"]["loss"])
         model.train()
-        return float(torch.stack(losses).mean())
+        return torch.stack(losses).float().cpu().tolist() if losses else []
 
     def agree(self, value):
         return value

@@ -133,15 +133,14 @@ class EPStep:
     def read(self, pending) -> tuple[dict[str, float], bool]:
         return read_step(self.opt, pending)
 
-    def evaluate(self, stream: TokenStream) -> float:
+    def eval_losses(self, batches) -> list[float]:
         losses = []
         with torch.no_grad():
-            for i in range(self.spec.run.eval_batches):
-                batch = stream.eval_batch(i)
+            for batch in batches:
                 x = torch.from_numpy(_shard(batch, self.ctx, "eval batch")).to(self.ctx.device, dtype=torch.long)
                 _, out = self.loss_fn(self.model, x, self.spec.optim, batch.shape[0] * (batch.shape[1] - 1))
                 losses.append(out["global"]["loss"])
-        return float(torch.stack(losses).mean())
+        return torch.stack(losses).float().cpu().tolist() if losses else []
 
     def agree(self, value):
         box = [value]

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from engines.data import DataError, TokenStream, load_source
+from engines.shards import prepare
 from ladder.presets import micro_spec
 from core.spec import SourceSpec
 
@@ -30,13 +31,13 @@ def test_batches_are_int32_windows_of_seq_len_plus_one():
 def test_batches_are_identical_in_another_process():
     spec = micro_spec()
     stream = TokenStream.from_spec(spec)
-    here = _digest([stream.batch(s) for s in (0, 7, 99)] + [stream.eval_batch(0)])
+    here = _digest([stream.batch(s) for s in (0, 7, 99)] + [stream.eval_batch(*stream.eval_plan()[0])])
     code = (
         "import hashlib, numpy as np\n"
         "from engines.data import TokenStream\nfrom ladder.presets import micro_spec\n"
         "st = TokenStream.from_spec(micro_spec())\n"
         "h = hashlib.sha256()\n"
-        "for a in [st.batch(s) for s in (0, 7, 99)] + [st.eval_batch(0)]: h.update(np.ascontiguousarray(a).tobytes())\n"
+        "for a in [st.batch(s) for s in (0, 7, 99)] + [st.eval_batch(*st.eval_plan()[0])]: h.update(np.ascontiguousarray(a).tobytes())\n"
         "print(h.hexdigest())\n"
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -86,18 +87,68 @@ def test_jsonl_without_text_key_is_an_error_naming_file_and_line(tmp_path):
         load_source(SourceSpec(name="j", weight=1.0, paths=(str(p),)))
 
 
-def test_held_out_split_is_disjoint_from_training_windows(tmp_path):
-    # training part all 'a', held-out tail all 'b': any leak shows up as a wrong byte
-    p = tmp_path / "d.jsonl"
-    p.write_text(json.dumps({"text": "a" * 9000 + "b" * 1000}) + "\n")
-    spec = micro_spec(**{"data.sources": [{"name": "ab", "weight": 1.0, "paths": [str(p)]}],
-                         "data.eval_fraction": 0.1})
+def _numbered_docs(tmp_path, n_docs=400, size=120):
+    """A jsonl source of n_docs documents, document i made of its own 3-letter word only."""
+    p = tmp_path / "numbered.jsonl"
+    words = [chr(97 + i // 676) + chr(97 + i // 26 % 26) + chr(97 + i % 26) for i in range(n_docs)]
+    p.write_text("".join(json.dumps({"text": (w + " ") * (size // 4)}) + "\n" for w in words))
+    return {"name": "num", "weight": 1.0, "paths": [str(p)]}
+
+
+def test_training_never_reads_a_held_out_document(tmp_path):
+    spec = micro_spec(**{"data.sources": [_numbered_docs(tmp_path)], "data.eval_fraction": 0.2})
     st = TokenStream.from_spec(spec)
-    assert st.sources["ab"].split == 9000
-    train = np.concatenate([st.batch(s) for s in range(200)])
-    held = np.concatenate([st.eval_batch(i) for i in range(20)])
-    assert set(np.unique(train)) == {ord("a")}
-    assert set(np.unique(held)) <= {ord("b"), 0}
+    es, window = st.sources["num"].evalset, spec.data.seq_len + 1
+    held = es.held_H2
+    for step in range(min(spec.total_steps, 300)):
+        _, starts = st.window_starts(step)
+        for s0 in starts:
+            assert not ((held[:, 0] < s0 + window) & (held[:, 1] > s0)).any(), (step, s0)
+    inside = (es.starts_W[:, None] >= held[None, :, 0]) & (es.starts_W[:, None] + es.window <= held[None, :, 1])
+    assert inside.any(axis=1).all()  # every eval window lies in held-out documents
+
+
+def test_held_out_documents_are_whole_and_absent_from_training_text(tmp_path):
+    spec = micro_spec(**{"data.sources": [_numbered_docs(tmp_path)], "data.eval_fraction": 0.2})
+    st = TokenStream.from_spec(spec)
+    tokens = st.sources["num"].tokens
+    held_words = {bytes(tokens[a:a + 3]) for a, _ in st.sources["num"].evalset.held_H2}
+    train = np.concatenate([st.batch(s) for s in range(min(spec.total_steps, 300))]).astype(np.uint8)
+    text = b"|".join(row.tobytes() for row in train)
+    assert held_words and not any(w in text for w in held_words)
+
+
+def test_eval_set_is_spread_over_the_whole_source(tmp_path):
+    spec = micro_spec(**{"data.sources": [_numbered_docs(tmp_path, n_docs=2000)], "data.eval_fraction": 0.2})
+    st = TokenStream.from_spec(spec)
+    n, starts = st.sources["num"].n_tokens, st.sources["num"].evalset.starts_W
+    quarters = np.bincount(starts * 4 // n, minlength=4)
+    assert (quarters >= len(starts) // 8).all(), quarters
+
+
+def test_two_seeds_and_batch_sizes_score_byte_identical_eval_tokens():
+    runs = [micro_spec(), micro_spec(seed=1), micro_spec(**{"data.batch_size": 2}),
+            micro_spec(**{"data.batch_size": 16, "data.total_tokens": 16 * 64 * 40})]
+    streams = [TokenStream.from_spec(s) for s in runs]
+    digests = {_digest([st.eval_batch(*b) for b in st.eval_plan()]) for st in streams}
+    assert len(digests) == 1
+    assert len({st.eval_fingerprint for st in streams}) == 1
+    assert len({_digest([st.batch(3)]) for st in streams[:2]}) == 2  # the training streams do differ
+
+
+def test_another_eval_size_changes_the_eval_fingerprint():
+    a = TokenStream.from_spec(micro_spec())
+    b = TokenStream.from_spec(micro_spec(**{"data.eval_tokens": 8 * 65 * 2}))
+    assert a.eval_fingerprint != b.eval_fingerprint
+
+
+def test_eval_set_is_stored_beside_the_shards_and_read_back():
+    st = TokenStream.from_spec(micro_spec())
+    src = next(iter(st.sources.values()))
+    stored = list(src.shards.dir.glob("eval-*.npz"))
+    assert stored
+    again = TokenStream.from_spec(micro_spec())
+    assert np.array_equal(next(iter(again.sources.values())).evalset.starts_W, src.evalset.starts_W)
 
 
 def test_txt_jsonl_and_parquet_sources_read_the_same_text(tmp_path):
@@ -114,7 +165,7 @@ def test_txt_jsonl_and_parquet_sources_read_the_same_text(tmp_path):
         "jsonl": SourceSpec(name="jsonl", weight=1, paths=(str(tmp_path / "d.jsonl"),), text_key="body"),
         "parquet": SourceSpec(name="parquet", weight=1, paths=(str(tmp_path / "d.parquet"),), text_key="body"),
     }
-    toks = {k: np.asarray(load_source(s).tokens) for k, s in srcs.items()}
+    toks = {k: prepare(s, "bytes").to_array() for k, s in srcs.items()}
     expect = np.frombuffer(b"\0".join(d.encode() for d in docs[:2]) + b"\0", np.uint8)
     for k, t in toks.items():
         assert np.array_equal(t, expect), k
@@ -124,10 +175,10 @@ def test_cache_is_rebuilt_when_a_file_changes(tmp_path):
     p = tmp_path / "t.txt"
     p.write_text("first version of the text " * 10)
     src = SourceSpec(name="t", weight=1, paths=(str(p),))
-    first = load_source(src)
-    assert load_source(src).digest == first.digest
+    first = prepare(src, "bytes")
+    assert prepare(src, "bytes").digest == first.digest
     p.write_text("second version, longer text " * 12)
-    assert load_source(src).digest != first.digest
+    assert prepare(src, "bytes").digest != first.digest
 
 
 def test_builtin_domains_are_real_code_and_real_prose():
@@ -156,7 +207,7 @@ def test_no_training_window_repeats_before_every_window_of_its_source_was_read(t
     steps = n_blocks // spec.data.batch_size
     starts = np.concatenate([st.window_starts(s)[1] for s in range(steps)])
     assert len(np.unique(starts)) == len(starts) == steps * spec.data.batch_size  # one epoch: all distinct
-    assert set(starts) <= set(range(0, n_blocks * st.block, st.block))
+    assert set(starts) <= set(st.sources["w"].blocks * st.block)  # the training blocks, block-aligned
     two = np.concatenate([st.window_starts(s)[1] for s in range(2 * n_blocks // spec.data.batch_size)])
     _, seen = np.unique(two, return_counts=True)  # two epochs: every window once, then once more
     assert len(seen) == n_blocks and seen.max() == 2

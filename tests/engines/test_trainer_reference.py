@@ -30,6 +30,7 @@ class SyntheticStream:
 
     def __init__(self, spec):
         self.B, self.S, self.V, self.seed = spec.data.batch_size, spec.data.seq_len, spec.model.vocab_size, spec.seed
+        self.eval_batches = spec.run.eval_batches
 
     def _tokens(self, key):
         return np.random.default_rng([self.seed, *key]).integers(0, self.V, (self.B, self.S + 1)).astype(np.int32)
@@ -40,8 +41,15 @@ class SyntheticStream:
     def batch(self, step, rank=0, world=1):
         return self._tokens([0, step])[rank * self.B // world:(rank + 1) * self.B // world]
 
-    def eval_batch(self, i):
-        return self._tokens([1, i])
+    def eval_plan(self, windows=None):
+        # one group per old eval batch (the pinned eval losses are the mean of these batches' losses)
+        return [("synthetic", i, i + 1) for i in range(self.eval_batches if windows is None else windows // 8)]
+
+    def eval_batch(self, source, lo, hi, seq_len=None):
+        return self._tokens([1, lo])
+
+    def base_mixture(self):
+        return {"synthetic": 1.0}
 
     def state(self, done):
         return {"step": done, "fingerprint": self.fingerprint}

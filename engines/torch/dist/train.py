@@ -137,16 +137,15 @@ class MeshStep:
     def read(self, handle) -> tuple[dict[str, float], bool]:
         return handle
 
-    def evaluate(self, stream: TokenStream) -> float:
+    def eval_losses(self, batches) -> list[float]:
         losses = []
         with torch.no_grad():
-            for i in range(self.spec.run.eval_batches):
-                batch = stream.eval_batch(i)
+            for batch in batches:
                 x = torch.from_numpy(self.mc.local_batch(batch)).to(self.mc.device, dtype=torch.long)
                 _, out = self.model(x, self.spec.optim, batch.shape[0] * (batch.shape[1] - 1))
                 losses.append(out["global"]["loss"])
         reshard(self.model)
-        return float(torch.stack(losses).mean())
+        return torch.stack(losses).float().cpu().tolist() if losses else []
 
     def agree(self, value):
         box = [value]
