@@ -20,9 +20,13 @@ width d/2 inside a latent of d/2, 2 shared experts, head dim 64 with KV heads = 
   compute over the hero's (core.rules.scaled_batch: 8, 8, 16 and 32 sequences), so every run
   takes 1,000-2,700 optimiser steps. Code text has a steep fall in loss once a model learns to copy
   from its context; with one batch for all, the small rungs stopped after 130-600 steps, before
-  that fall, and the law fitted to them missed the largest rung by 35%. Eval reads the same
-  512K held-out tokens at every size (8 batches of 64, 64 of 8), every 100 steps or 1/20 of
-  the run, whichever is longer (the hero every 100 steps, as it ran).
+  that fall, and the law fitted to them missed the largest rung by 35%.
+- Eval: every run scores the same fixed eval set (engines/evalset.py: 1M tokens of Python, 1M
+  of C/C++, 1% of the prose, held out by document across each source). Periodic evals, every
+  100 steps or 1/20 of the run, whichever is longer, score its first 64 windows of each source;
+  the final eval scores every window, and that is what the laws fit.
+- Replicates: d192 and d256 again at seed 1, and the hero at seed 1, measure the ladder's own
+  noise (the forecast's measurement term; the monitor's band).
 - Peak LR 0.04 / sqrt(d) (2.9e-3 at d192, 1.8e-3 at d512), as the byte-level ladder used.
 - Checkpoints every 1,000 steps (a resumed run loses
   at most a minute; each checkpoint of the hero is about 1.5 GB).
@@ -35,7 +39,7 @@ experiments/tokenizers/h200-16k.json, trained by
 The sources are mixed in proportion to their sizes, so every source runs out at the same rate.
 """
 
-from ladder.experiment import Experiment
+from ladder.experiment import Experiment, replicate
 from core.costs import param_counts, total_flops
 from core.rules import moe_model, run_spec, scaled_batch
 from engines.tokenizer import padded_vocab
@@ -62,7 +66,7 @@ def proxy(d: int, layers: int, role: str = "rung", batch: int = BATCH):
     every = 100 if batch == BATCH else max(100, steps // 20)
     return run_spec(f"{'hero-' if role == 'hero' else ''}d{d}", model, batch_size=batch, steps=steps, seq_len=SEQ,
                     sources=SOURCES, tokenizer=TOKENIZER, peak_lr=0.04 / d**0.5, role=role, hardware=H200,
-                    run={"checkpoint_every": 1000, "eval_every": every, "eval_batches": 8 * BATCH // batch})
+                    run={"checkpoint_every": 1000, "eval_every": every, "eval_batches": 8})
 
 
 HERO = proxy(512, 9, role="hero")
@@ -73,6 +77,7 @@ def rung(d: int, layers: int):
     return proxy(d, layers, batch=scaled_batch(total_flops(proxy(d, layers)), total_flops(HERO), BATCH))
 
 
-RUNGS = (rung(192, 3), rung(256, 4), rung(320, 5), rung(384, 7))
+BASE_RUNGS = (rung(192, 3), rung(256, 4), rung(320, 5), rung(384, 7))
+RUNGS = BASE_RUNGS + tuple(replicate(r, 1) for r in BASE_RUNGS[:2])
 
-EXPERIMENT = Experiment(name="proxy_h200", rungs=RUNGS, hero=HERO)
+EXPERIMENT = Experiment(name="proxy_h200", rungs=RUNGS, hero=HERO, extras=(replicate(HERO, 1),))

@@ -52,6 +52,12 @@ class Experiment:
         raise KeyError(f"experiment {self.name!r} has no spec named {name!r}")
 
 
+def replicate(spec: Spec, seed: int) -> Spec:
+    """The same run at another seed, named <name>-seed<seed>: replicates measure the ladder's own
+    noise (analysis.replicates groups runs that differ only in their seed)."""
+    return spec.replace(seed=seed, name=f"{spec.name}-seed{seed}")
+
+
 def load_experiment(path: str | Path) -> Experiment:
     """Import an experiment file (a path, or a module name such as experiments.proxy_cpu)."""
     p = Path(path)
