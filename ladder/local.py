@@ -7,7 +7,8 @@ mirror of each run dir, and the same progress display (read from each run's metr
 
 Each run is `python -m ladder.local_worker` in its own process, so a crash, a CUDA error or an
 out-of-memory kill ends that run alone; its output goes to run_dir/worker.log. Ctrl-C asks the
-running worker to stop at its next step (the ledger's stop marker), as the Ray controller does.
+running worker to stop at its next step (the ledger's stop marker), as the Ray controller does; a
+driver killed outright takes its worker with it (ladder/local_worker.py: die_with_driver).
 """
 
 from __future__ import annotations
@@ -79,7 +80,8 @@ def run_one(p, ctx: dict, display, mirror) -> dict:
     log_path = p.run_dir / WORKER_LOG
     fd, out_path = tempfile.mkstemp(prefix=".outcome.", suffix=".json", dir=p.run_dir)
     os.close(fd)
-    job = {"spec": p.spec.model_dump_json(), "run_dir": str(p.run_dir), "ctx": ctx, "out": out_path}
+    job = {"spec": p.spec.model_dump_json(), "run_dir": str(p.run_dir), "ctx": ctx, "out": out_path,
+           "driver": os.getpid()}
     started = False
     try:
         with open(log_path, "ab") as log:

@@ -1,20 +1,63 @@
 """One run of `ladder submit --local`, in its own process: reads its job (spec JSON, run dir, the
-submission's root and owner, where to write the outcome) as JSON on stdin, trains with the same
-claim / resume / status handling as a Ray worker (ladder.controller.train_task), and writes the
-outcome record atomically to the file the job names."""
+submission's root and owner, where to write the outcome, the driver's pid) as JSON on stdin, trains
+with the same claim / resume / status handling as a Ray worker (ladder.controller.train_task), and
+writes the outcome record atomically to the file the job names.
+
+The worker never outlives its driver: the kernel sends it SIGTERM when the driver dies (Linux's
+PR_SET_PDEATHSIG; elsewhere a thread that watches the parent pid), which stops the run at its next
+step as Ctrl-C does (status "interrupted", the claim released, the checkpoints and metrics as
+they were). An outcome nobody will read is removed, not written."""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
 import sys
+import threading
+import time
+from pathlib import Path
 
 from core.fsutil import atomic_write_json
 from ladder.controller import train_task
 
+WATCH_S = 0.5
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def die_with_driver(driver: int) -> None:
+    """SIGTERM (handled as Ctrl-C) to this process as soon as the driver `driver` is gone."""
+    signal.signal(signal.SIGTERM, _interrupt)
+    if sys.platform.startswith("linux"):
+        import ctypes
+
+        PR_SET_PDEATHSIG = 1
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    else:
+        def watch() -> None:
+            while os.getppid() == driver:
+                time.sleep(WATCH_S)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+        threading.Thread(target=watch, name="driver-watch", daemon=True).start()
+    if os.getppid() != driver:  # the driver died before the signal was asked for
+        os.kill(os.getpid(), signal.SIGTERM)
+
 
 def main() -> int:
     job = json.loads(sys.stdin.read())
-    out = train_task(job["spec"], job["run_dir"], job["ctx"])
+    driver = int(job.get("driver", os.getppid()))
+    try:
+        die_with_driver(driver)
+        out = train_task(job["spec"], job["run_dir"], job["ctx"])
+    except KeyboardInterrupt:  # the driver died before training began
+        out = {"outcome": "interrupted", "note": "the submission ended"}
+    if os.getppid() != driver:
+        Path(job["out"]).unlink(missing_ok=True)  # no driver to read it
+        return 1
     atomic_write_json(job["out"], out)
     return 0 if out.get("outcome") in ("finished", "skipped") else 1
 

@@ -91,3 +91,44 @@ def test_local_submit_refuses_a_spec_this_machine_cannot_run(tmp_path):
     path = _experiment(tmp_path, rungs=(("a", {"hardware.task_gpus": 64}),))
     with pytest.raises(LadderError, match="asks for 64 GPU per run; this machine has"):
         submit(path, root=tmp_path / "r", console=_quiet(), local=True, tracking=False)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_killed_local_driver_takes_its_worker_with_it(tmp_path):
+    """SIGKILL the driver mid-run: its worker stops (no more metrics rows), releases its claim and
+    leaves no outcome file behind."""
+    path = _experiment(tmp_path, rungs=(("a", {}),), **{"data.total_tokens": 64 * 8 * 4000})  # far from done
+    spec = load_experiment(path).rungs[0]
+    root = tmp_path / "root"
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+    drv = subprocess.Popen([sys.executable, "-m", "ladder.cli", "submit", str(path), "--local", "--no-tracking",
+                            "--root", str(root)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    d = ledger.run_dir_for(root, "loc", spec)
+    deadline = time.time() + 120
+    while time.time() < deadline and len(RunDir(d).read_metrics()) < 5:
+        time.sleep(0.1)
+    worker = ledger.live_claim(root, spec.id)
+    assert worker is not None, "the worker holds a claim while it trains"
+    pid = int(worker["pid"])
+    drv.kill()
+    drv.wait(timeout=60)
+    deadline = time.time() + 60  # only to catch a worker that never stops
+    while time.time() < deadline and not _gone(pid):
+        time.sleep(0.1)
+    try:
+        assert _gone(pid), "the worker outlived its driver"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    rows = len(RunDir(d).read_metrics())
+    time.sleep(2)
+    assert len(RunDir(d).read_metrics()) == rows < spec.total_steps
+    assert ledger.live_claim(root, spec.id) is None
+    assert not list(d.glob(".outcome.*.json"))
