@@ -18,8 +18,8 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -78,8 +78,7 @@ def run_one(p, ctx: dict, display, mirror) -> dict:
     """Train one planned spec in a worker subprocess; returns the worker's outcome record."""
     p.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = p.run_dir / WORKER_LOG
-    fd, out_path = tempfile.mkstemp(prefix=".outcome.", suffix=".json", dir=p.run_dir)
-    os.close(fd)
+    out_path = str(p.run_dir / f".outcome.{os.getpid()}.{uuid.uuid4().hex[:8]}.json")  # the worker writes it last
     job = {"spec": p.spec.model_dump_json(), "run_dir": str(p.run_dir), "ctx": ctx, "out": out_path,
            "driver": os.getpid()}
     started = False

@@ -6,7 +6,7 @@ writes the outcome record atomically to the file the job names.
 The worker never outlives its driver: the kernel sends it SIGTERM when the driver dies (Linux's
 PR_SET_PDEATHSIG; elsewhere a thread that watches the parent pid), which stops the run at its next
 step as Ctrl-C does (status "interrupted", the claim released, the checkpoints and metrics as
-they were). An outcome nobody will read is removed, not written."""
+they were). The outcome is written only while the driver that will read it is alive."""
 
 from __future__ import annotations
 
@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 
 from core.fsutil import atomic_write_json
 from ladder.controller import train_task
@@ -55,8 +54,7 @@ def main() -> int:
         out = train_task(job["spec"], job["run_dir"], job["ctx"])
     except KeyboardInterrupt:  # the driver died before training began
         out = {"outcome": "interrupted", "note": "the submission ended"}
-    if os.getppid() != driver:
-        Path(job["out"]).unlink(missing_ok=True)  # no driver to read it
+    if os.getppid() != driver:  # no driver to read it
         return 1
     atomic_write_json(job["out"], out)
     return 0 if out.get("outcome") in ("finished", "skipped") else 1
