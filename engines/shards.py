@@ -17,7 +17,7 @@ and index.json, written once every part is there, lists the parts with their siz
 the source's token array is the parts' concatenation, read through np.memmap.
 
 Parallel, resumable, atomic. Chunks are tokenized by a pool of `workers` processes (spawned,
-each tokenizer single-threaded); each file is written to a temporary name and renamed, so after
+each tokenizer single-threaded, each killed by the kernel if its parent dies); each file is written to a temporary name and renamed, so after
 an interrupt or SIGKILL a rerun keeps every finished part and redoes only the rest. A source that
 fails (empty, unreadable, an id beyond the model's vocabulary) leaves nothing behind.
 
@@ -35,6 +35,7 @@ import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
 from array import array
 from pathlib import Path
 from typing import Callable
@@ -42,6 +43,7 @@ from typing import Callable
 import numpy as np
 
 from core.fsutil import atomic_write_bytes, atomic_write_json, atomic_writer
+from core.procs import die_with_parent
 from core.spec import SourceSpec
 from engines.sources import BUILTIN_CODE_CAP, PIECE_BYTES, DataError, cache_dir, iter_docs, source_files
 from engines.tokenizer import Tokenizer, load_tokenizer
@@ -90,7 +92,8 @@ def shard_dir(source: SourceSpec, tok: Tokenizer, files: list[tuple[str, Path]] 
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def _init_worker() -> None:
+def _init_worker(parent: int) -> None:
+    die_with_parent(parent, signal.SIGKILL)  # a pool worker never outlives `data prepare`, however it ended
     os.environ["RAYON_NUM_THREADS"] = "1"  # one tokenizer thread per process: the pool is the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
@@ -231,7 +234,8 @@ def _prepare_parts(source, tok, files, out_dir, workers, progress, vocab_limit) 
             if progress:
                 progress(done_bytes, total)
     else:
-        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker) as pool:
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                    initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_tokenize_chunk, *a): a[2] for a in args}
             try:
                 for fut in cf.as_completed(futures):

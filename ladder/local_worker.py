@@ -3,10 +3,9 @@ submission's root and owner, where to write the outcome, the driver's pid) as JS
 with the same claim / resume / status handling as a Ray worker (ladder.controller.train_task), and
 writes the outcome record atomically to the file the job names.
 
-The worker never outlives its driver: the kernel sends it SIGTERM when the driver dies (Linux's
-PR_SET_PDEATHSIG; elsewhere a thread that watches the parent pid), which stops the run at its next
-step as Ctrl-C does (status "interrupted", the claim released, the checkpoints and metrics as
-they were). The outcome is written only while the driver that will read it is alive."""
+The worker never outlives its driver: it gets SIGTERM when the driver dies (core/procs.py), which
+stops the run at its next step as Ctrl-C does (status "interrupted", the claim released, the
+checkpoints and metrics as they were). The outcome is written only while the driver that will read it is alive."""
 
 from __future__ import annotations
 
@@ -14,13 +13,10 @@ import json
 import os
 import signal
 import sys
-import threading
-import time
 
 from core.fsutil import atomic_write_json
+from core.procs import die_with_parent
 from ladder.controller import train_task
-
-WATCH_S = 0.5
 
 
 def _interrupt(signum, frame):
@@ -28,22 +24,9 @@ def _interrupt(signum, frame):
 
 
 def die_with_driver(driver: int) -> None:
-    """SIGTERM (handled as Ctrl-C) to this process as soon as the driver `driver` is gone."""
+    """SIGTERM, handled as Ctrl-C, to this process as soon as the driver `driver` is gone."""
     signal.signal(signal.SIGTERM, _interrupt)
-    if sys.platform.startswith("linux"):
-        import ctypes
-
-        PR_SET_PDEATHSIG = 1
-        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    else:
-        def watch() -> None:
-            while os.getppid() == driver:
-                time.sleep(WATCH_S)
-            os.kill(os.getpid(), signal.SIGTERM)
-
-        threading.Thread(target=watch, name="driver-watch", daemon=True).start()
-    if os.getppid() != driver:  # the driver died before the signal was asked for
-        os.kill(os.getpid(), signal.SIGTERM)
+    die_with_parent(driver, signal.SIGTERM)
 
 
 def main() -> int:

@@ -177,3 +177,39 @@ def test_a_document_tokenized_in_pieces_gives_its_whole_document_ids(tmp_path, m
         whole = tok.encode_docs([text.read_bytes()])[0]
         assert shards.n_docs == 1
         assert np.array_equal(np.asarray(shards.parts[0]), np.concatenate([whole, [tok.eos_id]]).astype(tok.dtype))
+
+
+@pytest.mark.slow
+def test_a_sigkilled_prepare_leaves_no_pool_worker_or_resource_tracker(tmp_path, tok_path):
+    import signal
+    import time
+
+    from ladder.localray import descendants, proc_start
+
+    files = [_stdlib_text(tmp_path / f"f{i}.txt", 600_000 + i) for i in range(8)]
+    spec = micro_spec(**{"data.tokenizer": str(tok_path), "model.vocab_size": 512,
+                         "data.sources": [{"name": "many", "weight": 1.0, "paths": [str(f) for f in files]}]})
+    path = save_spec(spec, tmp_path / "s.yaml")
+    cache = tmp_path / "cache"
+    drv = subprocess.Popen([sys.executable, "-m", "ladder.cli", "data", "prepare", str(path), "--workers", "2"], cwd=REPO,
+                           env={**os.environ, "MOE_LADDER_CACHE": str(cache), "MOE_LADDER_SHARD_CHUNK_BYTES": "500000"},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, procs = time.monotonic() + 300, []  # only to catch a hang
+    while time.monotonic() < deadline and drv.poll() is None and not list(cache.glob("shards/*/part-*.json")):
+        procs = descendants(drv.pid) or procs
+        time.sleep(0.05)
+    assert drv.poll() is None, "prepare ended before a part was written"
+    procs = descendants(drv.pid)
+    assert len(procs) >= 3, procs  # two pool workers and the resource tracker
+    drv.kill()
+    drv.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(proc_start(pid) == start for pid, start in procs):
+        time.sleep(0.2)
+    alive = [pid for pid, start in procs if proc_start(pid) == start]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "left running after the driver's SIGKILL"
+    parts = len(list(cache.glob("shards/*/part-*.json")))
+    time.sleep(2)
+    assert len(list(cache.glob("shards/*/part-*.json"))) == parts < 8  # nothing kept growing
