@@ -213,3 +213,23 @@ def test_a_sigkilled_prepare_leaves_no_pool_worker_or_resource_tracker(tmp_path,
     parts = len(list(cache.glob("shards/*/part-*.json")))
     time.sleep(2)
     assert len(list(cache.glob("shards/*/part-*.json"))) == parts < 8  # nothing kept growing
+
+
+def test_data_verify_finds_a_changed_shard_whose_mtime_was_kept(tmp_path, tok_path):
+    text = tmp_path / "t.txt"
+    text.write_text(Path(__file__).read_text() * 3)
+    spec = micro_spec(**{"data.tokenizer": str(tok_path), "model.vocab_size": 512,
+                         "data.sources": [{"name": "t", "weight": 1.0, "paths": [str(text)]}]})
+    path = save_spec(spec, tmp_path / "s.yaml")
+    env = {"MOE_LADDER_CACHE": str(tmp_path / "cache")}
+    one_line_error(ladder("data", "verify", path, env=env), "data source 't'", "is not prepared")
+    assert ladder("data", "prepare", path, "--workers", "1", env=env).returncode == 0
+    ok = ladder("data", "verify", path, env=env)
+    assert ok.returncode == 0 and "match their sha256" in ok.stdout, ok.stderr
+    (part,) = (tmp_path / "cache").glob("shards/*/part-00000.bin")
+    st = part.stat()
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    os.utime(part, ns=(st.st_atime_ns, st.st_mtime_ns))  # the cheap check on open cannot see it
+    one_line_error(ladder("data", "verify", path, env=env), str(part), "no longer matches its fingerprint")
