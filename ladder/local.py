@@ -62,6 +62,22 @@ def _progress(run_dir: Path, pid: int) -> dict | None:
             "host": socket.gethostname(), "pid": pid}
 
 
+def _attempt(run_dir: Path, pid: int) -> dict | None:
+    """The attempts.jsonl record of worker `pid` (written as it starts, with its resume step), if there yet."""
+    try:
+        lines = (run_dir / "attempts.jsonl").read_bytes().splitlines()[-20:]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("pid") == pid and isinstance(rec.get("step"), int):
+            return rec
+    return None
+
+
 def _failed(p, note: str) -> dict:
     return {"spec_id": p.spec.id, "name": p.spec.name, "outcome": "failed", "note": note}
 
@@ -89,8 +105,14 @@ def run_one(p, ctx: dict, display, mirror) -> dict:
             proc.stdin.write(json.dumps(job).encode())
             proc.stdin.close()
             try:
+                shown = False
                 while proc.poll() is None:
-                    upd = _progress(p.run_dir, proc.pid)
+                    if not shown:  # "running ... from step N": the step it resumes from, not the first seen
+                        att = _attempt(p.run_dir, proc.pid)
+                        if att is not None:
+                            display.update(p.spec.id, {"step": att["step"], "host": att.get("host"), "pid": proc.pid})
+                            shown = True
+                    upd = _progress(p.run_dir, proc.pid) if shown else None
                     if upd is not None:
                         if not started and mirror is not None:
                             mirror.started(p)
