@@ -26,8 +26,10 @@ leaves either the complete new checkpoint or none (the older ones are untouched)
 rename are checkpoints beyond the newest `keep` removed. latest_checkpoint() only returns
 directories that have all three files.
 
-Integrity. Each array file's sha256 is recorded in state.json as it is saved, and checked before a
-run resumes from it (verify_checkpoint; load_checkpoint by default). A damaged checkpoint is never
+Integrity. Each array file's sha256 is recorded in state.json as it is saved, and state.json's own
+content is sealed by "state_sha256" (the sha256 of its canonical JSON without that key), so an edit
+to its step or tokens is caught as surely as a flipped byte in the arrays. Both are checked before
+a run resumes from it (verify_checkpoint; load_checkpoint by default). A damaged checkpoint is never
 resumed from: newest_intact_checkpoint() moves it aside (checkpoints/damaged-step_X-<time>) and
 names the newest intact one. Checkpoints written before checksums were recorded load unverified.
 
@@ -71,6 +73,7 @@ CHECKPOINTS = "checkpoints"
 MODEL_FILE = "model.safetensors"
 OPTIM_FILE = "optim.safetensors"
 STATE_FILE = "state.json"
+STATE_SUM = "state_sha256"
 FORMAT_VERSION = 1
 
 
@@ -168,6 +171,51 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+def _state_digest(state: dict) -> str:
+    body = {k: v for k, v in state.items() if k != STATE_SUM}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
+def seal_state(state: dict) -> dict:
+    """`state` as it will read back from JSON, with STATE_SUM over the rest of it."""
+    plain = json.loads(json.dumps({k: v for k, v in state.items() if k != STATE_SUM}, default=float))
+    return {**plain, STATE_SUM: _state_digest(plain)}
+
+
+def write_state(path: Path, state: dict) -> dict:
+    """Write `state`, sealed (seal_state), as path/state.json; returns what was written."""
+    state = seal_state(state)
+    (path / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True) + "\n")
+    return state
+
+
+def check_sealed(path: Path, state: dict, needed: tuple[str, ...] = ()) -> None:
+    """CheckpointError unless state.json's content and every file whose sha256 it records are as
+    saved (a checkpoint from before checksums has none to check). `needed`: files that must be among
+    the recorded ones when any are."""
+    want_state = state.get(STATE_SUM)
+    if want_state is not None and want_state != _state_digest(state):
+        raise CheckpointError(f"{path}: {STATE_FILE} was changed after it was saved (its content no longer matches "
+                              f"the {STATE_SUM} recorded with it); {RECOVERY_HINT}")
+    sums = state.get("sha256")
+    if sums is None:
+        return
+    unsummed = [n for n in needed if n not in sums] if isinstance(sums, dict) else list(needed)
+    if not isinstance(sums, dict) or unsummed:
+        raise CheckpointError(f"{path}: {STATE_FILE} records no checksum of {', '.join(unsummed) or 'its files'}; "
+                              f"{RECOVERY_HINT}")
+    for name, want in sums.items():
+        f = path / name
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise CheckpointError(f"{path}: {STATE_FILE} names {name!r}, which is not a file of the checkpoint; {RECOVERY_HINT}")
+        if not f.is_file():
+            raise CheckpointError(f"{path}: {name} is missing (it was saved with sha256 {str(want)[:12]}...); {RECOVERY_HINT}")
+        got = sha256_file(f)
+        if got != want:
+            raise CheckpointError(f"{path}: {name} is damaged (its sha256 {got[:12]}... differs from the "
+                                  f"{str(want)[:12]}... recorded when it was saved); {RECOVERY_HINT}")
+
+
 def _human(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
@@ -218,8 +266,7 @@ def save_checkpoint(run_dir: str | Path, step: int, params: dict[str, np.ndarray
         for f in (MODEL_FILE, OPTIM_FILE):  # safetensors writes 0600; every other run file has open()'s mode
             os.chmod(tmp / f, file_mode())
         sums = {f: sha256_file(tmp / f) for f in (MODEL_FILE, OPTIM_FILE)}
-        state = {**state, "step": int(step), "format": FORMAT_VERSION, "sha256": sums}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True, default=float) + "\n")
+        write_state(tmp, {**state, "step": int(step), "format": FORMAT_VERSION, "sha256": sums})
         for f in (MODEL_FILE, OPTIM_FILE, STATE_FILE):
             _fsync_file(tmp / f)
         _fsync_dir(tmp)
@@ -281,11 +328,7 @@ def verify_checkpoint(path: str | Path) -> dict:
     if not path.is_dir() or not _is_complete(path):
         raise CheckpointError(f"{path}: not a complete checkpoint (needs {MODEL_FILE}, {OPTIM_FILE}, {STATE_FILE})")
     state = _read_state(path)
-    for name, want in (state.get("sha256") or {}).items():
-        got = sha256_file(path / name)
-        if got != want:
-            raise CheckpointError(f"{path}: {name} is damaged (its sha256 {got[:12]}... differs from the "
-                                  f"{want[:12]}... recorded when it was saved); {RECOVERY_HINT}")
+    check_sealed(path, state, needed=(MODEL_FILE, OPTIM_FILE))
     return state
 
 

@@ -17,7 +17,7 @@ and index.json, written once every part is there, lists the parts with their siz
 the source's token array is the parts' concatenation, read through np.memmap.
 
 Parallel, resumable, atomic. Chunks are tokenized by a pool of `workers` processes (spawned,
-each tokenizer single-threaded); each file is written to a temporary name and renamed, so after
+each tokenizer single-threaded, each killed by the kernel if its parent dies); each file is written to a temporary name and renamed, so after
 an interrupt or SIGKILL a rerun keeps every finished part and redoes only the rest. A source that
 fails (empty, unreadable, an id beyond the model's vocabulary) leaves nothing behind.
 
@@ -30,22 +30,27 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import hashlib
+import itertools
 import json
 import multiprocessing as mp
 import os
 import shutil
+import signal
+from array import array
 from pathlib import Path
 from typing import Callable
 
 import numpy as np
 
-from core.fsutil import atomic_write_bytes, atomic_write_json
+from core.fsutil import atomic_write_bytes, atomic_write_json, atomic_writer
+from core.procs import die_with_parent
 from core.spec import SourceSpec
-from engines.sources import BUILTIN_CODE_CAP, DataError, cache_dir, read_docs, source_files
+from engines.sources import BUILTIN_CODE_CAP, PIECE_BYTES, DataError, cache_dir, iter_docs, source_files
 from engines.tokenizer import Tokenizer, load_tokenizer
 
 SHARD_VERSION = 1
 CHUNK_BYTES = 8 * 2**20
+BATCH_BYTES = 4 * 2**20  # text tokenized in one call (a bound on the tokenizer's memory)
 Progress = Callable[[int, int], None]  # (input bytes done, input bytes in all)
 
 
@@ -87,37 +92,73 @@ def shard_dir(source: SourceSpec, tok: Tokenizer, files: list[tuple[str, Path]] 
 # ---- writing ---------------------------------------------------------------------------------
 
 
-def _init_worker() -> None:
+def _init_worker(parent: int) -> None:
+    die_with_parent(parent, signal.SIGKILL)  # a pool worker never outlives `data prepare`, however it ended
     os.environ["RAYON_NUM_THREADS"] = "1"  # one tokenizer thread per process: the pool is the parallelism
     os.environ["TOKENIZERS_PARALLELISM"] = "false"
 
 
 def _tokenize_chunk(source_json: str, tokenizer: str, index: int, chunk: list[tuple[str, str]], out: str,
                     vocab_limit: int | None) -> dict:
+    """Tokenize one chunk of files into part-<index>, streaming: documents are read and tokenized
+    BATCH_BYTES of text at a time (a long one in pieces, engines/sources.py: Streaming) and their
+    ids written as they come, so memory stays bounded whatever the size of a file."""
     source = SourceSpec.model_validate_json(source_json)
     tok = load_tokenizer(tokenizer)
     out_dir = Path(out)
-    parts, ends, n, n_docs = [], [], 0, 0
-    eos = np.asarray([tok.eos_id], dtype=tok.dtype)
-    for name, path in chunk:
-        docs = read_docs(source, name, Path(path))
-        for ids in tok.encode_docs([d for _, d in docs]):
-            if vocab_limit is not None and len(ids) and int(ids.max()) >= vocab_limit:
-                raise DataError(f"data source {source.name!r}: {path} makes token id {int(ids.max())} >= "
-                                f"model.vocab_size {vocab_limit} (tokenizer {tok.describe()})")
-            parts += [ids, eos]
-            n += len(ids) + 1
-            ends.append(n)
-            n_docs += 1
-    ids = np.concatenate(parts).astype(tok.dtype, copy=False) if parts else np.zeros(0, tok.dtype)
-    max_id = int(ids.max()) if len(ids) else -1
     stem = f"part-{index:05d}"
-    data = ids.tobytes()
-    atomic_write_bytes(out_dir / f"{stem}.bin", data)
-    buf = _npy_bytes(np.asarray(ends, np.int64))
-    atomic_write_bytes(out_dir / f"{stem}.docs.npy", buf)
-    meta = {"file": f"{stem}.bin", "n_tokens": int(len(ids)), "n_docs": n_docs, "max_id": max_id,
-            "sha256": hashlib.sha256(data).hexdigest(), "input_bytes": sum(Path(p).stat().st_size for _, p in chunk)}
+    ends = array("q")
+    state = {"n": 0, "max_id": -1, "path": ""}
+    digest = hashlib.sha256()
+    eos = np.asarray([tok.eos_id], dtype=tok.dtype)
+    piece = PIECE_BYTES if tok.cuts_at_line_starts else None
+
+    with atomic_writer(out_dir / f"{stem}.bin") as f:
+        def emit(ids: np.ndarray, check: bool = True) -> None:
+            if check and vocab_limit is not None and len(ids) and int(ids.max()) >= vocab_limit:
+                raise DataError(f"data source {source.name!r}: {state['path']} makes token id {int(ids.max())} >= "
+                                f"model.vocab_size {vocab_limit} (tokenizer {tok.describe()})")
+            data = np.ascontiguousarray(ids, dtype=tok.dtype).tobytes()
+            f.write(data)
+            digest.update(data)
+            state["n"] += len(ids)
+            if len(ids):
+                state["max_id"] = max(state["max_id"], int(ids.max()))
+
+        batch: list[bytes] = []
+
+        def flush() -> None:
+            for ids in tok.encode_docs(batch) if batch else ():
+                emit(ids)
+                emit(eos, check=False)
+                ends.append(state["n"])
+            batch.clear()
+
+        held = 0
+        for name, path in chunk:
+            state["path"] = path
+            for _, pieces in iter_docs(source, name, Path(path), piece):
+                first = next(pieces)
+                rest = next(pieces, None)
+                if rest is None:  # one piece: batched with other small documents
+                    batch.append(first)
+                    held += len(first)
+                    if held >= BATCH_BYTES:
+                        flush()
+                        held = 0
+                    continue
+                flush()  # a long document: its pieces one after another, then its end
+                held = 0
+                for p in itertools.chain((first, rest), pieces):
+                    (ids,) = tok.encode_docs([p])
+                    emit(ids)
+                emit(eos, check=False)
+                ends.append(state["n"])
+            flush()
+            held = 0
+    atomic_write_bytes(out_dir / f"{stem}.docs.npy", _npy_bytes(np.frombuffer(ends, np.int64)))
+    meta = {"file": f"{stem}.bin", "n_tokens": state["n"], "n_docs": len(ends), "max_id": state["max_id"],
+            "sha256": digest.hexdigest(), "input_bytes": sum(Path(p).stat().st_size for _, p in chunk)}
     atomic_write_json(out_dir / f"{stem}.json", meta)
     return meta
 
@@ -193,7 +234,8 @@ def _prepare_parts(source, tok, files, out_dir, workers, progress, vocab_limit) 
             if progress:
                 progress(done_bytes, total)
     else:
-        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker) as pool:
+        with cf.ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_init_worker,
+                                    initargs=(os.getpid(),)) as pool:
             futures = {pool.submit(_tokenize_chunk, *a): a[2] for a in args}
             try:
                 for fut in cf.as_completed(futures):

@@ -2,6 +2,7 @@
 
     files = source_files(source)                 # [(document name, path)] in the source's order
     docs = read_docs(source, name, path)         # [(document name, bytes)] of one file
+    for name, pieces in iter_docs(source, name, path):   # the same, streamed (bounded memory)
 
 Builtins. `python_code` is the Python installation's own standard library source (sysconfig
 stdlib dir, *.py, without site-packages / dist-packages / test directories, so a fresh venv of
@@ -16,6 +17,11 @@ $MOE_LADDER_CORPUS (default ~/.cache/moe-ladder/corpus)/<part>/*.jsonl in file o
 User files. `paths:` are files or globs (~ expanded, sorted): .txt .text .md .rst .py are read as
 raw bytes, .jsonl / .ndjson take each line's `text_key` field, .parquet the `text_key` column.
 
+Streaming. iter_docs reads a file as it goes (a line of jsonl, a row batch of parquet at a time)
+and hands a raw-bytes document over in pieces of about PIECE_BYTES, each cut just after a newline
+that has a non-space character on either side (a document with no such newline stays one piece),
+so no file is ever held in memory whole.
+
 Errors raise DataError (a ValueError) naming the source and the file.
 """
 
@@ -28,11 +34,12 @@ import json
 import os
 import sysconfig
 from pathlib import Path
-from typing import Iterable
+from typing import Iterable, Iterator
 
 from core.spec import SourceSpec
 
 BUILTIN_CODE_CAP = 16 * 2**20
+PIECE_BYTES = 2**20
 TEXT_SUFFIXES = (".txt", ".text", ".md", ".rst", ".py")
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIXES = (".parquet",)
@@ -146,8 +153,7 @@ def _pydoc_topics(path: Path) -> list[tuple[str, bytes]]:
     return []
 
 
-def _read_jsonl(source: SourceSpec, path: Path, key: str) -> list[bytes]:
-    docs = []
+def _read_jsonl(source: SourceSpec, path: Path, key: str) -> Iterator[bytes]:
     with open(path, "rb") as f:
         for lineno, line in enumerate(f, 1):
             if not line.strip():
@@ -161,35 +167,90 @@ def _read_jsonl(source: SourceSpec, path: Path, key: str) -> list[bytes]:
             text = rec[key]
             if not isinstance(text, str):
                 raise DataError(f"data source {source.name!r}: {path}:{lineno} field {key!r} is not text")
-            docs.append(text.encode())
-    return docs
+            yield text.encode()
 
 
-def _read_parquet(source: SourceSpec, path: Path) -> list[bytes]:
+def _read_parquet(source: SourceSpec, path: Path) -> Iterator[bytes]:
     import pyarrow.parquet as pq
 
     try:
-        table = pq.read_table(path, columns=[source.text_key])
+        batches = pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[source.text_key])
+        for batch in batches:
+            for t in batch.column(0).to_pylist():
+                if t:
+                    yield t.encode()
+    except DataError:
+        raise
     except Exception as err:  # pyarrow raises several types for a missing column or a bad file
         raise DataError(
             f"data source {source.name!r}: cannot read column {source.text_key!r} from {path}: {err}"
         ) from err
-    return [t.encode() for t in table.column(source.text_key).to_pylist() if t]
+
+
+_SPACE = b" \t\r\n\x0b\x0c"
+
+
+def _line_start_cut(buf: bytes | bytearray, lo: int) -> int:
+    """The last offset in buf after a newline (found at or past lo) that has a non-space byte on
+    either side (0 if none)."""
+    at = len(buf) - 1
+    while True:
+        nl = buf.rfind(b"\n", max(lo, 1), at)
+        if nl < 0:
+            return 0
+        if buf[nl + 1] not in _SPACE and buf[nl - 1] not in _SPACE:
+            return nl + 1
+        at = nl
+
+
+def _pieces(path: Path, piece_bytes: int) -> Iterator[bytes]:
+    """A raw-bytes file in pieces of about piece_bytes, each cut just after a newline between two
+    non-space characters (see Streaming)."""
+    buf = bytearray()
+    with open(path, "rb") as f:
+        while block := f.read(piece_bytes):
+            buf += block
+            if len(buf) >= piece_bytes:
+                cut = _line_start_cut(buf, max(len(buf) - len(block) - 2, 0))  # the rest has none
+                if cut > 0:
+                    yield bytes(buf[:cut])
+                    del buf[:cut]
+    if buf:
+        yield bytes(buf)
+
+
+def iter_docs(source: SourceSpec, name: str, path: Path,
+              piece_bytes: int | None = PIECE_BYTES) -> Iterator[tuple[str, Iterator[bytes]]]:
+    """The non-empty documents of one file, in file order, each as (name, its pieces); a
+    document's pieces must be read before the next document (see Streaming). piece_bytes None:
+    every document in one piece."""
+    def one(d: bytes) -> Iterator[bytes]:
+        yield d
+
+    def checked(pieces: Iterator[bytes]) -> Iterator[bytes]:
+        try:
+            yield from pieces
+        except OSError as err:
+            raise DataError(f"data source {source.name!r}: cannot read {path}: {err.strerror or err}") from err
+
+    try:
+        if source.builtin == "python_docs" and name.endswith("topics.py"):
+            docs = ((n, one(d)) for n, d in _pydoc_topics(path) if d)
+        elif source.builtin in PACKAGE_PARTS:
+            docs = ((f"{name}:{i}", one(d)) for i, d in enumerate(_read_jsonl(source, path, "text")) if d)
+        elif source.builtin is None and path.suffix.lower() in JSONL_SUFFIXES:
+            docs = ((f"{name}:{i}", one(d)) for i, d in enumerate(_read_jsonl(source, path, source.text_key)) if d)
+        elif source.builtin is None and path.suffix.lower() in PARQUET_SUFFIXES:
+            docs = ((f"{name}:{i}", one(d)) for i, d in enumerate(_read_parquet(source, path)))
+        elif piece_bytes is None:
+            docs = iter([(name, one(path.read_bytes()))])
+        else:
+            docs = iter([(name, checked(_pieces(path, piece_bytes)))] if path.stat().st_size else [])
+        yield from docs
+    except OSError as err:
+        raise DataError(f"data source {source.name!r}: cannot read {path}: {err.strerror or err}") from err
 
 
 def read_docs(source: SourceSpec, name: str, path: Path) -> list[tuple[str, bytes]]:
     """The non-empty documents of one file, in file order."""
-    try:
-        if source.builtin == "python_docs" and name.endswith("topics.py"):
-            docs = _pydoc_topics(path)
-        elif source.builtin in PACKAGE_PARTS:
-            docs = [(f"{name}:{i}", d) for i, d in enumerate(_read_jsonl(source, path, "text"))]
-        elif source.builtin is None and path.suffix.lower() in JSONL_SUFFIXES:
-            docs = [(f"{name}:{i}", d) for i, d in enumerate(_read_jsonl(source, path, source.text_key))]
-        elif source.builtin is None and path.suffix.lower() in PARQUET_SUFFIXES:
-            docs = [(f"{name}:{i}", d) for i, d in enumerate(_read_parquet(source, path))]
-        else:
-            docs = [(name, path.read_bytes())]
-    except OSError as err:
-        raise DataError(f"data source {source.name!r}: cannot read {path}: {err.strerror or err}") from err
-    return [(n, d) for n, d in docs if d]
+    return [(n, d) for n, d in ((n, b"".join(p)) for n, p in iter_docs(source, name, path, None)) if d]

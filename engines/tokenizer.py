@@ -98,6 +98,20 @@ class Tokenizer:
     def dtype(self) -> np.dtype:
         return np.dtype(np.uint8 if self.path is None else np.uint16 if self.vocab_size <= 2**16 else np.uint32)
 
+    @property
+    def cuts_at_line_starts(self) -> bool:
+        """Whether a document tokenized in pieces, each cut just after a newline between two
+        non-space characters, gives its whole-document ids: bytes, and byte-level BPE (GPT-2's
+        pre-tokenizing regex, no prefix space, no normalizer), where such a newline is a pre-token
+        of its own either way. Other tokenizers get each document whole."""
+        if self._hf is None:
+            return True
+        from tokenizers import pre_tokenizers
+
+        pre = self._hf.pre_tokenizer
+        return (self._hf.normalizer is None and isinstance(pre, pre_tokenizers.ByteLevel)
+                and not pre.add_prefix_space and pre.use_regex)
+
     def encode_docs(self, docs: Sequence[bytes]) -> list[np.ndarray]:
         """Token ids of each document (without its end-of-text token)."""
         if self._hf is None:

@@ -163,8 +163,9 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
             return {**base, "outcome": "skipped", "note": "finished by another submission"}
         if stop.exists():
             raise StopRequested()
-        _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time()})
-        report({**base, "step": resume_step(rd)}, force=True)  # where the run starts: its newest intact checkpoint
+        start = resume_step(rd)  # where the run starts: its newest intact checkpoint
+        _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time(), "step": start})
+        report({**base, "step": start}, force=True)
         t0 = time.perf_counter()
         steps = (train_on_workers(spec, rd) if is_multi_worker(spec)  # a Ray Train job of hardware.workers
                  else get_engine(spec.engine).train(spec, rd, resume=True))
@@ -220,7 +221,7 @@ def _node_id() -> str | None:
 
 
 def _append_attempt(run_dir: Path, rec: dict) -> None:
-    """attempts.jsonl: who started (or resumed) this run, when, where."""
+    """attempts.jsonl: who started (or resumed) this run, when, where, from which step."""
     import json
 
     run_dir.mkdir(parents=True, exist_ok=True)

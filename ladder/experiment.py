@@ -92,8 +92,8 @@ def load_experiment(path: str | Path) -> Experiment:
 
 
 def _run_experiment_code(run, origin: str):
-    """Run an experiment module's code; whatever it raises (or a sys.exit) becomes one SpecError
-    naming the file, with the line of the experiment file where it happened."""
+    """Run an experiment module's code; whatever it raises (or a sys.exit; Ctrl-C aside) becomes one
+    SpecError naming the file, with the line of the experiment file where it happened."""
     try:
         return run()
     except SpecError as err:
@@ -108,7 +108,9 @@ def _run_experiment_code(run, origin: str):
         raise SpecError(f"{origin}: cannot import {err.name!r} ({err}){_where(err, origin)}") from None
     except SystemExit as err:
         raise SpecError(f"{origin}: the experiment file called sys.exit({err.code!r}) while loading") from None
-    except Exception as err:
+    except KeyboardInterrupt:
+        raise  # the user's Ctrl-C, not the file's doing
+    except BaseException as err:  # Exception, and BaseException or GeneratorExit raised by the file itself
         raise SpecError(f"{origin}: raised {type(err).__name__}: {err}{_where(err, origin)}") from None
 
 

@@ -7,7 +7,8 @@ mirror of each run dir, and the same progress display (read from each run's metr
 
 Each run is `python -m ladder.local_worker` in its own process, so a crash, a CUDA error or an
 out-of-memory kill ends that run alone; its output goes to run_dir/worker.log. Ctrl-C asks the
-running worker to stop at its next step (the ledger's stop marker), as the Ray controller does.
+running worker to stop at its next step (the ledger's stop marker), as the Ray controller does; a
+driver killed outright takes its worker with it (ladder/local_worker.py: die_with_driver).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -61,6 +62,22 @@ def _progress(run_dir: Path, pid: int) -> dict | None:
             "host": socket.gethostname(), "pid": pid}
 
 
+def _attempt(run_dir: Path, pid: int) -> dict | None:
+    """The attempts.jsonl record of worker `pid` (written as it starts, with its resume step), if there yet."""
+    try:
+        lines = (run_dir / "attempts.jsonl").read_bytes().splitlines()[-20:]
+    except OSError:
+        return None
+    for line in reversed(lines):
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(rec, dict) and rec.get("pid") == pid and isinstance(rec.get("step"), int):
+            return rec
+    return None
+
+
 def _failed(p, note: str) -> dict:
     return {"spec_id": p.spec.id, "name": p.spec.name, "outcome": "failed", "note": note}
 
@@ -77,9 +94,9 @@ def run_one(p, ctx: dict, display, mirror) -> dict:
     """Train one planned spec in a worker subprocess; returns the worker's outcome record."""
     p.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = p.run_dir / WORKER_LOG
-    fd, out_path = tempfile.mkstemp(prefix=".outcome.", suffix=".json", dir=p.run_dir)
-    os.close(fd)
-    job = {"spec": p.spec.model_dump_json(), "run_dir": str(p.run_dir), "ctx": ctx, "out": out_path}
+    out_path = str(p.run_dir / f".outcome.{os.getpid()}.{uuid.uuid4().hex[:8]}.json")  # the worker writes it last
+    job = {"spec": p.spec.model_dump_json(), "run_dir": str(p.run_dir), "ctx": ctx, "out": out_path,
+           "driver": os.getpid()}
     started = False
     try:
         with open(log_path, "ab") as log:
@@ -88,8 +105,14 @@ def run_one(p, ctx: dict, display, mirror) -> dict:
             proc.stdin.write(json.dumps(job).encode())
             proc.stdin.close()
             try:
+                shown = False
                 while proc.poll() is None:
-                    upd = _progress(p.run_dir, proc.pid)
+                    if not shown:  # "running ... from step N": the step it resumes from, not the first seen
+                        att = _attempt(p.run_dir, proc.pid)
+                        if att is not None:
+                            display.update(p.spec.id, {"step": att["step"], "host": att.get("host"), "pid": proc.pid})
+                            shown = True
+                    upd = _progress(p.run_dir, proc.pid) if shown else None
                     if upd is not None:
                         if not started and mirror is not None:
                             mirror.started(p)

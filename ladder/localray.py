@@ -10,9 +10,10 @@ from the driver: when the pipe closes (the driver exited, however it died) it wa
 for Ray's own shutdown and kills whichever of the recorded processes are still there (checked by
 their kernel start time, so a reused pid is never hit).
 
-Joining: `address` (or RAY_ADDRESS) host:port must accept a TCP connection within
-LADDER_RAY_TIMEOUT_S seconds (default 30), or the submission stops with one line; Ray itself
-would retry for minutes.
+Joining: `address` (or RAY_ADDRESS) host:port must accept a TCP connection and answer as a Ray
+cluster's GCS (its GetClusterId call, over gRPC) within LADDER_RAY_TIMEOUT_S seconds (default 30)
+in all, or the submission stops with one line; Ray itself would retry for minutes, and a port that
+answers but is not Ray's (a web server, another service) would hold ray.init forever.
 """
 
 from __future__ import annotations
@@ -80,10 +81,40 @@ def wait_reachable(address: str, timeout_s: float) -> None:
                       f"(--ray-timeout or ${RAY_TIMEOUT_ENV} sets the wait)")
 
 
+def check_ray_answers(address: str, timeout_s: float) -> None:
+    """Return once address's host:port answers a Ray GCS call (GetClusterId over gRPC); LadderError
+    when it answers otherwise or not within timeout_s. Ray Client addresses (ray://) and those Ray
+    resolves itself ("auto") are left to ray.init."""
+    import grpc
+    from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+
+    hp = host_port(address)
+    if hp is None or address.strip().startswith("ray://"):
+        return
+    host, port = hp
+    target = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+    with grpc.insecure_channel(target) as channel:
+        stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+        try:
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s, wait_for_ready=True)
+            return
+        except grpc.RpcError as err:
+            code = err.code()
+            if code == grpc.StatusCode.UNAUTHENTICATED:
+                return  # a GCS that wants a token: Ray, which ray.init will tell about
+            why = "no answer" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f"{code.name}: {err.details()}"
+    raise LadderError(f"{address} accepts connections but does not answer as Ray within {timeout_s:g} s "
+                      f"({' '.join(why.split())[:160]}); is it the head node's GCS port (default 6379)? "
+                      f"(--ray-timeout or ${RAY_TIMEOUT_ENV} sets the wait)")
+
+
 def join(address: str, timeout_s: float, **kwargs) -> None:
+    """ray.init(address) once the address has answered as Ray, all within timeout_s."""
     import ray
 
+    deadline = time.monotonic() + timeout_s
     wait_reachable(address, timeout_s)
+    check_ray_answers(address, max(deadline - time.monotonic(), 1.0))
     ray.init(address=address, **kwargs)
 
 

@@ -13,7 +13,7 @@ from core.spec import Spec, load_spec
 from ladder.errors import LadderError
 from engines.corpus import build
 from engines.data import default_workers
-from engines.shards import prepare
+from engines.shards import open_shards, prepare
 from engines.tokenizer import check_vocab, load_tokenizer, train_bpe
 from ladder.experiment import check_engine, load_experiment
 
@@ -104,6 +104,30 @@ def prepare_cmd(
             speed = f", {new / 1e6 / dt:.1f} MB/s over {n_workers} workers" if new > 0 and dt > 0 else " (already prepared)"
             bar.console.print(f"{src.name}: {shards.n_tokens:,} tokens, {shards.n_docs:,} documents, "
                               f"{len(shards.parts)} {shards.index['dtype']} shards in {shards.dir}{speed}")
+
+
+@data_app.command("verify")
+def verify_cmd(
+    target: str = typer.Argument(..., help="experiment file (or a spec YAML/JSON)"),
+    only: Optional[str] = typer.Option(None, "--only", help="regex over spec names"),
+) -> None:
+    """Hash every shard of the specs' sources again against the digests recorded when they were made."""
+    import re
+
+    specs = [s for s in specs_of(target) if not only or re.search(only, s.name)]
+    seen: set[tuple] = set()
+    for s in specs:
+        tok = load_tokenizer(s.data.tokenizer)
+        for src in s.data.sources:
+            key = (src.model_dump_json(exclude={"name", "weight"}), tok.digest)
+            if key in seen:
+                continue
+            seen.add(key)
+            shards = open_shards(src, tok)
+            if shards is None:
+                raise LadderError(f"data source {src.name!r} ({tok.name}) is not prepared; run `ladder data prepare {target}`")
+            shards.verify()
+            print(f"{src.name}: {len(shards.parts)} shards, {shards.n_tokens:,} tokens match their sha256 ({shards.dir})")
 
 
 def register(app: typer.Typer) -> None:

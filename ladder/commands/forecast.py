@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import typer
@@ -42,6 +43,28 @@ def check_forecast(fc: dict, path: Path) -> None:
     if not isinstance(fl, dict) or not all(isinstance(fl.get(k), (int, float)) and not isinstance(fl.get(k), bool)
                                            for k in ("mean", "lo", "hi")):
         raise LadderError(f"{path}: not a forecast (no hero.final_loss with mean, lo and hi); rerun `ladder forecast`")
+    if not all(math.isfinite(fl[k]) for k in ("mean", "lo", "hi")):
+        raise LadderError(f"{path}: its hero final loss is not a number ({fl['mean']}, interval {fl['lo']} to "
+                          f"{fl['hi']}); rerun `ladder forecast`")
+
+
+def check_losses_fall(rungs) -> None:
+    """LadderError naming the rungs unless their final losses fall as compute grows (a negative rank
+    correlation, the largest rung below the smallest): a law fitted to anything else is no forecast."""
+    by_flops = sorted(rungs, key=lambda x: x.flops)
+    losses = [x.final_loss for x in by_flops]
+    what = ", ".join(f"{x.spec.name} {x.flops:.2g} FLOPs: {x.final_loss:.4g}" for x in by_flops)
+    if not all(math.isfinite(v) for v in losses):
+        raise LadderError(f"cannot forecast: a rung has no finite final loss ({what})")
+    n = len(losses)
+    rank = sorted(range(n), key=lambda i: losses[i])
+    r = [0] * n
+    for k, i in enumerate(rank):
+        r[i] = k
+    rho = 1 - 6 * sum((i - r[i]) ** 2 for i in range(n)) / (n * (n * n - 1))  # Spearman, compute rank = index
+    if rho >= 0 or losses[-1] >= losses[0]:
+        raise LadderError(f"cannot forecast: the rungs' final losses do not fall as compute grows ({what}); "
+                          f"check their learning rates and token budgets, or rerun the rungs that stand out")
 
 
 def finished_rungs(root: Path, exp, holdout: str | None = None):
@@ -85,7 +108,12 @@ def register(app: typer.Typer) -> None:
         if len(rungs) < 3:
             raise LadderError(f"forecast needs at least 3 finished rungs; unfinished: {', '.join(missing) or 'none'}"
                               f" (run `ladder submit {experiment}` first)")
+        check_losses_fall(rungs)
         fc = forecast(exp.name, rungs, exp.hero).to_dict()
+        fl = fc["hero"]["final_loss"]
+        if not all(math.isfinite(fl[k]) for k in ("mean", "lo", "hi")):  # nothing written from a failed fit
+            raise LadderError(f"cannot forecast: the law fitted to rungs {', '.join(x.spec.name for x in rungs)} gives "
+                              f"no finite hero loss ({fl['mean']}, interval {fl['lo']} to {fl['hi']})")
         if holdout:
             held = [s for s in exp.rungs if s.name not in {x.spec.name for x in rungs}]
             fc["holdout"] = [h.name for h in held]

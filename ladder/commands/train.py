@@ -1,9 +1,12 @@
 """`ladder train SPEC --run-dir DIR`: one spec, in this process, no Ray and no MLflow (the path
 used on a bare GPU machine and in tests). The run dir is the record: metrics.jsonl, status.json,
-checkpoints/; running the same command again resumes from the newest checkpoint."""
+checkpoints/; running the same command again resumes from the newest checkpoint. One `ladder train`
+at a time per run dir: it holds a claim (ladder/ledger.py: Claim) in run_dir/locks/ while it
+trains, and a second one is refused in one line naming the holder."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -11,6 +14,7 @@ import typer
 from core.spec import load_spec
 from engines.base import DivergedError, read_status
 from engines.registry import engine_names, get_engine
+from ladder import ledger
 from ladder.errors import LadderError
 from ladder.preflight import check_memory
 
@@ -48,15 +52,23 @@ def register(app: typer.Typer) -> None:
         eng = get_engine(spec.engine)
         console = Console(stderr=True)
         last = None
+        claim = ledger.Claim.acquire(run_dir, spec.id, f"train-{os.getpid()}", run_dir=str(run_dir))
+        if claim is None:
+            holder = ledger.live_claim(run_dir, spec.id) or {}
+            raise LadderError(f"{run_dir} is being trained by another process ({holder.get('host')} pid "
+                              f"{holder.get('pid')}); wait for it to end, or stop it first")
         try:
             if quiet:
                 for last in eng.train(spec, run_dir, resume=not no_resume):
-                    pass
+                    if claim.lost:
+                        raise LadderError(f"{run_dir}: another process took this run dir over; stopped")
             else:
                 last = _with_progress(eng.train(spec, run_dir, resume=not no_resume), spec, console)
         except DivergedError as err:
             console.print(f"[red]diverged:[/red] {err}", highlight=False)
             raise typer.Exit(3)
+        finally:
+            claim.release()
         if last is None:
             console.print(f"{spec.name}: already finished ({run_dir})", highlight=False)
             return

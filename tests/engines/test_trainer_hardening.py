@@ -177,3 +177,23 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_and_fails_in_one_lin
     assert latest_checkpoint(run).name == "step_00000000"
     verify_checkpoint(latest_checkpoint(run))  # intact
     assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_an_edited_step_in_state_json_is_caught_and_the_run_resumes_from_the_newest_intact_one(tmp_path):
+    spec = tiny_spec("edited", steps=8, checkpoint_every=2, **{"run.keep_checkpoints": 3})
+    whole = [r.loss for r in _train(spec, tmp_path / "whole")]
+    run = tmp_path / "run"
+    for rec in TorchEngine("cpu", ONE).train(spec, run):
+        if rec.step == 4:
+            break
+    state = latest_checkpoint(run) / "state.json"
+    assert '"step": 4' in state.read_text()
+    state.write_text(state.read_text().replace('"step": 4', '"step": 6'))  # skips steps 4 and 5 unless caught
+    with pytest.raises(CheckpointError, match=r"state.json was changed after it was saved.*--no-resume"):
+        verify_checkpoint(state.parent)
+    with pytest.warns(UserWarning, match=r"step_00000004: state.json was changed.*resuming from the newest intact "
+                                         r"one, .*step_00000002"):
+        redone = _train(spec, run)
+    assert [r.step for r in redone][0] == 2
+    assert [r["step"] for r in read_metrics(run)] == list(range(8))
+    assert [r["loss"] for r in read_metrics(run)] == whole

@@ -123,3 +123,113 @@ def test_ladder_data_tokenizer_trains_a_byte_level_bpe(tmp_path):
 
     tok = load_tokenizer(str(out))
     assert tok.vocab_size == 300 and tok.decode(tok.encode_docs([b"def ladder(*args)"])[0]) == "def ladder(*args)"
+
+
+def _stdlib_text(path: Path, size: int) -> Path:
+    """Real text: the standard library's Python source, concatenated into one file of `size` bytes."""
+    import glob
+    import sysconfig
+
+    out = bytearray()
+    for f in sorted(glob.glob(str(Path(sysconfig.get_paths()["stdlib"]) / "**" / "*.py"), recursive=True)):
+        out += Path(f).read_bytes()
+        if len(out) >= size:
+            break
+    path.write_bytes(bytes(out[:size]))
+    return path
+
+
+@pytest.mark.slow
+def test_prepare_streams_one_large_file_in_bounded_memory(tmp_path, tok_path):
+    """One 8 MB text file is one document; tokenized whole, the BPE held ~1.8 GB (about 220 times
+    the file). Streamed in pieces the peak stays well under that."""
+    text = _stdlib_text(tmp_path / "big.txt", 8_000_000)
+    spec = micro_spec(**{"data.tokenizer": str(tok_path), "model.vocab_size": 512,
+                         "data.sources": [{"name": "big", "weight": 1.0, "paths": [str(text)]}]})
+    path = save_spec(spec, tmp_path / "s.yaml")
+    probe = ("import resource, subprocess, sys; p = subprocess.run(sys.argv[1:]); "
+             "print(p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss)")
+    res = subprocess.run([sys.executable, "-c", probe, sys.executable, "-m", "ladder.cli", "data", "prepare", str(path),
+                          "--workers", "1"], capture_output=True, text=True, cwd=REPO, timeout=900,
+                         env={**os.environ, "MOE_LADDER_CACHE": str(tmp_path / "cache")})
+    code, peak_kb = map(int, res.stdout.split()[-2:])
+    assert code == 0, res.stderr[-3000:]
+    assert peak_kb < 900 * 1024, f"peak RSS {peak_kb // 1024} MB"
+
+
+@pytest.mark.slow
+def test_a_document_tokenized_in_pieces_gives_its_whole_document_ids(tmp_path, monkeypatch):
+    """Pieces cut after a newline between two non-space characters give the ids of the whole
+    document, for the project's byte-level BPEs and bytes."""
+    import numpy as np
+
+    from core.spec import SourceSpec
+    from engines.shards import prepare
+    from engines.tokenizer import load_tokenizer
+
+    text = _stdlib_text(tmp_path / "doc.txt", 2_500_000)  # three pieces
+    source = SourceSpec(name="doc", weight=1.0, paths=[str(text)])
+    monkeypatch.setenv("MOE_LADDER_CACHE", str(tmp_path / "cache"))
+    for name in ("bytes", "experiments/tokenizers/cpu-4k.json"):
+        tok = load_tokenizer(str(REPO / name) if name.endswith(".json") else name)
+        assert tok.cuts_at_line_starts
+        shards = prepare(source, tok, workers=1)
+        whole = tok.encode_docs([text.read_bytes()])[0]
+        assert shards.n_docs == 1
+        assert np.array_equal(np.asarray(shards.parts[0]), np.concatenate([whole, [tok.eos_id]]).astype(tok.dtype))
+
+
+@pytest.mark.slow
+def test_a_sigkilled_prepare_leaves_no_pool_worker_or_resource_tracker(tmp_path, tok_path):
+    import signal
+    import time
+
+    from ladder.localray import descendants, proc_start
+
+    files = [_stdlib_text(tmp_path / f"f{i}.txt", 600_000 + i) for i in range(8)]
+    spec = micro_spec(**{"data.tokenizer": str(tok_path), "model.vocab_size": 512,
+                         "data.sources": [{"name": "many", "weight": 1.0, "paths": [str(f) for f in files]}]})
+    path = save_spec(spec, tmp_path / "s.yaml")
+    cache = tmp_path / "cache"
+    drv = subprocess.Popen([sys.executable, "-m", "ladder.cli", "data", "prepare", str(path), "--workers", "2"], cwd=REPO,
+                           env={**os.environ, "MOE_LADDER_CACHE": str(cache), "MOE_LADDER_SHARD_CHUNK_BYTES": "500000"},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline, procs = time.monotonic() + 300, []  # only to catch a hang
+    while time.monotonic() < deadline and drv.poll() is None and not list(cache.glob("shards/*/part-*.json")):
+        procs = descendants(drv.pid) or procs
+        time.sleep(0.05)
+    assert drv.poll() is None, "prepare ended before a part was written"
+    procs = descendants(drv.pid)
+    assert len(procs) >= 3, procs  # two pool workers and the resource tracker
+    drv.kill()
+    drv.wait()
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and any(proc_start(pid) == start for pid, start in procs):
+        time.sleep(0.2)
+    alive = [pid for pid, start in procs if proc_start(pid) == start]
+    for pid in alive:
+        os.kill(pid, signal.SIGKILL)
+    assert not alive, "left running after the driver's SIGKILL"
+    parts = len(list(cache.glob("shards/*/part-*.json")))
+    time.sleep(2)
+    assert len(list(cache.glob("shards/*/part-*.json"))) == parts < 8  # nothing kept growing
+
+
+def test_data_verify_finds_a_changed_shard_whose_mtime_was_kept(tmp_path, tok_path):
+    text = tmp_path / "t.txt"
+    text.write_text(Path(__file__).read_text() * 3)
+    spec = micro_spec(**{"data.tokenizer": str(tok_path), "model.vocab_size": 512,
+                         "data.sources": [{"name": "t", "weight": 1.0, "paths": [str(text)]}]})
+    path = save_spec(spec, tmp_path / "s.yaml")
+    env = {"MOE_LADDER_CACHE": str(tmp_path / "cache")}
+    one_line_error(ladder("data", "verify", path, env=env), "data source 't'", "is not prepared")
+    assert ladder("data", "prepare", path, "--workers", "1", env=env).returncode == 0
+    ok = ladder("data", "verify", path, env=env)
+    assert ok.returncode == 0 and "match their sha256" in ok.stdout, ok.stderr
+    (part,) = (tmp_path / "cache").glob("shards/*/part-00000.bin")
+    st = part.stat()
+    data = bytearray(part.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    part.write_bytes(bytes(data))
+    os.utime(part, ns=(st.st_atime_ns, st.st_mtime_ns))  # the cheap check on open cannot see it
+    one_line_error(ladder("data", "verify", path, env=env), str(part), "no longer matches its fingerprint")

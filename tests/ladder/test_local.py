@@ -91,3 +91,70 @@ def test_local_submit_refuses_a_spec_this_machine_cannot_run(tmp_path):
     path = _experiment(tmp_path, rungs=(("a", {"hardware.task_gpus": 64}),))
     with pytest.raises(LadderError, match="asks for 64 GPU per run; this machine has"):
         submit(path, root=tmp_path / "r", console=_quiet(), local=True, tracking=False)
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def test_a_killed_local_driver_takes_its_worker_with_it(tmp_path):
+    """SIGKILL the driver mid-run: its worker stops (no more metrics rows), releases its claim and
+    leaves no outcome file behind."""
+    path = _experiment(tmp_path, rungs=(("a", {}),), **{"data.total_tokens": 64 * 8 * 2000})  # far from done
+    spec = load_experiment(path).rungs[0]
+    root = tmp_path / "root"
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+    drv = subprocess.Popen([sys.executable, "-m", "ladder.cli", "submit", str(path), "--local", "--no-tracking",
+                            "--root", str(root)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    d = ledger.run_dir_for(root, "loc", spec)
+    deadline, worker = time.time() + 300, None  # only to catch a hang
+    while time.time() < deadline and (worker is None or len(RunDir(d).read_metrics()) < 5) and drv.poll() is None:
+        worker = ledger.live_claim(root, spec.id)
+        time.sleep(0.1)
+    assert worker is not None, (d / "worker.log").read_text()[-3000:] if (d / "worker.log").exists() else drv.communicate()[1]
+    pid = int(worker["pid"])
+    drv.kill()
+    drv.wait(timeout=60)
+    deadline = time.time() + 60  # only to catch a worker that never stops
+    while time.time() < deadline and not _gone(pid):
+        time.sleep(0.1)
+    try:
+        assert _gone(pid), "the worker outlived its driver"
+    finally:
+        if not _gone(pid):
+            os.kill(pid, signal.SIGKILL)
+    rows = len(RunDir(d).read_metrics())
+    time.sleep(2)
+    assert len(RunDir(d).read_metrics()) == rows < spec.total_steps
+    assert ledger.live_claim(root, spec.id) is None
+    assert not list(d.glob(".outcome.*.json")), (d / "worker.log").read_text()[-3000:] + (d / "status.json").read_text()
+
+
+def test_a_resumed_local_run_says_the_step_it_resumes_from(tmp_path):
+    """After a SIGKILLed worker, the next --local submission prints "from step N" with the step
+    of the checkpoint it resumes from, not the first metrics record it happens to see."""
+    from engines.checkpoint import resume_step
+
+    path = _experiment(tmp_path, rungs=(("a", {}),))
+    spec = load_experiment(path).rungs[0]
+    root = tmp_path / "root"
+    env = {**os.environ, "PYTHONPATH": str(Path.cwd())}
+    argv = [sys.executable, "-m", "ladder.cli", "submit", str(path), "--local", "--no-tracking", "--root", str(root)]
+    drv = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    d = ledger.run_dir_for(root, "loc", spec)
+    deadline = time.time() + 300  # only to catch a hang
+    while time.time() < deadline and len(RunDir(d).read_metrics()) < 15 and drv.poll() is None:
+        time.sleep(0.05)
+    worker = ledger.live_claim(root, spec.id)
+    assert worker is not None
+    os.kill(int(worker["pid"]), signal.SIGKILL)
+    drv.wait(timeout=60)
+    start = resume_step(d)
+    assert 0 < start < len(RunDir(d).read_metrics())  # the last record seen is past the checkpoint
+    again = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert f"from step {start}" in again.stderr, again.stderr[-3000:]

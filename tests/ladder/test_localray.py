@@ -75,3 +75,24 @@ def test_descendants_lists_children_with_their_start_times():
     finally:
         child.kill()
         child.wait()
+
+
+def test_joining_a_port_that_answers_but_is_not_ray_fails_in_one_line_within_its_timeout(tmp_path):
+    exp = tmp_path / "exp.py"
+    exp.write_text("from ladder.experiment import Experiment\nfrom ladder.presets import micro_spec\n"
+                   "EXPERIMENT = Experiment(name='web', rungs=(micro_spec('a'),))\n")
+    web = subprocess.Popen([sys.executable, "-m", "http.server", "0", "--bind", "127.0.0.1"], cwd=tmp_path,
+                           stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        port = int(web.stdout.readline().split(" port ")[1].split()[0])
+        proc = subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(exp), "--address", f"127.0.0.1:{port}",
+                               "--ray-timeout", "3", "--no-tracking", "--root", str(tmp_path / "root")],
+                              cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
+                              timeout=120)  # only to catch the hang
+    finally:
+        web.kill()
+        web.wait()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and f"127.0.0.1:{port} accepts connections but does not answer as Ray within" in lines[0], \
+        proc.stderr[-3000:]

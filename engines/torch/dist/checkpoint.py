@@ -5,7 +5,8 @@ Layout
 ------
     run_dir/sharded/step_{step:08d}/
         .metadata, __<rank>_0.distcp   written by every rank in parallel (its own shards only)
-        state.json                     {"step", "tokens", "spec_id", "engine", "data", "mesh": {...}}
+        state.json                     {"step", "tokens", "spec_id", "engine", "data", "mesh": {...},
+                                        "sha256": {file: digest}, "state_sha256"}
 
 Keys: a parameter or buffer by its engine-neutral name; a routed-expert stack of expert shard e
 as "<name>/ep<e>of<ep>" (each expert group holds other experts under the same module name);
@@ -18,6 +19,19 @@ Atomicity. Every rank writes into sharded/.tmp-step_X; after a barrier rank 0 ad
 fsyncs, renames the directory to step_X and fsyncs its parent; only then are checkpoints beyond
 the newest `keep` removed. A kill at any point leaves the complete new checkpoint or none.
 
+Integrity. After the shards are written every rank hashes a share of the directory's files, and
+rank 0 records each file's sha256 in state.json, sealed as the engine-neutral state.json is
+(engines/checkpoint.py: seal_state). A run resumes only from a checkpoint that verifies
+(newest_intact_sharded moves a damaged one aside to sharded/damaged-step_X-<time> and names the
+one resumed from instead), and export refuses a damaged, truncated or incomplete one in one line.
+Checkpoints written before checksums were recorded load unverified.
+
+Safety. torch's reader unpickles .metadata; here it is read by SafeReader, whose unpickler knows
+only the few classes a checkpoint's metadata holds (tensor storage descriptions, torch.Size,
+dtypes) and refuses anything else, so a crafted .metadata cannot run code even where no checksum
+is recorded, and a checkpoint whose metadata describes non-tensor entries (which torch would
+unpickle with torch.load) is refused.
+
     python -m engines.torch.dist.checkpoint RUN_DIR [--step N]
 
 exports a sharded checkpoint (default: the newest) to RUN_DIR/checkpoints/step_N
@@ -27,20 +41,37 @@ exports a sharded checkpoint (default: the newest) to RUN_DIR/checkpoints/step_N
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import pathlib
+import pickle
 import re
 import shutil
 import sys
+import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+import torch.distributed.checkpoint.filesystem as dcp_fs
+import torch.distributed.checkpoint.metadata as dcp_md
 from torch.distributed.checkpoint import FileSystemReader
 
-from engines.checkpoint import CheckpointError, _fsync_dir, _fsync_file, publish_dir, save_checkpoint, step_dir_name
+from engines.checkpoint import (
+    CheckpointError,
+    _fsync_dir,
+    _fsync_file,
+    check_sealed,
+    publish_dir,
+    save_checkpoint,
+    sha256_file,
+    step_dir_name,
+    write_state,
+)
 from engines.torch.dist.fsdp import _local_of, expert_slice, local_tensor, reshard
 from engines.torch.dist.mesh import MeshContext
 from engines.torch.ep import is_expert_param
@@ -60,8 +91,7 @@ def list_sharded(run_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     found = [(int(d.name[5:]), d) for d in root.iterdir()
-             if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit()
-             and (d / STATE_FILE).is_file() and (d / META_FILE).is_file()]
+             if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit() and (d / STATE_FILE).is_file()]
     return [d for _, d in sorted(found)]
 
 
@@ -71,7 +101,90 @@ def latest_sharded(run_dir: str | Path) -> Path | None:
 
 
 def read_state(path: Path) -> dict:
-    return json.loads((path / STATE_FILE).read_text())
+    try:
+        state = json.loads((path / STATE_FILE).read_text())
+    except (OSError, UnicodeDecodeError, ValueError) as err:
+        raise CheckpointError(f"{path}: cannot read {STATE_FILE} ({err})") from err
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int):
+        raise CheckpointError(f"{path}: {STATE_FILE} is not a sharded checkpoint's state")
+    return state
+
+
+def verify_sharded(path: Path) -> dict:
+    """The checkpoint's state after checking state.json's seal and every file against the sha256
+    recorded at save (CheckpointError names a missing, truncated or changed file)."""
+    path = Path(path)
+    state = read_state(path)
+    if not (path / META_FILE).is_file():
+        raise CheckpointError(f"{path}: {META_FILE} is missing; not a complete sharded checkpoint")
+    check_sealed(path, state, needed=(META_FILE,))
+    return state
+
+
+def newest_intact_sharded(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest sharded checkpoint that verifies. Each damaged one met on the way is moved aside
+    (sharded/damaged-step_X-<time>) and reported through `warn`, naming the one resumed from instead."""
+    damaged: list[tuple[Path, str]] = []
+    found = None
+    for ckpt in reversed(list_sharded(run_dir)):
+        try:
+            verify_sharded(ckpt)
+        except CheckpointError as err:
+            damaged.append((ckpt, str(err).split("; ")[0]))
+            continue
+        found = ckpt
+        break
+    for ckpt, why in damaged:
+        aside = ckpt.with_name(f"damaged-{ckpt.name}-{time.strftime('%Y%m%dT%H%M%S')}")
+        shutil.move(ckpt, aside)
+        if warn is not None:
+            instead = f"resuming from the newest intact one, {found}" if found else "no intact sharded checkpoint is left"
+            warn(f"{why}: moved aside to {aside}; {instead}")
+    return found
+
+
+# what a sharded checkpoint's .metadata may name: torch's descriptions of tensor storage and nothing else
+_META_CLASSES = {
+    "torch.distributed.checkpoint.metadata": {"Metadata", "TensorStorageMetadata", "TensorProperties",
+                                              "ChunkStorageMetadata", "MetadataIndex", "StorageMeta",
+                                              "_MEM_FORMAT_ENCODING"},
+    "torch.distributed.checkpoint.filesystem": {"_StorageInfo"},
+    "torch.serialization": {"_get_layout"},
+    "torch": {"Size"},
+    "pathlib": {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath"},
+    "collections": {"OrderedDict"},
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        if name in _META_CLASSES.get(module, ()):
+            return getattr({"torch.distributed.checkpoint.metadata": dcp_md,
+                            "torch.distributed.checkpoint.filesystem": dcp_fs,
+                            "torch.serialization": torch.serialization, "torch": torch, "pathlib": pathlib,
+                            "collections": collections}[module], name)
+        raise pickle.UnpicklingError(f"it refers to {module}.{name}, which a sharded checkpoint's metadata never holds")
+
+
+class SafeReader(FileSystemReader):
+    """torch's FileSystemReader with .metadata read through an allow-list unpickler (see Safety)."""
+
+    def read_metadata(self, *args, **kwargs) -> dcp_md.Metadata:
+        path = self._get_metadata_path(kwargs.get("rank"))
+        try:
+            with self.fs.create_stream(path, "rb") as f:
+                metadata = _MetadataUnpickler(f).load()
+        except Exception as err:
+            raise CheckpointError(f"{path}: refused, not read ({err})") from err
+        if not isinstance(metadata, dcp_md.Metadata) or not all(
+                isinstance(md, dcp_md.TensorStorageMetadata) for md in metadata.state_dict_metadata.values()):
+            raise CheckpointError(f"{path}: refused: it describes entries that are not tensors")
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = dcp_md.StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
 
 
 def _state_dict(model, opt, mc: MeshContext, fresh_moments: bool) -> dict[str, torch.Tensor]:
@@ -112,9 +225,13 @@ def save_sharded(run_dir: str | Path, step: int, model, opt, info: dict, mc: Mes
     sd["optim_step"] = torch.tensor(optimizer_step(opt), dtype=torch.int64)
     dcp.save(sd, checkpoint_id=str(tmp))
     dist.barrier()
+    names = sorted(f.name for f in tmp.iterdir() if f.is_file())  # every rank hashes its share
+    parts: list = [None] * mc.world
+    dist.all_gather_object(parts, {n: sha256_file(tmp / n) for n in names[mc.rank::mc.world]})
     if mc.rank == 0:
-        state = {**info, "step": int(step), "mesh": {"dp": mc.dp, "ep": mc.ep, "world": mc.world}}
-        (tmp / STATE_FILE).write_text(json.dumps(state, indent=2, sort_keys=True, default=float) + "\n")
+        sums = {n: d for part in parts for n, d in part.items()}
+        write_state(tmp, {**info, "step": int(step), "mesh": {"dp": mc.dp, "ep": mc.ep, "world": mc.world},
+                          "sha256": sums})
         for f in tmp.iterdir():
             _fsync_file(f)
         _fsync_dir(tmp)
@@ -125,17 +242,20 @@ def save_sharded(run_dir: str | Path, step: int, model, opt, info: dict, mc: Mes
     return final
 
 
-def load_sharded(path: Path, model, opt, mc: MeshContext) -> dict:
+def load_sharded(path: Path, model, opt, mc: MeshContext, verify: bool = True) -> dict:
     """Fill this rank's parameter and moment shards from a sharded checkpoint (in place; the data
-    dimension may differ from the writer's). Returns its state.json."""
-    state = read_state(path)
+    dimension may differ from the writer's). Returns its state.json. verify: check its checksums
+    first (verify_sharded; a run's lead does so for every rank as it picks the checkpoint)."""
+    state = verify_sharded(path) if verify else read_state(path)
     if state.get("mesh", {}).get("ep") != mc.ep:
         raise CheckpointError(f"{path} was written with model.ep_size {state.get('mesh', {}).get('ep')}, "
                               f"this run has {mc.ep}: export it and continue from the export")
     sd = _state_dict(model, opt, mc, fresh_moments=True)
     sd["optim_step"] = torch.zeros((), dtype=torch.int64)
     try:
-        dcp.load(sd, checkpoint_id=str(path))
+        dcp.load(sd, storage_reader=SafeReader(str(path)))
+    except CheckpointError:
+        raise
     except Exception as err:
         raise CheckpointError(f"{path}: cannot read sharded checkpoint: {err}") from err
     step = int(sd["optim_step"])
@@ -168,16 +288,22 @@ def load_moments(model, opt, arrays: dict[str, np.ndarray], mc: MeshContext) -> 
 
 
 def read_full(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray], dict]:
-    """(params, AdamW arrays, state) of a sharded checkpoint in engine-neutral form, in one process."""
+    """(params, AdamW arrays, state) of a sharded checkpoint in engine-neutral form, in one process,
+    after verifying it (verify_sharded)."""
+    state = verify_sharded(path)
+    meta = SafeReader(str(path)).read_metadata()
+    sd = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in meta.state_dict_metadata.items()}
+    if "optim_step" not in sd:
+        raise CheckpointError(f"{path}: not a checkpoint of a mesh run (no optim_step)")
     try:
-        meta = FileSystemReader(str(path)).read_metadata()
-    except Exception as err:
-        raise CheckpointError(f"{path}: not a sharded checkpoint: {err}") from err
-    sd = {k: torch.empty(tuple(md.size), dtype=md.properties.dtype) for k, md in meta.state_dict_metadata.items()
-          if hasattr(md, "size")}
-    with warnings.catch_warnings():  # one process on purpose: no process group to warn about
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(sd, checkpoint_id=str(path), no_dist=True)
+        with warnings.catch_warnings():  # one process on purpose: no process group to warn about
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+            dcp.load(sd, storage_reader=SafeReader(str(path)), no_dist=True)
+    except CheckpointError:
+        raise
+    except Exception as err:  # torch's reader on a file damaged where no checksum was recorded
+        raise CheckpointError(f"{path}: cannot read sharded checkpoint: {type(err).__name__}: "
+                              f"{str(err).strip().splitlines()[-1] if str(err).strip() else ''}") from err
     step = int(sd.pop("optim_step"))
     stacks: dict[str, dict[int, np.ndarray]] = {}
     flat: dict[str, np.ndarray] = {}
@@ -192,7 +318,7 @@ def read_full(path: Path) -> tuple[dict[str, np.ndarray], dict[str, np.ndarray],
     params = {k: a for k, a in flat.items() if not k.startswith(("m/", "v/"))}
     opt = {k: a for k, a in flat.items() if k.startswith(("m/", "v/"))}
     opt["step"] = np.asarray(step, np.int64)
-    return params, opt, read_state(path)
+    return params, opt, state
 
 
 def export(run_dir: str | Path, step: int | None = None, keep: int = 10**9) -> Path:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import argparse
 import shutil
 import sys
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -34,9 +35,9 @@ from engines.checkpoint import CheckpointError, load_checkpoint, missing_parent_
 from engines.data import DataError, TokenStream
 from engines.torch.dist.checkpoint import (
     SHARDED,
-    latest_sharded,
     load_moments,
     load_sharded,
+    newest_intact_sharded,
     optimizer_step,
     read_state,
     save_sharded,
@@ -185,7 +186,7 @@ class MeshTrainer(Trainer):
         if not resume:
             shutil.rmtree(self.run.path / SHARDED, ignore_errors=True)
         neutral, refused = self._choose(resume)  # the newest intact engine-neutral checkpoint
-        sharded = latest_sharded(self.run.path) if resume else None
+        sharded = newest_intact_sharded(self.run.path, warn=warnings.warn) if resume else None
         if sharded is not None and read_state(sharded).get("mesh", {}).get("ep") != self.module.mc.ep:
             sharded = None  # another expert split: only its export continues here
         if sharded is not None and (not neutral or int(sharded.name[5:]) >= int(Path(neutral).name[5:])):
@@ -207,7 +208,7 @@ class MeshTrainer(Trainer):
             return None
         kind, path = point[0], Path(point[1])
         if kind == "sharded":
-            info = load_sharded(path, module.model, module.opt, module.mc)
+            info = load_sharded(path, module.model, module.opt, module.mc, verify=False)  # the lead verified it
         else:
             params, opt_arrays, info = load_checkpoint(path, verify=False)  # the lead verified it
             try:

@@ -1,0 +1,61 @@
+"""One `ladder train` at a time per run dir: a second one on the same run dir is refused in one
+line naming the holder (exit 2) while the first trains on, and a SIGKILLed holder does not lock
+the run dir out."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from core.rundir import RunDir
+from core.spec import save_spec
+from tests.conftest import tiny_spec
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _train(spec: Path, run_dir: Path, **kw) -> subprocess.Popen:
+    return subprocess.Popen([sys.executable, "-m", "ladder.cli", "train", str(spec), "--run-dir", str(run_dir), "--quiet"],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, text=True, **kw)
+
+
+def _rows_past(run_dir: Path, n: int, proc: subprocess.Popen) -> int:
+    deadline = time.monotonic() + 300  # only to catch a hang
+    while time.monotonic() < deadline and proc.poll() is None:
+        rows = len(RunDir(run_dir).read_metrics(warn=None))
+        if rows > n:
+            return rows
+        time.sleep(0.1)
+    raise AssertionError(f"no metrics past {n} rows (exit {proc.poll()})")
+
+
+def test_a_second_train_on_a_run_dir_is_refused_and_a_killed_holder_does_not_lock_it_out(tmp_path):
+    spec = save_spec(tiny_spec("locked", steps=3000, checkpoint_every=5), tmp_path / "s.yaml")
+    run_dir = tmp_path / "run"
+    first = _train(spec, run_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _rows_past(run_dir, 3, first)
+        second = _train(spec, run_dir, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        _, err = second.communicate(timeout=300)
+        assert second.returncode == 2, err[-3000:]
+        lines = [ln for ln in err.strip().splitlines() if ln.strip()]
+        assert len(lines) == 1 and f"is being trained by another process" in lines[0] and f"pid {first.pid}" in lines[0], err
+        assert first.poll() is None  # the holder trains on
+    finally:
+        first.kill()
+        first.wait()
+    rows = len(RunDir(run_dir).read_metrics(warn=None))
+    third = _train(spec, run_dir, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _rows_past(run_dir, rows, third)  # it got past the dead holder's claim and trains
+    finally:
+        third.send_signal(signal.SIGKILL)
+        third.wait()
