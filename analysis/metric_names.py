@@ -59,6 +59,10 @@ class MetricNames:
 
     label: str
     entries: Mapping[str, Entry] = field(default_factory=dict)
+    # the step number the stack logs for its first optimizer step (this project's is 0): frames keep
+    # the stack's numbers (flags name the steps its own dashboard shows) and carry this in
+    # df.attrs["first_step"], so a spec's step n is the stack's n + first_step
+    first_step: int = 0
 
     def wanted(self, available: list[str]) -> list[str]:
         """The stack's metric keys, among `available`, that this map reads."""
@@ -184,6 +188,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESETS["marin"] = PRESETS["levanter"]  # Marin trains with Levanter and logs its names
 
+# The step each stack logs for its first optimizer step:
+# - OLMo-core: src/olmo_core/train/trainer.py:226 `global_step: int = 0`, incremented before each
+#   batch (trainer.py:1479 `self.global_step += 1`), and metrics are recorded at global_step: 1.
+# - Levanter: src/levanter/callbacks/_core.py:37 `step = property(lambda self: int(self.state.step) - 1)`,
+#   "the step that was just completed", 0-indexed: 0.
+# - torchtitan (v0.2.2): torchtitan/train.py:294 `self.step = 0`, :672 `self.step += 1` before the
+#   step, logged at self.step: 1.
+FIRST_STEP = {"olmo-core": 1, "levanter": 0, "marin": 0, "torchtitan": 1}
+
 
 def load_metric_names(arg: str | Path | None) -> MetricNames | None:
     """A preset name (olmo-core, levanter, marin, torchtitan) or a YAML file; None -> None."""
@@ -191,7 +204,7 @@ def load_metric_names(arg: str | Path | None) -> MetricNames | None:
         return None
     key = str(arg).strip().lower()
     if key in PRESETS:
-        return MetricNames(key, _entries(PRESETS[key], f"preset {key}"))
+        return MetricNames(key, _entries(PRESETS[key], f"preset {key}"), FIRST_STEP.get(key, 0))
     p = Path(arg)
     if not p.is_file():
         raise MetricNamesError(
@@ -205,8 +218,13 @@ def load_metric_names(arg: str | Path | None) -> MetricNames | None:
         raise MetricNamesError(f"{p}: a metric-name map is a mapping of metric -> name(s)")
     base: dict[str, Entry] = {}
     preset = raw.pop("preset", None)
+    first = FIRST_STEP.get(str(preset).lower(), 0) if preset is not None else 0
     if preset is not None:
         if str(preset).lower() not in PRESETS:
             raise MetricNamesError(f"{p}: preset {preset!r} is not one of {', '.join(sorted(PRESETS))}")
         base = _entries(PRESETS[str(preset).lower()], f"preset {preset}")
-    return MetricNames(str(p), {**base, **_entries(raw, str(p))})
+    if "first_step" in raw:
+        first = raw.pop("first_step")
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise MetricNamesError(f"{p}: first_step must be a whole number >= 0 (got {first!r})")
+    return MetricNames(str(p), {**base, **_entries(raw, str(p))}, first)
