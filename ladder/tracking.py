@@ -103,6 +103,15 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 
+def ui_url(base: str, exp_id: str | None = None) -> str:
+    """The MLflow UI's page of an experiment, in its training view. MLflow 3 opens an experiment in
+    the workflow type kept in the browser (GenAI by default: traces) whatever the experiment-kind
+    tag; the page's `workflowType` query parameter (server/js .../ExperimentPageWorkflowTypeContext:
+    genai | machine_learning) sets it, so the link says machine_learning."""
+    base = base.rstrip("/")
+    return f"{base}/#/experiments/{exp_id}?workflowType=machine_learning" if exp_id else base
+
+
 def experiment_id(uri: str, name: str) -> str:
     c = client(uri)
     exp = c.get_experiment_by_name(name)
