@@ -27,6 +27,7 @@ the version Marin trains with, torchtitan 0.3.0). Paths are the repositories' ow
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -35,7 +36,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-__all__ = ["CANONICAL", "PRESETS", "MetricNames", "MetricNamesError", "load_metric_names"]
+__all__ = ["CANONICAL", "PRESETS", "MetricNames", "MetricNamesError", "load_metric_names", "matches", "mlflow_legal"]
 
 CANONICAL = ("step", "tokens", "loss", "eval_loss", "grad_norm", "lr", "drop_frac_send", "drop_frac_recv",
              "router_entropy", "tokens_per_s", "time", "z_loss")
@@ -45,6 +46,22 @@ Reduce = Literal["mean", "first"]
 
 class MetricNamesError(ValueError):
     """A metric-name map that cannot be used; the message names the file or preset and the key."""
+
+
+# MLflow refuses metric names outside [/\w.\- :] (mlflow/utils/validation.py
+# validate_param_and_metric_name), so a stack's "optim/LR (group 0)" or torchtitan's "throughput(tps)"
+# reaches an MLflow run only with its other characters replaced; "_" is what a name matches there.
+_MLFLOW_ILLEGAL = re.compile(r"[^\w/.\- :*?]")
+
+
+def mlflow_legal(name: str) -> str:
+    """`name` (a glob too) with each character MLflow refuses in a metric name replaced by "_"."""
+    return _MLFLOW_ILLEGAL.sub("_", name)
+
+
+def matches(key: str, pattern: str) -> bool:
+    """`key` matches `pattern` as given, or as MLflow would have to store it."""
+    return fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(key, mlflow_legal(pattern))
 
 
 @dataclass(frozen=True)
@@ -69,7 +86,7 @@ class MetricNames:
         out = []
         for e in self.entries.values():
             for pat in e.names:
-                out += [k for k in available if fnmatch.fnmatchcase(k, pat) and k not in out]
+                out += [k for k in available if matches(k, pat) and k not in out]
         return out
 
     def apply(self, df: pd.DataFrame) -> pd.DataFrame:
@@ -83,7 +100,7 @@ class MetricNames:
         for canon, e in self.entries.items():
             hits = []
             for pat in e.names:
-                hits += [c for c in cols if fnmatch.fnmatchcase(c, pat) and c not in hits]
+                hits += [c for c in cols if matches(c, pat) and c not in hits]
             if not hits:
                 continue
             used.update(hits)

@@ -32,7 +32,7 @@ from mlflow import MlflowClient  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.utils.search_utils import SearchUtils  # noqa: E402
 
-from analysis.metric_names import MetricNames  # noqa: E402
+from analysis.metric_names import MetricNames, matches  # noqa: E402
 from analysis.metrics_io import ALIASES, MetricsError, RunRef, finish_frame, read_metrics_frame, resolve_run  # noqa: E402
 from analysis.wandb_runs import WANDB_PREFIX, WandbApiSource, WandbDirSource, open_wandb  # noqa: E402
 from core.spec import load_spec  # noqa: E402
@@ -114,7 +114,7 @@ class MlflowSource:
 
     def _is_loss_key(self, key: str) -> bool:
         if self.names is not None and "loss" in self.names.entries:
-            return any(fnmatch.fnmatchcase(key, p) for p in self.names.entries["loss"].names)
+            return any(matches(key, p) for p in self.names.entries["loss"].names)
         if self.columns and "loss" in self.columns:
             return key == self.columns["loss"]
         return key.lower() in ALIASES["loss"]

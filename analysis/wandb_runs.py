@@ -25,7 +25,6 @@ paged history, asking only for the steps past the last one read.
 
 from __future__ import annotations
 
-import fnmatch
 import json
 import math
 import os
@@ -38,7 +37,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.metric_names import MetricNames
+from analysis.metric_names import MetricNames, matches
 from analysis.metrics_io import ALIASES, MetricsError, finish_frame
 
 __all__ = ["WANDB_PREFIX", "WandbApiSource", "WandbDirSource", "open_wandb", "read_log_records", "resolve_wandb_log"]
@@ -146,7 +145,7 @@ def _loss_patterns(names: MetricNames | None, columns: dict[str, str] | None) ->
 
 def _is_loss(key: str, patterns: list[str]) -> bool:
     if patterns:
-        return any(fnmatch.fnmatchcase(key, p) for p in patterns)
+        return any(matches(key, p) for p in patterns)
     return key.lower() in ALIASES["loss"]
 
 
