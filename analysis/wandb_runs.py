@@ -191,8 +191,11 @@ class WandbDirSource:
     _history: _History = field(default_factory=_History)
 
     def __post_init__(self) -> None:
-        from wandb.proto import wandb_internal_pb2  # wandb's own record schema
-
+        try:
+            from wandb.proto import wandb_internal_pb2  # wandb's own record schema
+        except ImportError:
+            raise MetricsError(f"{self.label}: reading W&B runs needs the wandb package: "
+                               "pip install 'moe-ladder[wandb]'") from None
         self._pb = wandb_internal_pb2
         self.log = resolve_wandb_log(self.path)
 
@@ -267,8 +270,11 @@ class WandbApiSource:
     _history: _History = field(default_factory=_History)
 
     def __post_init__(self) -> None:
-        import wandb
-
+        try:
+            import wandb
+        except ImportError:
+            raise MetricsError(f"{self.label}: reading W&B runs needs the wandb package: "
+                               "pip install 'moe-ladder[wandb]'") from None
         try:
             self.api = wandb.Api(timeout=30)
             self._run = self.api.run(self.path)

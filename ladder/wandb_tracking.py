@@ -55,7 +55,10 @@ def _values(rec: dict) -> dict[str, float]:
 def sync_to_wandb(root: str | Path, experiment: str | None = None, project: str | None = None,
                   mode: str | None = None) -> list[WandbSync]:
     """Upload every run under `root`/runs (one experiment, or all) to W&B; returns what each sent."""
-    import wandb
+    try:
+        import wandb
+    except ImportError:
+        raise ValueError("W&B tracking needs the wandb package: pip install 'moe-ladder[wandb]'") from None
 
     root = Path(root)
     mode = mode or os.environ.get("WANDB_MODE") or "offline"

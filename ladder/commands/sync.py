@@ -10,6 +10,7 @@ from ladder.commands.status import experiment_name
 from ladder.errors import LadderError
 from ladder.ledger import ladder_root
 from ladder.tracking import resolve_tracking_uri, sync_runs
+from ladder.wandb_tracking import sync_to_wandb
 
 
 def register(app: typer.Typer) -> None:
@@ -33,10 +34,6 @@ def register(app: typer.Typer) -> None:
             raise LadderError(f"--tracker {tracker!r}: mlflow, wandb, or mlflow,wandb")
         r = ladder_root(root)
         if "wandb" in trackers:
-            try:
-                from ladder.wandb_tracking import sync_to_wandb
-            except ImportError:
-                raise LadderError("--tracker wandb needs the wandb package: pip install 'moe-ladder[wandb]'") from None
             t = Table(title="sync to W&B")
             for col in ("experiment", "spec", "uploaded", "last step", "W&B run"):
                 t.add_column(col)
