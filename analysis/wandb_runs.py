@@ -240,6 +240,11 @@ class WandbDirSource:
         self._scan()
         return self._history.frame(self.label, self.names, self.columns)
 
+    def read_config(self) -> dict:
+        """The run's config as logged so far (no history needed)."""
+        self._scan()
+        return self.config
+
     def status(self) -> dict:
         if self.exit_code is None:
             return {"state": "running"}

@@ -52,6 +52,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
+from analysis.wandb_runs import WandbDirSource, open_wandb
 from core.spec import Spec
 from ladder.stack_common import StackConfigError, get as _get, validated as _validated
 from ladder.stack_levanter import spec_from_levanter
@@ -269,7 +270,25 @@ def detect_stack(cfg: Any, origin: str = "config") -> str:
                            "a Levanter/Marin train_lm YAML nor a torchtitan TOML); give --stack")
 
 
+def _wandb_config(ref: str) -> dict:
+    """The config a W&B run was started with (OLMo-core's W&B callback gives it the experiment config,
+    Levanter's tracker its TrainLmConfig): wandb:DIR or wandb:ENTITY/PROJECT/RUN_ID."""
+    try:
+        src = open_wandb(ref)
+        if isinstance(src, WandbDirSource):
+            src.read_config()
+    except ValueError as e:
+        raise StackConfigError(str(e)) from None
+    cfg = {k: v for k, v in src.config.items() if not k.startswith("_")}
+    if not cfg:
+        raise StackConfigError(f"{ref}: the W&B run was started without a config")
+    return cfg
+
+
 def load_stack_config(path: str | Path) -> dict:
+    """A stack's config from its file (JSON, YAML, TOML) or from a W&B run's config (wandb:...)."""
+    if str(path).startswith("wandb:"):
+        return _wandb_config(str(path))
     p = Path(path)
     if not p.is_file():
         raise StackConfigError(f"{p}: no such config file")

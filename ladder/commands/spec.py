@@ -42,8 +42,9 @@ def _value(v: str, yaml):
 
 @spec_app.command("from-run")
 def from_run_cmd(
-    config: Path = typer.Option(..., "--config", help="the stack's config (OLMo-core: the experiment's config.json; "
-                                "Levanter/Marin: the train_lm YAML; torchtitan: the job TOML)"),
+    config: str = typer.Option(..., "--config", help="the stack's config (OLMo-core: the experiment's config.json; "
+                               "Levanter/Marin: the train_lm YAML; torchtitan: the job TOML), or a W&B run's config: "
+                               "wandb:DIR or wandb:ENTITY/PROJECT/RUN_ID"),
     name: str = typer.Option(..., "--name", help="the spec's name (letters, digits, . _ + -)"),
     stack: str = typer.Option("auto", "--stack", help="which stack wrote the config: auto (from the file), "
                               + ", ".join(STACKS)),

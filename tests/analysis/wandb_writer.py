@@ -27,6 +27,7 @@ def main() -> None:
     ap.add_argument("--fail", action="store_true")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--spec", default=None, help="log this spec's LR schedule and tokens per step")
+    ap.add_argument("--config-json", default=None, help="the run's config (as OLMo-core's W&B callback passes it)")
     a = ap.parse_args()
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DISABLE_GIT="true",
                       WANDB_DISABLE_CODE="true", WANDB_CONSOLE="off")
@@ -39,8 +40,11 @@ def main() -> None:
         from core.spec import load_spec
 
         spec = load_spec(a.spec)
-    run = wandb.init(project="olmo-core-ladder", dir=a.dir, mode="offline",
-                     config={"model": {"d_model": 256}, "train_module": {"optim": {"lr": 1e-3}}},
+    import json
+
+    config = json.load(open(a.config_json)) if a.config_json else \
+        {"model": {"d_model": 256}, "train_module": {"optim": {"lr": 1e-3}}}
+    run = wandb.init(project="olmo-core-ladder", dir=a.dir, mode="offline", config=config,
                      settings=wandb.Settings(x_disable_stats=True, x_disable_meta=True))
     print(run.dir.rsplit("/files", 1)[0], flush=True)
     tokens = 0

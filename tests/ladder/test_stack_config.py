@@ -168,3 +168,16 @@ def test_qk_norm_is_named_in_one_warning_line_not_dropped_silently(tmp_path):
     warn = [ln for ln in out.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warn) == 1 and "qk_norm" in warn[0], out.stderr
     assert "7.12B parameters" in out.stdout  # OLMo-core's own count for this config
+
+
+def test_a_wandb_runs_config_gives_the_same_spec_as_its_config_json(tmp_path):
+    pytest.importorskip("wandb")
+    from ladder.stack_config import detect_stack, load_stack_config, spec_from_stack
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    out = subprocess.run([sys.executable, "-m", "tests.analysis.wandb_writer", str(tmp_path), "--steps", "3",
+                          "--config-json", str(CONFIG)], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    cfg = load_stack_config(f"wandb:{out.stdout.strip().splitlines()[-1]}")
+    assert detect_stack(cfg) == "olmo-core"
+    assert spec_from_stack("olmo-core", cfg, "o", {}) == spec_from_stack("olmo-core", olmoe(), "o", {})
