@@ -60,32 +60,36 @@ API_STATE = {"running": "running", "pending": "running", "finished": "finished",
 
 def read_log_records(path: Path, offset: int = 0) -> tuple[list[bytes], int]:
     """The complete records of a .wandb log from byte `offset` (0: after checking the header), and
-    the offset to read from next (the start of the first record not yet complete)."""
+    the offset to read from next (the start of the first record not yet complete). Only the bytes
+    from `offset` on are read."""
     with open(path, "rb") as f:
+        if offset == 0:
+            head = f.read(HEADER.size)
+            if len(head) < HEADER.size:
+                return [], 0
+            ident, magic, version = HEADER.unpack(head)
+            if ident != HEADER_IDENT or magic != HEADER_MAGIC:
+                raise MetricsError(f"{path}: not a W&B run log (no :W&B header)")
+            if version != HEADER_VERSION:
+                raise MetricsError(f"{path}: W&B log version {version}, this reader knows version {HEADER_VERSION}")
+            offset = HEADER.size
+        f.seek(offset)
         data = f.read()
-    if offset == 0:
-        if len(data) < HEADER.size:
-            return [], 0
-        ident, magic, version = HEADER.unpack_from(data, 0)
-        if ident != HEADER_IDENT or magic != HEADER_MAGIC:
-            raise MetricsError(f"{path}: not a W&B run log (no :W&B header)")
-        if version != HEADER_VERSION:
-            raise MetricsError(f"{path}: W&B log version {version}, this reader knows version {HEADER_VERSION}")
-        offset = HEADER.size
+    end = offset + len(data)  # positions below are the file's; data[i - offset] is byte i
     out: list[bytes] = []
     pos, start, parts = offset, offset, []
     while True:
         left = BLOCK - pos % BLOCK
         if left < RECORD.size:  # the block's trailer is zero padding
             pos += left
-        if pos + RECORD.size > len(data):
+        if pos + RECORD.size > end:
             break
-        crc, length, kind = RECORD.unpack_from(data, pos)
-        body = data[pos + RECORD.size: pos + RECORD.size + length]
+        crc, length, kind = RECORD.unpack_from(data, pos - offset)
+        body = data[pos - offset + RECORD.size: pos - offset + RECORD.size + length]
         if len(body) < length:
             break  # being written
         if kind not in _CRC or zlib.crc32(body, _CRC[kind]) & 0xFFFFFFFF != crc:
-            if pos + RECORD.size + length >= len(data) - RECORD.size:
+            if pos + RECORD.size + length >= end - RECORD.size:
                 break  # a torn tail: the writer has not finished it
             raise MetricsError(f"{path}: corrupt record at byte {pos} (bad checksum or type {kind})")
         pos += RECORD.size + length

@@ -127,7 +127,8 @@ def write_stack_forms(plan, paths: dict[str, str], cfg: dict, config: Path) -> t
 def register(app: typer.Typer) -> None:
     @app.command("replan")
     def replan_cmd(
-        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, or a run directory"),
+        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, a run directory, mlflow:RUN_ID, wandb:DIR "
+                                            "or wandb:ENTITY/PROJECT/RUN_ID"),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV"),
         spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec YAML (default: the run's own spec.yaml)"),
         deadline: Optional[str] = typer.Option(None, "--deadline", help="finish by this date (ISO, UTC if no zone)"),
