@@ -64,3 +64,18 @@ def test_a_synced_run_reads_back_from_wandb_as_its_run_dir_and_a_later_sync_send
     more = open_source(f"wandb:{runs[-1]}").read()
     assert list(more["step"]) == list(range(300, 400))
     assert open_source(f"wandb:{runs[-1]}").read().shape[0] == 100
+
+
+@pytest.mark.slow
+def test_submit_with_the_wandb_tracker_uploads_each_run_when_the_submission_ends(tmp_path, write_experiment):
+    exp = write_experiment("wb", [("a", {})], steps=20)
+    root = tmp_path / ".ladder"
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(exp), "--local", "--root", str(root),
+                          "--tracker", "wandb"], capture_output=True, text=True, timeout=600, cwd=REPO,
+                         env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true"})
+    assert out.returncode == 0, out.stderr
+    assert "W&B: 20 new steps of 1 runs" in out.stdout
+    assert not (root / "mlflow.db").exists()  # wandb alone: no MLflow store
+    run = next(root.joinpath("wandb", "wandb").glob("offline-run-*"))
+    src = open_source(f"wandb:{run}")
+    assert list(src.read()["step"]) == list(range(20)) and src.status()["state"] == "finished"
