@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import struct
 import zlib
 from dataclasses import dataclass, field
@@ -341,8 +340,9 @@ def open_wandb(run: str, names: MetricNames | None = None,
     if not target:
         raise MetricsError(f"{run!r}: name the run, wandb:DIR or wandb:ENTITY/PROJECT/RUN_ID")
     p = Path(target).expanduser()
-    if p.exists() or target.startswith(("/", ".", "~")) or os.sep + "wandb" in target:
-        return WandbDirSource(p, names, columns)
-    if target.count("/") != 2:
-        raise MetricsError(f"{run}: not a run directory here, nor ENTITY/PROJECT/RUN_ID of a W&B server run")
+    parts = target.split("/")
+    local = p.exists() or target.startswith(("/", ".", "~")) or target.endswith(".wandb") or \
+        any(x == "wandb" or x == "latest-run" or "run-" in x for x in parts)
+    if local or len(parts) != 3:
+        return WandbDirSource(p, names, columns)  # a directory, perhaps not written yet (--follow waits)
     return WandbApiSource(target, names, columns)
