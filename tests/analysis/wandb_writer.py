@@ -3,8 +3,9 @@
 
     python -m tests.analysis.wandb_writer DIR --steps 200 --spike 120 --blowup 160 [--delay 0.02] [--fail] [--spec S]
 
-Prints the run directory as its last line. With --delay it sleeps between steps (a run being
-written while a reader follows it); with --fail it exits the run with code 1.
+Prints the run directory as its first line. With --delay it sleeps between steps; with --pause-at N
+--go-file F it stops after step N until F exists (a run half written while a reader follows it);
+with --fail it exits the run with code 1.
 """
 
 from __future__ import annotations
@@ -28,6 +29,8 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--spec", default=None, help="log this spec's LR schedule and tokens per step")
     ap.add_argument("--config-json", default=None, help="the run's config (as OLMo-core's W&B callback passes it)")
+    ap.add_argument("--pause-at", type=int, default=None, help="after this step, wait for --go-file to exist")
+    ap.add_argument("--go-file", default=None)
     a = ap.parse_args()
     os.environ.update(WANDB_MODE="offline", WANDB_SILENT="true", WANDB_DISABLE_GIT="true",
                       WANDB_DISABLE_CODE="true", WANDB_CONSOLE="off")
@@ -61,6 +64,10 @@ def main() -> None:
                  "throughput/total tokens": tokens, "train/Z loss": 1e-4}, step=step)
         if a.delay:
             time.sleep(a.delay)
+        if a.pause_at == step and a.go_file:
+            t0 = time.monotonic()
+            while not os.path.exists(a.go_file) and time.monotonic() - t0 < 300:  # 300 s: only a hang guard
+                time.sleep(0.1)
     run.finish(exit_code=1 if a.fail else 0)
 
 
