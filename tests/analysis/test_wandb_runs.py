@@ -133,7 +133,7 @@ def test_follow_flags_the_spike_and_blowup_while_wandb_is_still_writing_the_run(
             lines.append(line.rstrip())
             if "(running)" in line:
                 go.touch()  # the follower has read the half-written run: let wandb write the rest
-        follower.wait(timeout=120)
+        follower.wait(timeout=600)
     finally:
         go.touch()
         writer.wait(timeout=300)

@@ -18,7 +18,7 @@ ENV = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
 
 def ladder(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, env=ENV,
-                          timeout=120, cwd=REPO)
+                          timeout=600, cwd=REPO)
 
 
 def test_version_prints_the_package_version():

@@ -163,7 +163,7 @@ def test_the_stack_is_detected_from_the_config_file(path, stack):
 def test_qk_norm_is_named_in_one_warning_line_not_dropped_silently(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-m", "ladder.cli", "spec", "from-run", "--config", str(CONFIG), "--name", "olmoe",
-                          "--out", str(tmp_path / "s.yaml")], capture_output=True, text=True, env=env, timeout=120)
+                          "--out", str(tmp_path / "s.yaml")], capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
     warn = [ln for ln in out.stderr.splitlines() if ln.startswith("warning:")]
     assert len(warn) == 1 and "qk_norm" in warn[0], out.stderr
