@@ -171,5 +171,4 @@ def spec_from_torchtitan(cfg: dict, name: str, overrides: dict[str, Any] | None 
     }
     if not (cfg.get("debug") or {}).get("seed"):
         notes.append("debug.seed (unset: torchtitan draws a random seed; the spec says 0)")
-    overrides.pop("data.batch_size", None) if gbs == overrides.get("data.batch_size") else None
     return validated(spec_dict, overrides, origin)
