@@ -171,7 +171,7 @@ def register(app: typer.Typer) -> None:
         else:
             render(report, console, f"compare: {src.label}")
             if png:
-                console.print(f"plot: {png}")
+                console.print(f"plot: {png}", soft_wrap=True, highlight=False)
         if report.critical:
             # SystemExit, not typer.Exit: the CLI runs click with standalone_mode=False, which turns an
             # Exit into a return value and loses its code.

@@ -98,7 +98,7 @@ def _print_coverage(fc: dict, path: Path) -> None:
                     f"held-out points): {100 * cov['coverage']:.0f}% inside at {100 * cov['level']:.0f}%, "
                     f"mean width {100 * cov['mean_rel_width']:.1f}%, mean error {100 * cov['mean_abs_rel_err']:.1f}%",
                     highlight=False)
-    c.print(f"wrote {path}")
+    c.print(f"wrote {path}", soft_wrap=True, highlight=False)
 
 
 def register(app: typer.Typer) -> None:
@@ -223,4 +223,4 @@ def register(app: typer.Typer) -> None:
                 Console(stderr=True).print(f"warning: could not attach the report to MLflow: {e}", style="yellow")
         summary = json.loads((Path(out) / "summary.json").read_text())
         Console().print(summary["verdict"], highlight=False)
-        Console().print(f"report: {page.resolve()}")
+        Console().print(f"report: {page.resolve()}", soft_wrap=True, highlight=False)

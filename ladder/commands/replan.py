@@ -186,7 +186,7 @@ def register(app: typer.Typer) -> None:
         console = Console(stderr=True) if as_json else (Console() if sys.stdout.isatty() else Console(width=180))
         if not as_json:
             render(plan, console)
-            console.print(f"written: {out}", highlight=False)
+            console.print(f"written: {out}", highlight=False, soft_wrap=True)
             for path, notes in stack_notes.items():
                 console.print(f"written: {path}" + (f" (not said there: {'; '.join(notes)})" if notes else ""),
                               highlight=False, soft_wrap=True)

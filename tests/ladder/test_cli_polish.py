@@ -57,3 +57,14 @@ def test_a_spec_file_given_as_an_experiment_is_one_clear_error(tmp_path):
 
 def test_the_mlflow_ui_link_opens_the_experiment_in_the_training_view():
     assert ui_url("http://127.0.0.1:5000/", "3") == "http://127.0.0.1:5000/#/experiments/3?workflowType=machine_learning"
+
+
+def test_a_path_is_printed_whole_when_the_output_is_not_a_terminal(tmp_path):
+    deep = tmp_path / ("a-rather-long-directory-name-" * 3) / "plots"
+    deep.mkdir(parents=True)
+    (tmp_path / "m.csv").write_text("step,loss\n" + "".join(f"{i},{3 - 0.01 * i}\n" for i in range(30)))
+    env = {k: v for k, v in ENV.items() if k != "COLUMNS"}
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "compare", "--metrics", str(tmp_path / "m.csv"), "--png",
+                          str(deep / "curve.png")], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    assert f"plot: {deep / 'curve.png'}" in out.stdout.splitlines()
