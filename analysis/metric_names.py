@@ -27,6 +27,7 @@ the version Marin trains with, torchtitan 0.3.0). Paths are the repositories' ow
 from __future__ import annotations
 
 import fnmatch
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, Mapping
@@ -35,7 +36,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
-__all__ = ["CANONICAL", "PRESETS", "MetricNames", "MetricNamesError", "load_metric_names"]
+__all__ = ["CANONICAL", "PRESETS", "MetricNames", "MetricNamesError", "load_metric_names", "matches", "mlflow_legal"]
 
 CANONICAL = ("step", "tokens", "loss", "eval_loss", "grad_norm", "lr", "drop_frac_send", "drop_frac_recv",
              "router_entropy", "tokens_per_s", "time", "z_loss")
@@ -45,6 +46,22 @@ Reduce = Literal["mean", "first"]
 
 class MetricNamesError(ValueError):
     """A metric-name map that cannot be used; the message names the file or preset and the key."""
+
+
+# MLflow refuses metric names outside [/\w.\- :] (mlflow/utils/validation.py
+# validate_param_and_metric_name), so a stack's "optim/LR (group 0)" or torchtitan's "throughput(tps)"
+# reaches an MLflow run only with its other characters replaced; "_" is what a name matches there.
+_MLFLOW_ILLEGAL = re.compile(r"[^\w/.\- :*?]")
+
+
+def mlflow_legal(name: str) -> str:
+    """`name` (a glob too) with each character MLflow refuses in a metric name replaced by "_"."""
+    return _MLFLOW_ILLEGAL.sub("_", name)
+
+
+def matches(key: str, pattern: str) -> bool:
+    """`key` matches `pattern` as given, or as MLflow would have to store it."""
+    return fnmatch.fnmatchcase(key, pattern) or fnmatch.fnmatchcase(key, mlflow_legal(pattern))
 
 
 @dataclass(frozen=True)
@@ -59,13 +76,17 @@ class MetricNames:
 
     label: str
     entries: Mapping[str, Entry] = field(default_factory=dict)
+    # the step number the stack logs for its first optimizer step (this project's is 0): frames keep
+    # the stack's numbers (flags name the steps its own dashboard shows) and carry this in
+    # df.attrs["first_step"], so a spec's step n is the stack's n + first_step
+    first_step: int = 0
 
     def wanted(self, available: list[str]) -> list[str]:
         """The stack's metric keys, among `available`, that this map reads."""
         out = []
         for e in self.entries.values():
             for pat in e.names:
-                out += [k for k in available if fnmatch.fnmatchcase(k, pat) and k not in out]
+                out += [k for k in available if matches(k, pat) and k not in out]
         return out
 
     def apply(self, df: pd.DataFrame) -> pd.DataFrame:
@@ -79,7 +100,7 @@ class MetricNames:
         for canon, e in self.entries.items():
             hits = []
             for pat in e.names:
-                hits += [c for c in cols if fnmatch.fnmatchcase(c, pat) and c not in hits]
+                hits += [c for c in cols if matches(c, pat) and c not in hits]
             if not hits:
                 continue
             used.update(hits)
@@ -184,6 +205,15 @@ PRESETS: dict[str, dict[str, Any]] = {
 }
 PRESETS["marin"] = PRESETS["levanter"]  # Marin trains with Levanter and logs its names
 
+# The step each stack logs for its first optimizer step:
+# - OLMo-core: src/olmo_core/train/trainer.py:226 `global_step: int = 0`, incremented before each
+#   batch (trainer.py:1479 `self.global_step += 1`), and metrics are recorded at global_step: 1.
+# - Levanter: src/levanter/callbacks/_core.py:37 `step = property(lambda self: int(self.state.step) - 1)`,
+#   "the step that was just completed", 0-indexed: 0.
+# - torchtitan (v0.2.2): torchtitan/train.py:294 `self.step = 0`, :672 `self.step += 1` before the
+#   step, logged at self.step: 1.
+FIRST_STEP = {"olmo-core": 1, "levanter": 0, "marin": 0, "torchtitan": 1}
+
 
 def load_metric_names(arg: str | Path | None) -> MetricNames | None:
     """A preset name (olmo-core, levanter, marin, torchtitan) or a YAML file; None -> None."""
@@ -191,7 +221,7 @@ def load_metric_names(arg: str | Path | None) -> MetricNames | None:
         return None
     key = str(arg).strip().lower()
     if key in PRESETS:
-        return MetricNames(key, _entries(PRESETS[key], f"preset {key}"))
+        return MetricNames(key, _entries(PRESETS[key], f"preset {key}"), FIRST_STEP.get(key, 0))
     p = Path(arg)
     if not p.is_file():
         raise MetricNamesError(
@@ -205,8 +235,13 @@ def load_metric_names(arg: str | Path | None) -> MetricNames | None:
         raise MetricNamesError(f"{p}: a metric-name map is a mapping of metric -> name(s)")
     base: dict[str, Entry] = {}
     preset = raw.pop("preset", None)
+    first = FIRST_STEP.get(str(preset).lower(), 0) if preset is not None else 0
     if preset is not None:
         if str(preset).lower() not in PRESETS:
             raise MetricNamesError(f"{p}: preset {preset!r} is not one of {', '.join(sorted(PRESETS))}")
         base = _entries(PRESETS[str(preset).lower()], f"preset {preset}")
-    return MetricNames(str(p), {**base, **_entries(raw, str(p))})
+    if "first_step" in raw:
+        first = raw.pop("first_step")
+        if isinstance(first, bool) or not isinstance(first, int) or first < 0:
+            raise MetricNamesError(f"{p}: first_step must be a whole number >= 0 (got {first!r})")
+    return MetricNames(str(p), {**base, **_entries(raw, str(p))}, first)

@@ -200,7 +200,14 @@ def finish_frame(df: pd.DataFrame, path: str | Path, columns: Mapping[str, str] 
         raise MetricsError(f"{path}: column 'step' row {r + 1}: {steps[r]:g} is not a non-negative whole number")
     df["step"] = df["step"].astype(np.int64)
     df = df.drop_duplicates("step", keep="last").sort_values("step", kind="stable").reset_index(drop=True)
+    if names is not None:
+        df.attrs["first_step"] = names.first_step  # the stack's step count (see MetricNames.first_step)
     return df
+
+
+def first_step(df: pd.DataFrame) -> int:
+    """The step number the frame's stack gives its first step (0 unless a metric-name map says)."""
+    return int(df.attrs.get("first_step") or 0)
 
 
 def tokens_from_spec(df: pd.DataFrame, spec: Any) -> pd.DataFrame:
@@ -215,7 +222,12 @@ def tokens_from_spec(df: pd.DataFrame, spec: Any) -> pd.DataFrame:
     total = spec.total_steps
     starts = sorted((int(c.start_frac * total), c.seq_len) for c in d.context_stages if not c.gated)
     steps = df["step"].to_numpy(dtype=np.int64)
-    done = steps + (1 if len(steps) and steps.min() == 0 else 0)  # steps done after each record
+    # steps done after each record: known where a metric-name map gave the stack's first step, else
+    # guessed from the first record (0: this project's count)
+    if df.attrs.get("first_step") is not None:
+        done = steps - first_step(df) + 1
+    else:
+        done = steps + (1 if len(steps) and steps.min() == 0 else 0)
     # tokens after `done` steps: the base tokens per step until each stage, each stage's after
     bounds = [(0, d.seq_len)] + starts
     tok = np.zeros(len(done), dtype=np.float64)
@@ -355,17 +367,19 @@ def check_spec_matches(spec: Any, df: pd.DataFrame, ref: RunRef | None = None) -
         raise MetricsError(
             f"spec {spec.name!r} (id {spec.id}) is not the run's: {origin} was trained from spec id {ref.spec_id}"
         )
-    steps = df["step"].to_numpy()
+    shown = df["step"].to_numpy()
+    first = first_step(df)
+    steps = shown - first  # this project's count: the stack's first step is step 0
     if len(steps) and steps[-1] >= spec.total_steps:
         raise MetricsError(
-            f"spec {spec.name!r} (id {spec.id}) is not the run's: {origin} has step {steps[-1]} but the spec "
-            f"ends at step {spec.total_steps - 1}"
+            f"spec {spec.name!r} (id {spec.id}) is not the run's: {origin} has step {shown[-1]} but the spec "
+            f"ends at step {spec.total_steps - 1 + first}" + (f" (its steps counted from {first})" if first else "")
         )
     if "lr" in df.columns:
         lr = df["lr"].to_numpy(dtype=np.float64)
         # A continuation's records before its resume step are its parent's, under the parent's LR.
-        ok = np.isfinite(lr) & (steps >= (spec.lineage.resume_step or 0))
-        want = lr_at(spec, steps)
+        ok = np.isfinite(lr) & (steps >= (spec.lineage.resume_step or 0)) & (steps >= 0)
+        want = lr_at(spec, np.maximum(steps, 0))
         # Exports from elsewhere may log the LR a step early or late, or in float32.
         bad = ok & ~np.isclose(lr, want, rtol=1e-3, atol=1e-12)
         for shift in (-1, 1):
@@ -373,7 +387,7 @@ def check_spec_matches(spec: Any, df: pd.DataFrame, ref: RunRef | None = None) -
         if bad.any():
             i = int(np.flatnonzero(bad)[0])
             raise MetricsError(
-                f"spec {spec.name!r} (id {spec.id}) is not the run's: at step {steps[i]} {origin} logged lr "
+                f"spec {spec.name!r} (id {spec.id}) is not the run's: at step {shown[i]} {origin} logged lr "
                 f"{lr[i]:.6g} but the spec's schedule gives {want[i]:.6g}"
             )
     tps = frame_tokens_per_step(df)

@@ -1,4 +1,5 @@
-"""Where a run's metrics come from: a file (run dir, metrics.jsonl, CSV) or any MLflow run.
+"""Where a run's metrics come from: a file (run dir, metrics.jsonl, CSV), any MLflow run, or a W&B run
+(analysis/wandb_runs.py).
 
     src = open_source("mlflow:RUN_ID", tracking_uri="http://127.0.0.1:5000", names=load_metric_names("olmo-core"))
     df = src.read()          # the whole history, paged
@@ -31,8 +32,9 @@ from mlflow import MlflowClient  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.utils.search_utils import SearchUtils  # noqa: E402
 
-from analysis.metric_names import MetricNames  # noqa: E402
+from analysis.metric_names import MetricNames, matches  # noqa: E402
 from analysis.metrics_io import ALIASES, MetricsError, RunRef, finish_frame, read_metrics_frame, resolve_run  # noqa: E402
+from analysis.wandb_runs import WANDB_PREFIX, WandbApiSource, WandbDirSource, open_wandb  # noqa: E402
 from core.spec import load_spec  # noqa: E402
 
 __all__ = ["MLFLOW_PREFIX", "FileSource", "MlflowSource", "open_source"]
@@ -112,7 +114,7 @@ class MlflowSource:
 
     def _is_loss_key(self, key: str) -> bool:
         if self.names is not None and "loss" in self.names.entries:
-            return any(fnmatch.fnmatchcase(key, p) for p in self.names.entries["loss"].names)
+            return any(matches(key, p) for p in self.names.entries["loss"].names)
         if self.columns and "loss" in self.columns:
             return key == self.columns["loss"]
         return key.lower() in ALIASES["loss"]
@@ -217,8 +219,13 @@ def _first_line(e: BaseException) -> str:
 
 def open_source(run: str | None, metrics: str | None = None, *, root: str | None = None,
                 tracking_uri: str | None = None, names: MetricNames | None = None,
-                columns: dict[str, str] | None = None) -> FileSource | MlflowSource:
-    """RUN (`mlflow:RUN_ID`, a spec id in the ledger, a run dir or a metrics file) or --metrics FILE."""
+                columns: dict[str, str] | None = None) -> FileSource | MlflowSource | WandbDirSource | WandbApiSource:
+    """RUN (`mlflow:RUN_ID`, `wandb:DIR`, `wandb:ENTITY/PROJECT/RUN_ID`, a spec id in the ledger, a run
+    dir or a metrics file) or --metrics FILE."""
+    if run is not None and run.startswith(WANDB_PREFIX):
+        if metrics is not None:
+            raise MetricsError("give either a RUN (here wandb:...) or --metrics FILE, not both")
+        return open_wandb(run, names, columns)
     if run is not None and run.startswith(MLFLOW_PREFIX):
         if metrics is not None:
             raise MetricsError("give either a RUN (here mlflow:RUN_ID) or --metrics FILE, not both")

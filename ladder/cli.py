@@ -6,8 +6,11 @@ from __future__ import annotations
 import importlib
 import pkgutil
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Optional
 
 import typer
+from typer.core import TyperOption
 
 from ladder import commands
 from ladder.errors import run_cli
@@ -16,8 +19,39 @@ app = typer.Typer(
     help="Scaling-ladder experiments for mixture-of-experts language models.",
     no_args_is_help=True,
     pretty_exceptions_enable=False,
-    add_completion=False,
+    add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
 )
+
+_value_type = TyperOption.display_type_rich
+
+
+def _flag_has_no_type(self: TyperOption, ctx) -> str | None:
+    """--help shows a value's type (<str>, <float>) beside options that take one, nothing beside a flag."""
+    return None if self.is_flag else _value_type(self, ctx)
+
+
+TyperOption.display_type_rich = _flag_has_no_type
+
+
+def package_version() -> str:
+    try:
+        return version("moe-ladder")
+    except PackageNotFoundError:  # run from a source tree that was never installed
+        return "unknown"
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(f"ladder (moe-ladder) {package_version()}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _root(
+    _version: Optional[bool] = typer.Option(None, "--version", callback=_print_version, is_eager=True,
+                                            help="print the version and exit"),
+) -> None:
+    """Scaling-ladder experiments for mixture-of-experts language models."""
 
 
 def _register_all() -> None:

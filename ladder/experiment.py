@@ -66,6 +66,9 @@ def load_experiment(path: str | Path) -> Experiment:
             raise SpecError(f"{p}: no such experiment file")
         if not p.is_file():
             raise SpecError(f"{p}: is a directory, not an experiment file")
+        if p.suffix != ".py":
+            raise SpecError(f"{p}: an experiment is a Python file (experiments/*.py); for a spec file use "
+                            "`ladder validate` or `ladder plan SPEC.yaml`")
         mod_name = f"_ladder_experiment_{p.stem}"
         spec = importlib.util.spec_from_file_location(mod_name, p)
         module = importlib.util.module_from_spec(spec)

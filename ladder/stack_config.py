@@ -1,6 +1,7 @@
 """A spec for a run another stack trains, from that stack's own config file.
 
     spec = spec_from_olmo_core(json.load(open("config.json")), name="olmoe-1b7b", overrides={...})
+    spec = spec_from_stack(detect_stack(cfg), cfg, name, overrides, origin, notes)
 
 OLMo-core writes its experiment config as JSON (`ConfigSaverCallback`, `config.json` in every
 checkpoint directory, and the same dict as the W&B / Comet run config): `Config.as_config_dict()`
@@ -25,14 +26,10 @@ train_module, trainer, init_seed), each nested config with its class under `_CLA
 | schedule | train_module.scheduler: CosWithWarmup -> cosine, LinearWithWarmup -> linear, WSD -> wsd, ConstantWithWarmup -> constant; warmup (steps) or warmup_fraction; alpha_f (or WSD's decay_min_lr / lr) -> min_lr_ratio; WSD decay_fraction -> decay_start_frac |
 | seed | init_seed |
 
-Levanter (and Marin, which trains with it) reads a draccus YAML (`levanter.main.train_lm`'s
-TrainLmConfig): model (`type: mixtral` or a dense type: hidden_dim, intermediate_dim, num_layers,
-num_heads, num_kv_heads, seq_len, n_routed_experts, num_experts_per_tok, n_shared_experts, lbl_coef,
-rzl_coef, initializer_range, layer_norm_epsilon, rope.theta), trainer (train_batch_size in sequences,
-num_train_steps, seed), optimizer (learning_rate, weight_decay, beta1, beta2, epsilon,
-max_grad_norm, warmup as steps or a fraction, min_lr_ratio, lr_schedule cosine | linear | constant,
-`decay` as steps or a fraction: a linear decay over it is WSD here), z_loss_weight. Levanter takes
-the vocabulary from its tokenizer, so `model.vocab_size` comes from `--set`.
+Levanter/Marin YAMLs are read by ladder/stack_levanter.py and torchtitan TOMLs by
+ladder/stack_torchtitan.py, each with its stack's own defaults; `detect_stack` tells the three apart.
+Every reader takes a `notes` list and names in it each field that has no place in a spec (QK-norm,
+reordered norms, tied embeddings, ...), so nothing is dropped silently.
 
 A dense model (feed_forward, no feed_forward_moe) becomes one routed expert, top-1. The data
 source is named after the dataset's mix (or `data`) with the dataset's paths as given: the spec
@@ -44,36 +41,27 @@ StackConfigError naming the field.
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
-from core.spec import Spec, SpecError, spec_from_dict
+import yaml
 
-__all__ = ["STACKS", "StackConfigError", "load_stack_config", "spec_from_levanter", "spec_from_olmo_core", "spec_from_stack"]
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
-STACKS = ("olmo-core", "levanter", "marin")
+from analysis.wandb_runs import WandbDirSource, open_wandb
+from core.spec import Spec
+from ladder.stack_common import StackConfigError, get as _get, validated as _validated
+from ladder.stack_levanter import spec_from_levanter
+from ladder.stack_torchtitan import spec_from_torchtitan
 
+__all__ = ["STACKS", "StackConfigError", "detect_stack", "load_stack_config", "spec_from_levanter", "spec_from_olmo_core",
+           "spec_from_stack", "spec_from_torchtitan"]
 
-class StackConfigError(ValueError):
-    """A stack config that cannot become a spec; the message names the file and field."""
-
-
-def _get(d: Any, path: str, origin: str, default: Any = ..., types: tuple = (int, float)) -> Any:
-    node = d
-    for part in path.split("."):
-        if not isinstance(node, dict) or part not in node or node[part] is None:
-            if default is ...:
-                raise StackConfigError(f"{origin}: no {path} in the config")
-            return default
-        node = node[part]
-    if types == (int, float) and isinstance(node, str):
-        try:  # YAML 1.1 reads 6e-4 (no dot) as a string
-            node = float(node) if any(ch in node for ch in ".eE") else int(node)
-        except ValueError:
-            pass
-    if types and not (isinstance(node, types) and not isinstance(node, bool)):
-        raise StackConfigError(f"{origin}: {path} is {node!r}, expected a number")
-    return node
+STACKS = ("olmo-core", "levanter", "marin", "torchtitan")
 
 
 def _class(d: Any) -> str:
@@ -169,7 +157,36 @@ def _schedule(tm: dict, peak_lr: float, origin: str) -> dict:
     return out
 
 
-def spec_from_olmo_core(cfg: dict, name: str, overrides: dict[str, Any] | None = None, origin: str = "config") -> Spec:
+def _olmo_core_notes(cfg: dict, origin: str) -> list[str]:
+    """Fields of an OLMo-core config that change the trained model but have no place in a spec."""
+    model = cfg.get("model") if isinstance(cfg.get("model"), dict) else {}
+    try:
+        block = _block(model, origin)
+    except StackConfigError:
+        return []
+    attn = block.get("attention") or block.get("sequence_mixer") or {}
+    out = []
+    # src/olmo_core/nn/attention/__init__.py AttentionConfig: qk_norm (a LayerNormConfig), clip_qkv,
+    # bias, sliding_window; src/olmo_core/nn/transformer/config.py TransformerBlockConfig.name
+    if isinstance(attn.get("qk_norm"), dict):
+        out.append(f"model.block.attention.qk_norm ({attn['qk_norm'].get('name', 'rms')} norm on queries and keys)")
+    for key in ("clip_qkv", "sliding_window"):
+        if attn.get(key) not in (None, False):
+            out.append(f"model.block.attention.{key} ({attn[key]})")
+    if attn.get("bias"):
+        out.append("model.block.attention.bias (true)")
+    kind = str(block.get("name", "default"))
+    if kind not in ("default", "moe", "reordered_norm", "moe_reordered_norm"):
+        out.append(f"model.block.name ({kind})")
+    elif "reordered_norm" in kind:
+        out.append(f"model.block.name ({kind}: norms after attention and feed-forward)")
+    return out
+
+
+def spec_from_olmo_core(cfg: dict, name: str, overrides: dict[str, Any] | None = None, origin: str = "config",
+                        notes: list[str] | None = None) -> Spec:
+    if notes is not None and isinstance(cfg, dict):
+        notes.extend(_olmo_core_notes(cfg, origin))
     if not isinstance(cfg, dict):
         raise StackConfigError(f"{origin}: an OLMo-core config is a JSON object")
     tm = cfg.get("train_module")
@@ -225,102 +242,65 @@ def spec_from_olmo_core(cfg: dict, name: str, overrides: dict[str, Any] | None =
     return _validated(spec_dict, overrides, origin)
 
 
-def _validated(spec_dict: dict, overrides: dict[str, Any], origin: str) -> Spec:
-    """The spec from the config's fields with the overrides applied, validated once."""
-    try:
-        node_data = spec_dict
-        for dotted, value in overrides.items():
-            node = node_data
-            *parents, leaf = dotted.split(".")
-            for p in parents:
-                node = node.setdefault(p, {})
-                if not isinstance(node, dict):
-                    raise StackConfigError(f"{origin}: --set {dotted}: {p} is not a section")
-            node[leaf] = value
-        return spec_from_dict(node_data, origin)
-    except SpecError as e:
-        raise StackConfigError(str(e)) from None
-
-
-def spec_from_levanter(cfg: dict, name: str, overrides: dict[str, Any] | None = None, origin: str = "config") -> Spec:
-    if not isinstance(cfg, dict) or not isinstance(cfg.get("model"), dict):
-        raise StackConfigError(f"{origin}: no model section (is this a Levanter train_lm config?)")
-    overrides = dict(overrides or {})
-    if "model.vocab_size" not in overrides:
-        raise StackConfigError(f"{origin}: Levanter takes the vocabulary from its tokenizer; give --set model.vocab_size=N")
-    m, tr, opt = cfg["model"], cfg.get("trainer") or {}, cfg.get("optimizer") or {}
-    d_model, n_heads = _get(m, "hidden_dim", origin, 4096), _get(m, "num_heads", origin, 32)
-    moe = "n_routed_experts" in m or str(m.get("type", "")).lower() in ("mixtral", "olmoe", "qwen3_moe")
-    steps = _get(tr, "num_train_steps", origin + " trainer")
-    batch = _get(tr, "train_batch_size", origin + " trainer")
-    seq = _get(m, "seq_len", origin, 4096)
-    warm = _get(opt, "warmup", origin, 0.01)
-    decay = _get(opt, "decay", origin, None)
-    shape = str(opt.get("lr_schedule", "cosine")).lower()
-    sched: dict[str, Any] = {"min_lr_ratio": float(_get(opt, "min_lr_ratio", origin, 0.1))}
-    sched.update({"warmup_frac": float(warm)} if 0 < warm < 1 else {"warmup_steps": int(warm)})
-    if shape == "constant":
-        sched.update({"decay": "constant", "min_lr_ratio": 1.0})
-    elif decay is None and shape in ("cosine", "linear"):
-        sched["decay"] = shape
-    elif decay is not None and shape == "linear":
-        frac = float(decay) if decay < 1 else float(decay) / steps
-        sched.update({"decay": "wsd", "decay_start_frac": 1.0 - frac})
-    else:
-        raise StackConfigError(f"{origin}: optimizer lr_schedule {shape!r}" + (f" with decay {decay}" if decay is not None else "")
-                               + " is not one this project models; give --set schedule.*")
-    spec_dict: dict[str, Any] = {
-        "name": name,
-        "seed": int(_get(tr, "seed", origin, 0)),
-        "model": {
-            "n_layers": _get(m, "num_layers", origin, 32), "d_model": d_model, "n_heads": n_heads,
-            "n_kv_heads": _get(m, "num_kv_heads", origin, n_heads), "head_dim": _get(m, "head_dim", origin, d_model // n_heads),
-            "vocab_size": 256, "init_std": _get(m, "initializer_range", origin, 0.02),
-            "norm_eps": _get(m, "layer_norm_epsilon", origin, 1e-5), "rope_theta": _get(m, "rope.theta", origin, 10000.0),
-            "n_routed_experts": _get(m, "n_routed_experts", origin, 8) if moe else 1,
-            "top_k": _get(m, "num_experts_per_tok", origin, 2) if moe else 1,
-            "expert_hidden": _get(m, "intermediate_dim", origin, 14336),
-            "n_shared_experts": _get(m, "n_shared_experts", origin, 0) if moe else 0,
-        },
-        "data": {
-            "sources": [{"name": "data", "weight": 1.0, "paths": [origin]}],
-            "seq_len": int(seq), "batch_size": int(batch), "total_tokens": int(steps) * int(batch) * int(seq),
-        },
-        "optim": {
-            "peak_lr": float(_get(opt, "learning_rate", origin, 6e-4)), "beta1": float(_get(opt, "beta1", origin, 0.9)),
-            "beta2": float(_get(opt, "beta2", origin, 0.95)), "eps": float(_get(opt, "epsilon", origin, 1e-8)),
-            "weight_decay": float(_get(opt, "weight_decay", origin, 0.1)),
-            "grad_clip": float(_get(opt, "max_grad_norm", origin, None) or 1e9),
-            "z_loss": float(_get(cfg, "z_loss_weight", origin, 0.0)),
-            "aux_loss": float(_get(m, "lbl_coef", origin, 0.01) or 0.0) if moe else 0.0,
-            "router_z_loss": float(_get(m, "rzl_coef", origin, 0.001) or 0.0) if moe else 0.0,
-        },
-        "schedule": sched,
-    }
-    if spec_dict["model"]["n_shared_experts"]:
-        spec_dict["model"]["shared_hidden"] = spec_dict["model"]["expert_hidden"]
-    return _validated(spec_dict, overrides, origin)
-
-
-def spec_from_stack(stack: str, cfg: Any, name: str, overrides: dict[str, Any] | None = None, origin: str = "config") -> Spec:
+def spec_from_stack(stack: str, cfg: Any, name: str, overrides: dict[str, Any] | None = None, origin: str = "config",
+                    notes: list[str] | None = None) -> Spec:
+    """The spec of a run `stack` trains from `cfg`; `notes` collects the fields it could not carry."""
     if stack == "olmo-core":
-        return spec_from_olmo_core(cfg, name, overrides, origin)
+        return spec_from_olmo_core(cfg, name, overrides, origin, notes)
     if stack in ("levanter", "marin"):
-        return spec_from_levanter(cfg, name, overrides, origin)
+        return spec_from_levanter(cfg, name, overrides, origin, notes)
+    if stack == "torchtitan":
+        return spec_from_torchtitan(cfg, name, overrides, origin, notes)
     raise StackConfigError(f"--stack {stack!r}: known stacks are {', '.join(STACKS)}")
 
 
+def detect_stack(cfg: Any, origin: str = "config") -> str:
+    """Which stack wrote a config, from its shape: OLMo-core's JSON has `_CLASS_` entries and a
+    train_module; a torchtitan TOML has [model] name/flavor and [training]; a Levanter YAML has
+    model/trainer/optimizer sections."""
+    if isinstance(cfg, dict):
+        if isinstance(cfg.get("train_module"), dict) or "_CLASS_" in str(cfg.get("model", ""))[:2000]:
+            return "olmo-core"
+        model = cfg.get("model")
+        if isinstance(model, dict) and "flavor" in model and isinstance(cfg.get("training"), dict):
+            return "torchtitan"
+        if isinstance(model, dict) and ("trainer" in cfg or "optimizer" in cfg):
+            return "levanter"
+    raise StackConfigError(f"{origin}: cannot tell which stack wrote this config (not OLMo-core's config.json, "
+                           "a Levanter/Marin train_lm YAML nor a torchtitan TOML); give --stack")
+
+
+def _wandb_config(ref: str) -> dict:
+    """The config a W&B run was started with (OLMo-core's W&B callback gives it the experiment config,
+    Levanter's tracker its TrainLmConfig): wandb:DIR or wandb:ENTITY/PROJECT/RUN_ID."""
+    try:
+        src = open_wandb(ref)
+        if isinstance(src, WandbDirSource):
+            src.read_config()
+    except ValueError as e:
+        raise StackConfigError(str(e)) from None
+    cfg = {k: v for k, v in src.config.items() if not k.startswith("_")}
+    if not cfg:
+        raise StackConfigError(f"{ref}: the W&B run was started without a config")
+    return cfg
+
+
 def load_stack_config(path: str | Path) -> dict:
+    """A stack's config from its file (JSON, YAML, TOML) or from a W&B run's config (wandb:...)."""
+    if str(path).startswith("wandb:"):
+        return _wandb_config(str(path))
     p = Path(path)
     if not p.is_file():
         raise StackConfigError(f"{p}: no such config file")
     try:
         if p.suffix in (".yaml", ".yml"):
-            import yaml
-
             return yaml.safe_load(p.read_text())
+        if p.suffix == ".toml":
+            return tomllib.loads(p.read_text())
         return json.loads(p.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise StackConfigError(f"{p}: not valid JSON ({e})") from None
+    except tomllib.TOMLDecodeError as e:
+        raise StackConfigError(f"{p}: not valid TOML ({e})") from None
     except Exception as e:  # yaml.YAMLError
         raise StackConfigError(f"{p}: not readable ({str(e).splitlines()[0]})") from None

@@ -103,6 +103,41 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 
+def ui_url(base: str, exp_id: str | None = None) -> str:
+    """The MLflow UI's page of an experiment, in its training view. MLflow 3 opens an experiment in
+    the workflow type kept in the browser (GenAI by default: traces) whatever the experiment-kind
+    tag; the page's `workflowType` query parameter (server/js .../ExperimentPageWorkflowTypeContext:
+    genai | machine_learning) sets it, so the link says machine_learning."""
+    base = base.rstrip("/")
+    return f"{base}/#/experiments/{exp_id}?workflowType=machine_learning" if exp_id else base
+
+
+NOTE_TAG = "mlflow.note.content"  # the experiment page shows it as the experiment's description
+
+
+def write_experiment_note(uri: str, exp_id: str) -> None:
+    """The experiment's description: every spec's run, linked, with its role, engine and state, so
+    the runs nested (collapsed) under their submissions can be read and opened from the experiment
+    page itself."""
+    c = client(uri)
+    runs, token = [], None
+    while True:
+        page = c.search_runs([exp_id], "tags.`ladder.kind` = 'run'", max_results=1000, page_token=token,
+                             order_by=["attributes.start_time ASC"])
+        runs.extend(page)
+        token = page.token
+        if not token:
+            break
+    lines = ["Runs of this ladder, one per spec (nested under the submission that last trained them):", "",
+             "| spec | role | engine | state | spec id |", "|---|---|---|---|---|"]
+    for r in runs:
+        t = r.data.tags
+        state = t.get("ladder.state") or r.info.status.lower()
+        lines.append(f"| [{t.get('rung', r.info.run_name)}](#/experiments/{exp_id}/runs/{r.info.run_id}) | "
+                     f"{t.get('role', '')} | {t.get('engine', '')} | {state} | {t.get('spec_id', '')} |")
+    c.set_experiment_tag(exp_id, NOTE_TAG, "\n".join(lines) + "\n")
+
+
 def experiment_id(uri: str, name: str) -> str:
     c = client(uri)
     exp = c.get_experiment_by_name(name)
@@ -392,6 +427,7 @@ class RunTracker:
         spec_file = self.run_dir / ledger.SPEC_FILE
         if spec_file.exists():
             c.log_artifact(run.info.run_id, str(spec_file))
+        write_experiment_note(self.uri, exp_id)
         return run.info.run_id
 
     def logged_step(self) -> int:
@@ -458,6 +494,7 @@ class RunTracker:
         c.set_tag(run_id, "ladder.state", state)
         c.set_terminated(run_id, MLFLOW_STATUS.get(state, "FAILED"))
         ledger.update_tracking(self.run_dir, self.uri, final_state=state)
+        write_experiment_note(self.uri, c.get_run(run_id).info.experiment_id)
 
     # -- the background uploader ------------------------------------------------------------------
     def start(self, every_s: float = 2.0) -> "RunTracker":

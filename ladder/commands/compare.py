@@ -38,8 +38,9 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
 
 def open_inputs(run: str | None, metrics: str | None, spec_path: str | None, root: str | None,
                 loss_col: str | None, tracking_uri: str | None = None, metric_names: str | None = None):
-    """(source, frame, spec): the run's metrics through its source, and its spec (--spec, else the
-    run's own: its run dir's spec.yaml, or the spec artifact of an MLflow run this project logged)."""
+    """(source, frame, spec): the run's metrics through its source (a run dir, a file, MLflow or W&B),
+    and its spec (--spec, else the run's own: its run dir's spec.yaml, or the spec artifact of an
+    MLflow run this project logged)."""
     from analysis.sources import FileSource, open_source
 
     names = load_metric_names(metric_names)
@@ -93,7 +94,8 @@ def render(report, console: Console, title: str) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("compare")
     def compare_cmd(
-        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, a run directory, or mlflow:RUN_ID"),
+        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, a run directory, mlflow:RUN_ID, wandb:DIR "
+                                            "(a W&B run directory) or wandb:ENTITY/PROJECT/RUN_ID"),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV (step, loss, ...)"),
         forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json from `ladder forecast`"),
         spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec (default: the run's own spec.yaml)"),
@@ -129,7 +131,8 @@ def register(app: typer.Typer) -> None:
             except ValueError as e:
                 # --follow on a run that has not logged yet: wait for its first records
                 waiting = follow and any(w in str(e) for w in ("no metrics.jsonl", "no metric records", "no step with a loss",
-                                                               "no metric this project reads"))
+                                                               "no metric this project reads", "no such W&B run directory",
+                                                               "no run-<id>.wandb here"))
                 if not waiting or (max_wait is not None and time.monotonic() - start >= max_wait):
                     raise
                 console.print(f"[dim]waiting for the run's first metrics ({e})[/]", highlight=False)
@@ -168,7 +171,7 @@ def register(app: typer.Typer) -> None:
         else:
             render(report, console, f"compare: {src.label}")
             if png:
-                console.print(f"plot: {png}")
+                console.print(f"plot: {png}", soft_wrap=True, highlight=False)
         if report.critical:
             # SystemExit, not typer.Exit: the CLI runs click with standalone_mode=False, which turns an
             # Exit into a return value and loses its code.

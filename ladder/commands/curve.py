@@ -23,6 +23,7 @@ from pathlib import Path
 
 import numpy as np
 import typer
+from typer.core import TyperCommand
 from rich.console import Console
 from rich.table import Table
 
@@ -35,16 +36,26 @@ from core.spec import load_spec
 _LIST_OPTIONS = ("--train", "--predict", "--params", "--schedule")
 
 
-def _split_lists(args: list[str]) -> dict[str, list[str]]:
-    """--train A B --predict X Y (or repeated --train A --train B) from the unparsed arguments."""
+def _split_lists(args: list[str], other_options: dict[str, bool] | None = None) -> dict[str, list[str]]:
+    """--train A B --predict X Y (or repeated --train A --train B) from the command line's arguments;
+    `other_options` (option -> takes a value) are the command's other options, stepped over."""
     out: dict[str, list[str]] = {k: [] for k in _LIST_OPTIONS}
+    other_options = other_options or {}
     current = None
+    skip = False
     for tok in args:
+        if skip:
+            skip = False
+            continue
         name, eq, value = tok.partition("=")
         if name in _LIST_OPTIONS:
             current = name
             if eq:
                 out[current].append(value)
+            continue
+        if name in other_options:
+            skip = other_options[name] and not eq
+            current = None
             continue
         if tok.startswith("-") and len(tok) > 1:
             raise LadderError(f"unknown option {tok!r} (see `ladder curve fit --help`)")
@@ -53,6 +64,15 @@ def _split_lists(args: list[str]) -> dict[str, list[str]]:
 
         out[current].append(tok)
     return out
+
+
+class _ListOptionsCommand(TyperCommand):
+    """Keeps the command line as given, so --train A B (several values after one option, which
+    click's options cannot take) is read in order while --help still lists --train and the rest."""
+
+    def parse_args(self, ctx, args):
+        ctx.meta["ladder.raw_args"] = list(args)
+        return super().parse_args(ctx, args)
 
 
 def _per_file(values: list[str], files: list[Path], option: str) -> dict[Path, str]:
@@ -177,10 +197,18 @@ def register(app: typer.Typer) -> None:
     app.add_typer(curve_app, name="curve")
 
     @curve_app.command(
-        "fit", context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
+        "fit", cls=_ListOptionsCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
     )
     def fit_cmd(
         ctx: typer.Context,
+        _train: list[str] = typer.Option(None, "--train", metavar="A.csv [B.csv ...]",
+                                         help="curves to fit (step, lr, loss; params optional)"),
+        _predict: list[str] = typer.Option(None, "--predict", metavar="X.csv [Y.csv ...]",
+                                           help="curves to predict (step, lr; loss optional, then scored)"),
+        _params: list[str] = typer.Option(None, "--params", metavar="FILE=N | N",
+                                          help="a file's parameter count (N alone: every file without one)"),
+        _schedule: list[str] = typer.Option(None, "--schedule", metavar="FILE=SPEC.yaml | FILE=LR.csv",
+                                            help="a file's dense per-step schedule"),
         out: Path = typer.Option(None, "--out", help="directory for the predicted curves (DIR/<name>.csv)"),
         as_json: bool = typer.Option(False, "--json", help="print fitted parameters and per-file errors as JSON"),
         model: str = typer.Option("mpl", "--model", help="mpl (Multi-Power Law) or lra (Tissue et al. baseline)"),
@@ -203,7 +231,9 @@ def register(app: typer.Typer) -> None:
         from analysis import fitplots
         from analysis.curves import MODELS, SIZE_PRIORS, CurveError, fit_curves, relative_errors
 
-        lists = _split_lists(list(ctx.args))
+        values = {o: not p.is_flag for p in ctx.command.params if p.param_type_name == "option"
+                  for o in p.opts if o not in _LIST_OPTIONS}
+        lists = _split_lists(ctx.meta.get("ladder.raw_args", list(ctx.args)), values)
         train, predict = [Path(p) for p in lists["--train"]], [Path(p) for p in lists["--predict"]]
         if not train:
             raise LadderError("give the curves to fit: --train A.csv [B.csv ...]")

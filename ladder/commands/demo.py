@@ -16,12 +16,13 @@ from rich.console import Console
 from ladder.commands.forecast import analysis_dir
 from ladder.experiment import load_experiment
 from ladder.ledger import is_finished, ladder_root, last_metrics, run_dir_for
+from ladder.tracking import experiment_id, ui_url
 
 console = Console()
 
 
 def _ladder(*args: str, check: bool = True, capture: bool = False) -> subprocess.CompletedProcess:
-    console.print(f"\n[bold cyan]$ ladder {' '.join(shlex.quote(a) for a in args)}[/bold cyan]")
+    console.print(f"\n[bold cyan]$ ladder {' '.join(shlex.quote(a) for a in args)}[/bold cyan]", soft_wrap=True)
     cmd = [sys.executable, "-m", "ladder.cli", *args]
     out = subprocess.run(cmd, text=True, capture_output=capture)
     if check and out.returncode != 0:
@@ -91,7 +92,13 @@ def register(app: typer.Typer) -> None:
         summary = json.loads((Path(out) / "summary.json").read_text())
         console.rule("[bold]demo done")
         console.print(summary["verdict"], highlight=False)
-        console.print(f"report:    {(Path(out) / 'index.html').resolve()}")
-        console.print(f"MLflow UI: .venv/bin/mlflow ui --backend-store-uri sqlite:///{root / 'mlflow.db'} --host 127.0.0.1 --port 5000"
-                      "  then open http://127.0.0.1:5000")
+        console.print(f"report:    {(Path(out) / 'index.html').resolve()}", soft_wrap=True, highlight=False)
+        db = f"sqlite:///{root / 'mlflow.db'}"
+        try:
+            link = ui_url("http://127.0.0.1:5000", experiment_id(db, exp.name))
+        except Exception:  # no MLflow store (nothing was tracked): the server's front page
+            link = "http://127.0.0.1:5000"
+        # soft_wrap: a command or URL is never broken across lines, whatever the output's width
+        console.print(f"MLflow UI: .venv/bin/mlflow ui --backend-store-uri {db} --host 127.0.0.1 --port 5000"
+                      f"  then open {link}", soft_wrap=True, highlight=False, markup=False)
         console.print(f"took {time.time() - t0:.0f} s")

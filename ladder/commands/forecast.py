@@ -5,13 +5,16 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import Optional
 
 import typer
 from rich.console import Console
 
 from ladder.errors import LadderError
 from ladder.ledger import inside, is_finished, ladder_root, run_dir_for
+from analysis.metric_names import load_metric_names
 from analysis.metrics_io import read_metrics_frame
+from core.spec import load_spec
 from core import costs
 from core.fsutil import atomic_write_json
 from ladder.experiment import load_experiment
@@ -86,20 +89,89 @@ def finished_rungs(root: Path, exp, holdout: str | None = None):
     return rungs, missing
 
 
+def _print_forecast(fc: dict, name: str, rungs, path: Path, as_json: bool, done: bool = True) -> bool:
+    """Warnings, then the JSON (True: nothing more to print) or the forecast's headline lines."""
+    for w in fc.get("warnings") or []:
+        Console(stderr=True).print(f"warning: {w}", style="yellow", highlight=False, markup=False)
+    if as_json:
+        print(json.dumps(fc, default=float))
+        return True
+    c = Console()
+    h = fc["hero"]["final_loss"]
+    c.print(f"[bold]{name}[/bold]: hero {fc['hero']['name']} forecast final loss {h['mean']:.4f} "
+            f"({int(100 * h['level'])}% interval {h['lo']:.4f} to {h['hi']:.4f}) from {len(rungs)} rungs")
+    law = fc["law"]
+    c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
+    if fc.get("backtest"):
+        b = fc["backtest"]
+        c.print(f"backtest: {b['held_out']} predicted {b['predicted']:.4f}, actual {b['actual']:.4f}, "
+                f"error {100 * b['rel_error']:+.2f}%")
+    if fc.get("trajectory") is None:
+        c.print(f"[yellow]no trajectory: {fc.get('curve_model_error')}[/yellow]")
+    if done:
+        _print_coverage(fc, path)
+    return False
+
+
+def _print_coverage(fc: dict, path: Path) -> None:
+    c = Console()
+    for name, cov in (fc.get("coverage") or {}).items():
+        if cov and "coverage" in cov:
+            c.print(f"{name.replace('_', ' ')} interval, backtested on this ladder ({cov['method']}, {cov['n']} "
+                    f"held-out points): {100 * cov['coverage']:.0f}% inside at {100 * cov['level']:.0f}%, "
+                    f"mean width {100 * cov['mean_rel_width']:.1f}%, mean error {100 * cov['mean_abs_rel_err']:.1f}%",
+                    highlight=False)
+    c.print(f"wrote {path}", soft_wrap=True, highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     @app.command("forecast")
     def forecast_cmd(
-        experiment: str = typer.Argument(..., help="experiment file"),
+        experiment: Optional[str] = typer.Argument(None, help="experiment file (or give --from-csv and --hero)"),
         holdout: str = typer.Option(None, "--holdout", help="LAST (or a rung name): refit without it and report its error"),
         root: str = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
         tracking_uri: str = typer.Option(None, "--tracking-uri"),
         no_tracking: bool = typer.Option(False, "--no-tracking", help="do not log to MLflow"),
-        as_json: bool = typer.Option(False, "--json"),
+        from_csv: Optional[Path] = typer.Option(
+            None, "--from-csv", help="a ladder trained elsewhere: a CSV with one row per rung (name, spec, curve, "
+            "optional final_loss); paths relative to the CSV"),
+        hero_path: Optional[Path] = typer.Option(None, "--hero", help="with --from-csv: the hero's spec YAML"),
+        metric_names: Optional[str] = typer.Option(
+            None, "--metric-names", help="with --from-csv: the curves' metric names (olmo-core, levanter, torchtitan, "
+            "or a YAML map)"),
+        out_dir: Optional[Path] = typer.Option(None, "--out", help="with --from-csv: directory for forecast.json and "
+                                               "law.png (default: beside the CSV)"),
+        as_json: bool = typer.Option(False, "--json", help="print the forecast JSON"),
     ) -> None:
-        """Fit the laws and the curve model on the finished rungs; forecast the hero (forecast.json + plot)."""
+        """Fit the laws and the curve model on the finished rungs; forecast the hero (forecast.json + plot).
+
+        A ladder whose rungs ran elsewhere: --from-csv LADDER.csv --hero HERO.yaml (specs from
+        `ladder spec from-run`, curves as CSV exports, metrics.jsonl, or wandb:DIR)."""
         from analysis.forecast import forecast
         from analysis.report import plot_law
 
+        if from_csv is not None:
+            if experiment is not None or holdout:
+                raise LadderError("--from-csv forecasts the ladder its CSV lists: give no experiment file nor --holdout")
+            if hero_path is None:
+                raise LadderError("--from-csv needs the hero's spec: --hero HERO.yaml")
+            from ladder.ladder_csv import read_ladder_csv
+
+            rungs = read_ladder_csv(from_csv, load_metric_names(metric_names))
+            hero = load_spec(hero_path)
+            if len(rungs) < 3:
+                raise LadderError(f"{from_csv}: forecast needs at least 3 rungs, the file lists {len(rungs)}")
+            name = from_csv.stem
+            fc = forecast(name, rungs, hero).to_dict()
+            out = out_dir or from_csv.parent
+            out.mkdir(parents=True, exist_ok=True)
+            path = atomic_write_json(out / "forecast.json", fc)
+            plan = costs.plan([*(x.spec for x in rungs), hero], hero)
+            plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, fc, None)
+            _print_forecast(fc, name, rungs, path, as_json)
+            return
+        if experiment is None:
+            raise LadderError("give an experiment file, or --from-csv LADDER.csv --hero HERO.yaml")
         exp = load_experiment(experiment)
         if exp.hero is None:
             raise LadderError(f"{experiment}: the experiment has no hero to forecast")
@@ -127,23 +199,9 @@ def register(app: typer.Typer) -> None:
                 log_artifact_to_parent(exp, out / "law.png", None, tracking_uri, r)
             except Exception as e:  # the forecast file is the record; tracking can catch up later
                 Console(stderr=True).print(f"warning: could not log the forecast to MLflow: {e}", style="yellow")
-        for w in fc.get("warnings") or []:
-            Console(stderr=True).print(f"warning: {w}", style="yellow", highlight=False, markup=False)
-        if as_json:
-            print(json.dumps(fc, default=float))
+        if _print_forecast(fc, exp.name, rungs, path, as_json, done=False):
             return
         c = Console()
-        h = fc["hero"]["final_loss"]
-        c.print(f"[bold]{exp.name}[/bold]: hero {fc['hero']['name']} forecast final loss {h['mean']:.4f} "
-                f"({int(100 * h['level'])}% interval {h['lo']:.4f} to {h['hi']:.4f}) from {len(rungs)} rungs")
-        law = fc["law"]
-        c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
-        if fc.get("backtest"):
-            b = fc["backtest"]
-            c.print(f"backtest: {b['held_out']} predicted {b['predicted']:.4f}, actual {b['actual']:.4f}, "
-                    f"error {100 * b['rel_error']:+.2f}%")
-        if fc.get("trajectory") is None:
-            c.print(f"[yellow]no trajectory: {fc.get('curve_model_error')}[/yellow]")
         if holdout:
             held = [s for s in exp.rungs if s.name in fc["holdout"]]
             for s in held:
@@ -151,13 +209,7 @@ def register(app: typer.Typer) -> None:
 
                 pred = final_interval(rungs, costs.total_flops(s))
                 c.print(f"holdout {s.name}: predicted {pred[0]:.4f} ({pred[1]:.4f} to {pred[2]:.4f})")
-        for name, cov in (fc.get("coverage") or {}).items():
-            if cov and "coverage" in cov:
-                c.print(f"{name.replace('_', ' ')} interval, backtested on this ladder ({cov['method']}, {cov['n']} "
-                        f"held-out points): {100 * cov['coverage']:.0f}% inside at {100 * cov['level']:.0f}%, "
-                        f"mean width {100 * cov['mean_rel_width']:.1f}%, mean error {100 * cov['mean_abs_rel_err']:.1f}%",
-                        highlight=False)
-        c.print(f"wrote {path}")
+        _print_coverage(fc, path)
 
     @app.command("report")
     def report_cmd(
@@ -199,4 +251,4 @@ def register(app: typer.Typer) -> None:
                 Console(stderr=True).print(f"warning: could not attach the report to MLflow: {e}", style="yellow")
         summary = json.loads((Path(out) / "summary.json").read_text())
         Console().print(summary["verdict"], highlight=False)
-        Console().print(f"report: {page.resolve()}")
+        Console().print(f"report: {page.resolve()}", soft_wrap=True, highlight=False)

@@ -2,7 +2,8 @@
 `ladder law envelope` (L(C) = E + A*C^-alpha), `ladder law predict` (a saved fit at held-out points,
 with intervals) and `ladder law isoflop` (Chinchilla's approach 2) over a user's CSV file.
 
-Rows can be filtered with `--where COL=VALUE` (repeatable, all must hold); several `--loss-col`
+Rows can be filtered with `--where COL=VALUE` (also `!=`, `<`, `<=`, `>`, `>=`, and `COL=V1,V2` for a list;
+repeatable, all must hold); several `--loss-col`
 fit one law each. Every fit's JSON and table carry its `warnings` and, unless `--no-backtest`, the
 coverage and width of its intervals on points it never saw (analysis.law_backtest).
 """
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import json
 import math
+import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
@@ -27,35 +30,78 @@ from analysis.isoflop import IsoflopError, fit_isoflop, group_budgets
 
 # The analysis modules (scipy, matplotlib) load when a law command runs, not with every `ladder` command.
 _KINDS = ("law", "envelope", "moe")
+WHERE_HELP = "keep only these rows: COL=V, COL!=V, COL<V, COL<=V, COL>V, COL>=V, COL=V1,V2 (repeatable, all hold)"
 
 
-def _parse_where(where: list[str] | None) -> list[tuple[str, str]]:
+_WHERE = re.compile(r"^\s*([^<>!=]+?)\s*(<=|>=|!=|==|=|<|>)\s*(.*?)\s*$")
+
+
+@dataclass(frozen=True)
+class Where:
+    """One --where condition: COL=V, COL!=V, COL<V, COL<=V, COL>V, COL>=V; V1,V2,... after = or != is a list."""
+
+    col: str
+    op: str
+    values: tuple[str, ...]
+
+    @property
+    def text(self) -> str:
+        joined = ",".join(self.values)
+        return joined if self.op == "=" else f"{self.op}{joined}"
+
+
+def _parse_where(where: list[str] | None) -> list[Where]:
     out = []
     for w in where or []:
-        col, eq, value = w.partition("=")
-        if not eq or not col.strip():
-            raise LadderError(f"--where {w!r}: expected COL=VALUE")
-        out.append((col.strip(), value.strip()))
+        m = _WHERE.match(w)
+        if not m or not m.group(3):
+            raise LadderError(f"--where {w!r}: expected COL=VALUE, COL!=VALUE, COL<VALUE, COL<=VALUE, COL>VALUE, "
+                              "COL>=VALUE or COL=V1,V2,...")
+        col, op, value = m.group(1).strip(), m.group(2), m.group(3)
+        op = "=" if op == "==" else op
+        values = tuple(v.strip() for v in value.split(",")) if op in ("=", "!=") else (value,)
+        if op in ("<", "<=", ">", ">="):
+            try:
+                float(value)
+            except ValueError:
+                raise LadderError(f"--where {w!r}: {op} compares numbers; {value!r} is not one") from None
+        out.append(Where(col, op, values))
     return out
 
 
-def _apply_where(df: pd.DataFrame, file: Path, where: list[tuple[str, str]]) -> pd.DataFrame:
-    for col, value in where:
-        if col not in df.columns:
-            raise LadderError(f"{file}: --where names column {col!r}, which is not in the file "
+def _where_json(conds: list[Where]) -> dict[str, str]:
+    return {c.col: c.text for c in conds}
+
+
+def _apply_where(df: pd.DataFrame, file: Path, where: list[Where]) -> pd.DataFrame:
+    for c in where:
+        if c.col not in df.columns:
+            raise LadderError(f"{file}: --where names column {c.col!r}, which is not in the file "
                               f"(columns: {', '.join(map(repr, df.columns))})")
-        num = pd.to_numeric(df[col], errors="coerce")
-        try:
-            v = float(value)
-        except ValueError:
-            v = None
-        if v is not None and num.notna().all():
-            keep = np.isclose(num.to_numpy(dtype=np.float64), v, rtol=1e-9, atol=0.0)
+        num = pd.to_numeric(df[c.col], errors="coerce").to_numpy(dtype=np.float64)
+        if c.op in ("<", "<=", ">", ">="):
+            v = float(c.values[0])
+            if np.isnan(num).any():
+                r = int(np.flatnonzero(np.isnan(num))[0])
+                raise LadderError(f"{file}: --where {c.col}{c.op}{c.values[0]}: row {r + 1} of {c.col!r} is not a number")
+            keep = {"<": num < v, "<=": num <= v, ">": num > v, ">=": num >= v}[c.op]
         else:
-            keep = df[col].astype(str).str.strip() == value
+            keep = np.zeros(len(df), dtype=bool)
+            text = df[c.col].astype(str).str.strip().to_numpy()
+            for value in c.values:
+                try:
+                    v = float(value)
+                except ValueError:
+                    v = None
+                if v is not None and not np.isnan(num).any():
+                    keep |= np.isclose(num, v, rtol=1e-9, atol=0.0)
+                else:
+                    keep |= text == value
+            if c.op == "!=":
+                keep = ~keep
         df = df[keep]
         if not len(df):
-            raise LadderError(f"{file}: no row has {col} = {value}")
+            raise LadderError(f"{file}: no row has {c.col} {'= ' if c.op == '=' else c.op}{c.text.lstrip('<>=!')}")
     return df
 
 
@@ -199,6 +245,42 @@ def _positive_list(name: str, values: list[float] | None) -> np.ndarray | None:
     return a
 
 
+def _csv_points(file: Path, params_col, total_col, tokens_col, flops_col, actual_col, where: list[Where]):
+    """(N, N_total, D, C, actual) columns of a CSV, after --where; None for a column not named."""
+    named = {k: v for k, v in (("N", params_col), ("N_total", total_col), ("D", tokens_col), ("C", flops_col),
+                               ("actual", actual_col)) if v is not None}
+    if not named or set(named) == {"actual"}:
+        raise LadderError("--csv needs its columns: --params-col with --tokens-col or --flops-col, or --flops-col "
+                          "alone for an envelope fit")
+    try:
+        df = _apply_where(read_table(file, []), file, where).reset_index(drop=True)
+        missing = [c for c in named.values() if c not in df.columns]
+        if missing:
+            raise TableError(f"{file}: missing column(s) {', '.join(map(repr, missing))} "
+                             f"(columns present: {', '.join(map(repr, df.columns))})")
+        df = _validate(df, file, list(named.values()))
+    except TableError as e:
+        raise LadderError(str(e)) from None
+    col = {k: df[v].to_numpy(dtype=np.float64) for k, v in named.items()}
+    return col.get("N"), col.get("N_total"), col.get("D"), col.get("C"), col.get("actual")
+
+
+def _score(predictions: list[dict], actual: np.ndarray) -> dict:
+    """Each prediction against its measured loss, and the summary: mean and worst relative error,
+    how many measured losses fall inside their interval."""
+    rel = []
+    inside = 0
+    for r, a in zip(predictions, actual):
+        r["actual"] = float(a)
+        r["error"] = r["loss"] - float(a)
+        r["rel_error"] = r["error"] / float(a)
+        r["inside"] = bool(r["lo"] <= a <= r["hi"])
+        rel.append(abs(r["rel_error"]))
+        inside += r["inside"]
+    return {"n": len(rel), "mean_abs_rel_error": float(np.mean(rel)), "max_abs_rel_error": float(np.max(rel)),
+            "inside": inside, "coverage": inside / len(rel)}
+
+
 def register(app: typer.Typer) -> None:
     law_app = typer.Typer(help="Fit scaling laws to CSV files.", no_args_is_help=True)
     app.add_typer(law_app, name="law")
@@ -214,7 +296,7 @@ def register(app: typer.Typer) -> None:
         tokens_col: Optional[str] = typer.Option(None, "--tokens-col", help="column of training tokens D"),
         flops_col: Optional[str] = typer.Option(None, "--flops-col", help="column of training FLOPs C (D = C / 6N)"),
         loss_col: List[str] = typer.Option(..., "--loss-col", help="column of final losses (repeatable: one fit each)"),
-        where: Optional[List[str]] = typer.Option(None, "--where", help="COL=VALUE: keep only these rows (repeatable)"),
+        where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
         drop_highest: int = typer.Option(0, "--drop-highest", help="drop the K highest-loss rows first"),
         bootstrap: int = typer.Option(200, "--bootstrap", help="bootstrap refits for the intervals (0: none)"),
@@ -257,7 +339,7 @@ def register(app: typer.Typer) -> None:
             d = fit.to_dict()
             d["data"] = {
                 "file": str(file), "params_col": params_col, "total_params_col": total_col,
-                "tokens_col": tokens_col, "flops_col": flops_col, "where": dict(conds),
+                "tokens_col": tokens_col, "flops_col": flops_col, "where": _where_json(conds),
                 "loss_col": lc, "dropped_highest": drop_highest,
             }
             if budget:
@@ -288,7 +370,7 @@ def register(app: typer.Typer) -> None:
         file: Path = typer.Argument(..., help="CSV with one row per compute budget (its best run)"),
         flops_col: str = typer.Option(..., "--flops-col", help="column of training FLOPs C"),
         loss_col: List[str] = typer.Option(..., "--loss-col", help="column of losses (repeatable: one fit each)"),
-        where: Optional[List[str]] = typer.Option(None, "--where", help="COL=VALUE: keep only these rows (repeatable)"),
+        where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
         drop_highest: int = typer.Option(0, "--drop-highest", help="drop the K highest-loss rows first"),
         bootstrap: int = typer.Option(200, "--bootstrap", help="bootstrap refits for the intervals (0: none)"),
@@ -309,7 +391,7 @@ def register(app: typer.Typer) -> None:
             C, L = df[flops_col].to_numpy(), df[lc].to_numpy()
             fit = _fit_or_explain(fit_envelope, file, C, L, n_bootstrap=bootstrap, level=level, seed=seed)
             d = fit.to_dict()
-            d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": lc, "where": dict(conds),
+            d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": lc, "where": _where_json(conds),
                          "dropped_highest": drop_highest}
             if backtest and fit.converged:
                 d["backtest"] = _backtest(law_backtest.fit_c, [C], L, level, seed)
@@ -327,11 +409,27 @@ def register(app: typer.Typer) -> None:
         tokens: Optional[List[float]] = typer.Option(None, "--tokens", help="training tokens D (repeatable)"),
         flops: Optional[List[float]] = typer.Option(None, "--flops", help="training FLOPs C (repeatable; D = C / 6N)"),
         level: Optional[float] = typer.Option(None, "--level", help="interval coverage (default: the fit's)"),
-        as_json: bool = typer.Option(False, "--json"),
+        csv: Optional[Path] = typer.Option(None, "--csv", help="predict every row of this CSV (its columns named by "
+                                           "the --*-col options) instead of the values given"),
+        params_col: Optional[str] = typer.Option(None, "--params-col", help="with --csv: column of N"),
+        total_col: Optional[str] = typer.Option(None, "--total-params-col", help="with --csv: column of total parameters"),
+        tokens_col: Optional[str] = typer.Option(None, "--tokens-col", help="with --csv: column of D"),
+        flops_col: Optional[str] = typer.Option(None, "--flops-col", help="with --csv: column of C"),
+        actual_col: Optional[str] = typer.Option(None, "--actual-col", help="with --csv: column of measured losses; "
+                                                 "each prediction is scored against it"),
+        where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP + "; with --csv"),
+        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     ) -> None:
-        """Predict a saved fit at held-out points, with prediction intervals."""
+        """Predict a saved fit at held-out points, with prediction intervals; with --csv and --actual-col,
+        score it on measured losses (error per row, mean and worst relative error, interval coverage)."""
         from analysis.laws import EnvelopeFit, FitError, LawFit, MoELawFit
 
+        if csv is not None and any(v for v in (params, total_params, tokens, flops)):
+            raise LadderError("give either --csv FILE with its columns or --params/--tokens/--flops values, not both")
+        if csv is None and (any(v is not None for v in (params_col, total_col, tokens_col, flops_col, actual_col))
+                            or where):
+            raise LadderError("--params-col, --tokens-col, --flops-col, --total-params-col, --actual-col and "
+                              "--where read a --csv FILE; give one")
         classes = {"law": LawFit, "envelope": EnvelopeFit, "moe": MoELawFit}
         try:
             doc = json.loads(fit_file.read_text())
@@ -348,8 +446,14 @@ def register(app: typer.Typer) -> None:
             fit = classes[kind].from_dict(doc)
         except FitError as e:
             raise LadderError(f"{fit_file}: {e}") from None
-        N, Nt, D, C = (_positive_list(n, v) for n, v in
-                       (("--params", params), ("--total-params", total_params), ("--tokens", tokens), ("--flops", flops)))
+        actual = None
+        if csv is not None:
+            N, Nt, D, C, actual = _csv_points(csv, params_col, total_col, tokens_col, flops_col, actual_col,
+                                              _parse_where(where))
+        else:
+            N, Nt, D, C = (_positive_list(n, v) for n, v in
+                           (("--params", params), ("--total-params", total_params), ("--tokens", tokens),
+                            ("--flops", flops)))
         try:
             if kind == "envelope":
                 if C is None or any(x is not None for x in (N, Nt, D)):
@@ -380,18 +484,28 @@ def register(app: typer.Typer) -> None:
                "predictions": [{**{k: float(np.atleast_1d(v)[i]) for k, v in rows.items()},
                                 "loss": float(np.atleast_1d(p["loss"])[i]), "lo": float(np.atleast_1d(p["lo"])[i]),
                                 "hi": float(np.atleast_1d(p["hi"])[i])} for i in range(n)]}
+        if actual is not None:
+            out["score"] = _score(out["predictions"], actual)
+            out["data"] = {"file": str(csv), "actual_col": actual_col, "where": _where_json(_parse_where(where))}
         out = json_safe(out)
         if as_json:
             print(json.dumps(out, indent=2))
             return
         console = Console()
         t = Table(title=f"{out['law']}  ({fit_file.name})", header_style="bold")
-        cols = list(rows) + ["loss", f"{100 * out['level']:.0f}% interval"]
+        cols = list(rows) + ["loss", f"{100 * out['level']:.0f}% interval"] + (["actual", "error"] if actual is not None else [])
         for c in cols:
             t.add_column(c, justify="right")
         for r in out["predictions"]:
-            t.add_row(*[f"{r[k]:.4g}" for k in rows], _fmt(r["loss"]), f"[{_fmt(r['lo'])}, {_fmt(r['hi'])}]")
+            extra = [_fmt(r["actual"]), f"{100 * r['rel_error']:+.2f}%" + ("" if r["inside"] else " !")] \
+                if actual is not None else []
+            t.add_row(*[f"{r[k]:.4g}" for k in rows], _fmt(r["loss"]), f"[{_fmt(r['lo'])}, {_fmt(r['hi'])}]", *extra)
         console.print(t)
+        if actual is not None:
+            sc = out["score"]
+            console.print(f"{sc['n']} points: mean |error| {100 * sc['mean_abs_rel_error']:.2f}%, worst "
+                          f"{100 * sc['max_abs_rel_error']:.2f}%; {sc['inside']}/{sc['n']} inside the "
+                          f"{100 * out['level']:.0f}% interval (!: outside)", highlight=False)
         _render_warnings(console, out["warnings"])
 
     @law_app.command("isoflop")
@@ -400,7 +514,7 @@ def register(app: typer.Typer) -> None:
         params_col: str = typer.Option(..., "--params-col", help="column of parameter counts N"),
         flops_col: str = typer.Option(..., "--flops-col", help="column of training FLOPs C"),
         loss_col: str = typer.Option(..., "--loss-col", help="column of final losses"),
-        where: Optional[List[str]] = typer.Option(None, "--where", help="COL=VALUE: keep only these rows (repeatable)"),
+        where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP),
         tol: float = typer.Option(0.05, "--group-tol", help="runs within this many decades of C share a budget"),
         budget: Optional[List[float]] = typer.Option(None, "--budget", help="FLOP budget for N*, D* (repeatable)"),
         as_json: bool = typer.Option(False, "--json"),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import typer
 from rich.console import Console
@@ -16,15 +17,26 @@ from ladder.experiment import check_engine, load_experiment
 from ladder.preflight import memory_problem
 
 
+SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+
+
 def plan_rows(experiment: str) -> tuple[list[dict], dict]:
-    exp = load_experiment(experiment)
-    specs = [*exp.rungs, *([exp.hero] if exp.hero else [])]
-    rows = costs.plan(specs, exp.hero)
+    """The cost rows of an experiment file, or of one or more spec files (YAML/JSON) given together."""
+    paths = [p.strip() for p in str(experiment).split(",")]
+    if all(Path(p).suffix in SPEC_SUFFIXES for p in paths):
+        specs = [load_spec(p) for p in paths]
+        hero = next((s for s in specs if s.role == "hero"), None)
+        name = ", ".join(Path(p).name for p in paths)
+    else:
+        exp = load_experiment(experiment)
+        specs, hero, name = [*exp.rungs, *([exp.hero] if exp.hero else [])], exp.hero, exp.name
+    rows = costs.plan(specs, hero)
     for row, spec in zip(rows, specs):
         row["data"] = spec_epochs(spec)  # tokenizer, epochs over each source, and how the counts are known
-    summary = {"experiment": exp.name}
-    if exp.hero:
-        summary["ladder_share_of_hero"] = costs.ladder_share(list(exp.rungs), exp.hero)
+    summary = {"experiment": name}
+    rungs = [s for s in specs if s is not hero]
+    if hero is not None and rungs:
+        summary["ladder_share_of_hero"] = costs.ladder_share(rungs, hero)
     return rows, summary
 
 
@@ -83,7 +95,8 @@ def _print_data(rows: list[dict], console: Console) -> None:
 def register(app: typer.Typer) -> None:
     @app.command("plan")
     def plan_cmd(
-        experiment: str = typer.Argument(..., help="experiment file, e.g. experiments/marin_535b.py"),
+        experiment: str = typer.Argument(..., help="experiment file (experiments/marin_535b.py), or spec files "
+                                         "(a.yaml or a.yaml,b.yaml)"),
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
     ) -> None:
         """Parameters, tokens, FLOPs, memory, all-to-all traffic and GPU-hours of every rung."""

@@ -24,6 +24,9 @@ from ladder import ledger
 from ladder.commands.compare import load_inputs, parse_overrides
 from ladder.controller import submit
 from ladder.experiment import Experiment
+from ladder.stack_config import detect_stack, load_stack_config
+from ladder.stack_write import STACK_SUFFIX, stack_form
+from core.fsutil import atomic_write_text
 
 
 def render(plan, console: Console) -> None:
@@ -104,10 +107,28 @@ def apply_option(plan, n: int, root: Optional[str], console: Console) -> dict:
     return {"run_dir": str(child_dir), "spec_id": opt.spec.id, "ok": bool(result.ok)}
 
 
+def write_stack_forms(plan, paths: dict[str, str], cfg: dict, config: Path) -> tuple[dict[str, str], dict[str, list[str]]]:
+    """Beside each option's spec YAML, the option in the run's own stack's form (ladder/stack_write.py);
+    returns the paths (kind.<stack> -> file) and, per file, what that form cannot say."""
+    stack = detect_stack(cfg, str(config))
+    text = config.read_text() if config.suffix == ".toml" else None
+    paths, notes = dict(paths), {}
+    for o in plan.options:
+        if not o.path or o.spec is None:
+            continue
+        body, said_not = stack_form(stack, cfg, o.spec, o.resume_step, text)
+        target = Path(o.path).with_suffix("").with_suffix(f".{STACK_SUFFIX[stack]}")
+        atomic_write_text(target, body)
+        paths[f"{o.kind}.{stack}"] = str(target)
+        notes[str(target)] = said_not
+    return paths, notes
+
+
 def register(app: typer.Typer) -> None:
     @app.command("replan")
     def replan_cmd(
-        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, or a run directory"),
+        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, a run directory, mlflow:RUN_ID, wandb:DIR "
+                                            "or wandb:ENTITY/PROJECT/RUN_ID"),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV"),
         spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec YAML (default: the run's own spec.yaml)"),
         deadline: Optional[str] = typer.Option(None, "--deadline", help="finish by this date (ISO, UTC if no zone)"),
@@ -126,6 +147,9 @@ def register(app: typer.Typer) -> None:
         as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
         apply: Optional[int] = typer.Option(None, "--apply", help="submit option N as a continuation of the run"),
         root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
+        stack_config: Optional[Path] = typer.Option(
+            None, "--stack-config", help="the run's own config (OLMo-core config.json, Levanter YAML, torchtitan "
+            "TOML): each option is also written in that stack's form beside its spec"),
     ) -> None:
         """Options for a live run: keep, shorten the horizon, re-time the mix, fix drops, rewind a divergence."""
         import time
@@ -154,14 +178,22 @@ def register(app: typer.Typer) -> None:
             stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
             base = ref.run_dir if ref.run_dir is not None else Path(".")
             out = str(Path(base) / "replans" / stamp)
+        stack_cfg = load_stack_config(stack_config) if stack_config is not None else None
         paths = write_replan(plan, out)
+        stack_notes: dict[str, list[str]] = {}
+        if stack_cfg is not None:
+            paths, stack_notes = write_stack_forms(plan, paths, stack_cfg, stack_config)
         console = Console(stderr=True) if as_json else (Console() if sys.stdout.isatty() else Console(width=180))
         if not as_json:
             render(plan, console)
-            console.print(f"written: {out}", highlight=False)
+            console.print(f"written: {out}", highlight=False, soft_wrap=True)
+            for path, notes in stack_notes.items():
+                console.print(f"written: {path}" + (f" (not said there: {'; '.join(notes)})" if notes else ""),
+                              highlight=False, soft_wrap=True)
         applied = apply_option(plan, apply, root, console) if apply is not None else None
         if as_json:
-            print(json.dumps({**plan.to_dict(), "out": out, "paths": paths, "applied": applied}, indent=2, default=str))
+            print(json.dumps({**plan.to_dict(), "out": out, "paths": paths, "stack_forms": stack_notes, "applied": applied},
+                             indent=2, default=str))
         elif applied:
             console.print(f"applied: option {apply} runs in {applied['run_dir']}"
                           + ("" if applied["ok"] else " (it did not finish: see `ladder status`)"), highlight=False)

@@ -8,7 +8,8 @@ from typing import Optional
 
 import typer
 from core.fsutil import atomic_write_text
-from ladder.stack_config import STACKS, load_stack_config, spec_from_stack
+from core.costs import fmt_count, param_counts
+from ladder.stack_config import STACKS, detect_stack, load_stack_config, spec_from_stack
 
 spec_app = typer.Typer(help="Specs for runs this project did not launch.", no_args_is_help=True)
 
@@ -41,23 +42,37 @@ def _value(v: str, yaml):
 
 @spec_app.command("from-run")
 def from_run_cmd(
-    config: Path = typer.Option(..., "--config", help="the stack's config (OLMo-core: the experiment's config.json; "
-                                "Levanter/Marin: the train_lm YAML)"),
+    config: str = typer.Option(..., "--config", help="the stack's config (OLMo-core: the experiment's config.json; "
+                               "Levanter/Marin: the train_lm YAML; torchtitan: the job TOML), or a W&B run's config: "
+                               "wandb:DIR or wandb:ENTITY/PROJECT/RUN_ID"),
     name: str = typer.Option(..., "--name", help="the spec's name (letters, digits, . _ + -)"),
-    stack: str = typer.Option("olmo-core", "--stack", help="which stack wrote the config: olmo-core, levanter, marin"),
+    stack: str = typer.Option("auto", "--stack", help="which stack wrote the config: auto (from the file), "
+                              + ", ".join(STACKS)),
     out: Path = typer.Option(..., "--out", help="where to write the spec YAML"),
     sets: Optional[list[str]] = typer.Option(None, "--set", help="change or add a field, FIELD=VALUE (repeatable)"),
     role: str = typer.Option("hero", "--role", help="rung, hero or branch"),
 ) -> None:
-    """Write a spec YAML for a run another stack trains, from its config file and a few flags."""
-    if stack not in STACKS:
-        raise ValueError(f"--stack {stack!r}: known stacks are {', '.join(STACKS)}")
+    """Write a spec YAML for a run another stack trains, from its config file and a few flags.
+
+    What the config leaves out takes the stack's own default; every field that has no place in a
+    spec is named in one warning line."""
+    if stack != "auto" and stack not in STACKS:
+        raise ValueError(f"--stack {stack!r}: known stacks are auto, {', '.join(STACKS)}")
     if out.is_dir():
         raise ValueError(f"--out {out}: is a directory; give the spec file's path")
-    spec = spec_from_stack(stack, load_stack_config(config), name, {"role": role, **parse_sets(sets)}, str(config))
+    cfg = load_stack_config(config)
+    if stack == "auto":
+        stack = detect_stack(cfg, str(config))
+    notes: list[str] = []
+    spec = spec_from_stack(stack, cfg, name, {"role": role, **parse_sets(sets)}, str(config), notes)
     atomic_write_text(out, spec.to_yaml())
-    typer.echo(f"{out}: spec {spec.name} ({spec.id}), {spec.total_steps} steps of {spec.data.tokens_per_step} tokens, "
-               f"{spec.schedule.decay} decay to {spec.schedule.min_lr_ratio:g} x {spec.optim.peak_lr:g}")
+    pc = param_counts(spec.model)
+    typer.echo(f"{out}: spec {spec.name} ({spec.id}) from {stack}'s config, {spec.total_steps} steps of "
+               f"{spec.data.tokens_per_step} tokens, {spec.schedule.decay} decay to {spec.schedule.min_lr_ratio:g} x "
+               f"{spec.optim.peak_lr:g}; {fmt_count(pc['total'])} parameters, {fmt_count(pc['active'])} active "
+               f"({fmt_count(pc['active'] + pc['embedding'] + pc['lm_head'])} with embeddings)")
+    if notes:
+        typer.echo(f"warning: not carried over from {config}: {'; '.join(notes)}", err=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -6,8 +6,12 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+from ladder.commands.status import experiment_name
 from ladder.controller import submit
 from ladder.datacheck import refuse_repeats
+from ladder.errors import LadderError
+from ladder.ledger import ladder_root
+from ladder.wandb_tracking import sync_to_wandb
 
 
 def register(app: typer.Typer) -> None:
@@ -29,8 +33,13 @@ def register(app: typer.Typer) -> None:
         local: bool = typer.Option(False, "--local", help="no Ray: the runs one after another in subprocesses on this machine"),
         rerun_diverged: bool = typer.Option(False, "--rerun-diverged",
                                             help="train diverged specs again, from their newest intact checkpoint"),
+        tracker: str = typer.Option("mlflow", "--tracker", help="mlflow (live), wandb (uploaded when the submission "
+                                    "ends, offline unless $WANDB_MODE=online), mlflow,wandb, or none"),
     ) -> None:
         """Train the experiment's rungs (finished ones are skipped, interrupted ones resume)."""
+        trackers = {t.strip() for t in tracker.split(",") if t.strip()}
+        if not trackers or trackers - {"mlflow", "wandb", "none"} or ("none" in trackers and len(trackers) > 1):
+            raise LadderError(f"--tracker {tracker!r}: mlflow, wandb, mlflow,wandb or none")
         refuse_repeats(experiment, only=only, include_hero=include_hero)  # data seen twice: one line, exit 2
         try:
             result = submit(
@@ -44,12 +53,16 @@ def register(app: typer.Typer) -> None:
                 tracking_uri=tracking_uri,
                 root=root,
                 retries=retries,
-                tracking=not no_tracking,
+                tracking=not no_tracking and "mlflow" in trackers,
                 local=local,
                 ray_timeout=ray_timeout,
                 rerun_diverged=rerun_diverged,
             )
         except KeyboardInterrupt:
             raise SystemExit(130)  # the controller already said how to resume
+        if "wandb" in trackers and not dry_run:
+            sent = sync_to_wandb(ladder_root(root), experiment_name(experiment))
+            typer.echo(f"W&B: {sum(w.uploaded for w in sent)} new steps of {len(sent)} runs "
+                       f"(`ladder sync --tracker wandb` sends what comes later)")
         if not dry_run and not result.ok:
             raise SystemExit(1)  # some run failed or diverged; the table says which

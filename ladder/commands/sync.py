@@ -10,6 +10,7 @@ from ladder.commands.status import experiment_name
 from ladder.errors import LadderError
 from ladder.ledger import ladder_root
 from ladder.tracking import resolve_tracking_uri, sync_runs
+from ladder.wandb_tracking import sync_to_wandb
 
 
 def register(app: typer.Typer) -> None:
@@ -18,12 +19,30 @@ def register(app: typer.Typer) -> None:
         experiment: Optional[str] = typer.Argument(None, help="experiment name or file (default: every experiment)"),
         tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store (default sqlite:///<root>/mlflow.db)"),
         root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
+        tracker: str = typer.Option("mlflow", "--tracker", help="mlflow, wandb, or mlflow,wandb"),
+        wandb_project: Optional[str] = typer.Option(None, "--wandb-project", help="W&B project (default ladder-<experiment>)"),
+        wandb_mode: Optional[str] = typer.Option(None, "--wandb-mode", help="offline (default; runs under <root>/wandb) "
+                                                 "or online ($WANDB_MODE)"),
     ) -> None:
-        """Upload missing metrics of every run (nothing is sent twice)."""
+        """Upload missing metrics of every run (nothing is sent twice): to MLflow, and/or to W&B."""
         from rich.console import Console
         from rich.table import Table
 
+        trackers = [t.strip() for t in tracker.split(",") if t.strip()]
+        unknown = [t for t in trackers if t not in ("mlflow", "wandb")]
+        if unknown or not trackers:
+            raise LadderError(f"--tracker {tracker!r}: mlflow, wandb, or mlflow,wandb")
         r = ladder_root(root)
+        if "wandb" in trackers:
+            t = Table(title="sync to W&B")
+            for col in ("experiment", "spec", "uploaded", "last step", "W&B run"):
+                t.add_column(col)
+            for w in sync_to_wandb(r, experiment_name(experiment), wandb_project, wandb_mode):
+                t.add_row(w.experiment, w.name, str(w.uploaded), "-" if w.last_step is None else str(w.last_step),
+                          w.run_dir or w.spec_id)
+            Console(soft_wrap=True).print(t)
+            if "mlflow" not in trackers:
+                return
         uri = resolve_tracking_uri(tracking_uri, r)
         try:
             results = sync_runs(r, experiment_name(experiment), uri)

@@ -90,8 +90,94 @@ def test_a_levanter_moe_config_gives_the_d768_rungs_shape_and_linear_decay_to_5_
     assert (s.decay, s.warmup_frac, s.min_lr_ratio) == ("linear", 0.01, 0.05)
 
 
-def test_a_levanter_config_without_the_vocabulary_asks_for_it():
+def test_a_levanter_config_whose_tokenizer_is_not_known_asks_for_the_vocabulary():
     from ladder.stack_config import load_stack_config, spec_from_levanter
 
+    cfg = load_stack_config(LEVANTER)
+    cfg["data"]["tokenizer"] = "someone/private-tokenizer"
     with pytest.raises(StackConfigError, match="model.vocab_size"):
-        spec_from_levanter(load_stack_config(LEVANTER), "d768", {}, str(LEVANTER))
+        spec_from_levanter(cfg, "d768", {}, str(LEVANTER))
+
+
+MIXTRAL = Path(__file__).parent / "data" / "levanter_mixtral_8x7b.yaml"
+QWEN3_TOML = Path(__file__).parent / "data" / "torchtitan_qwen3_30b_a3b.toml"
+
+
+def test_levanters_mixtral_yaml_takes_levanters_defaults_for_what_it_leaves_out():
+    from ladder.stack_config import load_stack_config, spec_from_levanter
+
+    spec = spec_from_levanter(load_stack_config(MIXTRAL), "mixtral", {}, str(MIXTRAL))
+    m, d, o = spec.model, spec.data, spec.optim
+    # MixtralConfig / MistralConfig defaults (src/levanter/models/mixtral.py:64-80, mistral.py:58)
+    assert (m.n_kv_heads, d.seq_len, m.norm_eps, m.attention_window) == (8, 8192, 1e-6, 4096)
+    assert (m.n_routed_experts, m.top_k, m.expert_hidden, m.vocab_size) == (8, 2, 14336, 32000)
+    assert (o.grad_clip, o.peak_lr, o.aux_loss, o.router_z_loss) == (1.0, 1.2e-5, 0.01, 0.001)  # AdamConfig
+    assert d.tokenizer == "Mixtral-8x7B-v0.1" and d.sources[0].paths[0].startswith("gs://pubmed-mosaic/openwebtext")
+
+
+def test_levanters_mixtral_counts_mixtrals_published_46_7b_total_and_12_9b_active_parameters():
+    from core.costs import param_counts
+    from ladder.stack_config import load_stack_config, spec_from_levanter
+
+    pc = param_counts(spec_from_levanter(load_stack_config(MIXTRAL), "mixtral", {}, str(MIXTRAL)).model)
+    assert pc["total"] == pytest.approx(46.7e9, rel=0.01)
+    # Mistral's 12.9B active counts the embedding and output layer; this project's active count does not
+    assert pc["active"] + pc["embedding"] + pc["lm_head"] == pytest.approx(12.9e9, rel=0.01)
+
+
+def torchtitan_qwen3_moe_params(dim, n_layers, n_heads, n_kv, head_dim, vocab, n_exp, top_k, inter) -> tuple[int, int]:
+    """torchtitan's own count: the parameters of torchtitan/models/qwen3/model/model.py's modules
+    (tok_embeddings, per layer wq/wk/wv/wo, q_norm/k_norm, attention_norm/ffn_norm, moe.router.gate,
+    moe.experts w1/w2/w3; final norm; output), split as get_moe_model_nparams_and_flops does
+    (torchtitan/models/utils.py:434-481: active = dense + router + experts x top_k / num_experts)."""
+    attn = dim * n_heads * head_dim * 2 + dim * n_kv * head_dim * 2 + 2 * head_dim
+    dense = vocab * dim * 2 + dim + n_layers * (attn + 2 * dim)
+    router, experts = n_layers * dim * n_exp, n_layers * n_exp * 3 * dim * inter
+    return dense + router + experts, dense + router + experts * top_k // n_exp
+
+
+def test_a_torchtitan_qwen3_moe_toml_gives_torchtitans_own_parameter_count():
+    from core.costs import param_counts
+    from ladder.stack_config import load_stack_config, spec_from_stack
+
+    spec = spec_from_stack("torchtitan", load_stack_config(QWEN3_TOML), "q3", {"data.batch_size": 64}, str(QWEN3_TOML))
+    m = spec.model
+    assert (m.n_layers, m.d_model, m.n_heads, m.n_kv_heads, m.head_dim, m.n_routed_experts, m.top_k, m.expert_hidden) == \
+        (48, 2048, 32, 4, 128, 128, 8, 768)
+    assert (spec.data.seq_len, spec.total_steps, spec.optim.peak_lr, spec.optim.grad_clip) == (4096, 10, 3e-4, 1.0)
+    assert (spec.schedule.warmup_steps, spec.schedule.decay, spec.schedule.min_lr_ratio) == (2, "linear", 0.0)
+    total, active = torchtitan_qwen3_moe_params(2048, 48, 32, 4, 128, 151936, 128, 8, 768)
+    pc = param_counts(m)
+    assert pc["total"] == pytest.approx(total, rel=0.01)
+    assert pc["active"] + pc["embedding"] + pc["lm_head"] == pytest.approx(active, rel=0.01)
+
+
+@pytest.mark.parametrize("path,stack", [(CONFIG, "olmo-core"), (LEVANTER, "levanter"), (MIXTRAL, "levanter"),
+                                        (QWEN3_TOML, "torchtitan")])
+def test_the_stack_is_detected_from_the_config_file(path, stack):
+    from ladder.stack_config import detect_stack, load_stack_config
+
+    assert detect_stack(load_stack_config(path)) == stack
+
+
+def test_qk_norm_is_named_in_one_warning_line_not_dropped_silently(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    out = subprocess.run([sys.executable, "-m", "ladder.cli", "spec", "from-run", "--config", str(CONFIG), "--name", "olmoe",
+                          "--out", str(tmp_path / "s.yaml")], capture_output=True, text=True, env=env, timeout=600)
+    assert out.returncode == 0, out.stderr
+    warn = [ln for ln in out.stderr.splitlines() if ln.startswith("warning:")]
+    assert len(warn) == 1 and "qk_norm" in warn[0], out.stderr
+    assert "7.12B parameters" in out.stdout  # OLMo-core's own count for this config
+
+
+def test_a_wandb_runs_config_gives_the_same_spec_as_its_config_json(tmp_path):
+    pytest.importorskip("wandb")
+    from ladder.stack_config import detect_stack, load_stack_config, spec_from_stack
+
+    env = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
+    out = subprocess.run([sys.executable, "-m", "tests.analysis.wandb_writer", str(tmp_path), "--steps", "3",
+                          "--config-json", str(CONFIG)], capture_output=True, text=True, env=env, timeout=300, cwd=REPO)
+    assert out.returncode == 0, out.stderr
+    cfg = load_stack_config(f"wandb:{out.stdout.strip().splitlines()[-1]}")
+    assert detect_stack(cfg) == "olmo-core"
+    assert spec_from_stack("olmo-core", cfg, "o", {}) == spec_from_stack("olmo-core", olmoe(), "o", {})

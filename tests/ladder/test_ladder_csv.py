@@ -1,0 +1,96 @@
+"""`ladder forecast --from-csv`: another project's ladder (specs and exported curves) forecast like ours.
+The ladder is the committed H200 one (docs/results/h200_ladder), its curves exported to CSV files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+import pandas as pd
+import pytest
+
+from analysis.metrics_io import read_metrics_frame
+from core.rundir import iter_run_dirs
+from ladder.errors import LadderError
+from ladder.ladder_csv import read_ladder_csv
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """(dir, hero spec path, run dirs): each rung's curve as a CSV export beside a ladder CSV."""
+    root = tmp_path_factory.mktemp("h200")
+    with tarfile.open(REPO / "docs" / "results" / "h200_ladder" / "h200_ladder.tar.gz") as tar:
+        tar.extractall(root, filter="data")
+    runs = list(iter_run_dirs(root))
+    rows, hero = [], None
+    for rd in runs:
+        name = rd.path.name.rsplit("-", 1)[0]
+        if name.startswith("hero"):
+            hero = rd.spec_path
+            continue
+        df = read_metrics_frame(rd.metrics_path)
+        df[["step", "loss", "eval_loss", "lr", "grad_norm"]].to_csv(root / f"{name}.csv", index=False)
+        df[["step", "loss", "lr", "grad_norm"]].to_csv(root / f"{name}-train.csv", index=False)
+        final = float(df["eval_loss"].dropna().iloc[-1])
+        rows.append({"name": name, "spec": str(rd.spec_path.relative_to(root)), "curve": f"{name}.csv",
+                     "train_curve": f"{name}-train.csv", "final": final})
+    table = pd.DataFrame(rows)
+    table[["name", "spec", "curve"]].to_csv(root / "ladder.csv", index=False)
+    table.rename(columns={"curve": "_", "train_curve": "curve", "final": "final_loss"})[
+        ["name", "spec", "curve", "final_loss"]].to_csv(root / "ladder_finals.csv", index=False)
+    return root, hero, runs
+
+
+def forecast_cli(*args) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", *map(str, args), "--json"], capture_output=True,
+                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600, cwd=REPO)
+
+
+@pytest.mark.slow
+def test_a_ladder_csv_of_exported_curves_forecasts_the_hero_as_the_ledger_does(exported):
+    from analysis.forecast import RungRun, forecast
+    from core.spec import load_spec
+
+    root, hero, runs = exported
+    out = forecast_cli("--from-csv", root / "ladder.csv", "--hero", hero, "--out", root / "fc")
+    assert out.returncode == 0, out.stderr
+    fc = json.loads(out.stdout)
+    rungs = [RungRun(load_spec(rd.spec_path), rd.path, read_metrics_frame(rd.metrics_path)) for rd in runs
+             if not rd.path.name.startswith("hero")]
+    want = forecast("h200", rungs, load_spec(hero)).to_dict()
+    assert fc["hero"]["final_loss"]["mean"] == pytest.approx(want["hero"]["final_loss"]["mean"], rel=1e-9)
+    assert fc["backtest"]["held_out"] == want["backtest"]["held_out"]
+    assert fc["trajectory"] and len(fc["trajectory"]["step"]) > 10 and (root / "fc" / "forecast.json").exists()
+
+
+@pytest.mark.slow
+def test_final_losses_given_in_the_csv_stand_for_curves_without_an_eval(exported):
+    root, hero, _ = exported
+    with_eval = json.loads((root / "fc" / "forecast.json").read_text()) if (root / "fc" / "forecast.json").exists() \
+        else json.loads(forecast_cli("--from-csv", root / "ladder.csv", "--hero", hero, "--out", root / "fc").stdout)
+    out = forecast_cli("--from-csv", root / "ladder_finals.csv", "--hero", hero, "--out", root / "fc2")
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout)
+    assert got["hero"]["final_loss"]["mean"] == pytest.approx(with_eval["hero"]["final_loss"]["mean"], rel=1e-9)
+
+
+def test_a_curve_without_an_eval_and_no_final_loss_is_named(exported, tmp_path):
+    root, _, _ = exported
+    table = pd.read_csv(root / "ladder_finals.csv").drop(columns="final_loss")
+    table["spec"] = [str(root / s) for s in table["spec"]]
+    table["curve"] = [str(root / c) for c in table["curve"]]
+    table.to_csv(tmp_path / "l.csv", index=False)
+    with pytest.raises(LadderError, match="row 1: the curve .* has no eval_loss; give .* final_loss"):
+        read_ladder_csv(tmp_path / "l.csv")
+
+
+def test_a_ladder_csv_without_its_columns_is_one_clear_error(tmp_path):
+    (tmp_path / "l.csv").write_text("rung,loss\nd1,3.0\n")
+    with pytest.raises(LadderError, match="missing column.*'name'.*'spec'.*'curve'"):
+        read_ladder_csv(tmp_path / "l.csv")
