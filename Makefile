@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean browser corpus prepare-h200 h200-ladder
+.PHONY: demo test docs setup clean browser corpus prepare-h200 h200-ladder
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -47,10 +47,16 @@ browser:
 # suite in one process, Ray Train's controller actor of their second job was once dropped before
 # it started (ActorDiedError); alone they pass. The rest runs on two pytest-xdist workers, a test
 # file to one worker (its module fixtures, such as one local Ray, stay in one process).
+# --durations keeps the slowest tests in CI's output.
 TEST_WORKERS ?= 2
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/ladder/test_train_launch_cluster.py
-	$(BIN)/python -m pytest -q tests/ladder/test_train_launch_cluster.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=30 --ignore=tests/ladder/test_train_launch_cluster.py
+	$(BIN)/python -m pytest -q --durations=5 tests/ladder/test_train_launch_cluster.py
+
+# The documentation site (mkdocs.yml) into site/; the CLI reference is generated from the typer app.
+# `$(BIN)/mkdocs serve` serves it at http://127.0.0.1:8000 while you edit.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .ladder report report-h200
+	rm -rf $(VENV) .ladder report report-h200 site
