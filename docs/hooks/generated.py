@@ -22,8 +22,17 @@ INTRO = (
 )
 
 
+def full_summaries(command) -> None:
+    """Each command's whole first paragraph in its group's list, not click's 45-character cut."""
+    for sub in getattr(command, "commands", {}).values():
+        if sub.help and not sub.short_help:
+            sub.short_help = " ".join(sub.help.strip().split("\n\n")[0].split())
+        full_summaries(sub)
+
+
 def cli_markdown() -> str:
     command = typer.main.get_command(app)
+    full_summaries(command)
     ctx = typer.Context(command, info_name="ladder")
     ctx.ensure_object(dict)
     text = typer.cli.get_docs_for_click(obj=command, ctx=ctx, name="ladder", title="CLI reference")
