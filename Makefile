@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test setup clean browser corpus prepare-h200 h200-ladder
+.PHONY: demo test docs setup clean browser corpus prepare-h200 h200-ladder
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -43,14 +43,20 @@ browser:
 	    { $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 	    echo "warning: could not install chromium; tests/analysis/test_report_browser.py will fail"; }
 
-# The two-node Ray Train cluster tests run in a pytest process of their own: after the rest of the
-# suite in one process, Ray Train's controller actor of their second job was once dropped before
-# it started (ActorDiedError); alone they pass. The rest runs on two pytest-xdist workers, a test
-# file to one worker (its module fixtures, such as one local Ray, stay in one process).
+# The suite on two pytest-xdist workers, a test file to a worker (its module fixtures, such as one
+# local Ray, stay in one process), the longest files first (tests/conftest.py: LONGEST_FIRST; xdist's
+# own reorder by test count is off). The two-node Ray Train cluster file goes first, so it starts in
+# a worker process of its own: after the rest of the suite in one process, Ray Train's controller
+# actor of its second job was once dropped before it started (ActorDiedError); alone it passes.
+# --durations keeps the slowest tests in CI's output.
 TEST_WORKERS ?= 2
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --ignore=tests/ladder/test_train_launch_cluster.py
-	$(BIN)/python -m pytest -q tests/ladder/test_train_launch_cluster.py
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+
+# The documentation site (mkdocs.yml) into site/; the CLI reference is generated from the typer app.
+# `$(BIN)/mkdocs serve` serves it at http://127.0.0.1:8000 while you edit.
+docs: $(STAMP)
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict
 
 clean:
-	rm -rf $(VENV) .ladder report report-h200
+	rm -rf $(VENV) .ladder report report-h200 site

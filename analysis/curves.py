@@ -64,7 +64,7 @@ The two published laws disagree by about 0.03 in relative loss per e-fold of N n
 (Kaplan's slope 0.076, Epoch's refit of Chinchilla ~0.11 there); a band at another size adds that
 (SIZE_PRIOR_SD per e-fold, as a relative sd of the floor under "kaplan-floor", of the whole loss
 otherwise) in quadrature. bench/forecast_backtest.py measures the three priors on every dataset
-(multipower 25M <-> 100M, and each ladder rung predicting the next size up) and the README reports it.
+(multipower 25M <-> 100M, and each ladder rung predicting the next size up) and docs/results/forecast-backtests.md reports it.
 
 Bands (`CurveFit.band`): the training residuals' relative scatter, the bootstrap refits' spread, an
 extrapolation term in LR area and, at another size, the size term, added in quadrature; the

@@ -750,7 +750,7 @@ def main(argv=None) -> int:
         "torch_combinebf16": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"},
                                           "options": {"combine_grad": "triton", "compile": "block"}}),
         # the combine kernel with the blocks and head replayed as CUDA graphs (the defaults since
-        # run T of RESULTS_h200.md, where Triton is installed)
+        # run T in docs/results/engines-h200.md, where Triton is installed)
         "torch_combinegraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                             "options": {"combine_grad": "triton", "compile": "block-cudagraphs"}}),
         # the defaults before CUDA graphs and the combine kernel were (blocks compiled, Inductor's
@@ -850,7 +850,7 @@ def main(argv=None) -> int:
         return 2
     if "olmo-core_v1" in d768_names and "olmo-core_v1" not in main_names and DEVICE == "cuda":
         log("note: olmo-core_v1 at d768 failed as the process's first OLMo-core build (an Inductor stride "
-            "assertion in SDPA's flash backward, then out of memory eagerly; bench/RESULTS_h200.md calls 6-7) "
+            "assertion in SDPA's flash backward, then out of memory eagerly; docs/results/peers_h200/call6_*, call7_*) "
             "and ran after an olmo-core_v1 row at the OLMoE shape: add olmo-core_v1 to --only")
     key, s_main, b_main, m_main = shape_of(args.shape, args.tiny)
     sweep(main_names * max(args.repeat, 1), key, seq=s_main, batch=b_main, **m_main)

@@ -1,4 +1,4 @@
-"""Backtests of every forecast interval on every dataset the project has: the README's table.
+"""Backtests of every forecast interval on every dataset the project has: the table in docs/results/forecast-backtests.md.
 
 Each row: a dataset, a split (what was fitted, what was predicted), the method, the number of
 held-out points, their mean absolute relative error, the share inside the 90% interval (coverage)
@@ -387,7 +387,7 @@ def main() -> None:
     ap.add_argument("--root", default=None, help="ladder root for the CPU demo (default $LADDER_ROOT or ./.ladder)")
     ap.add_argument("--no-train", action="store_true", help="do not train the CPU demo's missing runs")
     ap.add_argument("--boot", type=int, default=16, help="bootstrap refits per curve fit")
-    ap.add_argument("--markdown", action="store_true", help="print the README table at the end")
+    ap.add_argument("--markdown", action="store_true", help="print the Markdown table at the end")
     ap.add_argument("--only", choices=("chinchilla", "multipower", "ladders"), action="append")
     args = ap.parse_args()
     only = set(args.only or ("chinchilla", "multipower", "ladders"))

@@ -27,7 +27,7 @@ the bench builds both on the meta device instead (`meta_shapes`). Neither packag
 until a peer is asked for, so the bench runs without them.
 
 `*_settings()` return each peer's exact configuration as a dict (written into the bench's
-results and into bench/RESULTS_h200.md), and `meta_shapes()` builds both on the meta device and
+results and into docs/results/engines-h200.md), and `meta_shapes()` builds both on the meta device and
 counts their parameters and FLOPs against the bench's own count, which needs no GPU.
 """
 

@@ -5,7 +5,7 @@ passed to the engine, and written into status.json and every checkpoint's state.
 says which kernels it used. It never enters a spec's identity: the same spec under other options
 is the same run (the results agree to the kernels' rounding).
 
-Switches read from the environment (the README's switch table):
+Switches read from the environment (the switch table of docs/guides/engines.md):
 
     MOE_LADDER_TORCH_FAST      1 | 0                          the CUDA fast path, or the reference forward
     MOE_LADDER_TORCH_MASTER    (unset) | 1 | 0                bf16 working copies written by the optimizer
@@ -16,7 +16,7 @@ Switches read from the environment (the README's switch table):
     MOE_LADDER_CPU_THREADS     a count                        torch threads of a CPU run
 
 The torch and JAX kernel choices whose alternatives measured slower (TorchKernels and JaxKernels
-below; bench/RESULTS_h200.md has each measurement) are fields only: a bench builds EngineOptions
+below; docs/results/engines-h200.md has the measurements) are fields only: a bench builds EngineOptions
 with them to compare, nothing reads them from the environment. Where Triton is missing, every
 Triton choice falls back to its compiled form (TorchKernels.without_triton).
 """
@@ -40,7 +40,7 @@ class OptionsError(ValueError):
 @dataclass(frozen=True)
 class TorchKernels:
     """The torch fast path's kernel choices (engines/torch/fast.py); the defaults are what the
-    engine uses on a GPU with Triton (bench/RESULTS_h200.md has each measurement)."""
+    engine uses on a GPU with Triton (docs/results/engines-h200.md has the measurements)."""
 
     # "block-cudagraphs": blocks and head compiled and replayed as CUDA graphs; "block": the same
     # without graphs; "dense": all but the expert dispatch; "none": eager
@@ -85,7 +85,7 @@ class TorchKernels:
 
 @dataclass(frozen=True)
 class JaxKernels:
-    """The JAX engine's choices on a GPU (bench/RESULTS_h200.md has each measurement); in fp32 on
+    """The JAX engine's choices on a GPU (docs/results/engines-h200.md has the measurements); in fp32 on
     the CPU none changes the arithmetic beyond rounding."""
 
     # the output head's losses: "fused" (a custom VJP over the 16-bit logits, engines/jax/loss.py)

@@ -270,7 +270,7 @@ def test_two_sizes_are_a_warning():
 @pytest.mark.slow
 def test_chinchilla_prediction_intervals_hold_about_their_level_on_held_out_points():
     """10-fold cross-validation and a fit on N <= max/4 predicting the larger models: the measured
-    coverage of the 90% prediction interval (README's backtest table: 85% and 83%)."""
+    coverage of the 90% prediction interval (docs/results/forecast-backtests.md: 85% and 83%)."""
     from analysis.law_backtest import cross_validate, extrapolate, fit_n_d
 
     N, D, L = _chinchilla()

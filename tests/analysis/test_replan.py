@@ -43,7 +43,7 @@ def train(spec, run_dir: Path, stop_after: int | None = None) -> None:
 def ladder(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "ladder.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=120)
+                          text=True, env=env, timeout=600)  # catches a hang only: --apply trains through Ray
 
 
 def ladder_in_process(*args) -> tuple[int, str]:

@@ -25,37 +25,43 @@ def _run(*args, cwd):
 
 
 def test_engine_bench_variants_train_and_agree(tmp_path):
-    _run(str(ROOT / "bench/engines_h200.py"), "--tiny", "--only", ",".join(VARIANTS), "--steps", "2",
+    _run(str(ROOT / "bench/engines_h200.py"), "--tiny", "--only", ",".join(VARIANTS), "--steps", "1",
          "--warmup", "1", "--out", str(tmp_path), cwd=tmp_path)
     rows = {r["variant"]: r for r in map(json.loads, (tmp_path / "results.jsonl").read_text().splitlines())}
     assert sorted(rows) == sorted(VARIANTS)
     for name, r in rows.items():
         assert "error" not in r, (name, r.get("error"))
-        assert r["tokens_per_s"] > 0 and len(r["losses"]) == 3
+        assert r["tokens_per_s"] > 0 and len(r["losses"]) == 2  # the warm-up step's and the timed step's
     for name in VARIANTS[1:]:  # one model, one init, one batch stream: the same curve everywhere
         assert rows[name]["losses"] == pytest.approx(rows["torch"]["losses"], rel=2e-3), name
     assert rows["torch"]["losses"][-1] < rows["torch"]["losses"][0]
     assert "| E16 seq 128 | jax |" in (tmp_path / "table.md").read_text()
 
 
-def test_repeat_runs_the_variant_list_over_interleaved(tmp_path):
-    _run(str(ROOT / "bench/engines_h200.py"), "--tiny", "--only", "torch,torch_nographs", "--repeat", "2",
-         "--steps", "1", "--warmup", "1", "--out", str(tmp_path), cwd=tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["torch", "torch_nographs", "torch", "torch_nographs"]
-    assert rows[0]["losses"] == pytest.approx(rows[2]["losses"], rel=1e-6)  # the same run, repeated
+@pytest.fixture(scope="module")
+def repeated(tmp_path_factory):
+    """One bench process for both repeat properties: a torch pair and a JAX variant, the list run
+    twice (--repeat 2) with JAX's compilation cache on (--jax-cache)."""
+    out = tmp_path_factory.mktemp("repeat")
+    _run(str(ROOT / "bench/engines_h200.py"), "--tiny", "--only", "torch,torch_nographs,jax", "--repeat", "2",
+         "--steps", "1", "--warmup", "1", "--jax-cache", str(out / "jaxcache"), "--out", str(out), cwd=out)
+    return out, [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
-def test_a_repeated_jax_variant_loads_its_step_from_the_compilation_cache(tmp_path):
+def test_repeat_runs_the_variant_list_over_interleaved(repeated):
+    _, rows = repeated
+    assert [r["variant"] for r in rows] == ["torch", "torch_nographs", "jax"] * 2
+    assert rows[0]["losses"] == pytest.approx(rows[3]["losses"], rel=1e-6)  # the same run, repeated
+
+
+def test_a_repeated_jax_variant_loads_its_step_from_the_compilation_cache(repeated):
     """--jax-cache: the second row of one JAX variant finds its compiled step in the cache (the
     first compiles and writes it) and trains the same losses."""
-    cache = tmp_path / "jaxcache"
-    _run(str(ROOT / "bench/engines_h200.py"), "--tiny", "--only", "jax,jax", "--steps", "1", "--warmup", "1",
-         "--jax-cache", str(cache), "--out", str(tmp_path), cwd=tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["jax", "jax"] and rows[0]["losses"] == rows[1]["losses"]
-    assert [r["info"]["step_from_cache"] for r in rows] == [False, True]
-    assert len([p for p in cache.iterdir() if p.name.startswith("jit_step-")]) == 1
+    out, rows = repeated
+    jax_rows = [r for r in rows if r["variant"] == "jax"]
+    assert len(jax_rows) == 2 and jax_rows[0]["losses"] == jax_rows[1]["losses"]
+    assert [r["info"]["step_from_cache"] for r in jax_rows] == [False, True]
+    assert len([p for p in (out / "jaxcache").iterdir() if p.name.startswith("jit_step-")]) == 1
 
 
 def test_tile_tuner_reports_every_expert_matmul(tmp_path):

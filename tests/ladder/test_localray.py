@@ -56,7 +56,7 @@ def test_an_address_that_does_not_answer_fails_within_its_timeout():
     t0 = time.monotonic()
     with pytest.raises(LadderError, match=r"cannot reach Ray at 127.0.0.1:1 within 1.5 s"):
         wait_reachable("127.0.0.1:1", 1.5)
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 120  # a hang, not a speed: the wait itself is 1.5 s
 
 
 def test_ray_addresses_are_host_and_port_or_left_to_ray():
