@@ -379,7 +379,7 @@ def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | No
               adamw_block: int | None = None, profile_steps: int = 0):
     import torch
 
-    from engines.torch import adamw_kernel
+    from engines.torch.kernels import adamw_kernel
 
     saved_block = dict(adamw_kernel.BLOCK)
     if adamw_block:
@@ -715,33 +715,33 @@ def main(argv=None) -> int:
         "torch_cudagraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                          "options": {"compile": "block-cudagraphs", "combine_grad": "inductor"}}),
         # the combine's and dispatch backward's gather-and-sum fused by Inductor instead of by
-        # engines/torch/gather.py's Triton kernels (the default where Triton is installed)
+        # engines/torch/kernels/gather.py's Triton kernels (the default where Triton is installed)
         "torch_inductorgather": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                              "options": {"gather": "inductor"}}),
         # the expert matmuls' weight gradients by _grouped_mm's backward instead of
-        # engines/torch/grouped_dw.py's kernel
+        # engines/torch/kernels/grouped_dw.py's kernel
         "torch_torchdw": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                       "options": {"grouped_dw": "torch"}}),
-        # the experts' SwiGLU inside the grouped matmuls' epilogues (engines/torch/swiglu_gemm.py)
+        # the experts' SwiGLU inside the grouped matmuls' epilogues (engines/torch/kernels/swiglu_gemm.py)
         "torch_fusedswiglu": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                           "options": {"experts": "fused"}}),
         # the same, and the dispatch's row gather inside the up matmul and its weight gradient
         "torch_fusedgather": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                           "options": {"experts": "fused-gather"}}),
         # MasterAdamW's update as Inductor's graphs per parameter group instead of its default,
-        # one Triton kernel per tensor (engines/torch/adamw_kernel.py)
+        # one Triton kernel per tensor (engines/torch/kernels/adamw_kernel.py)
         "torch_compileadam": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
                                                   "MOE_LADDER_TORCH_ADAMW": "compile"}}),
         # the router's logits matmul on fp32 SIMT cores instead of TF32 tensor cores (tf32.py's op)
         "torch_fp32router": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"router": "fp32"}}),
-        # the experts' SwiGLU backward by Inductor instead of engines/torch/swiglu.py's kernel
+        # the experts' SwiGLU backward by Inductor instead of engines/torch/kernels/swiglu.py's kernel
         "torch_inductorswiglu": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                              "options": {"swiglu": "inductor"}}),
         # Adam's moments stored in bf16 (the spec's optim.moments; 20 bytes a parameter instead of 28)
         "torch_bf16moments": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"}}),
         # RoPE on q and k transposed to [B, H, S, Q] (the default before bshq)
         "torch_ropebhsq": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"rope_layout": "bhsq"}}),
-        # the output head's losses fused by Inductor instead of engines/torch/xent.py's kernels
+        # the output head's losses fused by Inductor instead of engines/torch/kernels/xent.py's kernels
         "torch_inductorxent": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"xent": "inductor"}}),
         # the combine's backward for the sorted rows by gather.py's gather-scale kernel instead of
         # Inductor's fusion, without CUDA graphs; and the same with bf16 moments
@@ -773,7 +773,7 @@ def main(argv=None) -> int:
         # plain causal attention (the OLMoE shape) through FlexAttention instead of SDPA's cuDNN kernel
         "torch_flexcausal": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
                                          "options": {"causal_attention": "flex"}}),
-        # the router's top-k by torch.topk instead of engines/torch/topk.py's kernel
+        # the router's top-k by torch.topk instead of engines/torch/kernels/topk.py's kernel
         "torch_torchtopk": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"topk": "torch"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
         # the peers at their own recommended settings (bench/peers.py)

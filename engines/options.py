@@ -54,26 +54,26 @@ class TorchKernels:
     causal_attention: str = "sdpa"
     # weights as _grouped_mm reads them: "nmajor" [E, K, N] as stored, or "kmajor" (a transposed copy)
     grouped_mm_weights: str = "nmajor"
-    # dropless combine and dispatch backward: "triton" (engines/torch/gather.py) or "inductor"
+    # dropless combine and dispatch backward: "triton" (engines/torch/kernels/gather.py) or "inductor"
     gather: str = "triton"
-    # expert matmuls' weight gradient: "triton" (engines/torch/grouped_dw.py) or "torch" (_grouped_mm's)
+    # expert matmuls' weight gradient: "triton" (engines/torch/kernels/grouped_dw.py) or "torch" (_grouped_mm's)
     grouped_dw: str = "triton"
-    # the experts' SwiGLU: "grouped", "fused" (in the matmul epilogues, engines/torch/swiglu_gemm.py)
+    # the experts' SwiGLU: "grouped", "fused" (in the matmul epilogues, engines/torch/kernels/swiglu_gemm.py)
     # or "fused-gather" (the dispatch's row gather fused too)
     experts: str = "grouped"
-    # the router's top-k: "triton" (engines/torch/topk.py) or "torch" (torch.topk)
+    # the router's top-k: "triton" (engines/torch/kernels/topk.py) or "torch" (torch.topk)
     topk: str = "triton"
-    # the router's logits matmul: "tf32" (tensor cores, engines/torch/tf32.py) or "fp32"
+    # the router's logits matmul: "tf32" (tensor cores, engines/torch/kernels/tf32.py) or "fp32"
     router: str = "tf32"
     # where RoPE runs: "bshq" (the projection's own layout) or "bhsq" (transposed as SDPA reads it)
     rope_layout: str = "bshq"
-    # the output head's losses: "triton" (engines/torch/xent.py) or "inductor"
+    # the output head's losses: "triton" (engines/torch/kernels/xent.py) or "inductor"
     xent: str = "triton"
-    # the experts' SwiGLU backward: "triton" (engines/torch/swiglu.py) or "inductor"
+    # the experts' SwiGLU backward: "triton" (engines/torch/kernels/swiglu.py) or "inductor"
     swiglu: str = "triton"
     # with gather "triton", the combine's backward for the sorted rows: "triton" or "inductor"
     combine_grad: str = "triton"
-    # MasterAdamW's update: "triton" (engines/torch/adamw_kernel.py) or "compile" (Inductor)
+    # MasterAdamW's update: "triton" (engines/torch/kernels/adamw_kernel.py) or "compile" (Inductor)
     adamw: str = "triton"
 
     def without_triton(self) -> "TorchKernels":

@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from engines.options import TorchKernels
-from engines.torch import gather, grouped_dw, swiglu, swiglu_gemm
-from engines.torch.gather import Combine
+from engines.torch.kernels import gather, grouped_dw, swiglu, swiglu_gemm
+from engines.torch.kernels.gather import Combine
 from engines.torch.rows import Dispatch, Permute, RowGather
 
 
@@ -35,7 +35,7 @@ def kernels_here(k: TorchKernels) -> TorchKernels:
 
 
 def _fused(x: torch.Tensor, cdt: torch.dtype, o: TorchKernels) -> bool:
-    """Whether the experts run through engines/torch/swiglu_gemm.py (o.experts)."""
+    """Whether the experts run through engines/torch/kernels/swiglu_gemm.py (o.experts)."""
     return (o.experts in ("fused", "fused-gather") and cdt == torch.bfloat16
             and o.grouped_mm_weights == "nmajor" and swiglu_gemm.kernels_usable(x))
 

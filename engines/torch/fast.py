@@ -15,9 +15,9 @@ What changes against the reference forward (model.loss_terms under autocast), an
   dispatch stays on the device (counts and group offsets by scatter-add, one grouped GEMM per
   expert weight over the rows sorted by expert); dispatch and combine are row permutations whose
   backward is the inverse permutation (a gather: no atomics); the combine's and the dispatch
-  backward's gather-and-sum run as Triton kernels (engines/torch/gather.py; kernels
+  backward's gather-and-sum run as Triton kernels (engines/torch/kernels/gather.py; kernels
   gather="inductor" leaves them to Inductor); the expert matmuls' weight gradients run as one
-  Triton kernel each (engines/torch/grouped_dw.py; kernels grouped_dw="torch" leaves them to
+  Triton kernel each (engines/torch/kernels/grouped_dw.py; kernels grouped_dw="torch" leaves them to
   _grouped_mm); capacity dispatch fills fixed [E, C, L] buffers by the device-side pooled-wave plan;
 - every block and the output head go through torch.compile (regional: one compiled graph
   serves all blocks, so compiling costs one block, not the depth).
@@ -40,11 +40,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from engines.options import EngineOptions, TorchKernels
-from engines.torch import adamw_kernel, xent
+from engines.torch.kernels import adamw_kernel, xent
 from engines.torch.experts import CastKernels, kernels_here
 from engines.torch.model import MoETransformer, attention_mask, objective, rope_tables
-from engines.torch.tf32 import mm_tf32
-from engines.torch.topk import topk_indices
+from engines.torch.kernels.tf32 import mm_tf32
+from engines.torch.kernels.topk import topk_indices
 
 
 def fast_path_enabled(device: torch.device, options: EngineOptions) -> bool:
