@@ -229,7 +229,7 @@ def run_hf(spec, batches, warmup):
             "attn_implementation": str(getattr(model.config, "_attn_implementation", None)),
             "params": sum(p.numel() for p in model.parameters())}
 
-    from engines.torch.engine import HostCopy, to_device
+    from engines.torch.step import HostCopy, to_device
 
     def launch(b):  # the engines' host handling (pinned upload, loss read after the next launch)
         x = to_device(b, torch.device(DEVICE))
@@ -283,7 +283,7 @@ def torch_trainer(spec, options=None):
     options: an engines.options.EngineOptions (default: the environment's switches)."""
     import torch
 
-    from engines.torch.engine import build_optimizer, launch_step, make_loss_fn, queue_update, read_step, to_device
+    from engines.torch.step import build_optimizer, launch_step, make_loss_fn, queue_update, read_step, to_device
     from engines.torch.model import MoETransformer, init_params
 
     options = options or torch_options()

@@ -3,7 +3,7 @@
 A spec whose hardware.workers > 1 runs as a TorchTrainer job: hardware.workers workers, each
 with hardware.task_cpus CPUs and hardware.task_gpus GPUs, placed by hardware.placement (a Ray
 placement strategy: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD). Ray Train starts the process
-group (gloo on CPUs, NCCL on GPUs); each worker runs engines.torch.dist.train.train_mesh on the
+group (gloo on CPUs, NCCL on GPUs); each worker runs engines.torch.parallel.step.train_layout on the
 (data x expert) mesh, rank 0 writes the run directory as a one-process run does (metrics.jsonl,
 status.json), and every rank writes its shards of each checkpoint. The run directory must be on
 storage every node sees (one machine, or a shared file system).
@@ -20,7 +20,7 @@ The controller's worker task (ladder/controller.py train_task) yields from train
 instead of an engine's train() for such a spec; it reads rank 0's metrics.jsonl as it grows, so
 progress, tracking, claims and the ledger are those of any other run. A request the cluster can
 never satisfy is refused before anything starts (infeasible). Standalone, without Ray:
-`torchrun --nproc_per_node N -m engines.torch.dist.train SPEC --run-dir DIR`.
+`torchrun --nproc_per_node N -m engines.torch.parallel.train SPEC --run-dir DIR`.
 """
 
 from __future__ import annotations
@@ -61,14 +61,14 @@ def per_worker(spec: Spec) -> dict[str, float]:
 
 def check_layout(spec: Spec) -> None:
     """The workers form a (data x expert) mesh of the torch engine, or LaunchError."""
-    from engines.torch.dist.mesh import MeshError, check_mesh
+    from engines.torch.parallel.layout import LayoutError, check_layout as check_torch_layout
 
     if spec.engine != "torch":
         raise LaunchError(f"spec {spec.name}: hardware.workers {spec.hardware.workers} needs engine torch "
                           f"(the {spec.engine} engine runs in one process: set hardware.workers to 1)")
     try:
-        check_mesh(spec.model, spec.hardware.workers, spec.data.batch_size)
-    except MeshError as err:
+        check_torch_layout(spec.model, spec.hardware.workers, spec.data.batch_size)
+    except LayoutError as err:
         raise LaunchError(f"spec {spec.name}: {err} (hardware.workers)") from err
 
 
@@ -102,8 +102,8 @@ def _worker_loop(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from engines.torch.dist.mesh import setup_mesh
-    from engines.torch.dist.train import train_mesh
+    from engines.torch.parallel.layout import setup_layout
+    from engines.torch.parallel.step import train_layout
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
@@ -117,12 +117,12 @@ def _worker_loop(config: dict) -> None:
     where.mkdir(parents=True, exist_ok=True)
     (where / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "time": time.time()}))
-    mc = setup_mesh(spec.model, spec.data.batch_size, "cuda" if config["gpu"] else "cpu")
+    layout = setup_layout(spec.model, spec.data.batch_size, "cuda" if config["gpu"] else "cpu")
     stop = run_dir / WORKERS_DIR / STOP_FILE
-    steps = train_mesh(spec, run_dir, mc, resume=True)
+    steps = train_layout(spec, run_dir, layout, resume=True)
     for _ in steps:
         # every rank leaves after the same step: rank 0's view of the stop file, shared
-        flag = torch.tensor([float(mc.rank == 0 and stop.exists())])
+        flag = torch.tensor([float(layout.rank == 0 and stop.exists())])
         dist.all_reduce(flag)
         if flag.item() > 0:
             steps.close()  # the newest checkpoint stays the run's resume point
@@ -188,7 +188,7 @@ def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True,
         for d in ("sharded", "checkpoints"):
             shutil.rmtree(run_dir / d, ignore_errors=True)
     metrics = run_dir / METRICS_FILE
-    from engines.torch.dist.checkpoint import latest_sharded
+    from engines.torch.parallel.checkpoint import latest_sharded
 
     found = [int(p.name[5:]) for p in (latest_sharded(run_dir), latest_checkpoint(run_dir)) if p is not None]
     next_step = max(found, default=0)  # where the workers resume; earlier records are passed over

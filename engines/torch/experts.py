@@ -1,5 +1,5 @@
 """The routed experts' kernels: how a device moves dispatched rows and multiplies them by its
-experts' SwiGLU weights. A token dispatcher (engines/torch/dispatch.py, ep.py, dist/moe.py)
+experts' SwiGLU weights. A token dispatcher (engines/torch/dispatch.py, parallel/dispatch.py)
 decides which row goes where; one of these kernel sets does the moving and the matmuls.
 
 - ModuleKernels: the reference forward's (engines/torch/model.py): the Experts module's own
@@ -65,8 +65,8 @@ def grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype, o: TorchKerne
 
 
 def swiglu_padded(experts, buf_eRL: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """SwiGLU of the pooled-wave transports' fixed [e, R, L] receive buffers (engines/torch/ep.py,
-    dist/moe.py) from the Experts module's fp32 weights: gate|up as one batched matmul on a GPU,
+    """SwiGLU of the pooled-wave transports' fixed [e, R, L] receive buffers (engines/torch/parallel/
+    dispatch.py) from the Experts module's fp32 weights: gate|up as one batched matmul on a GPU,
     apart on the CPU."""
     if buf_eRL.is_cuda:  # gate and up as one [e, L, 2F] batched matmul
         Fh = experts.w_gate.shape[-1]

@@ -24,7 +24,7 @@ _SCRIPT = """
 import sys
 import torch
 from engines.data import TokenStream
-from engines.torch.engine import build_optimizer, launch_step, make_loss_fn, read_step, queue_update
+from engines.torch.step import build_optimizer, launch_step, make_loss_fn, read_step, queue_update
 from engines.torch.master import MasterAdamW, adamw_group_kernels_, weight_layout
 from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec

@@ -18,7 +18,8 @@ from engines.checkpoint import (
     verify_checkpoint,
 )
 from engines.options import EngineOptions
-from engines.torch.engine import TorchEngine, TorchStep
+from engines.torch.engine import TorchEngine
+from engines.torch.step import TorchStep
 from engines.trainer import RunHistoryError, Trainer
 from tests.conftest import tiny_spec
 

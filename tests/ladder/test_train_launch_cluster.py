@@ -24,7 +24,7 @@ from rich.console import Console
 
 from core.spec import save_spec
 from engines.base import read_metrics, read_status
-from engines.torch.dist.checkpoint import latest_sharded, read_full
+from engines.torch.parallel.checkpoint import latest_sharded, read_full
 from ladder import ledger
 from ladder.controller import submit
 from ladder.experiment import load_experiment
@@ -128,7 +128,7 @@ def _uninterrupted(spec, root: Path) -> Path:
     save_spec(spec, root / "spec.yaml")
     run = root / "plain4"
     jobs = [[4, [str(root / "spec.yaml"), "--run-dir", str(run), "--device", "cpu"]]]
-    assert drive("engines.torch.dist.train", jobs, join_s=240, timeout=600) == [[0, 0, 0, 0]]
+    assert drive("engines.torch.parallel.train", jobs, join_s=240, timeout=600) == [[0, 0, 0, 0]]
     return run
 
 

@@ -18,8 +18,8 @@ import pytest
 
 from engines.base import read_metrics, read_status
 from engines.checkpoint import init_from_checkpoint, latest_checkpoint, load_checkpoint
-from engines.torch.dist.checkpoint import export, latest_sharded, read_full
-from engines.torch.dist.mesh import MeshContext
+from engines.torch.parallel.checkpoint import export, latest_sharded, read_full
+from engines.torch.parallel.layout import Layout
 from engines.torch.engine import TorchEngine
 from ladder.presets import micro_spec
 from core.spec import save_spec
@@ -46,7 +46,7 @@ def _args(root: Path, run: str, *extra: str) -> list[str]:
 
 
 def _drive(jobs: list) -> list:
-    return drive("engines.torch.dist.train", jobs, join_s=240, timeout=600)
+    return drive("engines.torch.parallel.train", jobs, join_s=240, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,7 @@ def test_two_ranks_continue_four_ranks_export_to_the_single_process_result(runs)
 
 def test_a_process_count_that_is_no_mesh_is_one_clear_line(runs, tmp_path):
     env = dict(cpu_env(), WORLD_SIZE="3", RANK="0", LOCAL_RANK="0")
-    proc = subprocess.run([PY, "-m", "engines.torch.dist.train", *_args(runs, "x")[:1], "--run-dir",
+    proc = subprocess.run([PY, "-m", "engines.torch.parallel.train", *_args(runs, "x")[:1], "--run-dir",
                            str(tmp_path / "run"), "--device", "cpu"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -171,7 +171,7 @@ def test_each_rank_reads_part_d_of_source_shard_e_and_the_parts_tile_the_batch()
     B, dp, ep = 24, 3, 2
     seen = []
     for rank in range(dp * ep):
-        mc = MeshContext(rank=rank, world=dp * ep, dp=dp, ep=ep, device=None, mesh=None, flat=None)
+        mc = Layout(dp=dp, ep=ep, rank=rank)
         d, e = divmod(rank, ep)
         rows = mc.rows(B)
         assert rows.start == e * (B // ep) + d * (B // (dp * ep))  # part d of source shard e

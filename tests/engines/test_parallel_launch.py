@@ -1,5 +1,5 @@
 """TorchEngine.train runs a spec with model.ep_size > 1 in ep_size real processes (torchrun +
-engines/torch/ep_train.py; gloo here, NCCL on GPUs) and yields rank 0's records: the same
+engines/torch/parallel/train.py, dp 1; gloo here, NCCL on GPUs) and yields rank 0's records: the same
 losses as the one-process engine with the shards emulated, each step once across an
 interrupted launch and its resume, and a clear error for a bad layout switch."""
 
@@ -10,7 +10,7 @@ import pytest
 from engines.base import read_metrics, read_status
 from engines.torch.engine import TorchEngine
 from engines.options import EngineOptions, OptionsError
-from engines.torch.ep import EPError
+from engines.torch.parallel.layout import LayoutError
 from ladder.presets import micro_spec
 
 pytestmark = pytest.mark.slow
@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
         whole = list(TorchEngine("cpu", PROCESSES).train(SPEC, root / "ranks"))
         whole_file = read_metrics(root / "ranks")
         # as a kill after the step-3 checkpoint leaves the run: its later records stay in the file
-        shutil.rmtree(root / "ranks" / "checkpoints" / "step_00000006")
+        shutil.rmtree(root / "ranks" / "sharded" / "step_00000006")
         rest = list(TorchEngine("cpu", PROCESSES).train(SPEC, root / "ranks"))
     return {"root": root, "single": single, "whole": whole, "whole_file": whole_file, "rest": rest}
 
@@ -50,7 +50,7 @@ def test_processes_give_the_emulated_losses_and_drops(runs):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-5)
         assert (a["drop_frac_send"], a["drop_frac_recv"]) == (b["drop_frac_send"], b["drop_frac_recv"])
     assert any(r["drop_frac_recv"] > 0 for r in single)
-    assert (runs["root"] / "ranks" / "ep.json").exists()  # written by the ranks, never by one process
+    assert (runs["root"] / "ranks" / "mesh.json").exists()  # written by the ranks, never by one process
 
 
 def test_a_resumed_launch_yields_only_its_steps_and_the_file_holds_each_once(runs):
@@ -86,7 +86,7 @@ def test_closing_the_generator_ends_every_rank(tmp_path, monkeypatch):
 def test_auto_emulates_where_there_are_not_enough_gpus(monkeypatch):
     import torch
 
-    from engines.torch.ep_launch import use_processes
+    from engines.torch.parallel.launch import use_processes
 
     assert not use_processes(SPEC, torch.device("cpu"), EngineOptions(torch_ep="auto"))
     assert use_processes(SPEC, torch.device("cpu"), PROCESSES)
@@ -113,7 +113,7 @@ def test_ladder_train_runs_the_ranks(tmp_path):
                           "--quiet"], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"finished step {SPEC.total_steps}/{SPEC.total_steps}" in out.stderr
-    assert (tmp_path / "run" / "ep.json").exists()
+    assert (tmp_path / "run" / "mesh.json").exists()
 
 
 KILLED_DRIVER = """
@@ -172,10 +172,10 @@ def test_a_checkpoint_of_another_spec_is_refused_in_one_line_and_nothing_is_lost
     import shutil
 
     run = runs["root"] / "ranks"
-    shutil.rmtree(run / "checkpoints" / "step_00000006")  # records 3..5 now lie past the last checkpoint
+    shutil.rmtree(run / "sharded" / "step_00000006")  # records 3..5 now lie past the last checkpoint
     before = (run / "metrics.jsonl").read_text()
     other = SPEC.replace(seed=SPEC.seed + 1)
-    with pytest.raises(EPError, match=r"belongs to spec .* not this spec") as err:
+    with pytest.raises(LayoutError, match=r"belongs to spec .* not this spec") as err:
         list(TorchEngine("cpu", PROCESSES).train(other, run))
     assert "\n" not in str(err.value)
     assert (run / "metrics.jsonl").read_text() == before  # the refused launch lost nothing
@@ -184,7 +184,7 @@ def test_a_checkpoint_of_another_spec_is_refused_in_one_line_and_nothing_is_lost
 def test_an_ep_spec_emulated_on_one_gpu_says_how_to_split_it(monkeypatch):
     import torch
 
-    from engines.torch.ep_launch import emulation_warning
+    from engines.torch.parallel.launch import emulation_warning
 
     auto = EngineOptions(torch_ep="auto")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
