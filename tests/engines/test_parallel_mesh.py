@@ -1,4 +1,4 @@
-"""A (data x expert) mesh of real processes (gloo on the CPU) against the one-device engine,
+"""A (data x expert) layout of real processes (gloo on the CPU) against the one-device engine,
 which emulates the spec's expert shards: dp2 x ep2 over 4 processes gives its losses, gradient
 norms and drops at every step, and its weights at the end; a run resumes from its sharded
 checkpoint to the bit; a sharded checkpoint exports to the engine-neutral format, and 2 processes
@@ -96,8 +96,10 @@ def test_the_exported_final_shards_hold_the_single_process_weights(runs):
         # another order, into up to ~1% of one update (3e-3): atol 5e-5
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=5e-5, err_msg=k)
     assert int(got_opt["step"]) == int(ref_opt["step"]) == 6
+    # the ranks run the fast forward, the one-process CPU engine the reference: a first moment
+    # whose gradient nearly cancels (an embedding entry of 2e-6) moves by up to ~2e-8
     for k in ("m/blocks.1.moe.experts.w_up", "v/blocks.0.moe.router", "m/embed.weight"):
-        np.testing.assert_allclose(got_opt[k], ref_opt[k], rtol=1e-3, atol=1e-8, err_msg=k)
+        np.testing.assert_allclose(got_opt[k], ref_opt[k], rtol=1e-3, atol=5e-8, err_msg=k)
 
 
 def test_each_rank_holds_its_expert_shard_split_over_data_and_a_quarter_of_the_rest(runs):

@@ -30,7 +30,7 @@ def test_a_submitted_ep_spec_trains_in_its_ranks(write_experiment, tmp_path):
     spec = load_experiment(path).rungs[0]
     run_dir = ledger.run_dir_for(root, "ep_sweep", spec)
     assert [r["step"] for r in read_metrics(run_dir)] == list(range(spec.total_steps))
-    layout = json.loads((run_dir / "ep.json").read_text())
+    layout = json.loads((run_dir / "mesh.json").read_text())
     assert layout["world_size"] == 2 and [r["experts"] for r in layout["ranks"]] == [[0, 4], [4, 8]]
     assert list(ledger.runs_frame(root, path)["state"]) == ["finished"]
     uri = tracking.default_tracking_uri(root)
