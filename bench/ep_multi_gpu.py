@@ -203,7 +203,7 @@ def _env(gpu: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1", **NO_MULTICAST)
     if not gpu:
-        env.update(OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1")
+        env.update(OMP_NUM_THREADS="1", MOE_LADDER_OPTIONS="cpu_threads=1")
     return env
 
 

@@ -37,6 +37,7 @@ from core.rundir import METRICS_FILE, parse_metrics_lines
 from core.spec import Spec
 from engines.base import StepMetrics
 from engines.checkpoint import latest_checkpoint
+from engines.options import EngineOptions
 
 MAX_FAILURES = 3
 POLL_S = 0.5
@@ -109,8 +110,6 @@ def _worker_loop(config: dict) -> None:
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(ctx.get_local_rank()),
                       LOCAL_WORLD_SIZE=str(ctx.get_local_world_size()))
-    if config.get("threads"):
-        os.environ.setdefault("MOE_LADDER_CPU_THREADS", str(config["threads"]))
     spec = Spec.model_validate_json(config["spec"])
     run_dir = Path(config["run_dir"])
     where = run_dir / WORKERS_DIR
@@ -119,7 +118,7 @@ def _worker_loop(config: dict) -> None:
         "rank": rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "time": time.time()}))
     layout = setup_layout(spec.model, spec.data.batch_size, "cuda" if config["gpu"] else "cpu")
     stop = run_dir / WORKERS_DIR / STOP_FILE
-    steps = train_layout(spec, run_dir, layout, resume=True)
+    steps = train_layout(spec, run_dir, layout, resume=True, options=EngineOptions.from_dict(config["options"]))
     for _ in steps:
         # every rank leaves after the same step: rank 0's view of the stop file, shared
         flag = torch.tensor([float(layout.rank == 0 and stop.exists())])
@@ -142,7 +141,7 @@ def trainer_for(spec: Spec, run_dir: Path, max_failures: int = MAX_FAILURES):
     run = RunConfig(name=f"{spec.name}-{spec.id}", storage_path=str((run_dir / "ray_train").resolve()),
                     failure_config=FailureConfig(max_failures=max_failures))
     config = {"spec": spec.model_dump_json(), "run_dir": str(run_dir.resolve()), "gpu": gpu,
-              "threads": os.environ.get("MOE_LADDER_CPU_THREADS")}
+              "options": EngineOptions.from_env().to_dict()}  # read here, where the launch starts
     return TorchTrainer(_worker_loop, train_loop_config=config, torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
                         scaling_config=scaling, run_config=run)
 

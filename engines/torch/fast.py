@@ -49,7 +49,7 @@ from engines.torch.kernels.topk import topk_indices
 
 
 def fast_path_enabled(device: torch.device, options: EngineOptions) -> bool:
-    """The engine uses this path on CUDA unless options.torch_fast is off ($MOE_LADDER_TORCH_FAST=0)."""
+    """The engine uses this path on CUDA unless options.torch_fast is off (torch_fast=0)."""
     return device.type == "cuda" and options.torch_fast
 
 
@@ -62,7 +62,7 @@ ASSUMED_MFU = 0.3  # what the fast path measured at the H200 bench shape (33%)
 
 def working_copies_enabled(device: torch.device, options: EngineOptions, expected_seconds: float | None = None) -> bool:
     """Whether the fast path keeps bf16 working copies written by the optimizer
-    (engines/torch/master.py). options.torch_master True / False ($MOE_LADDER_TORCH_MASTER=1 / 0)
+    (engines/torch/master.py). options.torch_master True / False (torch_master=1 / 0)
     forces it on / off; otherwise on with MasterAdamW's Triton kernel (its default where Triton
     is installed), or when the run is expected to last at least WORKING_COPIES_MIN_SECONDS
     (expected_seconds None: unknown, on). Off, the matmuls cast the fp32 masters every step (no

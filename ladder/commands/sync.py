@@ -17,7 +17,7 @@ def register(app: typer.Typer) -> None:
     def sync_cmd(
         experiment: Optional[str] = typer.Argument(None, help="experiment name or file (default: every experiment)"),
         tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store (default sqlite:///<root>/mlflow.db)"),
-        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
+        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
     ) -> None:
         """Upload missing metrics of every run (nothing is sent twice)."""
         from rich.console import Console

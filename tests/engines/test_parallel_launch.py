@@ -20,7 +20,7 @@ SPEC = micro_spec("ep2-launch", **{"model.ep_size": 2, "model.dispatch": "capaci
                                     "model.capacity_factor_send": 1.0, "model.capacity_factor_recv": 1.0,
                                     "model.init_std": 0.3, "data.total_tokens": 6 * 64 * 8,
                                     "run.eval_every": 3, "run.checkpoint_every": 3})
-CPU_ENV = {"OMP_NUM_THREADS": "1", "MOE_LADDER_CPU_THREADS": "1"}
+CPU_ENV = {"OMP_NUM_THREADS": "1"}
 EMULATE = EngineOptions(torch_ep="emulate", cpu_threads=1)
 PROCESSES = EngineOptions(torch_ep="processes", cpu_threads=1)
 
@@ -94,8 +94,8 @@ def test_auto_emulates_where_there_are_not_enough_gpus(monkeypatch):
 
 
 def test_a_bad_layout_switch_is_refused_by_name(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "sometimes")
-    with pytest.raises(OptionsError, match="MOE_LADDER_TORCH_EP='sometimes'"):
+    monkeypatch.setenv("MOE_LADDER_OPTIONS", "torch_ep=sometimes")
+    with pytest.raises(OptionsError, match="MOE_LADDER_OPTIONS torch_ep='sometimes'"):
         next(TorchEngine("cpu").train(SPEC, tmp_path / "run"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -108,7 +108,7 @@ def test_ladder_train_runs_the_ranks(tmp_path):
     from core.spec import save_spec
 
     path = save_spec(SPEC, tmp_path / "spec.yaml")
-    env = dict(os.environ, **CPU_ENV, MOE_LADDER_TORCH_EP="processes")
+    env = dict(os.environ, **CPU_ENV, MOE_LADDER_OPTIONS="torch_ep=processes,cpu_threads=1")
     out = subprocess.run([sys.executable, "-m", "ladder.cli", "train", str(path), "--run-dir", str(tmp_path / "run"),
                           "--quiet"], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -138,7 +138,7 @@ def test_a_sigkilled_launcher_takes_every_rank_with_it(tmp_path):
 
     long = SPEC.model_copy(update={"data": SPEC.data.model_copy(update={"total_tokens": 2000 * 64 * 8})})
     path = save_spec(long, tmp_path / "spec.yaml")
-    env = dict(os.environ, **CPU_ENV, MOE_LADDER_TORCH_EP="processes")
+    env = dict(os.environ, **CPU_ENV, MOE_LADDER_OPTIONS="torch_ep=processes,cpu_threads=1")
     run = tmp_path / "run"
     driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(path), str(run)], stdout=subprocess.PIPE,
                               text=True, env=env)

@@ -22,8 +22,8 @@ def test_a_submitted_ep_spec_trains_in_its_ranks(write_experiment, tmp_path):
     path = write_experiment("ep_sweep", [("ranks", {"model.ep_size": 2, "model.dispatch": "capacity"})],
                             steps=8, checkpoint_every=4)
     root = tmp_path / ".ladder"
-    env = {**os.environ, "RAY_ADDRESS": "", "MOE_LADDER_TORCH_EP": "processes", "OMP_NUM_THREADS": "1",
-           "MOE_LADDER_CPU_THREADS": "1"}
+    env = {**os.environ, "RAY_ADDRESS": "", "OMP_NUM_THREADS": "1",
+           "MOE_LADDER_OPTIONS": "torch_ep=processes,cpu_threads=1"}
     out = subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(path), "--root", str(root)],
                          capture_output=True, text=True, env=env, timeout=600)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

@@ -75,7 +75,7 @@ def two_nodes():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
     gcs = _ports(1)[0]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1",
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MOE_LADDER_OPTIONS="cpu_threads=1",
                RAY_TMPDIR=temp)
     log = open(Path(temp) / "nodes.log", "wb")
     head = subprocess.Popen(_node_args(True, gcs) + ["--temp-dir", temp], env=env, stdout=log, stderr=log,
