@@ -329,6 +329,19 @@ class MoETransformer(nn.Module):
         return {k: v.detach().float().cpu().numpy() for k, v in self.state_dict().items()}
 
 
+@torch.no_grad()
+def move_router_bias(model: MoETransformer, load_LE: torch.Tensor, rate: float,
+                     finite: torch.Tensor | None = None) -> None:
+    """The balancing bias's step (model.router_bias_balancing): each layer's bias moves by `rate`
+    towards its under-loaded experts (sign of mean load - load, from the step's global loads
+    load_LE); with `finite` (a 0-d bool on the device) a non-finite step moves nothing."""
+    upd_LE = rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
+    if finite is not None:
+        upd_LE = torch.where(finite, upd_LE, 0.0)  # (a NaN load would survive a multiply by 0)
+    for i, blk in enumerate(model.blocks):
+        blk.moe.router_bias.add_(upd_LE[i])
+
+
 def loss_terms(model: MoETransformer, tokens_BS1: torch.Tensor, optim) -> tuple[torch.Tensor, dict]:
     """(total objective, metrics as 0-d tensors + per-layer expert loads)."""
     inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]

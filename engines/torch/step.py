@@ -29,7 +29,7 @@ from engines.options import EngineOptions
 from engines.torch.experts import kernels_here
 from engines.torch.fast import ASSUMED_MFU, FastLoss, fast_path_enabled, working_copies_enabled
 from engines.torch.master import GuardedAdamW, MasterAdamW
-from engines.torch.model import MoETransformer, init_params, loss_terms
+from engines.torch.model import MoETransformer, init_params, loss_terms, move_router_bias
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS
 
 
@@ -167,12 +167,7 @@ def queue_update(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.
     finite = torch.isfinite(torch.stack([vals[i] for i in _FINITE_AT])).all()
     opt.step(out.get("clip_mult"), finite=finite)
     if spec.model.router_bias_balancing:
-        with torch.no_grad():
-            load_LE = out["load_LE"]
-            upd_LE = spec.model.router_bias_rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
-            upd_LE = torch.where(finite, upd_LE, 0.0)  # (a NaN load would survive a multiply by 0)
-            for i, blk in enumerate(model.blocks):
-                blk.moe.router_bias.add_(upd_LE[i])
+        move_router_bias(model, out["load_LE"], spec.model.router_bias_rate, finite)
     opt.zero_grad(set_to_none=True)
     return pending
 

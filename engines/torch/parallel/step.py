@@ -33,7 +33,7 @@ from engines.checkpoint import CheckpointError, load_checkpoint, missing_parent_
 from engines.data import TokenStream
 from engines.options import EngineOptions
 from engines.torch.experts import kernels_here
-from engines.torch.model import init_params
+from engines.torch.model import init_params, move_router_bias
 from engines.torch.parallel.checkpoint import (
     SHARDED,
     latest_sharded,
@@ -134,11 +134,7 @@ class ParallelStep:
         if finite:  # a non-finite step is not applied (every rank sees the same global values)
             opt.step()
             if m.router_bias_balancing:
-                with torch.no_grad():
-                    load_LE = out["load_LE"]
-                    upd_LE = m.router_bias_rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
-                    for i, blk in enumerate(model.blocks):
-                        blk.moe.router_bias.add_(upd_LE[i])
+                move_router_bias(model, out["load_LE"], m.router_bias_rate)
         opt.zero_grad(set_to_none=True)
         return vals, finite
 
