@@ -129,8 +129,9 @@ def _worker_loop(config: dict) -> None:
     dist.barrier()
 
 
-def trainer_for(spec: Spec, run_dir: Path, max_failures: int = MAX_FAILURES):
-    """The TorchTrainer of a multi-worker spec (not started)."""
+def trainer_for(spec: Spec, run_dir: Path, max_failures: int = MAX_FAILURES, options: EngineOptions | None = None):
+    """The TorchTrainer of a multi-worker spec (not started); options: the engine options its
+    workers train under (default: the environment's, read here)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -141,7 +142,7 @@ def trainer_for(spec: Spec, run_dir: Path, max_failures: int = MAX_FAILURES):
     run = RunConfig(name=f"{spec.name}-{spec.id}", storage_path=str((run_dir / "ray_train").resolve()),
                     failure_config=FailureConfig(max_failures=max_failures))
     config = {"spec": spec.model_dump_json(), "run_dir": str(run_dir.resolve()), "gpu": gpu,
-              "options": EngineOptions.from_env().to_dict()}  # read here, where the launch starts
+              "options": (options or EngineOptions.from_env()).to_dict()}
     return TorchTrainer(_worker_loop, train_loop_config=config, torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
                         scaling_config=scaling, run_config=run)
 
@@ -170,8 +171,8 @@ def _read_records(path: Path, offset: int, next_step: int) -> tuple[list[StepMet
     return out, offset
 
 
-def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True,
-                     max_failures: int = MAX_FAILURES) -> Iterator[StepMetrics]:
+def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True, max_failures: int = MAX_FAILURES,
+                     options: EngineOptions | None = None) -> Iterator[StepMetrics]:
     """Run the spec as a Ray Train job on the connected Ray cluster; yield each step's record as
     rank 0 writes it. Raises LaunchError for a layout that cannot work, RuntimeError when the job
     fails more than max_failures times."""
@@ -198,7 +199,7 @@ def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True,
 
     def fit() -> None:
         try:
-            box["result"] = trainer_for(spec, run_dir, max_failures).fit()
+            box["result"] = trainer_for(spec, run_dir, max_failures, options).fit()
         except BaseException as err:  # TrainingFailedError and the like: re-raised below
             box["error"] = err
 
