@@ -28,6 +28,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.metric_names import MetricNames
+from core import env
 from core.rundir import iter_run_dirs, parse_metrics_lines
 from core.schedule import lr_at
 from core.spec import load_spec
@@ -315,8 +316,8 @@ def _run_dir_facts(run_dir: Path) -> tuple[Any, str | None]:
 
 def _ledger_run_dir(run_id: str, root: str | Path | None) -> Path | None:
     """The run dir of a spec id (or a unique prefix of one, or a spec name) under a ladder root's
-    runs/<experiment>/<name>-<id>/ (root: --root, else $LADDER_ROOT, else ./.ladder); None if unknown."""
-    base = Path(root or os.environ.get("LADDER_ROOT") or ".ladder").expanduser() / "runs"
+    runs/<experiment>/<name>-<id>/ (root: --root, else $MOE_LADDER_ROOT, else ./.ladder); None if unknown."""
+    base = Path(root or env.text("ROOT") or ".ladder").expanduser() / "runs"
     if not base.is_dir():
         return None
     dirs = [rd.path for rd in iter_run_dirs(base)]

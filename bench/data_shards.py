@@ -45,7 +45,7 @@ def main(argv=None) -> int:
     import torch
 
     from engines.data import TokenStream
-    from engines.torch.engine import build_optimizer
+    from engines.torch.step import build_optimizer
     from engines.torch.model import MoETransformer, init_params, loss_terms
     from ladder.experiment import load_experiment
 

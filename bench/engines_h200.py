@@ -229,7 +229,7 @@ def run_hf(spec, batches, warmup):
             "attn_implementation": str(getattr(model.config, "_attn_implementation", None)),
             "params": sum(p.numel() for p in model.parameters())}
 
-    from engines.torch.engine import HostCopy, to_device
+    from engines.torch.step import HostCopy, to_device
 
     def launch(b):  # the engines' host handling (pinned upload, loss read after the next launch)
         x = to_device(b, torch.device(DEVICE))
@@ -260,20 +260,16 @@ def env_vars(env: dict | None):
                 os.environ[k] = v
 
 
-def torch_options(options: dict | None = None, env: dict | None = None):
-    """The torch engine's EngineOptions for a variant: the environment's switches with the
-    variant's env on top (MOE_LADDER_TORCH_MASTER, MOE_LADDER_TORCH_COMPILE, ...), then its kernel
-    choices (engines/options.TorchKernels fields; MOE_LADDER_TORCH_ADAMW in env sets `adamw`)."""
+def torch_options(options: dict | None = None, engine: dict | None = None):
+    """The torch engine's EngineOptions for a variant: the environment's ($MOE_LADDER_OPTIONS) with
+    the variant's engine fields on top (torch_master, ...), then its kernel choices
+    (engines/options.TorchKernels fields)."""
     import dataclasses
 
     from engines.options import EngineOptions
 
-    env = dict(env or {})
-    base = EngineOptions.from_env({**os.environ, **env})
-    kernels = dict(options or {})
-    if env.get("MOE_LADDER_TORCH_ADAMW"):
-        kernels["adamw"] = env["MOE_LADDER_TORCH_ADAMW"]
-    return base.replace(torch_kernels=dataclasses.replace(base.torch_kernels, **kernels))
+    base = EngineOptions.from_env().replace(**(engine or {}))
+    return base.replace(torch_kernels=dataclasses.replace(base.torch_kernels, **(options or {})))
 
 
 def torch_trainer(spec, options=None):
@@ -283,7 +279,7 @@ def torch_trainer(spec, options=None):
     options: an engines.options.EngineOptions (default: the environment's switches)."""
     import torch
 
-    from engines.torch.engine import build_optimizer, launch_step, make_loss_fn, queue_update, read_step, to_device
+    from engines.torch.step import build_optimizer, launch_step, make_loss_fn, queue_update, read_step, to_device
     from engines.torch.model import MoETransformer, init_params
 
     options = options or torch_options()
@@ -375,30 +371,29 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None, kernels
     return launch, read, sync, close, info
 
 
-def run_torch(spec, batches, warmup, options: dict | None = None, env: dict | None = None,
+def run_torch(spec, batches, warmup, options: dict | None = None, engine: dict | None = None,
               adamw_block: int | None = None, profile_steps: int = 0):
     import torch
 
-    from engines.torch import adamw_kernel
+    from engines.torch.kernels import adamw_kernel
 
     saved_block = dict(adamw_kernel.BLOCK)
     if adamw_block:
         adamw_kernel.BLOCK.update({k: adamw_block for k in adamw_kernel.BLOCK})
-    opts = torch_options(options, env)
+    opts = torch_options(options, engine)
     try:
-        with env_vars(env):  # switches the engine reads as it builds and steps
-            torch._dynamo.reset()
-            launch, read = torch_trainer(spec, opts)
-            out, dt, t_warm = timed_loop(launch, read, batches, warmup, sync)
-            info = {"options": opts.to_dict(), "env": dict(env or {}),
-                    "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
-                    "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]])),
-                    "tokens_per_s_read_at_once": read_at_once_tps(launch, read, batches[warmup:], sync)}
-            if profile_steps:  # after the timed steps, so the profiler costs them nothing
-                info["breakdown"] = step_breakdown(launch, read, batches[warmup:], spec.model.model_dump(),
-                                                   profile_steps)
-            del launch, read
-            return [o[0] for o in out], dt, t_warm, info
+        torch._dynamo.reset()
+        launch, read = torch_trainer(spec, opts)
+        out, dt, t_warm = timed_loop(launch, read, batches, warmup, sync)
+        info = {"options": opts.to_dict(), "engine": dict(engine or {}),
+                "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
+                "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]])),
+                "tokens_per_s_read_at_once": read_at_once_tps(launch, read, batches[warmup:], sync)}
+        if profile_steps:  # after the timed steps, so the profiler costs them nothing
+            info["breakdown"] = step_breakdown(launch, read, batches[warmup:], spec.model.model_dump(),
+                                               profile_steps)
+        del launch, read
+        return [o[0] for o in out], dt, t_warm, info
     finally:
         adamw_kernel.BLOCK.update(saved_block)
         torch._dynamo.reset()  # compiled graphs can hold the model's tensors; JAX runs next
@@ -668,7 +663,7 @@ def main(argv=None) -> int:
                 # the engine's defaults failed: measure the options an earlier H200 run passed with
                 run_variant(name + "_fallback", runner, spec, batches, key,
                             options={"attn_backend": None, "grouped_mm_weights": "kmajor"},
-                            env={"MOE_LADDER_TORCH_MASTER": "0"})
+                            engine={"torch_master": False})
             if name == "torchtitan" and DEVICE == "cuda":  # its CUDA graph capture failed? run without
                 run_variant("torchtitan_nographs", runner, spec, batches, key, peer="torchtitan", cuda_graphs=False)
             if name == "olmo-core_v1" and DEVICE == "cuda":  # its compile failed? run eager
@@ -704,77 +699,76 @@ def main(argv=None) -> int:
     runners = {
         # the engine's fast path with the working copies it keeps for runs of 40 minutes or
         # more (a bench run is far shorter, so they are asked for)
-        "ref": (run_hf, {}), "torch": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}}),
-        "torch_cap": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}}),
+        "ref": (run_hf, {}), "torch": (run_torch, {"engine": {"torch_master": True}}),
+        "torch_cap": (run_torch, {"engine": {"torch_master": True}}),
         "torch_eager": (run_torch, {"options": {"compile": "none"}}),
         "torch_dense": (run_torch, {"options": {"compile": "dense"}}),
         "torch_cudnn": (run_torch, {"options": {"attn_backend": "cudnn"}}),
         "torch_nmajor": (run_torch, {"options": {"grouped_mm_weights": "nmajor"}}),
         # the compiled blocks and head replayed as CUDA graphs (no kernel-to-kernel launch gaps),
         # with Inductor's combine gradient
-        "torch_cudagraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        "torch_cudagraphs": (run_torch, {"engine": {"torch_master": True},
                                          "options": {"compile": "block-cudagraphs", "combine_grad": "inductor"}}),
         # the combine's and dispatch backward's gather-and-sum fused by Inductor instead of by
-        # engines/torch/gather.py's Triton kernels (the default where Triton is installed)
-        "torch_inductorgather": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        # engines/torch/kernels/gather.py's Triton kernels (the default where Triton is installed)
+        "torch_inductorgather": (run_torch, {"engine": {"torch_master": True},
                                              "options": {"gather": "inductor"}}),
         # the expert matmuls' weight gradients by _grouped_mm's backward instead of
-        # engines/torch/grouped_dw.py's kernel
-        "torch_torchdw": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        # engines/torch/kernels/grouped_dw.py's kernel
+        "torch_torchdw": (run_torch, {"engine": {"torch_master": True},
                                       "options": {"grouped_dw": "torch"}}),
-        # the experts' SwiGLU inside the grouped matmuls' epilogues (engines/torch/swiglu_gemm.py)
-        "torch_fusedswiglu": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        # the experts' SwiGLU inside the grouped matmuls' epilogues (engines/torch/kernels/swiglu_gemm.py)
+        "torch_fusedswiglu": (run_torch, {"engine": {"torch_master": True},
                                           "options": {"experts": "fused"}}),
         # the same, and the dispatch's row gather inside the up matmul and its weight gradient
-        "torch_fusedgather": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        "torch_fusedgather": (run_torch, {"engine": {"torch_master": True},
                                           "options": {"experts": "fused-gather"}}),
         # MasterAdamW's update as Inductor's graphs per parameter group instead of its default,
-        # one Triton kernel per tensor (engines/torch/adamw_kernel.py)
-        "torch_compileadam": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1",
-                                                  "MOE_LADDER_TORCH_ADAMW": "compile"}}),
+        # one Triton kernel per tensor (engines/torch/kernels/adamw_kernel.py)
+        "torch_compileadam": (run_torch, {"engine": {"torch_master": True}, "options": {"adamw": "compile"}}),
         # the router's logits matmul on fp32 SIMT cores instead of TF32 tensor cores (tf32.py's op)
-        "torch_fp32router": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"router": "fp32"}}),
-        # the experts' SwiGLU backward by Inductor instead of engines/torch/swiglu.py's kernel
-        "torch_inductorswiglu": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        "torch_fp32router": (run_torch, {"engine": {"torch_master": True}, "options": {"router": "fp32"}}),
+        # the experts' SwiGLU backward by Inductor instead of engines/torch/kernels/swiglu.py's kernel
+        "torch_inductorswiglu": (run_torch, {"engine": {"torch_master": True},
                                              "options": {"swiglu": "inductor"}}),
         # Adam's moments stored in bf16 (the spec's optim.moments; 20 bytes a parameter instead of 28)
-        "torch_bf16moments": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"}}),
+        "torch_bf16moments": (run_torch, {"engine": {"torch_master": True}, "optim": {"moments": "bf16"}}),
         # RoPE on q and k transposed to [B, H, S, Q] (the default before bshq)
-        "torch_ropebhsq": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"rope_layout": "bhsq"}}),
-        # the output head's losses fused by Inductor instead of engines/torch/xent.py's kernels
-        "torch_inductorxent": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"xent": "inductor"}}),
+        "torch_ropebhsq": (run_torch, {"engine": {"torch_master": True}, "options": {"rope_layout": "bhsq"}}),
+        # the output head's losses fused by Inductor instead of engines/torch/kernels/xent.py's kernels
+        "torch_inductorxent": (run_torch, {"engine": {"torch_master": True}, "options": {"xent": "inductor"}}),
         # the combine's backward for the sorted rows by gather.py's gather-scale kernel instead of
         # Inductor's fusion, without CUDA graphs; and the same with bf16 moments
-        "torch_combinekernel": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        "torch_combinekernel": (run_torch, {"engine": {"torch_master": True},
                                             "options": {"combine_grad": "triton", "compile": "block"}}),
-        "torch_combinebf16": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"},
+        "torch_combinebf16": (run_torch, {"engine": {"torch_master": True}, "optim": {"moments": "bf16"},
                                           "options": {"combine_grad": "triton", "compile": "block"}}),
         # the combine kernel with the blocks and head replayed as CUDA graphs (the defaults since
         # run T in docs/results/engines-h200.md, where Triton is installed)
-        "torch_combinegraphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        "torch_combinegraphs": (run_torch, {"engine": {"torch_master": True},
                                             "options": {"combine_grad": "triton", "compile": "block-cudagraphs"}}),
         # the defaults before CUDA graphs and the combine kernel were (blocks compiled, Inductor's
         # combine gradient)
-        "torch_nographs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        "torch_nographs": (run_torch, {"engine": {"torch_master": True},
                                        "options": {"compile": "block", "combine_grad": "inductor"}}),
         # MasterAdamW's kernel at 1,024 elements a program for fp32 moments too (the block before)
-        "torch_block1024": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "adamw_block": 1024}),
+        "torch_block1024": (run_torch, {"engine": {"torch_master": True}, "adamw_block": 1024}),
         # bf16 moments with the default graphs and combine kernel
-        "torch_bf16graphs": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "optim": {"moments": "bf16"},
+        "torch_bf16graphs": (run_torch, {"engine": {"torch_master": True}, "optim": {"moments": "bf16"},
                                          "options": {"combine_grad": "triton", "compile": "block-cudagraphs"}}),
         # the matmuls cast the fp32 masters every step, torch's fused AdamW (no working copies)
-        "torch_castmasters": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "0"}}),
+        "torch_castmasters": (run_torch, {"engine": {"torch_master": False}}),
         # a sliding window (the d768 shape) through SDPA with a dense [S, S] mask instead of
         # FlexAttention's block mask (the default on a GPU before)
-        "torch_maskattn": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        "torch_maskattn": (run_torch, {"engine": {"torch_master": True},
                                        "options": {"window_attention": "mask"}}),
-        "torch_maskattn_cap": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        "torch_maskattn_cap": (run_torch, {"engine": {"torch_master": True},
                                            "options": {"window_attention": "mask"}}),
         # plain causal attention (the OLMoE shape) through FlexAttention instead of SDPA's cuDNN kernel
-        "torch_flexcausal": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"},
+        "torch_flexcausal": (run_torch, {"engine": {"torch_master": True},
                                          "options": {"causal_attention": "flex"}}),
-        # the router's top-k by torch.topk instead of engines/torch/topk.py's kernel
-        "torch_torchtopk": (run_torch, {"env": {"MOE_LADDER_TORCH_MASTER": "1"}, "options": {"topk": "torch"}}),
+        # the router's top-k by torch.topk instead of engines/torch/kernels/topk.py's kernel
+        "torch_torchtopk": (run_torch, {"engine": {"torch_master": True}, "options": {"topk": "torch"}}),
         "jax": (run_jax, {}), "jax_cap": (run_jax, {}),
         # the peers at their own recommended settings (bench/peers.py)
         "olmo-core": (run_peer, {"peer": "olmo-core"}), "torchtitan": (run_peer, {"peer": "torchtitan"}),
@@ -783,7 +777,7 @@ def main(argv=None) -> int:
         "jax_bf16moments": (run_jax, {"optim": {"moments": "bf16"}}),
         # the expert matmuls with one Mosaic-GPU tile configuration (fast.MGPU) instead of the
         # per-matmul ones tuned by bench/tune_mgpu.py
-        "jax_defaulttiles": (run_jax, {"env": {"MOE_LADDER_JAX_MGPU": "default"}}),
+        "jax_defaulttiles": (run_jax, {"env": {"MOE_LADDER_OPTIONS": "jax_mgpu=default"}}),
         # XLA's own GEMM choice without its Triton GEMM fusions (cuBLAS for every matmul)
         "jax_cublas": (run_jax, {"compiler_options": {"xla_gpu_enable_triton_gemm": False}}),
         # the head's losses by autodiff over fp32 logits instead of engines/jax/loss.py's custom VJP

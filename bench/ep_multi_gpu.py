@@ -8,9 +8,9 @@ against one GPU running the same spec with the EP shards emulated.
 
 For each EP size k the spec's model.ep_size is k (so the capacities, and the drops, are those of
 k shards) and two runs train on the same real-text batches from step 0:
-- `ep`: `python -m torch.distributed.run --nproc_per_node k -m engines.torch.ep_train` (one
+- `ep`: `python -m torch.distributed.run --nproc_per_node k -m engines.torch.parallel.train` (one
   process per GPU, experts resident on their GPU, pooled-wave all_to_all_single per wave);
-- `single`: one GPU with the engine's own train step (engines/torch/engine.py launch_step +
+- `single`: one GPU with the engine's own train step (engines/torch/step.py launch_step +
   finish_step: the fast path of engines/torch/fast.py), the k shards emulated.
 With `--engine jax` the same two runs use the JAX engine's jitted step: `ep` in a process that
 sees k GPUs, whose 1-D mesh shards the routed experts (and their moments) and runs the pooled-wave
@@ -124,7 +124,7 @@ def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
     step loss, drops, seconds; peak memory."""
     import torch
 
-    from engines.torch.engine import build_optimizer, cpu_threads, finish_step, launch_step, make_loss_fn
+    from engines.torch.step import build_optimizer, cpu_threads, finish_step, launch_step, make_loss_fn
     from engines.torch.model import MoETransformer, init_params
     from core.spec import load_spec
 
@@ -203,7 +203,7 @@ def _env(gpu: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1", **NO_MULTICAST)
     if not gpu:
-        env.update(OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1")
+        env.update(OMP_NUM_THREADS="1", MOE_LADDER_OPTIONS="cpu_threads=1")
     return env
 
 
@@ -230,7 +230,7 @@ def run_ep(ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, time
 
     shutil.rmtree(run_dir, ignore_errors=True)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ep),
-           "-m", "engines.torch.ep_train", str(spec_path), "--run-dir", str(run_dir), "--no-checkpoints",
+           "-m", "engines.torch.parallel.train", str(spec_path), "--run-dir", str(run_dir), "--no-checkpoints",
            "--log-every", "10", "--device", "cuda" if gpu else "cpu"]
     log("ep", ep, ":", " ".join(cmd[1:]))
     t = time.perf_counter()
@@ -246,7 +246,7 @@ def run_ep(ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, time
         row["tokens"] = r["tokens"] - prev
         prev = r["tokens"]
         row["seconds"] = row["tokens"] / r["tokens_per_s"]
-    summary = json.loads((run_dir / "ep.json").read_text())
+    summary = json.loads((run_dir / "mesh.json").read_text())
     peaks = [r["peak_memory_bytes"] for r in summary["ranks"]]
     out = _summarise("ep", ep, rows, peaks, warmup, summary["ranks"][0]["device"], wall)
     out["backend"] = summary["backend"]

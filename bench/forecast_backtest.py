@@ -384,7 +384,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--ladder", type=Path, action="append", default=None,
                     help="a ladder's run directories (default: the CPU demo's under --root, and docs/results/h200_ladder)")
-    ap.add_argument("--root", default=None, help="ladder root for the CPU demo (default $LADDER_ROOT or ./.ladder)")
+    ap.add_argument("--root", default=None, help="ladder root for the CPU demo (default $MOE_LADDER_ROOT or ./.ladder)")
     ap.add_argument("--no-train", action="store_true", help="do not train the CPU demo's missing runs")
     ap.add_argument("--boot", type=int, default=16, help="bootstrap refits per curve fit")
     ap.add_argument("--markdown", action="store_true", help="print the Markdown table at the end")

@@ -133,11 +133,11 @@ DW_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 128, 8, 3),
 
 def bench_grouped():
     """torch._grouped_mm's three roles apart (forward, input gradient, weight gradient) for both
-    expert matmuls of the bench shape, against engines/torch/grouped_dw.py's weight gradient."""
+    expert matmuls of the bench shape, against engines/torch/kernels/grouped_dw.py's weight gradient."""
     import torch
 
-    from engines.torch import swiglu_gemm as S
-    from engines.torch.grouped_dw import launch_grouped_dw
+    from engines.torch.kernels import swiglu_gemm as S
+    from engines.torch.kernels.grouped_dw import launch_grouped_dw
 
     dev, bf = DEV, torch.bfloat16
     offs = torch.cumsum(torch.tensor(routing_sizes(), device=dev), 0, dtype=torch.int32)
@@ -188,13 +188,13 @@ SWIGLU_CONFIGS = [(128, 128, 64, 8, 3), (128, 128, 64, 8, 4), (128, 128, 32, 8, 
 
 
 def bench_swiglu():
-    """The experts' SwiGLU in the grouped matmuls' epilogues (engines/torch/swiglu_gemm.py) against
+    """The experts' SwiGLU in the grouped matmuls' epilogues (engines/torch/kernels/swiglu_gemm.py) against
     _grouped_mm followed by Inductor's elementwise kernel: the up matmul + SwiGLU forward, and
     the down matmul's input gradient + SwiGLU backward, at the bench shape."""
     import torch
     import torch.nn.functional as F
 
-    from engines.torch import swiglu_gemm as S
+    from engines.torch.kernels import swiglu_gemm as S
 
     dev, bf = DEV, torch.bfloat16
     offs = torch.cumsum(torch.tensor(routing_sizes(), device=dev), 0, dtype=torch.int32)
@@ -255,7 +255,7 @@ def bench_optimizer():
     TB/s of its 28 bytes a parameter (20 with bf16 moments)."""
     import torch
 
-    from engines.torch import adamw_kernel as K
+    from engines.torch.kernels import adamw_kernel as K
     from engines.torch.master import foreach_norms
 
     dev, bf, f32 = DEV, torch.bfloat16, torch.float32

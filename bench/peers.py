@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from engines.torch.engine import to_device
+from engines.torch.step import to_device
 
 PEERS = ("olmo-core", "torchtitan")
 

@@ -89,7 +89,6 @@ def main(argv=None) -> int:
     ap.add_argument("--env", default="", help="KEY=VALUE,... set before the engine runs")
     ap.add_argument("--engine", default="torch", choices=("torch", "jax"))
     args = ap.parse_args(argv)
-    os.environ.setdefault("MOE_LADDER_TORCH_MASTER", "1")  # as the torch engine runs long runs
     for kv in filter(None, args.env.split(",")):
         k, v = kv.split("=", 1)
         os.environ[k] = v
@@ -116,7 +115,7 @@ def main(argv=None) -> int:
 
     stream = TokenStream.from_spec(spec)
     batches = [stream.batch(i) for i in range(n)]
-    launch, read = eb.torch_trainer(spec)
+    launch, read = eb.torch_trainer(spec, eb.torch_options(engine={"torch_master": True}))  # as long runs train
 
     eb.run_steps(launch, read, batches[: args.warmup])
     eb.sync()

@@ -20,7 +20,7 @@ lax.ragged_dot, or from one fp32-accumulated product an expert for the weight gr
 to the output's largest value), and
 prints and writes <out>/tune_mgpu.json: each op's time under engines/jax/fast.py's current choice
 and under the best configuration found, in TFLOP/s. The winners go to <out>/mgpu_tiles.json, a
-tile file the JAX engine reads from $MOE_LADDER_JAX_MGPU_TILES (fast.MGPU_TUNED holds the bench
+tile file the JAX engine reads from $MOE_LADDER_OPTIONS jax_mgpu_tiles (fast.MGPU_TUNED holds the bench
 shape's).
 """
 
@@ -187,11 +187,11 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "tune_mgpu.json").write_text(json.dumps(results, indent=1))
-    # the winners as a tile file the JAX engine reads from $MOE_LADDER_JAX_MGPU_TILES
+    # the winners as a tile file the JAX engine reads from $MOE_LADDER_OPTIONS jax_mgpu_tiles
     tiles = [{"op": r["key"][0], "m": r["key"][1], "n": r["key"][2], "config": r["best"]["cfg"]}
              for r in results.values() if r.get("best") is not None]
     (out / "mgpu_tiles.json").write_text(json.dumps({"tiles": tiles}, indent=1))
-    print(f"{len(tiles)} tuned matmuls in {out / 'mgpu_tiles.json'} (MOE_LADDER_JAX_MGPU_TILES=that path)")
+    print(f"{len(tiles)} tuned matmuls in {out / 'mgpu_tiles.json'} (MOE_LADDER_OPTIONS=jax_mgpu_tiles=that path)")
     return 0
 
 

@@ -96,7 +96,7 @@ def memory_per_gpu(
     """Bytes per GPU: routed experts sharded over the EP domain, everything else (dense layers,
     embeddings) sharded over all GPUs ZeRO-3 style; activations for `micro_batch_seqs` sequences.
     With mesh=(dp, ep) (default: hardware.workers / model.ep_size by model.ep_size for a spec of
-    several workers), the (data x expert) mesh of engines/torch/dist: the dense parameters over
+    several workers), the (data x expert) layout of engines/torch/parallel: the dense parameters over
     all dp * ep devices and each expert shard also over its dp replicas (FSDP2), so every
     parameter, gradient and moment is split dp * ep ways.
     Activations per token per layer: the layer input kept for recomputation (2 bytes x d) with

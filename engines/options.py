@@ -5,15 +5,16 @@ passed to the engine, and written into status.json and every checkpoint's state.
 says which kernels it used. It never enters a spec's identity: the same spec under other options
 is the same run (the results agree to the kernels' rounding).
 
-Switches read from the environment (the switch table of docs/guides/engines.md):
+The environment sets them through one variable (core/env.py), MOE_LADDER_OPTIONS, a list of
+key=value settings, e.g. MOE_LADDER_OPTIONS="torch_ep=processes,cpu_threads=1":
 
-    MOE_LADDER_TORCH_FAST      1 | 0                          the CUDA fast path, or the reference forward
-    MOE_LADDER_TORCH_MASTER    (unset) | 1 | 0                bf16 working copies written by the optimizer
-    MOE_LADDER_TORCH_COMPILE   block-cudagraphs | block | dense | none
-    MOE_LADDER_TORCH_EP        auto | emulate | processes     an ep_size > 1 spec in processes or emulated
-    MOE_LADDER_JAX_MGPU        1 | default | 0                Mosaic-GPU ragged dots: tuned tiles, one tile, off
-    MOE_LADDER_JAX_MGPU_TILES  a path                         a tile file of bench/tune_mgpu.py
-    MOE_LADDER_CPU_THREADS     a count                        torch threads of a CPU run
+    torch_fast      1 | 0                                  the CUDA fast path, or the reference forward
+    torch_master    1 | 0 (unset: per run)                 bf16 working copies written by the optimizer
+    torch_compile   block-cudagraphs | block | dense | none
+    torch_ep        auto | emulate | processes             an ep_size > 1 spec in processes or emulated
+    jax_mgpu        1 | default | 0                        Mosaic-GPU ragged dots: tuned tiles, one tile, off
+    jax_mgpu_tiles  a path                                 a tile file of bench/tune_mgpu.py
+    cpu_threads     a count                                torch threads of a CPU run
 
 The torch and JAX kernel choices whose alternatives measured slower (TorchKernels and JaxKernels
 below; docs/results/engines-h200.md has the measurements) are fields only: a bench builds EngineOptions
@@ -24,13 +25,15 @@ Triton choice falls back to its compiled form (TorchKernels.without_triton).
 from __future__ import annotations
 
 import dataclasses
-import os
 from dataclasses import dataclass, field
-from typing import Mapping
+from typing import Literal, Mapping, get_args
 
-COMPILE_MODES = ("block-cudagraphs", "block", "dense", "none")
-EP_LAYOUTS = ("auto", "emulate", "processes")
-MGPU_MODES = ("1", "default", "0")
+from core import env as environment
+
+CompileMode = Literal["block-cudagraphs", "block", "dense", "none"]
+EPLayout = Literal["auto", "emulate", "processes"]
+MGPUMode = Literal["1", "default", "0"]
+COMPILE_MODES, EP_LAYOUTS, MGPU_MODES = get_args(CompileMode), get_args(EPLayout), get_args(MGPUMode)
 
 
 class OptionsError(ValueError):
@@ -44,7 +47,7 @@ class TorchKernels:
 
     # "block-cudagraphs": blocks and head compiled and replayed as CUDA graphs; "block": the same
     # without graphs; "dense": all but the expert dispatch; "none": eager
-    compile: str = "block-cudagraphs"
+    compile: CompileMode = "block-cudagraphs"
     # SDPA kernels in order of preference ("cudnn": cuDNN, then flash, efficient, math); None: SDPA's own
     attn_backend: str | None = "cudnn"
     # a sliding window on a GPU: "flex" (FlexAttention with a block mask, skipping the blocks
@@ -54,26 +57,26 @@ class TorchKernels:
     causal_attention: str = "sdpa"
     # weights as _grouped_mm reads them: "nmajor" [E, K, N] as stored, or "kmajor" (a transposed copy)
     grouped_mm_weights: str = "nmajor"
-    # dropless combine and dispatch backward: "triton" (engines/torch/gather.py) or "inductor"
+    # dropless combine and dispatch backward: "triton" (engines/torch/kernels/gather.py) or "inductor"
     gather: str = "triton"
-    # expert matmuls' weight gradient: "triton" (engines/torch/grouped_dw.py) or "torch" (_grouped_mm's)
+    # expert matmuls' weight gradient: "triton" (engines/torch/kernels/grouped_dw.py) or "torch" (_grouped_mm's)
     grouped_dw: str = "triton"
-    # the experts' SwiGLU: "grouped", "fused" (in the matmul epilogues, engines/torch/swiglu_gemm.py)
+    # the experts' SwiGLU: "grouped", "fused" (in the matmul epilogues, engines/torch/kernels/swiglu_gemm.py)
     # or "fused-gather" (the dispatch's row gather fused too)
     experts: str = "grouped"
-    # the router's top-k: "triton" (engines/torch/topk.py) or "torch" (torch.topk)
+    # the router's top-k: "triton" (engines/torch/kernels/topk.py) or "torch" (torch.topk)
     topk: str = "triton"
-    # the router's logits matmul: "tf32" (tensor cores, engines/torch/tf32.py) or "fp32"
+    # the router's logits matmul: "tf32" (tensor cores, engines/torch/kernels/tf32.py) or "fp32"
     router: str = "tf32"
     # where RoPE runs: "bshq" (the projection's own layout) or "bhsq" (transposed as SDPA reads it)
     rope_layout: str = "bshq"
-    # the output head's losses: "triton" (engines/torch/xent.py) or "inductor"
+    # the output head's losses: "triton" (engines/torch/kernels/xent.py) or "inductor"
     xent: str = "triton"
-    # the experts' SwiGLU backward: "triton" (engines/torch/swiglu.py) or "inductor"
+    # the experts' SwiGLU backward: "triton" (engines/torch/kernels/swiglu.py) or "inductor"
     swiglu: str = "triton"
     # with gather "triton", the combine's backward for the sorted rows: "triton" or "inductor"
     combine_grad: str = "triton"
-    # MasterAdamW's update: "triton" (engines/torch/adamw_kernel.py) or "compile" (Inductor)
+    # MasterAdamW's update: "triton" (engines/torch/kernels/adamw_kernel.py) or "compile" (Inductor)
     adamw: str = "triton"
 
     def without_triton(self) -> "TorchKernels":
@@ -113,53 +116,53 @@ class JaxKernels:
 class EngineOptions:
     torch_fast: bool = True
     torch_master: bool | None = None  # None: decided per run (engines/torch/fast.working_copies_enabled)
-    torch_ep: str = "auto"
+    torch_ep: EPLayout = "auto"
     torch_kernels: TorchKernels = field(default_factory=TorchKernels)
-    jax_mgpu: str = "1"
+    jax_mgpu: MGPUMode = "1"
     jax_mgpu_tiles: str | None = None
     jax_kernels: JaxKernels = field(default_factory=JaxKernels)
     cpu_threads: int | None = None  # None: one for tiny steps, else torch's own
 
     def __post_init__(self):
-        if self.torch_ep not in EP_LAYOUTS:
-            raise OptionsError(f"MOE_LADDER_TORCH_EP={self.torch_ep!r}: choose one of {', '.join(EP_LAYOUTS)}")
-        if self.jax_mgpu not in MGPU_MODES:
-            raise OptionsError(f"MOE_LADDER_JAX_MGPU={self.jax_mgpu!r}: choose one of {', '.join(MGPU_MODES)}")
-        if self.torch_kernels.compile not in COMPILE_MODES:
-            raise OptionsError(f"MOE_LADDER_TORCH_COMPILE={self.torch_kernels.compile!r}: "
-                               f"choose one of {', '.join(COMPILE_MODES)}")
+        for name, value, allowed in (("torch_ep", self.torch_ep, EP_LAYOUTS), ("jax_mgpu", self.jax_mgpu, MGPU_MODES),
+                                     ("torch_compile", self.torch_kernels.compile, COMPILE_MODES)):
+            if value not in allowed:
+                raise OptionsError(f"{name}={value!r}: choose one of {', '.join(allowed)}")
         if self.cpu_threads is not None and self.cpu_threads < 1:
-            raise OptionsError(f"MOE_LADDER_CPU_THREADS={self.cpu_threads}: must be a count >= 1")
+            raise OptionsError(f"cpu_threads={self.cpu_threads}: must be a count >= 1")
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "EngineOptions":
-        """The options the environment's switches choose (unset ones keep their defaults); a bad
-        value is an OptionsError naming the switch."""
-        env = os.environ if env is None else env
+        """The options $MOE_LADDER_OPTIONS sets (unset ones keep their defaults); a bad key or
+        value is an OptionsError naming the variable and the key."""
+        given = environment.settings("OPTIONS", env)
+        name = environment.var("OPTIONS")
 
-        def flag(name: str, default: bool | None) -> bool | None:
-            raw = env.get(name, "")
-            if raw == "":
-                return default
-            if raw not in ("0", "1"):
-                raise OptionsError(f"{name}={raw!r}: choose 1 or 0")
-            return raw == "1"
+        def flag(key: str) -> bool:
+            if given[key] not in ("0", "1"):
+                raise OptionsError(f"{name} {key}={given[key]!r}: choose 1 or 0")
+            return given[key] == "1"
 
-        threads = env.get("MOE_LADDER_CPU_THREADS", "")
+        values: dict = {}
+        for key, raw in given.items():
+            if key in ("torch_fast", "torch_master"):
+                values[key] = flag(key)
+            elif key == "cpu_threads":
+                try:
+                    values[key] = int(raw)
+                except ValueError:
+                    raise OptionsError(f"{name} cpu_threads={raw!r}: not a count") from None
+            elif key == "torch_compile":
+                values["torch_kernels"] = TorchKernels(compile=raw)
+            elif key in ("torch_ep", "jax_mgpu", "jax_mgpu_tiles"):
+                values[key] = raw
+            else:
+                raise OptionsError(f"{name} {key}={raw!r}: not an option (choose torch_fast, torch_master, "
+                                   "torch_compile, torch_ep, jax_mgpu, jax_mgpu_tiles or cpu_threads)")
         try:
-            cpu_threads = int(threads) if threads else None
-        except ValueError:
-            raise OptionsError(f"MOE_LADDER_CPU_THREADS={threads!r}: not a count") from None
-        kernels = TorchKernels(compile=env.get("MOE_LADDER_TORCH_COMPILE") or TorchKernels.compile)
-        return cls(
-            torch_fast=flag("MOE_LADDER_TORCH_FAST", True),
-            torch_master=flag("MOE_LADDER_TORCH_MASTER", None),
-            torch_ep=env.get("MOE_LADDER_TORCH_EP") or "auto",
-            torch_kernels=kernels,
-            jax_mgpu=env.get("MOE_LADDER_JAX_MGPU") or "1",
-            jax_mgpu_tiles=env.get("MOE_LADDER_JAX_MGPU_TILES") or None,
-            cpu_threads=cpu_threads,
-        )
+            return cls(**values)
+        except OptionsError as err:
+            raise OptionsError(f"{name} {err}") from None
 
     def replace(self, **changes) -> "EngineOptions":
         return dataclasses.replace(self, **changes)

@@ -8,7 +8,7 @@ Layout. A source's shards live in $MOE_LADDER_CACHE/shards/<key>/, where the key
 tokenizer's content, the source's origin (builtin or text_key) and every input file's (path,
 size, mtime): two specs naming the same files with the same tokenizer share one set of shards,
 and a changed file or tokenizer makes a new set. The source's files, in order, are cut into
-chunks of about CHUNK_BYTES of input; chunk i becomes
+chunks of about $MOE_LADDER_LIMITS shard_chunk_bytes of input (core/env.Limits); chunk i becomes
     part-i.bin        the token ids (uint8 for bytes, uint16 below 65,536 ids, else uint32), every
                       document followed by the tokenizer's end-of-text id
     part-i.docs.npy   int64 end offset of every document in the part (the document index)
@@ -42,6 +42,7 @@ from typing import Callable
 
 import numpy as np
 
+from core import env
 from core.fsutil import atomic_write_bytes, atomic_write_json, atomic_writer
 from core.procs import die_with_parent
 from core.spec import SourceSpec
@@ -49,13 +50,12 @@ from engines.sources import BUILTIN_CODE_CAP, PIECE_BYTES, DataError, cache_dir,
 from engines.tokenizer import Tokenizer, load_tokenizer
 
 SHARD_VERSION = 1
-CHUNK_BYTES = 8 * 2**20
 BATCH_BYTES = 4 * 2**20  # text tokenized in one call (a bound on the tokenizer's memory)
 Progress = Callable[[int, int], None]  # (input bytes done, input bytes in all)
 
 
 def chunk_bytes() -> int:
-    return int(os.environ.get("MOE_LADDER_SHARD_CHUNK_BYTES") or CHUNK_BYTES)
+    return env.Limits.from_env().shard_chunk_bytes
 
 
 def _key(source: SourceSpec, tok: Tokenizer, files: list[tuple[str, Path]]) -> str:

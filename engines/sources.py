@@ -36,6 +36,7 @@ import sysconfig
 from pathlib import Path
 from typing import Iterable, Iterator
 
+from core import env
 from core.spec import SourceSpec
 
 BUILTIN_CODE_CAP = 16 * 2**20
@@ -52,11 +53,11 @@ class DataError(ValueError):
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get("MOE_LADDER_CACHE") or Path.home() / ".cache" / "moe-ladder")
+    return env.path("CACHE") or Path.home() / ".cache" / "moe-ladder"
 
 
 def corpus_dir() -> Path:
-    return Path(os.environ.get("MOE_LADDER_CORPUS") or cache_dir() / "corpus").expanduser()
+    return env.path("CORPUS") or cache_dir() / "corpus"
 
 
 def _stdlib_dir() -> Path:

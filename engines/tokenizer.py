@@ -29,13 +29,13 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import numpy as np
 
+from core import env
 from core.fsutil import atomic_write_text
 from core.spec import Spec
 
@@ -55,9 +55,9 @@ class TokenizerError(ValueError):
 def search_paths(name: str) -> list[Path]:
     """Where the preset `name` is looked for, in order."""
     roots = []
-    if os.environ.get("MOE_LADDER_TOKENIZERS"):
-        roots.append(Path(os.environ["MOE_LADDER_TOKENIZERS"]).expanduser())
-    cache = Path(os.environ.get("MOE_LADDER_CACHE") or Path.home() / ".cache" / "moe-ladder")
+    if env.path("TOKENIZERS"):
+        roots.append(env.path("TOKENIZERS"))
+    cache = env.path("CACHE") or Path.home() / ".cache" / "moe-ladder"
     roots.append(cache / "tokenizers")
     out = []
     for r in roots:

@@ -24,7 +24,7 @@ does everything around the steps, the same way for each of them:
                         through core.rundir (MetricsWriter: one record a step, flushed)
 
 The step module interface (StepModule below) is what the torch engine, the JAX engine and the
-multi-process expert-parallel path (engines/torch/ep_train.py) implement. In a multi-process
+multi-process step (engines/torch/parallel/step.py) implement. In a multi-process
 run every process runs the Trainer with its own module; only the lead (rank 0) writes the run
 dir, and `agree` hands every process the lead's decisions (the checkpoint to resume from).
 """

@@ -13,7 +13,7 @@
 #
 # Environment: LADDER (the ladder command; default .venv/bin/ladder, else python3 -m ladder.cli),
 # PY (python for engines.corpus), MOE_LADDER_CORPUS (default ~/.cache/moe-ladder/corpus),
-# LADDER_ROOT (default ./.ladder), TRACKING (set to 0 for --no-tracking, e.g. where MLflow is
+# MOE_LADDER_ROOT (default ./.ladder), TRACKING (set to 0 for --no-tracking, e.g. where MLflow is
 # not installed; `ladder sync proxy_h200` uploads the run dirs later).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,14 +41,14 @@ rungs() { stamp "rungs"; $LADDER submit "$EXP" --local "${TRACK[@]}"; }
 forecast() { stamp "forecast"; $LADDER forecast "$EXP" "${TRACK[@]}"; }
 hero() { stamp "hero"; $LADDER submit "$EXP" --local --only '^hero-' "${TRACK[@]}"; }
 report() {
-  local root="${LADDER_ROOT:-.ladder}"
+  local root="${MOE_LADDER_ROOT:-.ladder}"
   stamp "report"
   $LADDER compare "$root"/runs/proxy_h200/hero-* --forecast "$root/analysis/proxy_h200/forecast.json" || true
   $LADDER report "$EXP" --out report-h200 "${TRACK[@]}"
 }
 
 pack() {
-  local out="$1" root="${LADDER_ROOT:-.ladder}"
+  local out="$1" root="${MOE_LADDER_ROOT:-.ladder}"
   mkdir -p "$out"
   tar czf "$out/h200_ladder.tar.gz" --exclude=checkpoints --exclude='*.tmp' -C "$root/runs" proxy_h200
   cp "$MOE_LADDER_CORPUS/manifest.json" "$out/corpus_manifest.json"

@@ -7,6 +7,7 @@ import os
 from pydantic import ValidationError
 from rich.console import Console
 
+from core import env
 from core.spec import SpecError, format_validation_error
 
 
@@ -70,7 +71,7 @@ def run_cli(app) -> int:
             return getattr(e, "exit_code", EXIT_INTERNAL)
         if "Abort" in kinds:
             return 130
-        if os.environ.get("LADDER_DEBUG"):
+        if env.flag("DEBUG"):
             raise
-        say(f"internal error: {type(e).__name__}: {e} (set LADDER_DEBUG=1 for the traceback)")
+        say(f"internal error: {type(e).__name__}: {e} (set MOE_LADDER_DEBUG=1 for the traceback)")
         return EXIT_INTERNAL

@@ -1,6 +1,6 @@
 """What is done: the ledger of runs on disk, and the claims that keep a spec on one worker.
 
-Layout under the ladder root (`.ladder/` in the working directory, or --root / LADDER_ROOT):
+Layout under the ladder root (`.ladder/` in the working directory, or --root / $MOE_LADDER_ROOT):
 
     mlflow.db                                   embedded MLflow store (created by the controller)
     runs/<experiment>/<spec.name>-<spec.id>/    one run dir per spec
@@ -15,7 +15,7 @@ Claims. A claim is a lock file created atomically (write a temp file, then hard-
 lock name: the link fails if the name exists, and the content is complete the moment it appears).
 It holds host, pid, the pid's start time, the owning submission and a random token; its mtime is
 the heartbeat, refreshed by the worker every few seconds. A claim is dead, and may be broken, when
-its heartbeat is older than the stale limit (LADDER_CLAIM_STALE_S, default 120 s: a holder on any
+its heartbeat is older than the stale limit ($MOE_LADDER_LIMITS claim_stale_s, default 120 s: a holder on any
 host that stopped), or at once when its holder ran on this host and that process is gone (pid no
 longer alive, a zombie, or a different process under a reused pid). A submission also takes over
 its own claims: it resubmits a spec only after Ray reported the previous attempt dead. Breaking a
@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from core import env
 from core.rundir import METRICS_FILE, SPEC_FILE, RunDir
 from engines.base import read_status
 from core.fsutil import atomic_write_json, atomic_write_text
@@ -54,11 +55,11 @@ STATES = ("pending", "running", "finished", "failed", "diverged")
 
 # ---- paths ---------------------------------------------------------------------------------
 def ladder_root(root: str | Path | None = None) -> Path:
-    """--root, else $LADDER_ROOT, else ./.ladder; always absolute (workers run elsewhere)."""
-    chosen = root or os.environ.get("LADDER_ROOT") or ".ladder"
+    """--root, else $MOE_LADDER_ROOT, else ./.ladder; always absolute (workers run elsewhere)."""
+    chosen = root or env.text("ROOT") or ".ladder"
     path = Path(chosen).expanduser().resolve()
     if path.exists() and not path.is_dir():
-        raise LadderError(f"ladder root {path} is a file, not a directory (--root or $LADDER_ROOT)")
+        raise LadderError(f"ladder root {path} is a file, not a directory (--root or $MOE_LADDER_ROOT)")
     return path
 
 
@@ -274,7 +275,7 @@ HEARTBEAT_S = 5.0
 
 
 def stale_after_s() -> float:
-    return float(os.environ.get("LADDER_CLAIM_STALE_S", "120"))
+    return env.Limits.from_env().claim_stale_s
 
 
 def _lock_path(root: str | Path, spec_id: str) -> Path:

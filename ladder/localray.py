@@ -11,7 +11,7 @@ for Ray's own shutdown and kills whichever of the recorded processes are still t
 their kernel start time, so a reused pid is never hit).
 
 Joining: `address` (or RAY_ADDRESS) host:port must accept a TCP connection and answer as a Ray
-cluster's GCS (its GetClusterId call, over gRPC) within LADDER_RAY_TIMEOUT_S seconds (default 30)
+cluster's GCS (its GetClusterId call, over gRPC) within $MOE_LADDER_LIMITS ray_timeout_s seconds (default 30)
 in all, or the submission stops with one line; Ray itself would retry for minutes, and a port that
 answers but is not Ray's (a web server, another service) would hold ray.init forever.
 """
@@ -27,21 +27,20 @@ import sys
 import time
 from pathlib import Path
 
+from core import env
 from ladder.errors import LadderError
 
-RAY_TIMEOUT_ENV = "LADDER_RAY_TIMEOUT_S"
-DEFAULT_RAY_TIMEOUT_S = 30.0
 REAP_GRACE_S = 5.0
 _NO_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
 
 
 def ray_timeout_s(given: float | None = None) -> float:
-    """--ray-timeout, else $LADDER_RAY_TIMEOUT_S, else 30; a positive finite number of seconds."""
-    raw = given if given is not None else os.environ.get(RAY_TIMEOUT_ENV, DEFAULT_RAY_TIMEOUT_S)
+    """--ray-timeout, else $MOE_LADDER_LIMITS ray_timeout_s, else 30; a positive finite number of seconds."""
     try:
-        value = float(raw)
-    except ValueError:
-        raise LadderError(f"{RAY_TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        raw = given if given is not None else env.Limits.from_env().ray_timeout_s
+    except env.EnvError as err:
+        raise LadderError(str(err)) from None
+    value = float(raw)
     if not 0 < value < 1e6:
         raise LadderError(f"the Ray connection timeout must be a positive number of seconds (got {raw})")
     return value
@@ -78,7 +77,7 @@ def wait_reachable(address: str, timeout_s: float) -> None:
         time.sleep(min(1.0, max(0.0, deadline - time.monotonic())))
     why = last.strerror or type(last).__name__ if last is not None else "timed out"
     raise LadderError(f"cannot reach Ray at {address} within {timeout_s:g} s ({why}); is its head node up? "
-                      f"(--ray-timeout or ${RAY_TIMEOUT_ENV} sets the wait)")
+                      f"(--ray-timeout or $MOE_LADDER_LIMITS ray_timeout_s sets the wait)")
 
 
 def check_ray_answers(address: str, timeout_s: float) -> None:

@@ -29,6 +29,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
 
+from core import env
 from core.rundir import parse_metrics_lines
 from engines.base import METRICS_FILE
 from ladder import ledger
@@ -56,8 +57,8 @@ def default_tracking_uri(root: str | Path) -> str:
 
 
 def resolve_tracking_uri(uri: str | None, root: str | Path) -> str:
-    """--tracking-uri, else $LADDER_TRACKING_URI, else $MLFLOW_TRACKING_URI, else the root's SQLite."""
-    return uri or os.environ.get("LADDER_TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(root)
+    """--tracking-uri, else $MOE_LADDER_TRACKING_URI, else $MLFLOW_TRACKING_URI, else the root's SQLite."""
+    return uri or env.text("TRACKING_URI") or os.environ.get("MLFLOW_TRACKING_URI") or default_tracking_uri(root)
 
 
 def _quiet() -> None:

@@ -3,7 +3,7 @@
 A spec whose hardware.workers > 1 runs as a TorchTrainer job: hardware.workers workers, each
 with hardware.task_cpus CPUs and hardware.task_gpus GPUs, placed by hardware.placement (a Ray
 placement strategy: PACK, SPREAD, STRICT_PACK, STRICT_SPREAD). Ray Train starts the process
-group (gloo on CPUs, NCCL on GPUs); each worker runs engines.torch.dist.train.train_mesh on the
+group (gloo on CPUs, NCCL on GPUs); each worker runs engines.torch.parallel.step.train_layout on the
 (data x expert) mesh, rank 0 writes the run directory as a one-process run does (metrics.jsonl,
 status.json), and every rank writes its shards of each checkpoint. The run directory must be on
 storage every node sees (one machine, or a shared file system).
@@ -20,7 +20,7 @@ The controller's worker task (ladder/controller.py train_task) yields from train
 instead of an engine's train() for such a spec; it reads rank 0's metrics.jsonl as it grows, so
 progress, tracking, claims and the ledger are those of any other run. A request the cluster can
 never satisfy is refused before anything starts (infeasible). Standalone, without Ray:
-`torchrun --nproc_per_node N -m engines.torch.dist.train SPEC --run-dir DIR`.
+`torchrun --nproc_per_node N -m engines.torch.parallel.train SPEC --run-dir DIR`.
 """
 
 from __future__ import annotations
@@ -37,6 +37,7 @@ from core.rundir import METRICS_FILE, parse_metrics_lines
 from core.spec import Spec
 from engines.base import StepMetrics
 from engines.checkpoint import latest_checkpoint
+from engines.options import EngineOptions
 
 MAX_FAILURES = 3
 POLL_S = 0.5
@@ -61,14 +62,14 @@ def per_worker(spec: Spec) -> dict[str, float]:
 
 def check_layout(spec: Spec) -> None:
     """The workers form a (data x expert) mesh of the torch engine, or LaunchError."""
-    from engines.torch.dist.mesh import MeshError, check_mesh
+    from engines.torch.parallel.layout import LayoutError, check_layout as check_torch_layout
 
     if spec.engine != "torch":
         raise LaunchError(f"spec {spec.name}: hardware.workers {spec.hardware.workers} needs engine torch "
                           f"(the {spec.engine} engine runs in one process: set hardware.workers to 1)")
     try:
-        check_mesh(spec.model, spec.hardware.workers, spec.data.batch_size)
-    except MeshError as err:
+        check_torch_layout(spec.model, spec.hardware.workers, spec.data.batch_size)
+    except LayoutError as err:
         raise LaunchError(f"spec {spec.name}: {err} (hardware.workers)") from err
 
 
@@ -102,27 +103,25 @@ def _worker_loop(config: dict) -> None:
     import torch
     import torch.distributed as dist
 
-    from engines.torch.dist.mesh import setup_mesh
-    from engines.torch.dist.train import train_mesh
+    from engines.torch.parallel.layout import setup_layout
+    from engines.torch.parallel.step import train_layout
 
     ctx = ray.train.get_context()
     rank, world = ctx.get_world_rank(), ctx.get_world_size()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(ctx.get_local_rank()),
                       LOCAL_WORLD_SIZE=str(ctx.get_local_world_size()))
-    if config.get("threads"):
-        os.environ.setdefault("MOE_LADDER_CPU_THREADS", str(config["threads"]))
     spec = Spec.model_validate_json(config["spec"])
     run_dir = Path(config["run_dir"])
     where = run_dir / WORKERS_DIR
     where.mkdir(parents=True, exist_ok=True)
     (where / f"rank{rank}.json").write_text(json.dumps({
         "rank": rank, "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(), "time": time.time()}))
-    mc = setup_mesh(spec.model, spec.data.batch_size, "cuda" if config["gpu"] else "cpu")
+    layout = setup_layout(spec.model, spec.data.batch_size, "cuda" if config["gpu"] else "cpu")
     stop = run_dir / WORKERS_DIR / STOP_FILE
-    steps = train_mesh(spec, run_dir, mc, resume=True)
+    steps = train_layout(spec, run_dir, layout, resume=True, options=EngineOptions.from_dict(config["options"]))
     for _ in steps:
         # every rank leaves after the same step: rank 0's view of the stop file, shared
-        flag = torch.tensor([float(mc.rank == 0 and stop.exists())])
+        flag = torch.tensor([float(layout.rank == 0 and stop.exists())])
         dist.all_reduce(flag)
         if flag.item() > 0:
             steps.close()  # the newest checkpoint stays the run's resume point
@@ -130,8 +129,9 @@ def _worker_loop(config: dict) -> None:
     dist.barrier()
 
 
-def trainer_for(spec: Spec, run_dir: Path, max_failures: int = MAX_FAILURES):
-    """The TorchTrainer of a multi-worker spec (not started)."""
+def trainer_for(spec: Spec, run_dir: Path, max_failures: int = MAX_FAILURES, options: EngineOptions | None = None):
+    """The TorchTrainer of a multi-worker spec (not started); options: the engine options its
+    workers train under (default: the environment's, read here)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -142,7 +142,7 @@ def trainer_for(spec: Spec, run_dir: Path, max_failures: int = MAX_FAILURES):
     run = RunConfig(name=f"{spec.name}-{spec.id}", storage_path=str((run_dir / "ray_train").resolve()),
                     failure_config=FailureConfig(max_failures=max_failures))
     config = {"spec": spec.model_dump_json(), "run_dir": str(run_dir.resolve()), "gpu": gpu,
-              "threads": os.environ.get("MOE_LADDER_CPU_THREADS")}
+              "options": (options or EngineOptions.from_env()).to_dict()}
     return TorchTrainer(_worker_loop, train_loop_config=config, torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
                         scaling_config=scaling, run_config=run)
 
@@ -171,8 +171,8 @@ def _read_records(path: Path, offset: int, next_step: int) -> tuple[list[StepMet
     return out, offset
 
 
-def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True,
-                     max_failures: int = MAX_FAILURES) -> Iterator[StepMetrics]:
+def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True, max_failures: int = MAX_FAILURES,
+                     options: EngineOptions | None = None) -> Iterator[StepMetrics]:
     """Run the spec as a Ray Train job on the connected Ray cluster; yield each step's record as
     rank 0 writes it. Raises LaunchError for a layout that cannot work, RuntimeError when the job
     fails more than max_failures times."""
@@ -188,7 +188,7 @@ def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True,
         for d in ("sharded", "checkpoints"):
             shutil.rmtree(run_dir / d, ignore_errors=True)
     metrics = run_dir / METRICS_FILE
-    from engines.torch.dist.checkpoint import latest_sharded
+    from engines.torch.parallel.checkpoint import latest_sharded
 
     found = [int(p.name[5:]) for p in (latest_sharded(run_dir), latest_checkpoint(run_dir)) if p is not None]
     next_step = max(found, default=0)  # where the workers resume; earlier records are passed over
@@ -199,7 +199,7 @@ def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True,
 
     def fit() -> None:
         try:
-            box["result"] = trainer_for(spec, run_dir, max_failures).fit()
+            box["result"] = trainer_for(spec, run_dir, max_failures, options).fit()
         except BaseException as err:  # TrainingFailedError and the like: re-raised below
             box["error"] = err
 

@@ -31,10 +31,10 @@ LONGEST_FIRST = (
     "tests/ladder/test_rerun_diverged.py",
     "tests/analysis/test_sources.py",
     "tests/engines/test_torch_resume.py",
-    "tests/engines/test_torch_ep_launch.py",
+    "tests/engines/test_parallel_launch.py",
     "tests/engines/test_moments.py",
     "tests/ladder/test_controller.py",
-    "tests/engines/test_torch_ep.py",
+    "tests/engines/test_parallel_ep.py",
     "tests/engines/test_data_engines.py",
 )
 

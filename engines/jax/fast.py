@@ -83,7 +83,7 @@ def load_tiles(path: str) -> dict[tuple[str, int, int], dict[str, int]]:
         raw = json.loads(Path(path).read_text())
         entries = [TunedTile.model_validate(e) for e in raw["tiles"]]
     except (OSError, ValueError, KeyError, TypeError, ValidationError) as err:
-        raise ValueError(f"MOE_LADDER_JAX_MGPU_TILES={path}: not a tile file of bench/tune_mgpu.py "
+        raise ValueError(f"MOE_LADDER_OPTIONS jax_mgpu_tiles={path}: not a tile file of bench/tune_mgpu.py "
                          f"({type(err).__name__}: {err})") from None
     return {(e.op, e.m, e.n): dict(e.config) for e in entries}
 
@@ -103,9 +103,9 @@ TUNED: Choice = ("1", None)
 
 def mgpu_config(op: str, a, b, transpose_rhs: bool | None = None, choice: Choice = TUNED) -> dict[str, int]:
     """The tile configuration of one ragged dot: _rd(a, b) for op "fwd"/"dx", _trd(a, b) for "dw".
-    The entries of the tile file choice[1] ($MOE_LADDER_JAX_MGPU_TILES: a file bench/tune_mgpu.py
+    The entries of the tile file choice[1] (options.jax_mgpu_tiles: a file bench/tune_mgpu.py
     writes for your widths) come first, then MGPU_TUNED's; choice[0] "default"
-    ($MOE_LADDER_JAX_MGPU=default) ignores both."""
+    (options.jax_mgpu "default") ignores both."""
     key = mgpu_key(op, a, b, transpose_rhs)
     _, m, n = key
     mode, tiles = choice
@@ -160,7 +160,7 @@ def _on_hopper() -> bool:
 
 def mgpu_usable(L: int, F: int, dtype, mode: str = "1") -> bool:
     """Whether dropless dispatch can use the kernels: a Hopper GPU, 16-bit compute, expert
-    widths that tile (multiples of 128); mode "0" ($MOE_LADDER_JAX_MGPU=0) turns them off
+    widths that tile (multiples of 128); mode "0" (options.jax_mgpu) turns them off
     ("default" keeps them with MGPU's tiles for every matmul)."""
     if mode == "0" or jnp.dtype(dtype).itemsize != 2:
         return False

@@ -10,7 +10,7 @@ Shardings (NamedSharding; the optimizer moments take their parameter's):
 - every other parameter: its first dimension that divides by dp over "data" (else replicated);
 - the balancing-bias buffers replicated;
 - a step's batch: its sequences over ("ep", "data"), so device (d, e) holds part d of source
-  shard e, as in engines/torch/dist/mesh.py.
+  shard e, as in engines/torch/parallel/layout.py.
 XLA gathers the FSDP shards where the step reads them. The pooled-wave transport is the engine's
 shard_map over the "ep" axis (engines/jax/moe.py): within each data row of the mesh it runs on
 the row's source shards, gathered over "data" (every data replica runs its row's exchange), so the

@@ -2,8 +2,8 @@
 back. A MoE block routes its tokens and hands the rows and the routing to the dispatcher its
 Experts module holds; the dispatcher decides which row goes where and runs the experts through a
 kernel set (engines/torch/experts.py). Expert parallel swaps the dispatcher, nothing else:
-engines/torch/ep.py (PooledWave, Ragged: across processes) and engines/torch/dist/moe.py
-(MeshPooledWave, MeshRagged: across a data x expert mesh).
+engines/torch/parallel/dispatch.py (PooledWave, Ragged: across the processes of a data x
+expert layout).
 
 Every dispatcher is called as dispatcher(kern, x_TL, expert_TK, gate_TK) and returns (y, n_send,
 n_recv): y is y_TKL, every assignment's expert output in (token, slot) order (zeros for a dropped

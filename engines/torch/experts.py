@@ -1,5 +1,5 @@
 """The routed experts' kernels: how a device moves dispatched rows and multiplies them by its
-experts' SwiGLU weights. A token dispatcher (engines/torch/dispatch.py, ep.py, dist/moe.py)
+experts' SwiGLU weights. A token dispatcher (engines/torch/dispatch.py, parallel/dispatch.py)
 decides which row goes where; one of these kernel sets does the moving and the matmuls.
 
 - ModuleKernels: the reference forward's (engines/torch/model.py): the Experts module's own
@@ -23,8 +23,8 @@ import torch
 import torch.nn.functional as F
 
 from engines.options import TorchKernels
-from engines.torch import gather, grouped_dw, swiglu, swiglu_gemm
-from engines.torch.gather import Combine
+from engines.torch.kernels import gather, grouped_dw, swiglu, swiglu_gemm
+from engines.torch.kernels.gather import Combine
 from engines.torch.rows import Dispatch, Permute, RowGather
 
 
@@ -35,7 +35,7 @@ def kernels_here(k: TorchKernels) -> TorchKernels:
 
 
 def _fused(x: torch.Tensor, cdt: torch.dtype, o: TorchKernels) -> bool:
-    """Whether the experts run through engines/torch/swiglu_gemm.py (o.experts)."""
+    """Whether the experts run through engines/torch/kernels/swiglu_gemm.py (o.experts)."""
     return (o.experts in ("fused", "fused-gather") and cdt == torch.bfloat16
             and o.grouped_mm_weights == "nmajor" and swiglu_gemm.kernels_usable(x))
 
@@ -65,8 +65,8 @@ def grouped_swiglu(x_AL, counts_E, w_gu, w_down, cdt: torch.dtype, o: TorchKerne
 
 
 def swiglu_padded(experts, buf_eRL: torch.Tensor, cdt: torch.dtype) -> torch.Tensor:
-    """SwiGLU of the pooled-wave transports' fixed [e, R, L] receive buffers (engines/torch/ep.py,
-    dist/moe.py) from the Experts module's fp32 weights: gate|up as one batched matmul on a GPU,
+    """SwiGLU of the pooled-wave transports' fixed [e, R, L] receive buffers (engines/torch/parallel/
+    dispatch.py) from the Experts module's fp32 weights: gate|up as one batched matmul on a GPU,
     apart on the CPU."""
     if buf_eRL.is_cuda:  # gate and up as one [e, L, 2F] batched matmul
         Fh = experts.w_gate.shape[-1]

@@ -15,9 +15,9 @@ What changes against the reference forward (model.loss_terms under autocast), an
   dispatch stays on the device (counts and group offsets by scatter-add, one grouped GEMM per
   expert weight over the rows sorted by expert); dispatch and combine are row permutations whose
   backward is the inverse permutation (a gather: no atomics); the combine's and the dispatch
-  backward's gather-and-sum run as Triton kernels (engines/torch/gather.py; kernels
+  backward's gather-and-sum run as Triton kernels (engines/torch/kernels/gather.py; kernels
   gather="inductor" leaves them to Inductor); the expert matmuls' weight gradients run as one
-  Triton kernel each (engines/torch/grouped_dw.py; kernels grouped_dw="torch" leaves them to
+  Triton kernel each (engines/torch/kernels/grouped_dw.py; kernels grouped_dw="torch" leaves them to
   _grouped_mm); capacity dispatch fills fixed [E, C, L] buffers by the device-side pooled-wave plan;
 - every block and the output head go through torch.compile (regional: one compiled graph
   serves all blocks, so compiling costs one block, not the depth).
@@ -33,6 +33,7 @@ dim, V vocab, E routed experts, K top-k, L expert width, F expert hidden, A assi
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -40,15 +41,15 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from engines.options import EngineOptions, TorchKernels
-from engines.torch import adamw_kernel, xent
+from engines.torch.kernels import adamw_kernel, xent
 from engines.torch.experts import CastKernels, kernels_here
-from engines.torch.model import MoETransformer, attention_mask, objective, rope_tables
-from engines.torch.tf32 import mm_tf32
-from engines.torch.topk import topk_indices
+from engines.torch.model import Block, MoETransformer, attention_mask, objective, rope_tables
+from engines.torch.kernels.tf32 import mm_tf32
+from engines.torch.kernels.topk import topk_indices
 
 
 def fast_path_enabled(device: torch.device, options: EngineOptions) -> bool:
-    """The engine uses this path on CUDA unless options.torch_fast is off ($MOE_LADDER_TORCH_FAST=0)."""
+    """The engine uses this path on CUDA unless options.torch_fast is off (torch_fast=0)."""
     return device.type == "cuda" and options.torch_fast
 
 
@@ -61,7 +62,7 @@ ASSUMED_MFU = 0.3  # what the fast path measured at the H200 bench shape (33%)
 
 def working_copies_enabled(device: torch.device, options: EngineOptions, expected_seconds: float | None = None) -> bool:
     """Whether the fast path keeps bf16 working copies written by the optimizer
-    (engines/torch/master.py). options.torch_master True / False ($MOE_LADDER_TORCH_MASTER=1 / 0)
+    (engines/torch/master.py). options.torch_master True / False (torch_master=1 / 0)
     forces it on / off; otherwise on with MasterAdamW's Triton kernel (its default where Triton
     is installed), or when the run is expected to last at least WORKING_COPIES_MIN_SECONDS
     (expected_seconds None: unknown, on). Off, the matmuls cast the fp32 masters every step (no
@@ -122,13 +123,25 @@ def _sdpa(q, k, v, mask_SS, gqa: bool):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask_SS, enable_gqa=gqa)
 
 
-def block_weights(block, cdt: torch.dtype) -> dict[str, torch.Tensor]:
+def expert_weights(experts, cdt: torch.dtype) -> dict[str, torch.Tensor]:
+    """The routed experts' matmul weights in cdt (gate|up concatenated along the last dim)."""
+    return {"moe.experts.gate_up": torch.cat([experts.w_gate, experts.w_up], -1).to(cdt),
+            "moe.experts.w_down": experts.w_down.to(cdt)}
+
+
+def expert_kernels(experts, cdt: torch.dtype, o: TorchKernels) -> CastKernels:
+    """The fast kernels over an Experts module's own weights, cast when it runs (a hooked module:
+    FSDP2 has gathered them for exactly that long)."""
+    return CastKernels(experts, expert_weights(experts, cdt), cdt, o)
+
+
+def block_weights(block, cdt: torch.dtype, experts: bool = True) -> dict[str, torch.Tensor]:
     """A block's matmul weights in cdt, cast from the fp32 masters, under the names and layouts of
-    master.weight_layout (q|k|v and gate|up concatenated along the last dim)."""
+    master.weight_layout (q|k|v and gate|up concatenated along the last dim); experts False leaves
+    the routed experts' out (their module casts them when it runs: expert_kernels)."""
     a, moe = block.attn, block.moe
     w = {"attn.qkv": torch.cat([a.wq, a.wk, a.wv], -1).to(cdt), "attn.wo": a.wo.to(cdt),
-         "moe.experts.gate_up": torch.cat([moe.experts.w_gate, moe.experts.w_up], -1).to(cdt),
-         "moe.experts.w_down": moe.experts.w_down.to(cdt)}
+         **(expert_weights(moe.experts, cdt) if experts else {})}
     if moe.m.latent_dim is not None:
         w["moe.latent_down"], w["moe.latent_up"] = moe.latent_down.to(cdt), moe.latent_up.to(cdt)
     if moe.m.n_shared_experts > 0:
@@ -184,9 +197,12 @@ def moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt):
 
 def moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt, o: TorchKernels):
     """(y_TKL or y_TL, send drops, receive drops) of a block's routed experts: the block's
-    dispatcher (engines/torch/dispatch.py, or an expert-parallel one) with the fast kernels."""
+    dispatcher (engines/torch/dispatch.py, or an expert-parallel one) with the fast kernels; with
+    no expert weights in w (block_weights experts=False), through the Experts module's call."""
     moe, m = block.moe, block.moe.m
     x_TL = (h_TD.to(cdt) @ w["moe.latent_down"]) if m.latent_dim is not None else h_TD
+    if "moe.experts.gate_up" not in w:
+        return moe.experts(x_TL, expert_TK, gate_TK, kernels=functools.partial(expert_kernels, cdt=cdt, o=o))
     return moe.experts.dispatcher(CastKernels(moe.experts, w, cdt, o), x_TL, expert_TK, gate_TK)
 
 
@@ -233,11 +249,16 @@ class FastLoss:
     gradients land there (the fp32 masters of those matrices get none); without it they cast the
     masters every step. compile: the compile mode (default options.compile on CUDA, none elsewhere).
     The routed experts go through each block's dispatcher: the one-device one of the spec, or the
-    expert-parallel one of a model built by engines/torch/ep.py (EPLoss)."""
+    expert-parallel one of a model built by engines/torch/parallel/model.py, whose blocks are
+    FastBlocks: each runs as a module call (which FSDP2 hooks), its experts too.
+    forward(model, tokens_BS1) -> (CE, z, per-layer statistics) serves both objectives."""
 
     def __init__(self, model: MoETransformer, device: torch.device, kernels: TorchKernels | None = None,
                  working=None, compile: str | None = None):
         self.options = kernels or kernels_here(TorchKernels())
+        self.modules = isinstance(model.blocks[0], FastBlock)
+        for blk in model.blocks if self.modules else ():
+            blk.run = self._compute_block
         self.working = working
         self.cdt = working.dtype if working is not None else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -276,6 +297,13 @@ class FastLoss:
         return self._per_block, leaves["lm_head"]
 
     def _run_block(self, block, w, x_BSD, cos, sin, mask_SS):
+        if self.modules:  # the module call: FastBlock.forward runs _compute_block inside the hooks
+            return block(x_BSD, cos, sin, mask_SS)
+        return self._compute_block(block, w, x_BSD, cos, sin, mask_SS)
+
+    def _compute_block(self, block, w, x_BSD, cos, sin, mask_SS):
+        if self.modules:
+            w = block_weights(block, self.cdt, experts=False)
         if self._attn is None:
             return self._block(block, w, x_BSD, cos, sin, mask_SS, self.cdt, self.options)
         w = w if w is not None else block_weights(block, self.cdt)
@@ -301,6 +329,8 @@ class FastLoss:
         return self._tables[key]
 
     def embed(self, model: MoETransformer, inputs_BS: torch.Tensor) -> torch.Tensor:
+        if self.modules:  # (indexing, as the expert-parallel ranks always did)
+            return model.embed.weight[inputs_BS]
         # F.embedding: its backward is a sorted segment sum; indexing's (index_put with
         # accumulate) took 3.4 ms of a 119 ms H200 step
         return F.embedding(inputs_BS, model.embed.weight)
@@ -326,6 +356,17 @@ class FastLoss:
     def __call__(self, model: MoETransformer, tokens_BS1: torch.Tensor, optim):
         ce, z, st = self.forward(model, tokens_BS1)
         return objective(ce, z, st, optim)
+
+
+class FastBlock(Block):
+    """A block whose forward is the fast one (FastLoss sets `run` when the loss is built): the
+    kernels chosen when the model is built, and a module call that a wrapper (FSDP2) hooks, so it
+    holds the block's gathered parameters for exactly as long as the block runs."""
+
+    run = None
+
+    def forward(self, x_BSD, cos, sin, mask_SS):
+        return self.run(self, None, x_BSD, cos, sin, mask_SS)
 
 
 def sdpa_backend(name: str | None):

@@ -32,8 +32,8 @@ import math
 
 import torch
 
-from engines.torch import adamw_kernel
-from engines.torch.adamw_kernel import adamw_launch, kernel_usable
+from engines.torch.kernels import adamw_kernel
+from engines.torch.kernels.adamw_kernel import adamw_launch, kernel_usable
 from engines.torch.model import MoETransformer
 from core.spec import BF16_MOMENTS_MAX_BETA2
 
@@ -104,7 +104,7 @@ def adamw_group_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9):
 
 
 def adamw_group_kernels_(ps, gs, ms, vs, leaves, leaf_grads, parts, s_9):
-    """The same update with one Triton kernel per tensor (engines/torch/adamw_kernel.py)."""
+    """The same update with one Triton kernel per tensor (engines/torch/kernels/adamw_kernel.py)."""
     _each_tensor(adamw_launch, ps, gs, ms, vs, leaves, leaf_grads, parts, s_9)
 
 

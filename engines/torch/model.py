@@ -19,14 +19,14 @@ averaged) by model.balance_scope; router_z = mean(logsumexp(router logits)^2).
 
 One module tree serves every torch path. What differs between them is (a) the token dispatcher
 the Experts module holds (engines/torch/dispatch.py: Dropless or Capacity on one device, the
-model.dispatch of the spec; engines/torch/ep.py and dist/moe.py swap in their cross-process
+model.dispatch of the spec; engines/torch/parallel/dispatch.py swaps in its cross-process
 ones) and (b) the kernels: this file's forward is the reference (module weights, autocast on a
 GPU); engines/torch/fast.py computes the same blocks, router and head with explicit dtypes and
 the GPU kernels (EngineOptions.torch_fast and torch_kernels choose). Both combine an assignment's
 output in (token, slot) order, so capacity with no drops equals dropless. Routing metadata stays
 on the device: no host sync inside the forward pass except the CPU expert loop.
 
-Sharded objective (expert parallel, engines/torch/ep.py and dist/moe.py): each rank's backward
+Sharded objective (expert parallel, engines/torch/parallel/): each rank's backward
 seeds its share of the global objective, sum over the ranks = the one-device objective: CE,
 output z-loss and router z-loss are local means / world; the batch-scope balancing loss
 E * sum_e f_e p_e is linear in p, so a rank contributes E * sum_e f_e * (sum of its tokens' p_e) / T
@@ -147,9 +147,10 @@ class Experts(nn.Module):
         self.w_down = _param(E, Fh, L)
         self.dispatcher = dispatcher
 
-    def forward(self, x_TL: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tensor):
-        """(y_TKL, send drops, receive drops) with the reference kernels (engines/torch/experts.py)."""
-        return self.dispatcher(ModuleKernels(self), x_TL, expert_TK, gate_TK)
+    def forward(self, x_TL: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tensor, kernels=None):
+        """(y_TKL, send drops, receive drops) with the reference kernels (engines/torch/experts.py),
+        or those kernels(self) makes (the fast forward of a model whose experts are hooked)."""
+        return self.dispatcher(ModuleKernels(self) if kernels is None else kernels(self), x_TL, expert_TK, gate_TK)
 
     def grouped(self, x_AL: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
         """SwiGLU over rows already sorted by expert, counts_E rows per expert."""
@@ -287,11 +288,14 @@ class Embedding(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    def __init__(self, m: ModelSpec):
+    """block: the block class (Block, the reference forward; engines/torch/fast.FastBlock, the fast
+    one, for a model whose blocks are hooked by a wrapper such as FSDP2)."""
+
+    def __init__(self, m: ModelSpec, block: type[Block] = Block):
         super().__init__()
         self.m = m
         self.embed = Embedding(m.vocab_size, m.d_model)
-        self.blocks = nn.ModuleList(Block(m) for _ in range(m.n_layers))
+        self.blocks = nn.ModuleList(block(m) for _ in range(m.n_layers))
         self.final_norm = RMSNorm(m.d_model, m.norm_eps)
         self.lm_head = _param(m.d_model, m.vocab_size)
 
@@ -323,6 +327,19 @@ class MoETransformer(nn.Module):
 
     def to_numpy(self) -> dict[str, np.ndarray]:
         return {k: v.detach().float().cpu().numpy() for k, v in self.state_dict().items()}
+
+
+@torch.no_grad()
+def move_router_bias(model: MoETransformer, load_LE: torch.Tensor, rate: float,
+                     finite: torch.Tensor | None = None) -> None:
+    """The balancing bias's step (model.router_bias_balancing): each layer's bias moves by `rate`
+    towards its under-loaded experts (sign of mean load - load, from the step's global loads
+    load_LE); with `finite` (a 0-d bool on the device) a non-finite step moves nothing."""
+    upd_LE = rate * torch.sign(load_LE.mean(-1, keepdim=True) - load_LE)
+    if finite is not None:
+        upd_LE = torch.where(finite, upd_LE, 0.0)  # (a NaN load would survive a multiply by 0)
+    for i, blk in enumerate(model.blocks):
+        blk.moe.router_bias.add_(upd_LE[i])
 
 
 def loss_terms(model: MoETransformer, tokens_BS1: torch.Tensor, optim) -> tuple[torch.Tensor, dict]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.torch.gather import gather_sum
+from engines.torch.kernels.gather import gather_sum
 
 
 def group_counts(group_A: torch.Tensor, n_groups: int) -> torch.Tensor:
@@ -45,7 +45,7 @@ def with_zero_row(x_NL: torch.Tensor) -> torch.Tensor:
 class Dispatch(torch.autograd.Function):
     """x_TL rows src_R (= token of each sorted assignment, or of each expert-buffer row) -> x_RL;
     the backward gathers the gradient back to (token, slot) order with inv_A (each assignment's
-    row) and sums the K slots (with kernels: engines/torch/gather.py's gather-and-sum in one pass).
+    row) and sums the K slots (with kernels: engines/torch/kernels/gather.py's gather-and-sum in one pass).
     zero_row: src_R may name row T, a zero row (an unfilled buffer row), and inv_A row R (a dropped
     assignment, which gets no gradient). Without the explicit backward, aten's and Inductor's
     backward of x[src] accumulate into x, and every unfilled row adds into the same zero row."""

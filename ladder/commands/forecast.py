@@ -129,7 +129,7 @@ def register(app: typer.Typer) -> None:
     def forecast_cmd(
         experiment: Optional[str] = typer.Argument(None, help="experiment file (or give --from-csv and --hero)"),
         holdout: str = typer.Option(None, "--holdout", help="LAST (or a rung name): refit without it and report its error"),
-        root: str = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
+        root: str = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
         tracking_uri: str = typer.Option(None, "--tracking-uri"),
         no_tracking: bool = typer.Option(False, "--no-tracking", help="do not log to MLflow"),
         from_csv: Optional[Path] = typer.Option(

@@ -72,7 +72,7 @@ def register(app: typer.Typer) -> None:
     @app.command("status")
     def status_cmd(
         experiment: Optional[str] = typer.Argument(None, help="experiment file (shows pending specs too) or name"),
-        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
+        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
         tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="whose MLflow run ids to show"),
     ) -> None:
         """A table of every spec: state, step/total, last loss, tokens/s, MLflow run id."""
@@ -98,7 +98,7 @@ def register(app: typer.Typer) -> None:
     def runs_cmd(
         experiment: Optional[str] = typer.Argument(None, help="experiment file or name"),
         as_json: bool = typer.Option(False, "--json", help="one JSON array on stdout"),
-        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
+        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
         tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="whose MLflow run ids to show"),
     ) -> None:
         """The ledger for scripts: tab-separated lines, or JSON with --json."""

@@ -25,10 +25,10 @@ def register(app: typer.Typer) -> None:
         dry_run: bool = typer.Option(False, "--dry-run", help="show the plan, start nothing"),
         include_hero: bool = typer.Option(False, "--include-hero", help="also train the hero spec"),
         tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store (default sqlite:///<root>/mlflow.db)"),
-        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
+        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
         retries: int = typer.Option(3, "--retries", min=0, help="Ray retries of a run whose worker or node is lost"),
         ray_timeout: Optional[float] = typer.Option(
-            None, "--ray-timeout", help="seconds to wait for --address to answer (default $LADDER_RAY_TIMEOUT_S, else 30)"),
+            None, "--ray-timeout", help="seconds to wait for --address to answer (default $MOE_LADDER_LIMITS ray_timeout_s, else 30)"),
         no_tracking: bool = typer.Option(False, "--no-tracking", help="do not log to MLflow (ladder sync can upload later)"),
         local: bool = typer.Option(False, "--local", help="no Ray: the runs one after another in subprocesses on this machine"),
         rerun_diverged: bool = typer.Option(False, "--rerun-diverged",

@@ -18,7 +18,7 @@ def register(app: typer.Typer) -> None:
     def sync_cmd(
         experiment: Optional[str] = typer.Argument(None, help="experiment name or file (default: every experiment)"),
         tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow store (default sqlite:///<root>/mlflow.db)"),
-        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $LADDER_ROOT or ./.ladder)"),
+        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
         tracker: str = typer.Option("mlflow", "--tracker", help="mlflow, wandb, or mlflow,wandb"),
         wandb_project: Optional[str] = typer.Option(None, "--wandb-project", help="W&B project (default ladder-<experiment>)"),
         wandb_mode: Optional[str] = typer.Option(None, "--wandb-mode", help="offline (default; runs under <root>/wandb) "

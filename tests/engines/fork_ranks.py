@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def cpu_env() -> dict:
     """The environment of a rank process: one thread each (ranks share the cores), the repo importable."""
-    return dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1", PYTHONPATH=str(ROOT))
+    return dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_OPTIONS="cpu_threads=1", PYTHONPATH=str(ROOT))
 
 
 def free_port() -> int:

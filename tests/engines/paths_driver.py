@@ -1,5 +1,5 @@
-"""Runs one torch compute path (the reference forward or the fast forward on the CPU, expert parallel over gloo processes,
-the FSDP2 mesh) for a few steps of a tiny spec on synthetic tokens, and prints its per-step values
+"""Runs one torch compute path (the reference forward or the fast forward on the CPU, the layout's
+step module over gloo processes: expert parallel alone (dp 1) or a data x expert mesh) for a few steps of a tiny spec on synthetic tokens, and prints its per-step values
 as one JSON line: `python -m tests.engines.paths_driver NAME...`. tests/engines/test_torch_paths.py
 compares them, bit for bit, with tests/engines/reference/paths.json (`--record` rewrites that
 file from the code as it is)."""
@@ -19,7 +19,7 @@ import torch
 from core.spec import Spec
 from engines.base import read_metrics, read_status
 from engines.options import EngineOptions, TorchKernels
-from engines.torch.engine import TorchStep
+from engines.torch.step import TorchStep
 from engines.torch.experts import kernels_here
 from engines.torch.fast import FastLoss
 from engines.trainer import Trainer
@@ -34,16 +34,15 @@ TINY = {"data.seq_len": 32, "data.batch_size": 4, "data.total_tokens": 32 * 4 * 
 CAPACITY = {"model.dispatch": "capacity", "model.n_waves": 2, "model.capacity_factor_send": 1.0,
             "model.capacity_factor_recv": 1.0, "model.router_bias_balancing": True, "model.router_bias_rate": 0.01}
 SIGMOID = {"model.router_kind": "sigmoid", "model.balance_scope": "sequence", "model.latent_dim": None}
-# name -> (spec changes, how it runs: "reference" or "fast" in this process, or ("ep" | "mesh", processes))
+# name -> (spec changes, how it runs: "reference" or "fast" in this process, or "layout" over processes)
 PATHS = {
     "reference-dropless": ({}, ("reference", 1)),
     "reference-capacity": ({**CAPACITY, **SIGMOID}, ("reference", 1)),
     "fast-dropless": ({}, ("fast", 1)),
     "fast-capacity": ({**CAPACITY, **SIGMOID}, ("fast", 1)),
-    "ep2-capacity": (CAPACITY, ("ep", 2)),
-    "ep2-dropless": (SIGMOID, ("ep", 2)),
-    "mesh-dp2-ep2-capacity": (CAPACITY, ("mesh", 4)),
-    "mesh-dp1-ep2-dropless": (SIGMOID, ("mesh", 2)),
+    "dp1-ep2-capacity": (CAPACITY, ("layout", 2)),
+    "dp1-ep2-dropless": (SIGMOID, ("layout", 2)),
+    "dp2-ep2-capacity": (CAPACITY, ("layout", 4)),
 }
 
 
@@ -76,20 +75,12 @@ def _worker(kind: str, rank: int, world: int, port: int, spec_json: str, run_dir
     spec = Spec.model_validate_json(spec_json)
     code = 0
     try:
-        if kind == "ep":
-            from engines.torch.ep import setup_from_env
-            from engines.torch.ep_train import EPStep
+        from engines.torch.parallel.layout import setup_layout
+        from engines.torch.parallel.step import ParallelStep, ParallelTrainer
 
-            ctx = setup_from_env("cpu")
-            module = EPStep(spec, ctx, Path(run_dir), EngineOptions())
-            list(Trainer(spec, run_dir, module, checkpoints=False, stream=SyntheticStream(spec)).fit())
-        else:
-            from engines.torch.dist.mesh import setup_mesh
-            from engines.torch.dist.train import MeshStep, MeshTrainer
-
-            mc = setup_mesh(spec.model, spec.data.batch_size, "cpu")
-            module = MeshStep(spec, mc, Path(run_dir))
-            list(MeshTrainer(spec, run_dir, module, checkpoints=False, stream=SyntheticStream(spec)).fit())
+        layout = setup_layout(spec.model, spec.data.batch_size, "cpu")
+        module = ParallelStep(spec, layout, Path(run_dir), EngineOptions())
+        list(ParallelTrainer(spec, run_dir, module, checkpoints=False, stream=SyntheticStream(spec)).fit())
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
     except BaseException as err:  # noqa: BLE001 (the driver reports the exit code)

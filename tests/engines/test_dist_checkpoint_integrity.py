@@ -19,7 +19,7 @@ import pytest
 from core.spec import save_spec
 from engines.base import read_metrics
 from engines.checkpoint import CheckpointError, write_state
-from engines.torch.dist.checkpoint import SafeReader, list_sharded, read_full
+from engines.torch.parallel.checkpoint import SafeReader, list_sharded, read_full
 from ladder.presets import micro_spec
 from tests.engines.fork_ranks import cpu_env, drive
 
@@ -38,7 +38,7 @@ def _args(root: Path, run: str, *extra: str) -> list[str]:
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("sealed")
     save_spec(SPEC, root / "spec.yaml")
-    codes = drive("engines.torch.dist.train", [[2, _args(root, "full")], [2, _args(root, "half", "--steps", "4")]],
+    codes = drive("engines.torch.parallel.train", [[2, _args(root, "full")], [2, _args(root, "half", "--steps", "4")]],
                   join_s=240, timeout=600)
     assert codes == [[0, 0], [0, 0]]
     return root
@@ -49,7 +49,7 @@ def _copy(runs: Path, tmp_path: Path, run: str = "full") -> Path:
 
 
 def _export(run_dir: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "engines.torch.dist.checkpoint", str(run_dir)], cwd=ROOT,
+    return subprocess.run([sys.executable, "-m", "engines.torch.parallel.checkpoint", str(run_dir)], cwd=ROOT,
                           env=cpu_env(), capture_output=True, text=True, timeout=300)
 
 
@@ -110,7 +110,7 @@ def test_a_resumed_mesh_run_passes_over_a_damaged_checkpoint_and_ends_as_the_uni
     data = bytearray(shard.read_bytes())
     data[len(data) // 2] ^= 0x40
     shard.write_bytes(bytes(data))
-    proc = subprocess.run([sys.executable, "-m", "tests.engines.fork_ranks", "engines.torch.dist.train",
+    proc = subprocess.run([sys.executable, "-m", "tests.engines.fork_ranks", "engines.torch.parallel.train",
                            json.dumps([[2, [str(runs / "spec.yaml"), "--run-dir", str(run), "--device", "cpu"]]]),
                            "240"], cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "CODES [[0, 0]]" in proc.stdout, proc.stderr[-3000:]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engines.data import TokenStream
-from engines.torch.engine import (
+from engines.torch.step import (
     HostCopy,
     build_optimizer,
     finish_step,

@@ -81,7 +81,7 @@ def test_an_empty_source_is_an_error_and_leaves_nothing_behind(tmp_path, tok):
 
 
 def test_parallel_workers_write_the_same_shards_as_one(tmp_path, tok, monkeypatch):
-    monkeypatch.setenv("MOE_LADDER_SHARD_CHUNK_BYTES", "200")
+    monkeypatch.setenv("MOE_LADDER_LIMITS", "shard_chunk_bytes=200")
     for i in range(12):
         (tmp_path / f"f{i:02d}.py").write_text(f"def f{i}(x):\n    return x * {i}\n" * (i + 5))
     src = SourceSpec(name="files", weight=1.0, paths=(str(tmp_path / "f*.py"),))
@@ -109,10 +109,10 @@ def test_prepare_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tmp_path
     for i in range(60):  # 60 files of ~200 KB: one chunk each
         (tmp_path / f"f{i:02d}.txt").write_bytes(b" ".join(rng.choice(words, 40_000)))
     pattern = str(tmp_path / "f*.txt")
-    env = {**os.environ, "MOE_LADDER_SHARD_CHUNK_BYTES": "150000"}
+    env = {**os.environ, "MOE_LADDER_LIMITS": "shard_chunk_bytes=150000"}
     proc = subprocess.Popen([sys.executable, "-c", _PREPARE, pattern], env=env, stdout=subprocess.PIPE)
     src = SourceSpec(name="big", weight=1.0, paths=(pattern,))
-    os.environ["MOE_LADDER_SHARD_CHUNK_BYTES"] = "150000"
+    os.environ["MOE_LADDER_LIMITS"] = "shard_chunk_bytes=150000"
     try:
         out_dir = shard_dir(src, load_tokenizer("bytes"))
         deadline = time.time() + 120
@@ -130,7 +130,7 @@ def test_prepare_resumes_after_sigkill_and_ends_as_an_uninterrupted_run(tmp_path
         assert resumed == whole.digest and whole.n_tokens == sum(
             (tmp_path / f"f{i:02d}.txt").stat().st_size + 1 for i in range(60))
     finally:
-        os.environ.pop("MOE_LADDER_SHARD_CHUNK_BYTES", None)
+        os.environ.pop("MOE_LADDER_LIMITS", None)
         proc.kill()
     assert not big.exists()
 

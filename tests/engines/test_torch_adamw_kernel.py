@@ -1,4 +1,4 @@
-"""engines/torch/adamw_kernel.py: MasterAdamW's update as one Triton kernel per tensor trains like
+"""engines/torch/kernels/adamw_kernel.py: MasterAdamW's update as one Triton kernel per tensor trains like
 the torch form of the same update (weights, moments, working copies), and a step flagged non-finite
 changes nothing. Run in Triton's interpreter on the CPU where Triton is installed, and on a GPU
 where there is one; the stride rules are checked everywhere."""
@@ -6,7 +6,7 @@ where there is one; the stride rules are checked everywhere."""
 import pytest
 import torch
 
-from engines.torch.adamw_kernel import _row_stride
+from engines.torch.kernels.adamw_kernel import _row_stride
 from tests.engines.triton_script import INTERPRETER, interpreter_only, run_script
 
 
@@ -24,7 +24,7 @@ _SCRIPT = """
 import sys
 import torch
 from engines.data import TokenStream
-from engines.torch.engine import build_optimizer, launch_step, make_loss_fn, read_step, queue_update
+from engines.torch.step import build_optimizer, launch_step, make_loss_fn, read_step, queue_update
 from engines.torch.master import MasterAdamW, adamw_group_kernels_, weight_layout
 from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec

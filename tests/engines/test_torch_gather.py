@@ -1,4 +1,4 @@
-"""engines/torch/gather.py: the combine's gather-and-sum with hand-written backward, and its
+"""engines/torch/kernels/gather.py: the combine's gather-and-sum with hand-written backward, and its
 Triton kernels. On the CPU: the Combine function's gradients equal autograd's through the plain
 gather + sum, the fast loss with gather="triton" (the torch forms here) equals the reference
 model, and, where Triton is installed, the kernels run in Triton's interpreter and equal the torch
@@ -10,7 +10,7 @@ import torch
 from engines.data import TokenStream
 from engines.options import TorchKernels
 from engines.torch import fast
-from engines.torch.gather import Combine
+from engines.torch.kernels.gather import Combine
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.presets import micro_spec
 from tests.engines.triton_script import INTERPRETER, interpreter_only, run_script
@@ -65,7 +65,7 @@ def test_fast_loss_with_the_gather_ops_matches_the_reference(combine_grad):
 _KERNELS = """
 import sys
 import torch
-from engines.torch import gather as G
+from engines.torch.kernels import gather as G
 dev = sys.argv[1]
 torch.manual_seed(0)
 T, K, L = 7, 4, 300  # L not a power of two: the column masks are exercised

@@ -1,4 +1,4 @@
-"""engines/torch/grouped_dw.py: the grouped weight gradient equals one matmul per expert over its
+"""engines/torch/kernels/grouped_dw.py: the grouped weight gradient equals one matmul per expert over its
 rows (an expert without rows gets zeros; sizes off the tile grid are masked), in Triton's
 interpreter on the CPU where Triton is installed and as a compiled kernel on a GPU; on a GPU,
 GroupedMM's forward and gradients equal _grouped_mm's, compiled or not."""
@@ -11,7 +11,7 @@ from tests.engines.triton_script import INTERPRETER, interpreter_only, run_scrip
 _KERNEL = """
 import sys
 import torch
-from engines.torch import grouped_dw as D
+from engines.torch.kernels import grouped_dw as D
 dev = sys.argv[1]
 torch.manual_seed(0)
 offs = torch.cumsum(torch.tensor([5, 0, 70, 33, 1]), 0).to(dev, torch.int32)
@@ -58,7 +58,7 @@ def test_grouped_dw_equals_a_matmul_per_expert_on_the_gpu():
 
 _GROUPED_MM = """
 import torch
-from engines.torch import grouped_dw as D
+from engines.torch.kernels import grouped_dw as D
 torch.manual_seed(0)
 dev, bf = "cuda", torch.bfloat16
 offs = torch.cumsum(torch.tensor([300, 0, 517, 128, 64, 1000, 7, 256]), 0).to(dev, torch.int32)

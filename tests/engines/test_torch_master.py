@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from engines.data import TokenStream
-from engines.torch.engine import (
+from engines.torch.step import (
     build_optimizer,
     finish_step,
     launch_step,

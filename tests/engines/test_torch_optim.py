@@ -5,7 +5,7 @@ import numpy as np
 import torch
 
 from engines.data import TokenStream
-from engines.torch.engine import build_optimizer, optimizer_from_numpy, optimizer_to_numpy
+from engines.torch.step import build_optimizer, optimizer_from_numpy, optimizer_to_numpy
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.presets import micro_spec
 
@@ -49,7 +49,7 @@ def test_update_from_a_saved_state_is_the_adamw_formula():
 
 
 def test_a_non_finite_step_changes_neither_weights_moments_step_count_nor_router_biases():
-    from engines.torch.engine import finish_step, launch_step, make_loss_fn
+    from engines.torch.step import finish_step, launch_step, make_loss_fn
 
     spec = micro_spec(**{"model.router_bias_balancing": True, "model.router_bias_rate": 0.01})
     stream = TokenStream.from_spec(spec)

@@ -1,6 +1,6 @@
-"""Every torch compute path (the reference forward, the fast forward, expert parallel over
-processes, the FSDP2 mesh) gives on the CPU the per-step values it gave before they shared one
-module tree (tests/engines/reference/paths.json, made by tests/engines/paths_driver.py). The
+"""Every torch compute path (the reference forward, the fast forward, the layout's step module over
+processes: expert parallel alone and a data x expert mesh) gives on the CPU the per-step values
+recorded in tests/engines/reference/paths.json (made by tests/engines/paths_driver.py). The
 process paths run in a real subprocess that forks gloo ranks.
 
 Bit for bit on the CPU they were recorded on, to float32 rounding on others (tests/engines/pins.py)."""
@@ -59,18 +59,17 @@ def test_process_path_steps_equal_the_recorded_ones(process_runs, name):
 
 @pytest.mark.slow
 def test_each_process_path_ran_and_recorded_its_own_dispatcher(process_runs):
-    assert process_runs["dispatchers"] == {"ep2-capacity": "PooledWave", "ep2-dropless": "Ragged",
-                                           "mesh-dp2-ep2-capacity": "MeshPooledWave",
-                                           "mesh-dp1-ep2-dropless": "MeshRagged"}
+    assert process_runs["dispatchers"] == {"dp1-ep2-capacity": "PooledWave", "dp1-ep2-dropless": "Ragged",
+                                           "dp2-ep2-capacity": "PooledWave"}
 
 
 def test_the_recorded_paths_differ_where_their_specs_do():
     """The pins cannot pass vacuously: each run trained (losses move), capacity runs dropped, and
-    the EP and mesh runs of one spec agree to float rounding without being the same record."""
+    the dp1 and dp2 runs of one spec agree to float rounding without being the same record."""
     for name in PATHS:
         losses = [r["loss"] for r in EXPECTED[name]]
         assert len(set(losses)) == len(losses), name
         drops = sum(r["drop_frac_send"] + r["drop_frac_recv"] for r in EXPECTED[name])
         assert (drops > 0) == ("capacity" in name), name
-    ep, mesh = EXPECTED["ep2-capacity"], EXPECTED["mesh-dp2-ep2-capacity"]
+    ep, mesh = EXPECTED["dp1-ep2-capacity"], EXPECTED["dp2-ep2-capacity"]
     assert ep != mesh and all(abs(a["loss"] - b["loss"]) < 1e-4 for a, b in zip(ep, mesh))

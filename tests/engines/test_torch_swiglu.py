@@ -1,4 +1,4 @@
-"""engines/torch/swiglu.py: the SwiGLU backward kernel equals the derivative of silu(gate) * up.
+"""engines/torch/kernels/swiglu.py: the SwiGLU backward kernel equals the derivative of silu(gate) * up.
 The torch form is checked by autograd in fp64 on any machine; the kernel against the torch form in
 Triton's interpreter where Triton is installed (widths off the block grid, a row count off
 BLOCK_R) and on a GPU, where SwiGLU's gradient also equals autograd's, eager and compiled."""
@@ -7,7 +7,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.torch.swiglu import swiglu_bwd_torch
+from engines.torch.kernels.swiglu import swiglu_bwd_torch
 from tests.engines.triton_script import INTERPRETER, interpreter_only, run_script
 
 
@@ -22,7 +22,7 @@ def test_the_torch_form_is_the_derivative_of_silu_gate_times_up():
 _KERNEL = """
 import sys
 import torch
-from engines.torch import swiglu as S
+from engines.torch.kernels import swiglu as S
 dev = sys.argv[1]
 torch.manual_seed(0)
 # (the interpreter's bf16 arithmetic is not the GPU's: fp16 stands in for it there)

@@ -1,4 +1,4 @@
-"""engines/torch/swiglu_gemm.py: the experts' SwiGLU inside the grouped matmuls equals the plain
+"""engines/torch/kernels/swiglu_gemm.py: the experts' SwiGLU inside the grouped matmuls equals the plain
 formula. Its torch forms are the derivative of silu(gate) * up (checked by autograd in fp64, on
 any machine); the kernels equal the torch forms in Triton's interpreter where Triton is installed
 (an expert without rows, widths off the tile grid) and on a GPU; there, FusedExperts' output and
@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engines.torch.swiglu_gemm import swiglu_down_dx_torch, swiglu_up_torch
+from engines.torch.kernels.swiglu_gemm import swiglu_down_dx_torch, swiglu_up_torch
 from tests.engines.triton_script import INTERPRETER, interpreter_only, run_script
 
 
@@ -42,7 +42,7 @@ def test_the_torch_forms_are_the_swiglu_and_its_derivative():
 _KERNELS = """
 import sys
 import torch
-from engines.torch import swiglu_gemm as S
+from engines.torch.kernels import swiglu_gemm as S
 dev = sys.argv[1]
 torch.manual_seed(0)
 offs = torch.cumsum(torch.tensor([5, 0, 70, 33, 1]), 0).to(dev, torch.int32)
@@ -107,7 +107,7 @@ def test_kernels_equal_the_torch_forms_on_the_gpu():
 _FUSED = """
 import torch
 import torch.nn.functional as F
-from engines.torch import swiglu_gemm as S
+from engines.torch.kernels import swiglu_gemm as S
 torch.manual_seed(0)
 dev, bf = "cuda", torch.bfloat16
 offs = torch.cumsum(torch.tensor([300, 0, 517, 128, 64, 1000, 7, 256]), 0).to(dev, torch.int32)

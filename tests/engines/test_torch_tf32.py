@@ -1,11 +1,11 @@
-"""engines/torch/tf32.py: mm_tf32 is a matmul with a matmul's gradients (torch.library.opcheck
+"""engines/torch/kernels/tf32.py: mm_tf32 is a matmul with a matmul's gradients (torch.library.opcheck
 checks its registrations), leaves the process-wide TF32 setting as it found it, and on a GPU
 rounds its inputs as TF32 does while an fp32 matmul next to it stays fp32."""
 
 import pytest
 import torch
 
-from engines.torch.tf32 import mm_tf32
+from engines.torch.kernels.tf32 import mm_tf32
 
 
 def test_mm_tf32_is_a_matmul_with_its_gradients():

@@ -1,11 +1,11 @@
-"""engines/torch/topk.py: the router's top-k kernel selects what torch.topk selects, highest
+"""engines/torch/kernels/topk.py: the router's top-k kernel selects what torch.topk selects, highest
 first, and on ties the lowest expert first. On the CPU (no Triton) topk_indices is torch.topk;
 the kernel runs on a GPU, eager and inside torch.compile."""
 
 import pytest
 import torch
 
-from engines.torch.topk import topk_indices
+from engines.torch.kernels.topk import topk_indices
 from tests.engines.triton_script import run_script
 
 
@@ -16,7 +16,7 @@ def test_without_a_gpu_the_selection_is_torch_topk():
 
 _KERNEL = """
 import torch
-from engines.torch import topk as K
+from engines.torch.kernels import topk as K
 assert K._OPS
 torch.manual_seed(0)
 for T, E, k in ((32768, 384, 8), (16384, 64, 8), (1000, 100, 3), (7, 16, 16), (5, 2, 2)):

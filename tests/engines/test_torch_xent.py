@@ -1,4 +1,4 @@
-"""engines/torch/xent.py: the head's losses and their gradient. The torch forms are the mean
+"""engines/torch/kernels/xent.py: the head's losses and their gradient. The torch forms are the mean
 cross-entropy, the mean squared log-partition and their gradient (autograd in fp64, any machine);
 the kernels equal the torch forms in Triton's interpreter where Triton is installed (a vocabulary
 over one block and off the block grid) and on a GPU, where HeadLosses' gradient also equals
@@ -7,7 +7,7 @@ autograd's, eager and compiled."""
 import pytest
 import torch
 
-from engines.torch.xent import xent_bwd_torch, xent_fwd_torch
+from engines.torch.kernels.xent import xent_bwd_torch, xent_fwd_torch
 from tests.engines.triton_script import INTERPRETER, interpreter_only, run_script
 
 
@@ -28,7 +28,7 @@ def test_the_torch_forms_are_the_losses_and_their_gradient():
 _KERNELS = """
 import sys
 import torch
-from engines.torch import xent as X
+from engines.torch.kernels import xent as X
 dev = sys.argv[1]
 torch.manual_seed(0)
 # (the interpreter's bf16 arithmetic is not the GPU's: fp16 stands in for it there)

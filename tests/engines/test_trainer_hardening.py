@@ -18,7 +18,8 @@ from engines.checkpoint import (
     verify_checkpoint,
 )
 from engines.options import EngineOptions
-from engines.torch.engine import TorchEngine, TorchStep
+from engines.torch.engine import TorchEngine
+from engines.torch.step import TorchStep
 from engines.trainer import RunHistoryError, Trainer
 from tests.conftest import tiny_spec
 
@@ -168,7 +169,7 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_and_fails_in_one_lin
     run = disk / "run"
     got = subprocess.run([sys.executable, "-m", "ladder.cli", "train", str(save_spec(spec, tmp_path / "full.yaml")),
                           "--run-dir", str(run), "--quiet"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "MOE_LADDER_CPU_THREADS": "1"})
+                         env={**os.environ, "OMP_NUM_THREADS": "1", "MOE_LADDER_OPTIONS": "cpu_threads=1"})
     assert got.returncode == 2, got.stderr
     lines = [line for line in got.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and "no space for checkpoint step 2" in lines[0] and "Traceback" not in got.stderr

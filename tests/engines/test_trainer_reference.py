@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from engines.base import read_metrics
-from engines.torch.engine import TorchStep
+from engines.torch.step import TorchStep
 from engines.trainer import Trainer
 from ladder.presets import micro_spec
 from tests.engines.pins import same_steps

@@ -192,7 +192,7 @@ def test_a_sigkilled_prepare_leaves_no_pool_worker_or_resource_tracker(tmp_path,
     path = save_spec(spec, tmp_path / "s.yaml")
     cache = tmp_path / "cache"
     drv = subprocess.Popen([sys.executable, "-m", "ladder.cli", "data", "prepare", str(path), "--workers", "2"], cwd=REPO,
-                           env={**os.environ, "MOE_LADDER_CACHE": str(cache), "MOE_LADDER_SHARD_CHUNK_BYTES": "500000"},
+                           env={**os.environ, "MOE_LADDER_CACHE": str(cache), "MOE_LADDER_LIMITS": "shard_chunk_bytes=500000"},
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     deadline, procs = time.monotonic() + 300, []  # only to catch a hang
     while time.monotonic() < deadline and drv.poll() is None and not list(cache.glob("shards/*/part-*.json")):

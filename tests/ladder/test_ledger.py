@@ -39,9 +39,9 @@ def test_run_dir_is_root_runs_experiment_name_dash_id(tmp_path):
 
 def test_root_comes_from_argument_then_env_then_cwd(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
-    monkeypatch.delenv("LADDER_ROOT", raising=False)
+    monkeypatch.delenv("MOE_LADDER_ROOT", raising=False)
     assert ledger.ladder_root() == tmp_path / ".ladder"
-    monkeypatch.setenv("LADDER_ROOT", str(tmp_path / "env"))
+    monkeypatch.setenv("MOE_LADDER_ROOT", str(tmp_path / "env"))
     assert ledger.ladder_root() == tmp_path / "env"
     assert ledger.ladder_root(tmp_path / "arg") == tmp_path / "arg"
 
@@ -124,7 +124,7 @@ def test_a_claim_without_heartbeat_goes_stale(tmp_path, monkeypatch):
         info["host"] = "another-host"
         lock.write_text(json.dumps(info))
         os.utime(lock, (time.time() - 600, time.time() - 600))
-        monkeypatch.setenv("LADDER_CLAIM_STALE_S", "120")
+        monkeypatch.setenv("MOE_LADDER_LIMITS", "claim_stale_s=120")
         c = ledger.Claim.acquire(tmp_path, "abc", owner="sub-2")
         assert c is not None
         c.release()

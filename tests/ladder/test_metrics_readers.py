@@ -67,7 +67,7 @@ def test_the_mlflow_tail_skips_it_with_one_warning(damaged, capsys):
 
 def test_the_torch_ep_launcher_skips_it_with_one_warning(damaged, capsys):
     from core import rundir
-    from engines.torch.ep_launch import _read_new
+    from engines.torch.parallel.launch import _read_new
 
     spec, d, m = damaged
     rundir._warned.clear()

@@ -28,7 +28,7 @@ def test_submit_plans_a_diverged_spec_again_only_when_asked(tmp_path):
 def test_train_refuses_a_diverged_run_unless_asked(tmp_path):
     spec = tiny_spec("nan", steps=30, checkpoint_every=5, **{"optim.peak_lr": 1e6, "optim.grad_clip": 1e9})
     path, run = save_spec(spec, tmp_path / "nan.yaml"), tmp_path / "run"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_LADDER_CPU_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_LADDER_OPTIONS": "cpu_threads=1"}
 
     def train(*extra):
         return subprocess.run([sys.executable, "-m", "ladder.cli", "train", str(path), "--run-dir", str(run),

@@ -24,7 +24,7 @@ from rich.console import Console
 
 from core.spec import save_spec
 from engines.base import read_metrics, read_status
-from engines.torch.dist.checkpoint import latest_sharded, read_full
+from engines.torch.parallel.checkpoint import latest_sharded, read_full
 from ladder import ledger
 from ladder.controller import submit
 from ladder.experiment import load_experiment
@@ -75,7 +75,7 @@ def two_nodes():
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
     gcs = _ports(1)[0]
-    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MOE_LADDER_CPU_THREADS="1",
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MOE_LADDER_OPTIONS="cpu_threads=1",
                RAY_TMPDIR=temp)
     log = open(Path(temp) / "nodes.log", "wb")
     head = subprocess.Popen(_node_args(True, gcs) + ["--temp-dir", temp], env=env, stdout=log, stderr=log,
@@ -128,7 +128,7 @@ def _uninterrupted(spec, root: Path) -> Path:
     save_spec(spec, root / "spec.yaml")
     run = root / "plain4"
     jobs = [[4, [str(root / "spec.yaml"), "--run-dir", str(run), "--device", "cpu"]]]
-    assert drive("engines.torch.dist.train", jobs, join_s=240, timeout=600) == [[0, 0, 0, 0]]
+    assert drive("engines.torch.parallel.train", jobs, join_s=240, timeout=600) == [[0, 0, 0, 0]]
     return run
 
 

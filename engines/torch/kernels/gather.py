@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.torch.ops import register_triton_ops, tl, triton
+from engines.torch.kernels.ops import register_triton_ops, tl, triton
 
 MAX_L = 8192  # the gate-gradient kernel holds a whole row per program
 
@@ -149,7 +149,7 @@ if triton is not None:
         launch_gather_scale(src_TL, order_A, gate_TK, out_AL, torch.library.wrap_triton)
         return out_AL
 
-    _OPS = register_triton_ops("engines/torch/gather.py", "the torch forms run",
+    _OPS = register_triton_ops("engines/torch/kernels/gather.py", "the torch forms run",
                                {"moe_ladder::gather_sum": _gather_sum_op,
                                 "moe_ladder::gather_dot": _gather_dot_op,
                                 "moe_ladder::gather_scale": _gather_scale_op})

@@ -1,18 +1,20 @@
-"""The torch engine's real expert parallel: a spec with model.ep_size > 1 on a machine with at
-least ep_size GPUs trains in ep_size processes (engines/torch/ep_train.py under torchrun, one
-process per GPU, NCCL), not on one device with the shards emulated. The JAX engine does the same
-in one process over a device mesh.
+"""The launcher follows the layout: a spec trains in process on one device (1 x 1, the engine's
+own step; an ep_size > 1 spec there has its shards emulated), in model.ep_size processes under
+torchrun on one host (dp = 1: engines/torch/parallel/train.py, one process per GPU, NCCL), or
+across hosts under Ray Train (ladder/train_launch.py: spec.hardware.workers processes, dp =
+workers / ep). The JAX engine does the same in one process over a device mesh.
 
-`ladder train` and the controller's Ray workers get it through TorchEngine.train, which yields
-the StepMetrics that rank 0 appends to metrics.jsonl as they land. EngineOptions.torch_ep
-($MOE_LADDER_TORCH_EP) picks the layout: "auto" (processes where the GPUs are there, else
-emulated), "emulate" (always one device) or "processes" (always; gloo CPU processes where there is no GPU).
+`ladder train` and the controller's Ray workers get the torchrun launch through
+TorchEngine.train, which yields the StepMetrics that rank 0 appends to metrics.jsonl as they land.
+EngineOptions.torch_ep ($MOE_LADDER_OPTIONS torch_ep) picks the layout on one host: "auto" (processes
+where the GPUs are there, else emulated), "emulate" (always one device) or "processes" (always;
+gloo CPU processes where there is no GPU).
 
-The child group is the run's only writer: the checkpoints, status.json and metrics.jsonl are
-ep_train's, so a resumed or replayed run is the same whichever launched it. Closing the
-generator (a cancelled Ray task, Ctrl-C) ends the whole process group; a launcher that dies
-without closing it (a SIGKILLed Ray worker) takes the group with it too, through the kernel's
-parent-death signal (Linux), so a retry never meets a second writer.
+The child group is the run's only writer: the checkpoints, status.json and metrics.jsonl are the
+ranks', so a resumed or replayed run is the same whichever launched it. Closing the generator (a
+cancelled Ray task, Ctrl-C) ends the whole process group; a launcher that dies without closing it
+(a SIGKILLed Ray worker) takes the group with it too, through the kernel's parent-death signal
+(Linux), so a retry never meets a second writer.
 """
 
 from __future__ import annotations
@@ -31,7 +33,8 @@ import engines
 from engines.base import METRICS_FILE, DivergedError, StepMetrics, emulated_ep_note, read_status
 from engines.checkpoint import latest_checkpoint, missing_parent_checkpoint, resume_step
 from engines.options import EngineOptions
-from engines.torch.ep import NO_MULTICAST, EPError
+from engines.torch.parallel.checkpoint import latest_sharded
+from engines.torch.parallel.layout import NO_MULTICAST, LayoutError
 from core.fsutil import atomic_write_json, atomic_write_text
 from core.rundir import parse_metrics_lines
 from core.spec import Spec
@@ -66,7 +69,7 @@ def emulation_warning(spec: Spec, device: torch.device, options: EngineOptions) 
     if ep <= 1 or device.type != "cuda" or use_processes(spec, device, options):
         return None
     n = torch.cuda.device_count()
-    why = "MOE_LADDER_TORCH_EP=emulate" if options.torch_ep == "emulate" else f"{n} GPU(s) visible"
+    why = "MOE_LADDER_OPTIONS torch_ep=emulate" if options.torch_ep == "emulate" else f"{n} GPU(s) visible"
     return emulated_ep_note(spec.name, ep, why)
 
 
@@ -83,7 +86,7 @@ def die_with_parent() -> None:
 def _read_new(path: Path, offset: int, start: int, since: float) -> tuple[list[StepMetrics], int]:
     """This launch's complete records after byte `offset`, and the offset after them.
 
-    The file may still hold an earlier launch's records until ep_train's writer truncates it
+    The file may still hold an earlier launch's records until rank 0's writer truncates it
     (atomically, to the records below its resume step `start`): records below `start` are
     passed over, and one at or past `start` that finished before this launch (`since`) stops the
     read without moving the offset, so it is read again from the truncated file."""
@@ -109,20 +112,23 @@ def _read_new(path: Path, offset: int, start: int, since: float) -> tuple[list[S
 
 def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.device,
                     options: EngineOptions) -> Iterator[StepMetrics]:
-    """Run ep_train over model.ep_size processes (under `options`) and yield each step's record
-    as rank 0 writes it."""
+    """Run engines/torch/parallel/train.py over model.ep_size processes (dp = 1, under `options`)
+    and yield each step's record as rank 0 writes it."""
     ep = spec.model.ep_size
     metrics = run_dir / METRICS_FILE
     ckpt = latest_checkpoint(run_dir) if resume else None
-    if ckpt is None and spec.lineage.resume_step is not None:
+    sharded = latest_sharded(run_dir) if resume else None
+    if ckpt is None and sharded is None and spec.lineage.resume_step is not None:
         raise missing_parent_checkpoint(spec, run_dir)  # as the one-process engine: never start over
-    start = resume_step(run_dir) if ckpt is not None else 0  # where ep_train resumes (its newest intact checkpoint)
+    # where the ranks resume: the newest of their sharded checkpoints and the intact engine-neutral ones
+    found = ([resume_step(run_dir)] if ckpt is not None else []) + ([int(sharded.name[5:])] if sharded else [])
+    start = max(found, default=0)
     offset, since = 0, time.time()
     spec_path = run_dir / SPEC_FILE
     atomic_write_text(spec_path, spec.model_dump_json(indent=1))
     options_path = atomic_write_json(run_dir / OPTIONS_FILE, options.to_dict())
     cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ep),
-           "-m", "engines.torch.ep_train", str(spec_path), "--run-dir", str(run_dir), "--options", str(options_path),
+           "-m", "engines.torch.parallel.train", str(spec_path), "--run-dir", str(run_dir), "--options", str(options_path),
            "--device", "cuda" if device.type == "cuda" else "cpu", "--log-every", str(10**9)]
     if not resume:
         cmd.append("--no-resume")
@@ -149,7 +155,7 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
             _stop(proc)
     if proc.returncode == 0:
         return
-    # torchrun reports any failed rank as exit 1: what failed is in ep_train's status and log
+    # torchrun reports any failed rank as exit 1: what failed is in the ranks' status and log
     with open(log_path, "rb") as f:
         f.seek(log_start)
         log_text = f.read().decode(errors="replace")
@@ -162,7 +168,7 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
                             f"{status.get('step')}; {where}")
     refused = [line[len("error: "):] for line in log_text.splitlines() if line.startswith("error: ")]
     if refused:
-        raise EPError(f"{refused[-1]} (expert-parallel run, log: {log_path})")
+        raise LayoutError(f"{refused[-1]} (expert-parallel run, log: {log_path})")
     raise RuntimeError(f"expert-parallel run exited {proc.returncode} (log: {log_path}):\n{log_text[-3000:]}")
 
 

@@ -1,5 +1,5 @@
 """TorchEngine.train runs a spec with model.ep_size > 1 in ep_size real processes (torchrun +
-engines/torch/ep_train.py; gloo here, NCCL on GPUs) and yields rank 0's records: the same
+engines/torch/parallel/train.py, dp 1; gloo here, NCCL on GPUs) and yields rank 0's records: the same
 losses as the one-process engine with the shards emulated, each step once across an
 interrupted launch and its resume, and a clear error for a bad layout switch."""
 
@@ -10,7 +10,7 @@ import pytest
 from engines.base import read_metrics, read_status
 from engines.torch.engine import TorchEngine
 from engines.options import EngineOptions, OptionsError
-from engines.torch.ep import EPError
+from engines.torch.parallel.layout import LayoutError
 from ladder.presets import micro_spec
 
 pytestmark = pytest.mark.slow
@@ -20,7 +20,7 @@ SPEC = micro_spec("ep2-launch", **{"model.ep_size": 2, "model.dispatch": "capaci
                                     "model.capacity_factor_send": 1.0, "model.capacity_factor_recv": 1.0,
                                     "model.init_std": 0.3, "data.total_tokens": 6 * 64 * 8,
                                     "run.eval_every": 3, "run.checkpoint_every": 3})
-CPU_ENV = {"OMP_NUM_THREADS": "1", "MOE_LADDER_CPU_THREADS": "1"}
+CPU_ENV = {"OMP_NUM_THREADS": "1"}
 EMULATE = EngineOptions(torch_ep="emulate", cpu_threads=1)
 PROCESSES = EngineOptions(torch_ep="processes", cpu_threads=1)
 
@@ -36,7 +36,7 @@ def runs(tmp_path_factory):
         whole = list(TorchEngine("cpu", PROCESSES).train(SPEC, root / "ranks"))
         whole_file = read_metrics(root / "ranks")
         # as a kill after the step-3 checkpoint leaves the run: its later records stay in the file
-        shutil.rmtree(root / "ranks" / "checkpoints" / "step_00000006")
+        shutil.rmtree(root / "ranks" / "sharded" / "step_00000006")
         rest = list(TorchEngine("cpu", PROCESSES).train(SPEC, root / "ranks"))
     return {"root": root, "single": single, "whole": whole, "whole_file": whole_file, "rest": rest}
 
@@ -50,7 +50,7 @@ def test_processes_give_the_emulated_losses_and_drops(runs):
         assert a["loss"] == pytest.approx(b["loss"], rel=2e-5)
         assert (a["drop_frac_send"], a["drop_frac_recv"]) == (b["drop_frac_send"], b["drop_frac_recv"])
     assert any(r["drop_frac_recv"] > 0 for r in single)
-    assert (runs["root"] / "ranks" / "ep.json").exists()  # written by the ranks, never by one process
+    assert (runs["root"] / "ranks" / "mesh.json").exists()  # written by the ranks, never by one process
 
 
 def test_a_resumed_launch_yields_only_its_steps_and_the_file_holds_each_once(runs):
@@ -86,7 +86,7 @@ def test_closing_the_generator_ends_every_rank(tmp_path, monkeypatch):
 def test_auto_emulates_where_there_are_not_enough_gpus(monkeypatch):
     import torch
 
-    from engines.torch.ep_launch import use_processes
+    from engines.torch.parallel.launch import use_processes
 
     assert not use_processes(SPEC, torch.device("cpu"), EngineOptions(torch_ep="auto"))
     assert use_processes(SPEC, torch.device("cpu"), PROCESSES)
@@ -94,8 +94,8 @@ def test_auto_emulates_where_there_are_not_enough_gpus(monkeypatch):
 
 
 def test_a_bad_layout_switch_is_refused_by_name(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOE_LADDER_TORCH_EP", "sometimes")
-    with pytest.raises(OptionsError, match="MOE_LADDER_TORCH_EP='sometimes'"):
+    monkeypatch.setenv("MOE_LADDER_OPTIONS", "torch_ep=sometimes")
+    with pytest.raises(OptionsError, match="MOE_LADDER_OPTIONS torch_ep='sometimes'"):
         next(TorchEngine("cpu").train(SPEC, tmp_path / "run"))
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
@@ -108,12 +108,12 @@ def test_ladder_train_runs_the_ranks(tmp_path):
     from core.spec import save_spec
 
     path = save_spec(SPEC, tmp_path / "spec.yaml")
-    env = dict(os.environ, **CPU_ENV, MOE_LADDER_TORCH_EP="processes")
+    env = dict(os.environ, **CPU_ENV, MOE_LADDER_OPTIONS="torch_ep=processes,cpu_threads=1")
     out = subprocess.run([sys.executable, "-m", "ladder.cli", "train", str(path), "--run-dir", str(tmp_path / "run"),
                           "--quiet"], capture_output=True, text=True, timeout=300, env=env)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"finished step {SPEC.total_steps}/{SPEC.total_steps}" in out.stderr
-    assert (tmp_path / "run" / "ep.json").exists()
+    assert (tmp_path / "run" / "mesh.json").exists()
 
 
 KILLED_DRIVER = """
@@ -138,7 +138,7 @@ def test_a_sigkilled_launcher_takes_every_rank_with_it(tmp_path):
 
     long = SPEC.model_copy(update={"data": SPEC.data.model_copy(update={"total_tokens": 2000 * 64 * 8})})
     path = save_spec(long, tmp_path / "spec.yaml")
-    env = dict(os.environ, **CPU_ENV, MOE_LADDER_TORCH_EP="processes")
+    env = dict(os.environ, **CPU_ENV, MOE_LADDER_OPTIONS="torch_ep=processes,cpu_threads=1")
     run = tmp_path / "run"
     driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(path), str(run)], stdout=subprocess.PIPE,
                               text=True, env=env)
@@ -172,10 +172,10 @@ def test_a_checkpoint_of_another_spec_is_refused_in_one_line_and_nothing_is_lost
     import shutil
 
     run = runs["root"] / "ranks"
-    shutil.rmtree(run / "checkpoints" / "step_00000006")  # records 3..5 now lie past the last checkpoint
+    shutil.rmtree(run / "sharded" / "step_00000006")  # records 3..5 now lie past the last checkpoint
     before = (run / "metrics.jsonl").read_text()
     other = SPEC.replace(seed=SPEC.seed + 1)
-    with pytest.raises(EPError, match=r"belongs to spec .* not this spec") as err:
+    with pytest.raises(LayoutError, match=r"belongs to spec .* not this spec") as err:
         list(TorchEngine("cpu", PROCESSES).train(other, run))
     assert "\n" not in str(err.value)
     assert (run / "metrics.jsonl").read_text() == before  # the refused launch lost nothing
@@ -184,7 +184,7 @@ def test_a_checkpoint_of_another_spec_is_refused_in_one_line_and_nothing_is_lost
 def test_an_ep_spec_emulated_on_one_gpu_says_how_to_split_it(monkeypatch):
     import torch
 
-    from engines.torch.ep_launch import emulation_warning
+    from engines.torch.parallel.launch import emulation_warning
 
     auto = EngineOptions(torch_ep="auto")
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

@@ -18,6 +18,7 @@ import pytest
 
 from engines.base import read_metrics, read_status
 from engines.checkpoint import latest_checkpoint, load_checkpoint
+from engines.torch.parallel.checkpoint import latest_sharded, read_full
 from engines.torch.engine import TorchEngine
 from ladder.presets import micro_spec
 from core.spec import save_spec
@@ -56,7 +57,7 @@ def runs(tmp_path_factory):
         list(TorchEngine("cpu").train(spec, root / f"{name}-single"))  # also fills the token cache
     # 2 ranks under torchrun, stopped after step 3 ...
     proc = subprocess.run(
-        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "engines.torch.ep_train",
+        [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "engines.torch.parallel.train",
          *_train_args(root / "ep2.yaml", root / "ep2-ranks", "--steps", "3")],
         cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=180)
     assert proc.returncode == 0, proc.stderr[-4000:]
@@ -65,7 +66,7 @@ def runs(tmp_path_factory):
     jobs = [[2, _train_args(root / "ep2.yaml", root / "ep2-ranks")],
             [4, _train_args(root / "ep4.yaml", root / "ep4-ranks")],
             [2, _train_args(root / "dropless2.yaml", root / "dropless2-ranks", "--profile", str(root / "prof"))]]
-    assert drive("engines.torch.ep_train", jobs, join_s=120, timeout=300) == [[0, 0], [0, 0, 0, 0], [0, 0]]
+    assert drive("engines.torch.parallel.train", jobs, join_s=120, timeout=300) == [[0, 0], [0, 0, 0, 0], [0, 0]]
     out["root"] = root
     return out
 
@@ -111,11 +112,11 @@ def test_dropless_over_ranks_drops_nothing(runs):
 @pytest.mark.parametrize("name", sorted(SPECS))
 def test_the_gathered_checkpoint_holds_the_single_process_weights(runs, name):
     root = runs["root"]
-    ref_path, ep_path = latest_checkpoint(root / f"{name}-single"), latest_checkpoint(root / f"{name}-ranks")
+    ref_path, ep_path = latest_checkpoint(root / f"{name}-single"), latest_sharded(root / f"{name}-ranks")
     assert ref_path.name == ep_path.name == "step_00000006"
     ref, ref_opt, _ = load_checkpoint(ref_path)
-    got, got_opt, info = load_checkpoint(ep_path)
-    assert info["ep_world_size"] == SPECS[name].model.ep_size
+    got, got_opt, info = read_full(ep_path)
+    assert info["mesh"] == {"dp": 1, "ep": SPECS[name].model.ep_size, "world": SPECS[name].model.ep_size}
     assert sorted(got) == sorted(ref)
     for k in ref:
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=2e-6, err_msg=k)
@@ -127,7 +128,7 @@ def test_the_gathered_checkpoint_holds_the_single_process_weights(runs, name):
 def test_each_rank_holds_only_its_experts_and_exchanges_rows(runs, name):
     spec = SPECS[name]
     m = spec.model
-    summary = json.loads((runs["root"] / f"{name}-ranks" / "ep.json").read_text())
+    summary = json.loads((runs["root"] / f"{name}-ranks" / "mesh.json").read_text())
     assert summary["world_size"] == m.ep_size and summary["backend"] == "gloo"
     per = m.n_routed_experts // m.ep_size
     assert [r["experts"] for r in summary["ranks"]] == [[i * per, (i + 1) * per] for i in range(m.ep_size)]
@@ -149,20 +150,20 @@ def test_a_run_stopped_early_is_left_resumable_and_the_continuation_finishes(run
 
 
 def test_a_process_count_other_than_ep_size_is_a_clear_error(runs, tmp_path):
-    proc = subprocess.run([PY, "-m", "engines.torch.ep_train",
+    proc = subprocess.run([PY, "-m", "engines.torch.parallel.train",
                            *_train_args(runs["root"] / "ep2.yaml", tmp_path / "run")],
                           cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
-    assert "model.ep_size is 2 but 1 process(es) were started" in proc.stderr
+    assert "1 process(es) do not form a (data x expert) mesh with model.ep_size 2" in proc.stderr
     assert "Traceback" not in proc.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()
 
 
 def test_a_batch_that_does_not_split_into_whole_sequences_per_rank_is_refused():
-    from engines.torch.ep import EPError, check_layout
+    from engines.torch.parallel.layout import LayoutError, check_layout
 
     spec = micro_spec(**{"model.ep_size": 4, "data.batch_size": 6})
-    with pytest.raises(EPError, match=r"data.batch_size \(6\) must be a multiple of model.ep_size \(4\)"):
+    with pytest.raises(LayoutError, match=r"data.batch_size \(6\) must be a multiple of the 4 processes"):
         check_layout(spec.model, 4, spec.data.batch_size)
 
 

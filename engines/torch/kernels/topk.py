@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.torch.ops import register_triton_ops, tl, triton
+from engines.torch.kernels.ops import register_triton_ops, tl, triton
 
 TILE = 8192  # elements a program holds: BLOCK_T rows of BLOCK_E columns
 
@@ -63,7 +63,7 @@ if triton is not None:
         launch_topk(x_TE, idx_TK, wrap=torch.library.wrap_triton)
         return idx_TK
 
-    _OPS = register_triton_ops("engines/torch/topk.py", "torch.topk runs", {"moe_ladder::router_topk": _topk_op})
+    _OPS = register_triton_ops("engines/torch/kernels/topk.py", "torch.topk runs", {"moe_ladder::router_topk": _topk_op})
 
 
 def topk_indices(select_TE: torch.Tensor, k: int, use_kernel: bool = True) -> torch.Tensor:

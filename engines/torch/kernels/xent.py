@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.torch.ops import register_triton_ops, tl, triton
+from engines.torch.kernels.ops import register_triton_ops, tl, triton
 
 BLOCK_V = 4096
 
@@ -107,7 +107,7 @@ if triton is not None:
         launch_xent_bwd(logits_TV, tgt_T, lse_T, g_2, dlogits_TV, wrap=torch.library.wrap_triton)
         return dlogits_TV
 
-    _OPS = register_triton_ops("engines/torch/xent.py", "Inductor's loss kernels run",
+    _OPS = register_triton_ops("engines/torch/kernels/xent.py", "Inductor's loss kernels run",
                                {"moe_ladder::xent_fwd": _xent_fwd_op, "moe_ladder::xent_bwd": _xent_bwd_op})
 
 

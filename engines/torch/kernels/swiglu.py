@@ -18,7 +18,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engines.torch.ops import register_triton_ops, tl, triton
+from engines.torch.kernels.ops import register_triton_ops, tl, triton
 
 BLOCK_R = 8
 
@@ -70,7 +70,7 @@ if triton is not None:
         launch_swiglu_bwd(gu_A2F, dh_AF, dgu_A2F, wrap=torch.library.wrap_triton)
         return dgu_A2F
 
-    _OPS = register_triton_ops("engines/torch/swiglu.py", "Inductor's backward runs",
+    _OPS = register_triton_ops("engines/torch/kernels/swiglu.py", "Inductor's backward runs",
                                {"moe_ladder::swiglu_bwd": _swiglu_bwd_op})
 
 

@@ -1,4 +1,4 @@
-"""A (data x expert) mesh of real processes (gloo on the CPU) against the one-device engine,
+"""A (data x expert) layout of real processes (gloo on the CPU) against the one-device engine,
 which emulates the spec's expert shards: dp2 x ep2 over 4 processes gives its losses, gradient
 norms and drops at every step, and its weights at the end; a run resumes from its sharded
 checkpoint to the bit; a sharded checkpoint exports to the engine-neutral format, and 2 processes
@@ -18,8 +18,8 @@ import pytest
 
 from engines.base import read_metrics, read_status
 from engines.checkpoint import init_from_checkpoint, latest_checkpoint, load_checkpoint
-from engines.torch.dist.checkpoint import export, latest_sharded, read_full
-from engines.torch.dist.mesh import MeshContext
+from engines.torch.parallel.checkpoint import export, latest_sharded, read_full
+from engines.torch.parallel.layout import Layout
 from engines.torch.engine import TorchEngine
 from ladder.presets import micro_spec
 from core.spec import save_spec
@@ -46,7 +46,7 @@ def _args(root: Path, run: str, *extra: str) -> list[str]:
 
 
 def _drive(jobs: list) -> list:
-    return drive("engines.torch.dist.train", jobs, join_s=240, timeout=600)
+    return drive("engines.torch.parallel.train", jobs, join_s=240, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -96,8 +96,10 @@ def test_the_exported_final_shards_hold_the_single_process_weights(runs):
         # another order, into up to ~1% of one update (3e-3): atol 5e-5
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=5e-5, err_msg=k)
     assert int(got_opt["step"]) == int(ref_opt["step"]) == 6
+    # the ranks run the fast forward, the one-process CPU engine the reference: a first moment
+    # whose gradient nearly cancels (an embedding entry of 2e-6) moves by up to ~2e-8
     for k in ("m/blocks.1.moe.experts.w_up", "v/blocks.0.moe.router", "m/embed.weight"):
-        np.testing.assert_allclose(got_opt[k], ref_opt[k], rtol=1e-3, atol=1e-8, err_msg=k)
+        np.testing.assert_allclose(got_opt[k], ref_opt[k], rtol=1e-3, atol=5e-8, err_msg=k)
 
 
 def test_each_rank_holds_its_expert_shard_split_over_data_and_a_quarter_of_the_rest(runs):
@@ -137,7 +139,7 @@ def test_two_ranks_continue_four_ranks_export_to_the_single_process_result(runs)
 
 def test_a_process_count_that_is_no_mesh_is_one_clear_line(runs, tmp_path):
     env = dict(cpu_env(), WORLD_SIZE="3", RANK="0", LOCAL_RANK="0")
-    proc = subprocess.run([PY, "-m", "engines.torch.dist.train", *_args(runs, "x")[:1], "--run-dir",
+    proc = subprocess.run([PY, "-m", "engines.torch.parallel.train", *_args(runs, "x")[:1], "--run-dir",
                            str(tmp_path / "run"), "--device", "cpu"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2
@@ -171,7 +173,7 @@ def test_each_rank_reads_part_d_of_source_shard_e_and_the_parts_tile_the_batch()
     B, dp, ep = 24, 3, 2
     seen = []
     for rank in range(dp * ep):
-        mc = MeshContext(rank=rank, world=dp * ep, dp=dp, ep=ep, device=None, mesh=None, flat=None)
+        mc = Layout(dp=dp, ep=ep, rank=rank)
         d, e = divmod(rank, ep)
         rows = mc.rows(B)
         assert rows.start == e * (B // ep) + d * (B // (dp * ep))  # part d of source shard e

@@ -23,7 +23,7 @@ import os
 
 import torch
 
-from engines.torch.ops import tl, triton
+from engines.torch.kernels.ops import tl, triton
 
 # elements a program by moment dtype: on an H200 the fp32-moment kernel took 0.462 ms at 2,048
 # against 0.517 at 1,024 (66M parameters; bench/kernels_h200.py --only optimizer), bf16 moments

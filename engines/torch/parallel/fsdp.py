@@ -5,7 +5,7 @@ bytes each rank really holds.
 - each block's routed experts (this rank's expert shard): fully_shard over the data group;
 - each block's other parameters, the embedding, final norm and head: fully_shard over all ranks;
 - gradients are summed (never averaged) by both: each rank's backward seeds its share of the
-  global objective (engines/torch/dist/moe.py).
+  global objective (engines/torch/parallel/model.py).
 The router's balancing bias is a buffer: every rank holds all of it and updates it alike.
 """
 
@@ -17,10 +17,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from engines.torch.dist.mesh import MeshContext
-from engines.torch.dist.moe import MeshTransformer
-from engines.torch.ep import gather_experts, is_expert_param
 from core.spec import ModelSpec
+from engines.options import TorchKernels
+from engines.torch.parallel.layout import Layout
+from engines.torch.parallel.model import ParallelTransformer, gather_experts, is_expert_param
 
 
 def _summing(module) -> None:
@@ -39,10 +39,10 @@ def _placement(n: int):
     return place
 
 
-def build_sharded_model(m: ModelSpec, mc: MeshContext) -> MeshTransformer:
-    """The rank's model, sharded, allocated on its device, uninitialised (load_full next)."""
+def build_sharded_model(m: ModelSpec, mc: Layout, kernels: TorchKernels | None = None) -> ParallelTransformer:
+    """The rank's model with its kernels, sharded, allocated on its device, uninitialised (load_full next)."""
     with torch.device("meta"):
-        model = MeshTransformer(m, mc)
+        model = ParallelTransformer(m, mc, kernels)
     for blk in model.blocks:
         fully_shard(blk.moe.experts, mesh=mc.mesh["data"], shard_placement_fn=_placement(mc.dp))
         _summing(blk.moe.experts)
@@ -54,7 +54,7 @@ def build_sharded_model(m: ModelSpec, mc: MeshContext) -> MeshTransformer:
     return model
 
 
-def reshard(model: MeshTransformer) -> None:
+def reshard(model: ParallelTransformer) -> None:
     """Every FSDP2 module back to its shards: the root keeps its parameters gathered after a
     forward without a backward (an eval), and model.parameters() would then name the gathered
     copies, not the sharded parameters the optimizer holds."""
@@ -63,7 +63,7 @@ def reshard(model: MeshTransformer) -> None:
             mod.reshard()
 
 
-def expert_slice(arrays: dict[str, np.ndarray], m: ModelSpec, mc: MeshContext) -> dict[str, np.ndarray]:
+def expert_slice(arrays: dict[str, np.ndarray], m: ModelSpec, mc: Layout) -> dict[str, np.ndarray]:
     lo, hi = mc.experts(m)
     return {k: (a[lo:hi] if is_expert_param(k) and np.ndim(a) >= 1 else a) for k, a in arrays.items()}
 
@@ -76,7 +76,7 @@ def _local_of(t: torch.Tensor, full: np.ndarray) -> torch.Tensor:
     return src
 
 
-def load_full(model: MeshTransformer, arrays: dict[str, np.ndarray], mc: MeshContext) -> None:
+def load_full(model: ParallelTransformer, arrays: dict[str, np.ndarray], mc: Layout) -> None:
     """Copy engine-neutral arrays (all experts) into the shards this rank holds; shapes checked."""
     arrays = expert_slice(arrays, model.m, mc)
     own = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -95,17 +95,17 @@ def local_tensor(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def full_arrays(named: dict[str, torch.Tensor], mc: MeshContext) -> dict[str, np.ndarray] | None:
+def full_arrays(named: dict[str, torch.Tensor], mc: Layout) -> dict[str, np.ndarray] | None:
     """Engine-neutral arrays on rank 0 (None elsewhere): every shard gathered, experts over the
     expert group too. Every rank calls it with the same names in the same order."""
     mine = {k: (t.full_tensor() if isinstance(t, DTensor) else t).detach().float().cpu().numpy()
             for k, t in sorted(named.items())}
     if mc.d != 0:  # row 0 holds every expert shard in full: the other rows only took part in full_tensor
         return None
-    return gather_experts(mine, mc.ep_context())
+    return gather_experts(mine, mc)
 
 
-def grad_norm_and_clip(model: MeshTransformer, max_norm: float, extra: torch.Tensor, mc: MeshContext
+def grad_norm_and_clip(model: ParallelTransformer, max_norm: float, extra: torch.Tensor, mc: Layout
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global gradient norm before clipping (every rank's shards are disjoint: one all-reduce
     of the local squares, which also sums `extra`), then every gradient scaled by
@@ -124,7 +124,7 @@ def grad_norm_and_clip(model: MeshTransformer, max_norm: float, extra: torch.Ten
     return norm, flat[1:]
 
 
-def held_bytes(model: MeshTransformer, opt: torch.optim.Optimizer) -> dict[str, int]:
+def held_bytes(model: ParallelTransformer, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds between steps: its parameter shards (plus the replicated buffers)
     and its optimizer state's shards."""
     reshard(model)

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import torch
 
-from engines.torch.ops import register_triton_ops, tl, triton
+from engines.torch.kernels.ops import register_triton_ops, tl, triton
 
 # (BLOCK_K, BLOCK_N, BLOCK_R, num_warps, num_stages)
 DEFAULT_CONFIG = (128, 256, 64, 8, 3)  # the best of 8 on an H200 for both expert matmuls
@@ -103,7 +103,7 @@ if triton is not None:
         launch_grouped_dw(x_AK, dy_AN, offs_E, dw_EKN, wrap=torch.library.wrap_triton, idx_A=idx_A)
         return dw_EKN
 
-    _OPS = register_triton_ops("engines/torch/grouped_dw.py", "_grouped_mm's backward runs",
+    _OPS = register_triton_ops("engines/torch/kernels/grouped_dw.py", "_grouped_mm's backward runs",
                                {"moe_ladder::grouped_dw": _grouped_dw_op})
 
 

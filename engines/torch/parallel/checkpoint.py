@@ -32,7 +32,7 @@ dtypes) and refuses anything else, so a crafted .metadata cannot run code even w
 is recorded, and a checkpoint whose metadata describes non-tensor entries (which torch would
 unpickle with torch.load) is refused.
 
-    python -m engines.torch.dist.checkpoint RUN_DIR [--step N]
+    python -m engines.torch.parallel.checkpoint RUN_DIR [--step N]
 
 exports a sharded checkpoint (default: the newest) to RUN_DIR/checkpoints/step_N
 (model.safetensors, optim.safetensors, state.json), in one process, no process group needed.
@@ -72,9 +72,9 @@ from engines.checkpoint import (
     step_dir_name,
     write_state,
 )
-from engines.torch.dist.fsdp import _local_of, expert_slice, local_tensor, reshard
-from engines.torch.dist.mesh import MeshContext
-from engines.torch.ep import is_expert_param
+from engines.torch.parallel.fsdp import _local_of, expert_slice, local_tensor, reshard
+from engines.torch.parallel.layout import Layout
+from engines.torch.parallel.model import is_expert_param
 
 SHARDED = "sharded"
 STATE_FILE = "state.json"
@@ -82,7 +82,7 @@ META_FILE = ".metadata"
 EXPERT_KEY = re.compile(r"^(?P<name>.+)/ep(?P<e>\d+)of(?P<n>\d+)$")
 
 
-def _key(name: str, mc: MeshContext) -> str:
+def _key(name: str, mc: Layout) -> str:
     return f"{name}/ep{mc.e}of{mc.ep}" if is_expert_param(name) else name
 
 
@@ -187,7 +187,7 @@ class SafeReader(FileSystemReader):
         return metadata
 
 
-def _state_dict(model, opt, mc: MeshContext, fresh_moments: bool) -> dict[str, torch.Tensor]:
+def _state_dict(model, opt, mc: Layout, fresh_moments: bool) -> dict[str, torch.Tensor]:
     """The tensors a checkpoint holds, by key: the live parameters and moments (loaded in place)."""
     reshard(model)
     out: dict[str, torch.Tensor] = {}
@@ -211,7 +211,7 @@ def optimizer_step(opt) -> int:
     return 0
 
 
-def save_sharded(run_dir: str | Path, step: int, model, opt, info: dict, mc: MeshContext, keep: int = 2) -> Path:
+def save_sharded(run_dir: str | Path, step: int, model, opt, info: dict, mc: Layout, keep: int = 2) -> Path:
     """Every rank writes its shards of checkpoint `step`; rank 0 publishes it atomically."""
     root = Path(run_dir) / SHARDED
     final = root / step_dir_name(step)
@@ -242,7 +242,7 @@ def save_sharded(run_dir: str | Path, step: int, model, opt, info: dict, mc: Mes
     return final
 
 
-def load_sharded(path: Path, model, opt, mc: MeshContext, verify: bool = True) -> dict:
+def load_sharded(path: Path, model, opt, mc: Layout, verify: bool = True) -> dict:
     """Fill this rank's parameter and moment shards from a sharded checkpoint (in place; the data
     dimension may differ from the writer's). Returns its state.json. verify: check its checksums
     first (verify_sharded; a run's lead does so for every rank as it picks the checkpoint)."""
@@ -267,7 +267,7 @@ def load_sharded(path: Path, model, opt, mc: MeshContext, verify: bool = True) -
     return state
 
 
-def load_moments(model, opt, arrays: dict[str, np.ndarray], mc: MeshContext) -> None:
+def load_moments(model, opt, arrays: dict[str, np.ndarray], mc: Layout) -> None:
     """AdamW state from engine-neutral arrays ("m/<name>", "v/<name>", "step") into this rank's shards."""
     step = int(arrays.get("step", 0))
     if step == 0:
@@ -338,7 +338,7 @@ def export(run_dir: str | Path, step: int | None = None, keep: int = 10**9) -> P
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m engines.torch.dist.checkpoint",
+    p = argparse.ArgumentParser(prog="python -m engines.torch.parallel.checkpoint",
                                 description="export a sharded checkpoint to the engine-neutral format")
     p.add_argument("run_dir", type=Path)
     p.add_argument("--step", type=int, default=None, help="default: the newest sharded checkpoint")

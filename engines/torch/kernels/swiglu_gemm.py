@@ -12,7 +12,7 @@ dgu_A2F. Here:
   bench/kernels_h200.py --only swiglu; not used by the engine).
 Both round as the unfused path does (the matmul's output to bf16 first, the SwiGLU in fp32 from
 there, its result to the storage dtype). The down matmul's forward and the input gradient of
-gate|up stay torch._grouped_mm; the weight gradients are engines/torch/grouped_dw.py's.
+gate|up stay torch._grouped_mm; the weight gradients are engines/torch/kernels/grouped_dw.py's.
 
 Rows are sorted by expert (offs_E: cumulative row counts, as _grouped_mm's). Each program owns one
 [BLOCK_M, BLOCK_N] output tile of one expert: row tiles are numbered expert after expert (an
@@ -29,8 +29,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F_
 
-from engines.torch import gather, grouped_dw
-from engines.torch.ops import register_triton_ops, tl, triton
+from engines.torch.kernels import gather, grouped_dw
+from engines.torch.kernels.ops import register_triton_ops, tl, triton
 
 # (BLOCK_M, BLOCK_N, BLOCK_K, num_warps, num_stages); BLOCK_N counts hidden columns (the up
 # kernel holds BLOCK_N gate and BLOCK_N up columns)
@@ -234,7 +234,7 @@ if triton is not None:
         launch_swiglu_down_dx(dy_AL, w_down, gu_A2F, offs_E, dgu_A2F, wrap=torch.library.wrap_triton)
         return dgu_A2F
 
-    _OPS = register_triton_ops("engines/torch/swiglu_gemm.py", "the unfused experts run",
+    _OPS = register_triton_ops("engines/torch/kernels/swiglu_gemm.py", "the unfused experts run",
                                {"moe_ladder::swiglu_up": _swiglu_up_op,
                                 "moe_ladder::swiglu_down_dx": _swiglu_down_dx_op})
 

@@ -1,0 +1,94 @@
+"""The MoE transformer of a spec on a layout: this rank's experts, its tokens, and its share of
+the step's objective, computed by the fast forward (engines/torch/fast.py) on every layout.
+
+The model is built with its kernels: its blocks are FastBlocks (the fast forward as each block's
+module call, so FSDP2 gathers a block's parameters in its forward hook, and the experts' over the
+data group for exactly as long as the dispatch), its Experts modules hold the layout's dispatcher
+(engines/torch/parallel/dispatch.py: PooledWave or Ragged, given the layout's process groups).
+On a GPU the dense parts are compiled (the dispatch, with its collectives and host sizes, stays
+eager) and the matmuls run in bf16 cast from the fp32 masters; on the CPU everything runs in fp32.
+
+Objective. Rank r's backward seeds its share of the global objective (sum over all dp * ep ranks
+= the one-device objective; engines/torch/model.sharded_objective): CE, output z-loss and router
+z-loss are local means / world; the batch-scope balancing loss uses the loads summed over every
+rank; sequence scope is a local mean / world. FSDP2 sums (never averages) the gradients.
+
+Shape legend as in engines/torch/model.py, plus: b sequences of this rank.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from core.spec import ModelSpec
+from engines.options import TorchKernels
+from engines.torch.experts import kernels_here
+from engines.torch.fast import FastBlock, FastLoss
+from engines.torch.model import Experts, MoETransformer, sharded_objective
+from engines.torch.parallel.dispatch import PooledWave, Ragged, all_reduce_sum
+from engines.torch.parallel.layout import Layout
+
+EXPERT_MARK = ".moe.experts."
+
+
+def is_expert_param(name: str) -> bool:
+    return EXPERT_MARK in name
+
+
+class ParallelTransformer(MoETransformer):
+    """The spec's model with this rank's experts and the layout's dispatcher, its loss the fast
+    forward; forward(tokens_bS1, optim, n_tokens) -> (this rank's share of the objective,
+    {"global": forward metrics summed over every rank, "aux_r", "total_r", "load_LE"})."""
+
+    def __init__(self, m: ModelSpec, layout: Layout, kernels: TorchKernels | None = None):
+        super().__init__(m, block=FastBlock)
+        self.layout = layout
+        if m.dispatch == "capacity":
+            dispatcher = PooledWave(m, layout.expert_group, layout.data_group, layout.d)
+        else:
+            dispatcher = Ragged(m, layout.expert_group)
+        for blk in self.blocks:
+            blk.moe.experts = Experts(m.n_routed_experts // layout.ep, m.expert_dim, m.expert_hidden, dispatcher)
+        o = kernels_here(kernels or TorchKernels())
+        cuda = layout.device.type == "cuda"
+        self.loss = FastLoss(self, layout.device, o, compile="dense" if cuda and o.compile != "none" else "none")
+
+    def forward(self, tokens_bS1: torch.Tensor, optim, n_tokens: int):
+        ce, z, st = self.loss.forward(self, tokens_bS1)
+        return sharded_objective(ce, z, st, optim, self.m, n_tokens, self.layout.world, all_reduce_sum)
+
+
+def step_metrics(out: dict, aux: torch.Tensor, total: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The metrics of model.loss_terms (global) from the sharded objective's output and the
+    balancing and total losses summed over the ranks."""
+    g, load_LE = out["global"], out["load_LE"]
+    return {
+        "loss": g["loss"],
+        "z_loss": g["z_loss"],
+        "aux_loss": aux,
+        "router_z_loss": g["router_z_loss"],
+        "drop_frac_send": g["drop_send"],
+        "drop_frac_recv": g["drop_recv"],
+        "expert_load_max": (load_LE.max(-1).values / load_LE.mean(-1)).max(),
+        "router_entropy": g["router_entropy"],
+        "total_loss": total,
+    }
+
+
+def gather_experts(arrays: dict[str, np.ndarray], layout: Layout) -> dict[str, np.ndarray] | None:
+    """Full arrays on expert rank 0 of the group (None elsewhere): every key naming an expert stack
+    is gathered over the expert group and concatenated in rank order; the rest is taken as it is."""
+    out = {}
+    for k in sorted(arrays):
+        a = arrays[k]
+        if is_expert_param(k) and np.ndim(a) >= 1:
+            t = torch.from_numpy(np.ascontiguousarray(a)).to(layout.device)
+            parts = [torch.empty_like(t) for _ in range(layout.ep)]
+            dist.all_gather(parts, t, group=layout.expert_group)
+            if layout.e == 0:
+                out[k] = np.concatenate([p.cpu().numpy() for p in parts], 0)
+        elif layout.e == 0:
+            out[k] = a
+    return out if layout.e == 0 else None

@@ -1,0 +1,326 @@
+"""The torch engine's step on one device (engines/trainer.py's step module, TorchStep) and the step
+helpers the bench drives it with: the optimizer, the loss (the reference forward, or the fast one
+of engines/torch/fast.py, chosen when the step is built), launching a step without waiting for it,
+queueing its update and reading its metrics back with the step's one host sync.
+
+Nothing in a step is random (no dropout; the token stream is counter-based), so a checkpoint's
+weights, router-bias buffers, AdamW moments and step count are the whole training state: a
+resumed run replays the same batches and, on the CPU, reaches bit-identical weights.
+
+Metrics: loss is the data cross-entropy; z_loss the mean squared log-partition of the output
+(before its coefficient); aux_loss the Switch balancing loss and extra.router_z_loss the router
+z-loss (both before their coefficients, mean over layers); extra.total_loss the objective;
+drop fractions are shares of the step's T*K expert assignments (all layers); expert_load_max is
+the worst layer's max/mean expert load; router_entropy the mean per-token entropy (nats).
+A NaN or inf loss or grad norm makes the optimizer skip that step's update on the device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import torch
+
+from core.costs import flops_per_token
+from core.spec import Spec
+from engines.data import TokenStream
+from engines.options import EngineOptions
+from engines.torch.experts import kernels_here
+from engines.torch.fast import ASSUMED_MFU, FastLoss, fast_path_enabled, working_copies_enabled
+from engines.torch.master import GuardedAdamW, MasterAdamW
+from engines.torch.model import MoETransformer, init_params, loss_terms, move_router_bias
+from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS
+
+
+def default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def _flops_per_token(spec: Spec, seq_len: int) -> float:
+    return float(flops_per_token(spec, seq_len))
+
+
+def cpu_threads(spec: Spec, options: EngineOptions | None = None) -> int | None:
+    """Threads for a CPU run: options.cpu_threads ($MOE_LADDER_OPTIONS cpu_threads), else one for tiny
+    steps (thread start-up and spinning cost more than they save there, badly so on a busy
+    machine), else torch's own. Fixed per spec, so a resumed run uses the same count as the run
+    it continues."""
+    if options is not None and options.cpu_threads:
+        return options.cpu_threads
+    step_flops = _flops_per_token(spec, spec.data.seq_len) * spec.data.tokens_per_step
+    return 1 if step_flops < 2e10 else None
+
+
+def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = None,
+                    options: EngineOptions | None = None) -> torch.optim.Optimizer:
+    """AdamW with decoupled weight decay on matrices and expert stacks only (never norms), whose
+    update is skipped on the device when the step is not finite (the loop reads the step later).
+
+    On the CUDA fast path, for runs long enough to repay its compile (working None: decided by
+    engines/torch/fast.working_copies_enabled from the run's expected duration at the spec's
+    hardware), it is MasterAdamW (engines/torch/master.py): the same update on the fp32 masters,
+    also writing the bf16 working copies the fast forward reads; elsewhere torch's fused AdamW
+    (GuardedAdamW). A spec with bf16 moments always gets MasterAdamW (fp32 copies on the CPU)."""
+    options = options or EngineOptions()
+
+    decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
+    no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
+    groups = [{"params": decay, "weight_decay": spec.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    o = spec.optim
+    cuda = all(p.is_cuda for p in model.parameters())
+    if o.moments == "bf16":  # only MasterAdamW stores moments off the parameters' dtype
+        if working is False:
+            raise ValueError("optim.moments bf16 needs the torch engine's MasterAdamW; this trainer "
+                             "uses torch's fused AdamW, whose moments take the fp32 parameters' dtype")
+        working = True
+    if working is None:
+        flops = _flops_per_token(spec, spec.data.seq_len) * spec.data.total_tokens
+        hw = spec.hardware  # each of the run's GPUs does its share; the compile is paid by each
+        rate = ASSUMED_MFU * hw.peak_flops * max(hw.n_gpus, 1)
+        expected_s = flops / rate if flops > 0 and rate > 0 else None
+        working = cuda and working_copies_enabled(next(model.parameters()).device, options, expected_s)
+    if working:
+        return MasterAdamW(model, groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                           kernel=kernels_here(options.torch_kernels).adamw,
+                           dtype=torch.bfloat16 if cuda else torch.float32,
+                           moments=torch.bfloat16 if o.moments == "bf16" else torch.float32)
+    return GuardedAdamW(groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps)
+
+
+def make_loss_fn(model: MoETransformer, device: torch.device, opt: torch.optim.Optimizer | None = None,
+                 options: EngineOptions | None = None):
+    """The step's objective: the fast path on CUDA (engines/torch/fast.py; reading `opt`'s working
+    copies when it keeps them), else model.loss_terms under autocast (bf16 on a GPU, which the
+    fast path turned off then; fp32 on the CPU)."""
+    options = options or EngineOptions()
+    working = opt if isinstance(opt, MasterAdamW) else None
+    if fast_path_enabled(device, options) or working is not None:
+        return FastLoss(model, device, kernels_here(options.torch_kernels), working=working)
+    cuda = device.type == "cuda"
+
+    def loss_fn(model, x, optim):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
+            return loss_terms(model, x, optim)
+
+    return loss_fn
+
+
+def launch_step(model: MoETransformer, loss_fn, x: torch.Tensor, spec: Spec,
+                opt: torch.optim.Optimizer | None = None) -> tuple[torch.Tensor, dict]:
+    """Forward, backward and the grad norm of one step, queued on the device without waiting for
+    it: (the step's metrics and grad norm stacked in VALUE_KEYS order, loss_fn's
+    outputs). Clipping: clip_grad_norm_ on the parameters, or, for an optimizer with
+    grad_norm_and_scale (MasterAdamW), a multiplier its step applies as it reads the gradients."""
+    total_loss, out = loss_fn(model, x, spec.optim)
+    total_loss.backward()
+    if hasattr(opt, "grad_norm_and_scale"):
+        grad_norm, out["clip_mult"] = opt.grad_norm_and_scale(spec.optim.grad_clip)
+    else:
+        grad_norm = torch.nn.utils.clip_grad_norm_(list(model.parameters()), spec.optim.grad_clip)
+    return torch.stack([out["metrics"][k].float() for k in METRIC_KEYS] + [grad_norm.float()]), out
+
+
+def to_device(batch: np.ndarray, device: torch.device) -> torch.Tensor:
+    """A token batch as int64 on the device without a stream sync: a copy from pageable host
+    memory first waits for everything queued on the stream (CUDA's rule for pageable
+    host-to-device copies), which would stop the host from launching a step while the previous one
+    runs; from pinned memory the copy is queued like a kernel."""
+    x = torch.from_numpy(np.ascontiguousarray(batch, dtype=np.int64))
+    if device.type != "cuda":
+        return x.to(device)
+    return x.pin_memory().to(device, non_blocking=True)
+
+
+class HostCopy:
+    """A device tensor's copy on its way to the host, queued where it is made. Reading it waits for
+    the kernels queued before the copy only: a plain .tolist() later would queue its copy behind
+    every kernel launched since (the next step's included) and wait for all of them."""
+
+    def __init__(self, t: torch.Tensor):
+        self.event = None
+        if t.is_cuda:
+            self.host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            self.host.copy_(t, non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record()
+        else:
+            self.host = t
+
+    def tolist(self) -> list:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.tolist()
+
+
+_FINITE_AT = tuple(VALUE_KEYS.index(k) for k in FINITE_KEYS)
+
+
+def queue_update(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
+                 spec: Spec) -> HostCopy:
+    """The step's metrics sent towards the host, then its update and router-bias move, all queued
+    on the device without waiting for them; the update and bias move change nothing when the
+    step's loss or grad norm is not finite (checked on the device). Returns the metrics' HostCopy
+    for read_step."""
+    pending = HostCopy(vals)
+    # scalar views stacked: indexing with a host list would copy the index from pageable memory
+    finite = torch.isfinite(torch.stack([vals[i] for i in _FINITE_AT])).all()
+    opt.step(out.get("clip_mult"), finite=finite)
+    if spec.model.router_bias_balancing:
+        move_router_bias(model, out["load_LE"], spec.model.router_bias_rate, finite)
+    opt.zero_grad(set_to_none=True)
+    return pending
+
+
+def read_step(opt: torch.optim.Optimizer, vals: HostCopy) -> tuple[dict[str, float], bool]:
+    """The step's one host sync: (metrics by name, finite). A non-finite step's update was
+    skipped on the device; MasterAdamW's host-side step count is taken back here."""
+    m = dict(zip(VALUE_KEYS, vals.tolist()))
+    finite = all(np.isfinite(m[k]) for k in FINITE_KEYS)
+    if not finite and hasattr(opt, "rewind"):
+        opt.rewind()
+    return m, finite
+
+
+def finish_step(model: MoETransformer, opt: torch.optim.Optimizer, vals: torch.Tensor, out: dict,
+                spec: Spec) -> tuple[dict[str, float], bool]:
+    """queue_update then read_step: a step finished before anything else is launched."""
+    return read_step(opt, queue_update(model, opt, vals, out, spec))
+
+
+def optimizer_to_numpy(model: MoETransformer, opt: torch.optim.AdamW) -> dict[str, np.ndarray]:
+    """AdamW state as {"m/<name>", "v/<name>", "step"} (exp_avg, exp_avg_sq, updates done)."""
+    out: dict[str, np.ndarray] = {}
+    step = 0
+    for name, p in model.named_parameters():
+        st = opt.state.get(p)
+        if st:
+            out[f"m/{name}"] = st["exp_avg"].detach().float().cpu().numpy()
+            out[f"v/{name}"] = st["exp_avg_sq"].detach().float().cpu().numpy()
+            step = int(st["step"])
+        else:
+            out[f"m/{name}"] = np.zeros(tuple(p.shape), np.float32)
+            out[f"v/{name}"] = np.zeros(tuple(p.shape), np.float32)
+    out["step"] = np.asarray(step, np.int64)
+    return out
+
+
+def optimizer_from_numpy(model: MoETransformer, opt: torch.optim.AdamW, arrays: dict[str, np.ndarray]) -> None:
+    step = int(arrays.get("step", 0))
+    if step == 0:
+        return  # zero moments at step 0 are exactly a fresh optimizer
+    index = {id(p): i for i, p in enumerate(p for g in opt.param_groups for p in g["params"])}
+    state = {}
+    for name, p in model.named_parameters():
+        m, v = arrays.get(f"m/{name}"), arrays.get(f"v/{name}")
+        zeros = np.zeros(tuple(p.shape), np.float32)
+        state[index[id(p)]] = {
+            "step": torch.tensor(float(step), dtype=torch.float32),
+            "exp_avg": torch.from_numpy(np.array(zeros if m is None else m, np.float32)).to(p.device),
+            "exp_avg_sq": torch.from_numpy(np.array(zeros if v is None else v, np.float32)).to(p.device),
+        }
+    sd = opt.state_dict()
+    opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
+
+
+EVAL_STACK = 8  # eval batches (groups of 8 windows) in one forward
+
+
+def _stacks(batches, n: int):
+    """Consecutive runs of at most n batches of one shape."""
+    chunk: list[np.ndarray] = []
+    for b in batches:
+        if chunk and (len(chunk) == n or b.shape[1:] != chunk[0].shape[1:]):
+            yield chunk
+            chunk = []
+        chunk.append(b)
+    if chunk:
+        yield chunk
+
+
+class TorchStep:
+    """The torch engine's step module (engines/trainer.py) on one device."""
+
+    engine = "torch"
+    devices = 1
+    lead = True
+    lookahead = True
+
+    def __init__(self, spec: Spec, device: torch.device, options: EngineOptions | None = None):
+        self.spec, self.device, self.options = spec, device, options or EngineOptions()
+        # CPU ops run as they are launched, so a step's time there is its launch and read; on a
+        # GPU the host learns when a step ended only at its read, so it is the time between reads
+        self.synchronous = device.type == "cpu"
+        self.model = MoETransformer(spec.model).to(device)
+        self.opt = build_optimizer(self.model, spec, options=self.options)
+        self.loss_fn = None
+
+    def _ready(self) -> None:
+        self.loss_fn = make_loss_fn(self.model, self.device, self.opt, self.options)
+
+    def init_fresh(self) -> None:
+        self.model.load_numpy(init_params(self.spec.model, self.spec.seed))
+        self._ready()
+
+    def load_arrays(self, params: dict, opt: dict, origin: str) -> None:
+        self.model.load_numpy(params)
+        optimizer_from_numpy(self.model, self.opt, opt)
+        self._ready()
+
+    def save_arrays(self) -> tuple[dict, dict]:
+        return self.model.to_numpy(), optimizer_to_numpy(self.model, self.opt)
+
+    def launch(self, step: int, batch_BS1: np.ndarray, lr: float) -> HostCopy:
+        x = to_device(batch_BS1, self.device)
+        for g in self.opt.param_groups:
+            g["lr"] = lr
+        vals, out = launch_step(self.model, self.loss_fn, x, self.spec, self.opt)
+        return queue_update(self.model, self.opt, vals, out, self.spec)
+
+    def read(self, pending: HostCopy) -> tuple[dict[str, float], bool]:
+        return read_step(self.opt, pending)
+
+    def eval_losses(self, batches) -> list[float]:
+        """Each eval batch's mean CE; up to EVAL_STACK batches of one shape run as one forward
+        (the batches are groups of the fixed eval set: one forward for many of them, each mean
+        taken over its own rows)."""
+        model, device = self.model, self.device
+        model.eval()
+        means = []
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            for chunk in _stacks(batches, EVAL_STACK):
+                x_NS1 = torch.from_numpy(np.concatenate(chunk)).to(device, dtype=torch.long)
+                logits_NSV, _ = model(x_NS1[:, :-1])
+                lse_NS = torch.logsumexp(logits_NSV.float(), -1)
+                ce_NS = lse_NS - logits_NSV.float().gather(-1, x_NS1[:, 1:].unsqueeze(-1)).squeeze(-1)
+                means += [ce.mean() for ce in torch.split(ce_NS, [len(b) for b in chunk])]
+        model.train()
+        return torch.stack(means).cpu().tolist() if means else []
+
+    def agree(self, value):
+        return value
+
+    def extra(self) -> dict:
+        return {}
+
+    def describe(self) -> dict:
+        return {**describe_options(self.options, self.device, fast_path_enabled(self.device, self.options),
+                                   isinstance(self.opt, MasterAdamW)),
+                "torch_dispatch": dispatcher_name(self.model)}
+
+    def finish(self, first_step: int, steps: int) -> None:
+        pass
+
+
+def describe_options(options: EngineOptions, device: torch.device, fast: bool, master: bool) -> dict:
+    """The options a torch run trains under, as they resolved on its device (status.json and
+    the checkpoint info): the fast path or not, working copies or not, the kernels (on a GPU)."""
+    return {"device": str(device), "torch_fast": fast, "torch_master": master,
+            "torch_kernels": dataclasses.asdict(kernels_here(options.torch_kernels))
+            if fast and device.type == "cuda" else None,
+            "torch_ep": options.torch_ep, "cpu_threads": options.cpu_threads}
+
+
+def dispatcher_name(model: MoETransformer) -> str:
+    """The token dispatcher the model's experts use (engines/torch/dispatch.py, parallel/dispatch.py)."""
+    return type(model.blocks[0].moe.experts.dispatcher).__name__
