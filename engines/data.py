@@ -71,7 +71,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.spec import DataSpec, SourceSpec, Spec
-from engines.evalset import GROUP as EVAL_ROWS, MIN_WINDOWS, EvalSet, build_eval_set, combined_fingerprint, train_blocks
+from engines.evalset import GROUP as EVAL_ROWS, MIN_WINDOWS, EvalSet, TrainBlocks, build_eval_set, combined_fingerprint, train_blocks
 from engines.shards import ShardSet, prepare
 from engines.sources import DataError, cache_dir  # noqa: F401  (re-exported: engines catch DataError here)
 from engines.tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -93,7 +93,7 @@ class SourceTokens:
     name: str
     shards: ShardSet
     evalset: EvalSet  # the fixed held-out windows (engines.evalset)
-    blocks: np.ndarray  # int64: the training blocks (of `block` tokens) that touch no held-out document
+    blocks: TrainBlocks  # the training blocks (of `block` tokens) that touch no held-out document
     block: int
     digest: str
     n_docs: int

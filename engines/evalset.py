@@ -4,7 +4,7 @@
     es.starts_W          int64 [W]: each eval window's first token, in the fixed reading order
     es.held_H2           int64 [H, 2]: token spans [a, e) of the held-out documents (sorted)
     es.fingerprint       sha256 (16 hex) of the window length and every eval token, in order
-    train_blocks(n_tokens, block, es.held_H2)  # the training blocks that touch no held-out document
+    train_blocks(n_tokens, block, es.held_H2)  # the training blocks (TrainBlocks) that touch no held-out document
 
 One source's eval set is drawn once from its token shards and depends on nothing but the source's
 tokens, its document index, the window length and the size asked for: not on the seed, the batch
@@ -146,14 +146,33 @@ def _merge(spans_H2: np.ndarray) -> np.ndarray:
     return np.asarray(out, np.int64)
 
 
-def train_blocks(n_tokens: int, block: int, held_H2: np.ndarray) -> np.ndarray:
-    """int64 [n]: indices of the blocks [b*block, (b+1)*block) that lie in the source and touch no
-    held-out span, in order."""
-    n_blocks = n_tokens // block
-    keep = np.ones(n_blocks, bool)
-    for a, e in np.asarray(held_H2, np.int64):
-        keep[int(a) // block: min(n_blocks, (int(e) - 1) // block + 1)] = False
-    return np.nonzero(keep)[0].astype(np.int64)
+class TrainBlocks:
+    """The training blocks of a source: indices of the blocks [b*block, (b+1)*block) that lie in
+    it and touch no held-out span, in order, held as the few excluded indices (memory does not
+    grow with the source). blocks[i] is the i-th training block's index (i an int array or slice)."""
+
+    def __init__(self, n_blocks: int, excluded: np.ndarray):
+        self.excluded = np.unique(np.asarray(excluded, np.int64))
+        self.excluded = self.excluded[(self.excluded >= 0) & (self.excluded < n_blocks)]
+        self.n = n_blocks - len(self.excluded)
+        self._shift = self.excluded - np.arange(len(self.excluded), dtype=np.int64)  # non-decreasing
+
+    def __len__(self) -> int:
+        return self.n
+
+    def __getitem__(self, i) -> np.ndarray:
+        local = np.arange(self.n, dtype=np.int64)[i] if isinstance(i, slice) else np.asarray(i, np.int64)
+        return local + np.searchsorted(self._shift, local, side="right")
+
+    def __mul__(self, k: int) -> np.ndarray:
+        return self[:] * k
+
+
+def train_blocks(n_tokens: int, block: int, held_H2: np.ndarray) -> TrainBlocks:
+    """The training blocks of a source of n_tokens: those that touch no held-out span."""
+    spans = np.asarray(held_H2, np.int64).reshape(-1, 2)
+    ranges = [np.arange(a // block, (e - 1) // block + 1, dtype=np.int64) for a, e in spans if e > a]
+    return TrainBlocks(n_tokens // block, np.concatenate(ranges) if ranges else np.zeros(0, np.int64))
 
 
 def fingerprint_of(shards: ShardSet, starts_W: np.ndarray, window: int) -> str:

@@ -281,14 +281,16 @@ class TorchStep:
         return read_step(self.opt, pending)
 
     def eval_losses(self, batches) -> list[float]:
-        """Each eval batch's mean CE; up to EVAL_STACK batches of one shape run as one forward
-        (the batches are groups of the fixed eval set: one forward for many of them, each mean
-        taken over its own rows)."""
+        """Each eval batch's mean CE; with dropless dispatch up to EVAL_STACK batches of one shape
+        run as one forward (each mean taken over its own rows: a row's tokens do not depend on the
+        others'), with capacity dispatch one batch a forward."""
         model, device = self.model, self.device
         model.eval()
         means = []
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            for chunk in _stacks(batches, EVAL_STACK):
+            # capacity dispatch drops by the tokens of a forward: there each group runs alone, as on every layout
+            stack = EVAL_STACK if self.spec.model.dispatch == "dropless" else 1
+            for chunk in _stacks(batches, stack):
                 x_NS1 = torch.from_numpy(np.concatenate(chunk)).to(device, dtype=torch.long)
                 logits_NSV, _ = model(x_NS1[:, :-1])
                 lse_NS = torch.logsumexp(logits_NSV.float(), -1)
