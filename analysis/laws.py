@@ -59,6 +59,7 @@ __all__ = [
     "fit_moe_law",
     "fit_law",
     "fit_envelope",
+    "refit_envelope",
     "compute_optimal",
 ]
 
@@ -394,6 +395,31 @@ def _run_fit(
         seconds=time.perf_counter() - t0, message=message, huber_delta=delta,
         warnings=warnings, resid_sd=resid_sd, sizes=n_sizes, x_max=float(np.max(xs[0])), extrap_sd=extrap_sd,
     )
+
+
+def refit_envelope(C, loss_BR, start: dict[str, float], *, delta: float = HUBER_DELTA,
+                   max_iter: int = 3000) -> np.ndarray:
+    """Refits of L(C) = E + A*C^-alpha to B sets of losses at the same compute C, each one L-BFGS
+    started from `start` (E, A, alpha: a fit of nearby data): (B, 3) natural parameters (E, A,
+    alpha), a row of NaN where a refit found no usable law. A parametric bootstrap's refits."""
+    C = np.asarray(C, dtype=np.float64).reshape(-1)
+    L_BR = np.atleast_2d(np.asarray(loss_BR, dtype=np.float64))
+    logx = np.log(C)
+    centre = float(logx.mean())
+    X_KR = (logx - centre)[None]
+    terms = [("A", "alpha", "C")]
+    p0 = np.array([math.log(start["A"]) - start["alpha"] * centre, start["alpha"], math.log(max(start["E"], 1e-300))])
+    out = np.full((len(L_BR), 3), np.nan)
+    with _single_blas_thread():
+        for b, L_R in enumerate(L_BR):
+            if not np.all(np.isfinite(L_R) & (L_R > 0)):
+                continue
+            y_R = np.log(L_R)
+            loc = fit_terms(X_KR, y_R, None, delta, max_iter, starts_SQ=p0[None])
+            if loc.ok and degeneracy(loc.p_Q, X_KR, y_R, terms) is None:
+                a, al, e = loc.p_Q
+                out[b] = (math.exp(e), math.exp(a + al * centre), al)
+    return out
 
 
 EXTRAP_FACTOR = 4.0

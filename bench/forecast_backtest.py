@@ -27,6 +27,7 @@ Datasets:
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 import tarfile
@@ -37,6 +38,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import law_backtest
+from analysis.final_loss import TAU_PRIOR, Point
 from analysis.curves import SIZE_PRIORS, Curve, CurveError, fit_curves
 from analysis.forecast import (FIT_FROM, RungRun, final_interval, floor_law, forecast, on_run_steps, rung_curves,
                                trajectory_forecast)
@@ -86,22 +88,11 @@ def chinchilla() -> None:
         ex["n"], ex["mean_abs_rel_err"], ex["coverage"], ex["mean_rel_width"])
 
 
-class _EnvelopePoint:
-    """A compute-envelope point as analysis.forecast.final_interval reads a rung (flops, final loss)."""
-
-    def __init__(self, flops: float, loss: float):
-        self.flops, self.final_loss = float(flops), float(loss)
-
-
-def chinchilla_envelope() -> None:
-    """The hero final-loss interval's method (analysis.forecast.final_interval: the L(C) law on four
-    points, widened by its own leave-largest-out backtest) on ladders cut from the Chinchilla points:
-    the compute envelope (least loss per bin of log10 C; bins 0.5 and 0.6 decades wide, each at two
-    offsets), every four consecutive envelope points predicting the next two (2-17x beyond)."""
-    df = pd.read_csv(CHINCHILLA).sort_values("loss", kind="stable").iloc[:-5]
-    C, L = df["Training FLOP"].to_numpy(), df["loss"].to_numpy()
+def _envelopes(C: np.ndarray, L: np.ndarray) -> list[list[Point]]:
+    """Compute envelopes of the Chinchilla points: the least loss per bin of log10 C (bins 0.5 and 0.6
+    decades wide, each at two offsets), each sorted by compute."""
     lc = np.log10(C)
-    pred, lo, hi, act = [], [], [], []
+    out = []
     for width in (0.5, 0.6):
         for off in (0.0, width / 2):
             edges = np.arange(lc.min() - off, lc.max() + width, width)
@@ -110,15 +101,39 @@ def chinchilla_envelope() -> None:
                 m = (lc >= a) & (lc < b)
                 if m.any():
                     i = int(np.argmin(np.where(m, L, np.inf)))
-                    env.append(_EnvelopePoint(C[i], L[i]))
-            env.sort(key=lambda r: r.flops)
-            for s in range(len(env) - 4):
-                for t in env[s + 4:s + 6]:
-                    m_, l_, h_, _ = final_interval(env[s:s + 4], t.flops)
-                    pred.append(m_), lo.append(l_), hi.append(h_), act.append(t.final_loss)
-    r = law_backtest.summarise(pred, lo, hi, act)
-    row("chinchilla", "compute envelope: 4 points predict the next 2", "hero final-loss interval's method", r["n"],
-        r["mean_abs_rel_err"], r["coverage"], r["mean_rel_width"], "4 binnings of the envelope; windows overlap")
+                    env.append(Point(f"C={C[i]:.3g}", float(C[i]), float(L[i])))
+            out.append(sorted(env, key=lambda r: r.flops))
+    return out
+
+
+def chinchilla_envelope() -> None:
+    """The hero final-loss interval's method (analysis.final_loss) on ladders cut from the Chinchilla
+    points' compute envelopes: every window of 4 and of 6 consecutive envelope points predicting the
+    next 2 (2-17x beyond). Also the extrapolation error per e-fold of compute that the method's prior
+    TAU_PRIOR states: sqrt(sum e^2 / sum rho^2) of the point fits of 4 points on the next 2."""
+    df = pd.read_csv(CHINCHILLA).sort_values("loss", kind="stable").iloc[:-5]
+    C, L = df["Training FLOP"].to_numpy(), df["loss"].to_numpy()
+    envs = _envelopes(C, L)
+    for size in (4, 6):
+        pred, lo, hi, act = [], [], [], []
+        for env in envs:
+            for s in range(len(env) - size):
+                for t in env[s + size:s + size + 2]:
+                    m_, l_, h_, _ = final_interval(env[s:s + size], t.flops)
+                    pred.append(m_), lo.append(l_), hi.append(h_), act.append(t.final_loss if hasattr(t, "final_loss") else t.loss)
+        r = law_backtest.summarise(pred, lo, hi, act)
+        row("chinchilla", f"compute envelope: {size} points predict the next 2", "hero final-loss interval's method",
+            r["n"], r["mean_abs_rel_err"], r["coverage"], r["mean_rel_width"], "4 binnings of the envelope; windows overlap")
+    e2, r2 = 0.0, 0.0
+    for env in envs:
+        for s in range(len(env) - 4):
+            fit = fit_envelope([p.flops for p in env[s:s + 4]], [p.loss for p in env[s:s + 4]], strict=False,
+                               n_bootstrap=0)
+            for t in env[s + 4:s + 6]:
+                e2 += math.log(t.loss / fit.predict(t.flops)["loss"]) ** 2
+                r2 += math.log(t.flops / env[s + 3].flops) ** 2
+    print(f"chinchilla envelopes: extrapolation error per e-fold of compute sqrt(sum e^2 / sum rho^2) = "
+          f"{math.sqrt(e2 / r2):.4f} (analysis.final_loss.TAU_PRIOR = {TAU_PRIOR})")
 
 
 # ---- multipower ----------------------------------------------------------------------------------
