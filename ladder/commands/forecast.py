@@ -14,6 +14,7 @@ from analysis.metrics_io import read_metrics_frame
 from core import costs
 from core.fsutil import atomic_write_json
 from ladder.experiment import load_experiment
+from analysis.replicates import YardstickError, family_key
 from ladder.tracking import log_artifact_to_parent, log_forecast
 
 
@@ -57,9 +58,11 @@ def finished_rungs(root: Path, exp, holdout: str | None = None):
     if holdout:
         by_flops = sorted(rungs, key=lambda r: r.flops)
         target = by_flops[-1].spec.name if holdout.upper() == "LAST" and by_flops else holdout
-        if target not in {r.spec.name for r in rungs}:
+        named = [r for r in rungs if r.spec.name == target]
+        if not named:
             raise LadderError(f"--holdout {holdout}: no finished rung named {target!r}")
-        rungs = [r for r in rungs if r.spec.name != target]
+        family = family_key(named[0].spec)  # its replicates (other seeds) are held out with it
+        rungs = [r for r in rungs if family_key(r.spec) != family]
     return rungs, missing
 
 
@@ -85,7 +88,10 @@ def register(app: typer.Typer) -> None:
         if len(rungs) < 3:
             raise LadderError(f"forecast needs at least 3 finished rungs; unfinished: {', '.join(missing) or 'none'}"
                               f" (run `ladder submit {experiment}` first)")
-        fc = forecast(exp.name, rungs, exp.hero).to_dict()
+        try:
+            fc = forecast(exp.name, rungs, exp.hero).to_dict()
+        except YardstickError as e:
+            raise LadderError(f"{experiment}: {e}") from None
         if holdout:
             held = [s for s in exp.rungs if s.name not in {x.spec.name for x in rungs}]
             fc["holdout"] = [h.name for h in held]
@@ -107,12 +113,19 @@ def register(app: typer.Typer) -> None:
         c = Console()
         h = fc["hero"]["final_loss"]
         c.print(f"[bold]{exp.name}[/bold]: hero {fc['hero']['name']} forecast final loss {h['mean']:.4f} "
-                f"({int(100 * h['level'])}% interval {h['lo']:.4f} to {h['hi']:.4f}) from {len(rungs)} rungs")
+                f"({int(100 * h['level'])}% interval {h['lo']:.4f} to {h['hi']:.4f}, +-{50 * (h['hi'] - h['lo']) / h['mean']:.1f}%) "
+                f"from {len(rungs)} rungs in {len(h.get('method', {}).get('points', [])) or len(rungs)} sizes")
+        if h.get("sd"):
+            sd = h["sd"]
+            c.print(f"interval parts (log-loss sd): fit {sd['fit']:.4f}, measurement {sd['measurement']:.4f}, "
+                    f"backtest {sd['backtest']:.4f} over {h['reach_efolds']:.2f} e-folds; t quantile {h['quantile']:.2f} "
+                    f"(dof {h['dof']:.3g})", highlight=False)
         law = fc["law"]
         c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
         if fc.get("backtest"):
             b = fc["backtest"]
-            c.print(f"backtest: {b['held_out']} predicted {b['predicted']:.4f}, actual {b['actual']:.4f}, "
+            c.print(f"backtest: {b['held_out']} predicted {b['predicted']:.4f} ({b['lo']:.4f} to {b['hi']:.4f}), "
+                    f"actual {b['actual']:.4f} (mean of {len(b.get('members') or [1])} run(s)), "
                     f"error {100 * b['rel_error']:+.2f}%")
         if fc.get("trajectory") is None:
             c.print(f"[yellow]no trajectory: {fc.get('curve_model_error')}[/yellow]")
