@@ -147,7 +147,7 @@ def _law(rungs) -> Any:
     return final_law(rungs, nested=False).fit
 
 
-def _largest_family_out(rungs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+def largest_family_out(rungs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
     """(the runs of every family but the largest, the largest family's runs): no replicate of the
     held-out family stays among the fitted."""
     if all(isinstance(r, Point) for r in rungs):
@@ -160,7 +160,7 @@ def _largest_family_out(rungs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
 
 def backtest(rungs: list[RungRun]) -> dict | None:
     """Refit without the largest rung family and predict its mean final loss (with the same interval method)."""
-    base, held = _largest_family_out(rungs)
+    base, held = largest_family_out(rungs)
     if len(ladder_points(base)[0]) < MIN_FIT:
         return None
     target, _ = ladder_points(held)
@@ -338,7 +338,7 @@ def grad_norm_envelope(rungs: list[RungRun], hero: Spec, n_bins: int = 50) -> di
 def trajectory_coverage(rungs: list[RungRun], stream_deviations: bool = STREAM_DEVIATIONS) -> dict | None:
     """The largest rung's train-loss curve forecast from the others as the hero's is (the curve model,
     aligned to final_interval's forecast of its final loss), against its own run."""
-    base, held = _largest_family_out(rungs)
+    base, held = largest_family_out(rungs)
     if len(ladder_points(base)[0]) < MIN_FIT:
         return None
     target = held[0]  # the family's first seed (its curve; the law predicts the family's mean)

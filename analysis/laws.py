@@ -416,6 +416,11 @@ def _run_fit(
     warnings += fitwarn.bootstrap_disagreement(ci, len(draws), failed, positive=keys)
     extrap_sd, sub_params = (_extrapolation_sd(xs, loss, terms, delta=delta, max_iter=max_iter, start=sub_start)
                              if usable and n_bootstrap > 0 else (0.0, None))
+    if math.isnan(extrap_sd):
+        warnings.append(f"the intervals beyond the largest {terms[0][2]} carry no backtested extrapolation term: "
+                        f"{n} points leave too few below the largest {terms[0][2]} to refit ({len(keys) + 2} needed); "
+                        "predictions there are less certain than their intervals say")
+        extrap_sd = 0.0
     message = why or ("; ".join(warnings[:1]) if not converged else "")
     return dict(
         params=params, ci=ci, draws=draws_BQ, n_points=n, loss=best.loss, converged=converged,
@@ -456,21 +461,24 @@ EXTRAP_FACTOR = 4.0
 
 def _extrapolation_sd(xs, loss, terms, *, delta, max_iter, start=None) -> tuple[float, dict[str, float] | None]:
     """(log-loss error per e-fold of extrapolation in the first variable, the sub-fit's parameters):
-    refit on the points with x <= max/4 and predict the rest; sqrt(sum e^2 / sum rho^2), rho =
-    log(x / largest fitted x). (0, None) when too few points lie on either side."""
+    refit on the points with x <= max/4 (or, where too few lie there, on those below the largest x)
+    and predict the rest; sqrt(sum e^2 / sum rho^2), rho = log(x / largest fitted x). (nan, None)
+    when too few points lie on either side: the term is then unknown, not 0."""
     x = xs[0]
-    train = x <= np.max(x) / EXTRAP_FACTOR * (1 + 1e-9)
     n_q = 2 * len(terms) + 1
+    train = x <= np.max(x) / EXTRAP_FACTOR * (1 + 1e-9)
+    if train.sum() < n_q + 2:
+        train = x < np.max(x) * (1 - 1e-9)
     if train.sum() < n_q + 2 or (~train).sum() < 1:
-        return 0.0, None
+        return math.nan, None
     sub = _run_fit([a[train] for a in xs], loss[train], terms, delta=delta, n_bootstrap=0, level=0.9, seed=0,
                    strict=False, max_iter=max_iter, start=start)
     if sub["message"] and not sub["params"]:
-        return 0.0, None
+        return math.nan, None
     theta = np.array([sub["params"][k] for k in ("E", *(t[0] for t in terms), *(t[1] for t in terms))])
     pred = natural_eval(theta, [a[~train] for a in xs])
     if not np.all(np.isfinite(pred)) or np.any(pred <= 0):
-        return 0.0, None
+        return math.nan, None
     e = np.log(loss[~train]) - np.log(pred)
     rho = np.log(x[~train] / np.max(x[train]))
     return float(math.sqrt(np.sum(e * e) / max(np.sum(rho * rho), 1e-12))), sub["params"]
