@@ -48,6 +48,7 @@ N_DRAWS = 64  # parametric bootstrap refits
 # points give 0.0098 (bench/forecast_backtest.py: 4 points predicting the next 2).
 TAU_PRIOR = 0.010
 PRIOR_DOF = 3  # the prior counts as this many backtest points
+LACK_OF_FIT = 4.0  # residual variance over this many times the points' measured variance is named
 
 __all__ = ["LEVEL", "MIN_FIT", "TAU_PRIOR", "Point", "FinalLaw", "fit_final_law", "coverage"]
 
@@ -164,9 +165,17 @@ def fit_final_law(points: Sequence[Point], *, seed_var: float | None, seed_dof: 
     if seed_var is not None:
         sd_P = np.sqrt(var_P)
         run_var, run_dof = seed_var + eval_var, float(seed_dof) if seed_dof else math.inf
+        if rdof and rv > LACK_OF_FIT * float(np.mean(var_P)):
+            warnings.append(f"final-loss law: the rungs scatter about the law by {math.sqrt(rv):.2%} (rms, {rdof} dof), "
+                            f"more than their measured noise ({math.sqrt(float(np.mean(var_P))):.2%}): the law may not "
+                            "describe this ladder; the backtest term is what carries that into the interval")
     else:  # no replicates: the residual scatter stands for the unmeasured seed noise where it is larger
         sd_P = np.sqrt(np.maximum(var_P, rv))
         run_var, run_dof = max(eval_var, rv), (float(rdof) if rv > eval_var and rdof else math.inf)
+        if not rdof:
+            warnings.append(f"final-loss interval: {len(pts)} rung sizes and no replicates leave the ladder's noise "
+                            "unmeasured (no residual degrees of freedom): the interval carries only the eval "
+                            "standard error and the backtest term for it")
     draws = _draws(fit, pts, sd_P, N_DRAWS, seed)
     if len(draws) < N_DRAWS // 2:
         warnings.append(f"final-loss interval: only {len(draws)} of {N_DRAWS} bootstrap refits found a law")

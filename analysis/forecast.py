@@ -342,7 +342,8 @@ def trajectory_coverage(rungs: list[RungRun], stream_deviations: bool = STREAM_D
     if len(ladder_points(base)[0]) < MIN_FIT:
         return None
     target = held[0]  # the family's first seed (its curve; the law predicts the family's mean)
-    mean, lo, hi, _ = final_interval(base, target.flops)
+    iv = final_law(base).interval(target.flops, target_var=0.0)  # as the hero's: the law's level
+    mean, lo, hi = iv["mean"], iv["lo"], iv["hi"]
     traj, _, _ = trajectory_forecast(base, target.spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
                                      stream_deviations)
     p, l, h, y = on_run_steps(traj, target)
@@ -487,6 +488,8 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
         raise ValueError(f"forecast needs at least {MIN_FIT} rung sizes (families of seeds), found "
                          f"{len(replicates.group(rungs))}: {', '.join(r.spec.name for r in rungs)}")
     final, law_fit, bt = final_loss_forecast(rungs, hero)
+    # the trajectory is train loss: it ends on the law's level without the eval measurement of one run
+    law_level = law_fit.interval(costs.total_flops(hero), target_var=0.0)
     fl = law_fit.fit.to_dict()
     Cs = np.geomspace(min(r.flops for r in rungs) / 2, costs.total_flops(hero) * 2, 60)
     curve = {"flops": Cs.tolist(), "loss": [], "lo": [], "hi": []}
@@ -521,11 +524,11 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
     )
     fc.warnings += law_fit.warnings
     try:
-        fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, final, stream_deviations)
+        fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, law_level, stream_deviations)
         fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]
     except Exception as e:  # the final-loss forecast stands on its own; say why the curve model is missing
         fc.curve_model_error = f"{type(e).__name__}: {e}"
-        fc.trajectory = scaled_rung_trajectory(rungs, hero, final)
+        fc.trajectory = scaled_rung_trajectory(rungs, hero, law_level)
         fc.warnings.append(f"no curve model ({fc.curve_model_error}): the trajectory is the largest rung's, scaled")
     fc.coverage = {"final_loss": final_loss_coverage(rungs), "grad_norm": fc.grad_norm.get("backtest")}
     try:

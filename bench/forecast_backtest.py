@@ -275,6 +275,7 @@ def ladder(name: str, path: Path, boot: int) -> None:
         except Exception as err:
             print(f"{name}: anchored curve model failed: {err}")
     one_size_priors(name, curves, boot)
+    two_sizes(name, curves, boot)
     gn = gn_backtest([_grad(r) for r in faces])
     if gn:
         row(name, "grad norm: each rung >= 3rd from the smaller", "grad-norm envelope", gn["n"],
@@ -353,6 +354,30 @@ def _noise(c: Curve) -> float:
     its own centred 25-step mean."""
     smooth = pd.Series(c.loss).rolling(25, center=True, min_periods=1).mean().to_numpy()
     return float(np.mean(np.abs(c.loss / smooth - 1)))
+
+
+def two_sizes(name: str, curves: list[Curve], boot: int) -> None:
+    """Two consecutive sizes' curves predicting the curve of the size nearest 4x beyond the larger (3-6x),
+    with the size term the fit measures itself (the larger size predicted from the smaller)."""
+    n, errs, inside, width, notes = 0, [], [], [], []
+    for i in range(len(curves) - 2):
+        a, b = curves[i], curves[i + 1]
+        far = [c for c in curves[i + 2:] if 3.0 <= c.params / b.params <= 6.0]
+        if not far:
+            continue
+        t = min(far, key=lambda c: abs(math.log(c.params / b.params / 4.0)))
+        try:
+            fit = fit_curves([a, b], n_boot=boot)
+        except CurveError as err:
+            print(f"{name}: two-size fit of {a.name}, {b.name} failed: {err}")
+            continue
+        k, e, c, w = _curve_scores(fit, [t])
+        n, errs, inside, width = n + k, errs + [e], inside + [c * k], width + [w * k]
+        notes.append(f"{a.name}+{b.name} -> {t.name} ({t.params / b.params:.1f}x): cover {100 * c:.0f}%, width "
+                     f"{100 * w:.1f}%, size sd {fit.size_term:.4f}/e-fold")
+    if n:
+        row(name, "two sizes' curves -> the size ~4x beyond", "MPL size law, measured size term", n,
+            float(np.mean(errs)), sum(inside) / n, sum(width) / n, "; ".join(notes))
 
 
 def one_size_priors(name: str, curves: list[Curve], boot: int) -> None:

@@ -201,14 +201,18 @@ def test_the_h200_heros_trajectory_carries_the_rungs_stream_deviations(h200_fore
     assert np.corrcoef(hp(pred)[c], hp(m["loss"].to_numpy())[c])[0, 1] > 0.8
 
 
-def test_the_h200_heros_calibrated_trajectory_band_holds_about_90pct_of_its_steps(h200_forecast):
+def test_the_h200_heros_calibrated_trajectory_band_holds_its_steps_or_says_it_is_wider(h200_forecast):
     """The band's half-widths are scaled by the factor the largest rung's backtest asks for; on the
-    hero, which no part of the forecast saw, it holds 91% of the per-step train losses."""
+    hero, which no part of the forecast saw, it holds at least 85% of the per-step train losses, and
+    where it holds nearly all of them the forecast says its factor sat at the bound that kept it wider
+    than asked (on this ladder the law's own interval is wide: its rungs scatter ~9% about it)."""
     import numpy as np
 
     _, hero, fc = h200_forecast
     assert fc.trajectory["calibration"]["factor"] == fc.coverage["trajectory"]["calibration_factor"] != 1.0
     m, steps, lo = _on_hero_steps(fc, hero, "lo")
     _, _, hi = _on_hero_steps(fc, hero, "hi")
-    inside = ((m["loss"] >= lo) & (m["loss"] <= hi))[(m["step"] >= steps[0]) & (m["step"] <= steps[-1])]
-    assert 0.85 <= float(np.mean(inside)) <= 0.97
+    inside = float(np.mean(((m["loss"] >= lo) & (m["loss"] <= hi))[(m["step"] >= steps[0]) & (m["step"] <= steps[-1])]))
+    assert inside >= 0.85
+    if inside > 0.97:
+        assert any("lower bound" in w and "wider than its backtest asked for" in w for w in fc.warnings)
