@@ -50,7 +50,7 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
     t = Table(title=f"plan: {summary['experiment']}", header_style="bold")
     for col in ("rung", "layers", "d", "total", "active", "tokens", "tok/act", "FLOPs", "% hero",
                 "mem/GPU", "a2a B/tok", "GPUs", "GPU-h", "days", "epochs"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", no_wrap=col == "rung")
     for r in rows:
         share = f"{100 * r['share_of_hero']:.3g}%" if r["share_of_hero"] is not None else "-"
         mark = {"hero": " (hero)", "extra": " (extra)"}.get(r.get("plan_role"), "")
