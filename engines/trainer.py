@@ -16,7 +16,8 @@ does everything around the steps, the same way for each of them:
                         eval scores the fixed eval set (engines/evalset.py): run.eval_batches
                         groups of each source's windows periodically, every window at the end
                         (the final eval, which laws fit), reported per source and for the base
-                        mixture, each with its standard error (score_eval)
+                        mixture, each with its standard error (score_eval); eval_loss_periodic is
+                        the periodic subset's value at every eval, the final one included
     divergence          a non-finite step is recorded, status.json says "diverged" and the run
                         raises DivergedError; nothing after the last checkpoint is ever saved
     status and metrics  status.json (running -> finished | failed | diverged) and metrics.jsonl
@@ -241,10 +242,16 @@ class Trainer:
 
     def evaluate(self, final: bool) -> dict:
         """Score the fixed eval set: every window when final, else run.eval_batches groups a source."""
-        plan = self.stream.eval_plan(None if final else self.spec.run.eval_batches * EVAL_ROWS)
+        periodic = self.spec.run.eval_batches * EVAL_ROWS
+        plan = self.stream.eval_plan(None if final else periodic)
         seq = max_seq_len(self.spec.data)  # windows longer than the model's context are cut to it
         losses = self.module.eval_losses([self.stream.eval_batch(src, lo, hi, seq) for src, lo, hi in plan])
-        out = score_eval(plan, losses, self.stream.base_mixture())
+        weights = self.stream.base_mixture()
+        out = score_eval(plan, losses, weights)
+        # the periodic subset's value at every eval, the final one included: one continuous series
+        prefix = [(b, v) for b, v in zip(plan, losses) if b[1] < periodic]
+        out["eval_loss_periodic"] = (score_eval([b for b, _ in prefix], [v for _, v in prefix], weights)["eval_loss"]
+                                     if final else out["eval_loss"])
         out["eval_final"] = final
         return out
 

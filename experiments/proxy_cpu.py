@@ -31,8 +31,10 @@ def proxy(d: int, layers: int, role: str = "rung", cpus: int = 1):
     hardware = {"system": "cpu", "peak_flops": 5e10, "expected_mfu": 0.15, "task_cpus": cpus}
     return run_spec(f"{'hero-' if role == 'hero' else ''}d{d}", model, batch_size=BATCH, steps=steps, seq_len=SEQ,
                     sources=SOURCES, tokenizer=TOKENIZER, peak_lr=0.02 / d**0.5, role=role, hardware=hardware,
-                    run={"checkpoint_every": 100, "eval_every": 50, "eval_batches": 8},
-                    data={"eval_fraction": 0.04})  # a held-out tail of ~30 files: as many bytes a token as the rest
+                    run={"checkpoint_every": 100, "eval_every": 50, "eval_batches": 4},
+                    # the fixed eval set: 131K tokens of each source (the prose: at most 4% of it), held out by
+                    # document; periodic evals score 32 windows a source, the final eval all of them
+                    data={"eval_fraction": 0.04, "eval_tokens": 2**17})
 
 
 RUNGS = (proxy(16, 2), proxy(24, 2), proxy(40, 2), proxy(48, 3))

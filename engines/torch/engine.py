@@ -8,8 +8,8 @@ resumed run replays the same batches and, on the CPU, reaches bit-identical weig
 Step s (0-based) trains on stream.batch(s) at lr(spec, s); its record has step=s and tokens =
 tokens seen after it. Checkpoints are named by updates done (step_00000025 after steps 0..24),
 written every run.checkpoint_every updates and at the end, plus step_00000000 with the initial
-weights of a fresh run (another engine, or a parity check, can start from it). Eval loss (mean
-CE over run.eval_batches held-out batches) every run.eval_every updates and at the last.
+weights of a fresh run (another engine, or a parity check, can start from it). Eval: the
+trainer's fixed eval set (engines/trainer.py), each batch's mean CE from eval_losses.
 
 Metrics: loss is the data cross-entropy; z_loss the mean squared log-partition of the output
 (before its coefficient); aux_loss the Switch balancing loss and extra.router_z_loss the router
@@ -292,15 +292,22 @@ class TorchStep:
         return read_step(self.opt, pending)
 
     def eval_losses(self, batches) -> list[float]:
+        """Each eval batch's mean CE; up to EVAL_STACK batches of one shape run as one forward
+        (the batches are groups of the fixed eval set: one forward for many of them, each mean
+        taken over its own rows)."""
         model, device = self.model, self.device
         model.eval()
-        losses = []
+        means = []
         with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            for batch in batches:
-                x = torch.from_numpy(batch).to(device, dtype=torch.long)
-                losses.append(loss_terms(model, x, self.spec.optim)[1]["metrics"]["loss"])
+            for chunk in _stacks(batches, EVAL_STACK):
+                x_NS1 = torch.from_numpy(np.concatenate(chunk)).to(device, dtype=torch.long)
+                logits_NSV, _ = model(x_NS1[:, :-1])
+                lse_NS = torch.logsumexp(logits_NSV.float(), -1)
+                ce_NS = lse_NS - logits_NSV.float().gather(-1, x_NS1[:, 1:].unsqueeze(-1)).squeeze(-1)
+                rows = [len(b) for b in chunk]
+                means += [ce.mean() for ce in torch.split(ce_NS, rows)]
         model.train()
-        return torch.stack(losses).float().cpu().tolist() if losses else []
+        return torch.stack(means).cpu().tolist() if means else []
 
     def agree(self, value):
         return value
@@ -313,6 +320,21 @@ class TorchStep:
 
     def finish(self, first_step: int, steps: int) -> None:
         pass
+
+
+EVAL_STACK = 8  # eval batches (groups of 8 windows) in one forward
+
+
+def _stacks(batches, n: int):
+    """Consecutive runs of at most n batches of one shape."""
+    chunk: list[np.ndarray] = []
+    for b in batches:
+        if chunk and (len(chunk) == n or b.shape[1:] != chunk[0].shape[1:]):
+            yield chunk
+            chunk = []
+        chunk.append(b)
+    if chunk:
+        yield chunk
 
 
 def describe(options: EngineOptions, device: torch.device, opt: torch.optim.Optimizer) -> dict:
