@@ -153,7 +153,7 @@ def h200_forecast(tmp_path_factory):
     with tarfile.open(ROOT / "docs" / "results" / "h200_ladder" / "h200_ladder.tar.gz") as tar:
         tar.extractall(root, filter="data")
     runs = [RungRun(load_spec(rd.spec_path), rd.path, read_metrics_frame(rd.metrics_path)) for rd in iter_run_dirs(root)]
-    hero = next(r for r in runs if r.spec.role == "hero")
+    hero = min((r for r in runs if r.spec.role == "hero"), key=lambda r: r.spec.seed)  # seed 0 (others replicate it)
     return runs, hero, forecast("h200", [r for r in runs if r.spec.role == "rung"], hero.spec)
 
 
@@ -192,7 +192,9 @@ def test_the_h200_heros_trajectory_carries_the_rungs_stream_deviations(h200_fore
 
     runs, hero, fc = h200_forecast
     st = fc.trajectory["stream"]
-    assert st["covered_steps"] > 500 and set(st["runs"]) == {r.spec.name for r in runs if r.spec.role == "rung"}
+    # the rungs at the hero's seed read its stream; replicates at another seed read another
+    assert st["covered_steps"] > 500
+    assert set(st["runs"]) == {r.spec.name for r in runs if r.spec.role == "rung" and r.spec.seed == hero.spec.seed}
     assert st["residual_sd"] < 0.5 * st["deviation_sd"]
     m, steps, pred = _on_hero_steps(fc, hero, "loss")
     covered = np.asarray(fc.trajectory["step"])[np.asarray(fc.trajectory["stream_covered"])]
