@@ -2,16 +2,18 @@
 the hero's own schedule, and a grad-norm envelope; a typed value (HeroForecast) whose JSON is
 forecast.json.
 
-- Final loss: the compute envelope L(C) = E + A*C^-alpha fitted on the rungs' final eval losses
-  (analysis.laws), with its prediction interval (bootstrap refits, residual scatter, backtested
-  extrapolation in log C); widened by the ladder's own backtest when that is larger: the error made
-  predicting the largest rung from the others, scaled by how much further (in log compute) the hero
-  lies beyond the largest rung than that rung lay beyond the next.
+- Final loss: the compute envelope L(C) = E + A*C^-alpha fitted on one point per rung family (runs
+  that differ only in their seed, at their mean final eval loss: analysis.replicates), with the
+  interval of analysis.final_loss: parametric-bootstrap fit variance + the hero's measurement
+  variance (the replicates' seed spread and the eval standard error) + the ladder's leave-one-out
+  backtest term scaled by the e-folds of compute beyond the largest rung, t-calibrated. Runs scored
+  on different eval sets are refused (replicates.check_yardstick). Backtests hold a whole family out.
 - Trajectory: the schedule-aware curve model (analysis.curves) fitted on all rung trajectories with
   their sizes (each from FIT_FROM of its steps on, its clock in steps of the smallest batch's tokens so
   that rungs of different batch sizes share the LR area per token), evaluated at the hero's size under
   lr_at(hero, step); it is then shifted to end on the law's final loss so the two forecasts agree
-  (the compute law anchors the size dependence), and its band grows to the final interval. Where the
+  (the compute law anchors the size dependence), and its band grows to the law's interval there
+  (without one run's eval measurement noise, which a train loss does not carry). Where the
   rungs read the hero's tokens (the same data stream, at any batch size) the trajectory carries the
   rungs' per-step deviations from their own trend there (analysis.stream_residual: the batch
   content's share of the step-to-step noise), and the band's noise term there is the scatter they
