@@ -12,6 +12,7 @@ from typing import Any
 
 import numpy as np
 from scipy.stats import norm
+from scipy.stats import t as student_t
 
 from analysis.curve_data import Curve, CurveError, check_steps, dense_lr
 from analysis.curve_design import EVAL_CHUNK, LOG_BOUNDS, MODEL_PARAMS, Design, block_distances
@@ -43,6 +44,10 @@ class CurveFit:
     # log B linear in log N too)
     sizes: list = field(default_factory=list)  # the training curves' sizes (params), when given
     calib: float = 1.0  # leave-one-curve-out calibration factor of the band's non-bootstrap parts
+    # relative loss sd per e-fold of N beyond the fitted sizes, measured by the fit's own size backtest
+    # (analysis.curves: each size beyond the smallest predicted from the smaller ones); None: the prior
+    size_sd: float | None = None
+    size_backtest: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)  # how calib was measured
     converged: bool = True  # False when a parameter sits on a bound of its search range
     warnings: list = field(default_factory=list)
@@ -123,10 +128,12 @@ class CurveFit:
         beyond the largest LR area of the training curves (extrap_rel backtested on the curves
         themselves: fit on each curve's first half of LR area, error on the second half); these two
         scaled by the leave-one-curve-out calibration factor `calib`; at a size outside
-        the training sizes, SIZE_PRIOR_SD per e-fold of N; and the bootstrap refits' spread."""
+        the training sizes, the size term per e-fold of N (size_term: the fit's own size backtest, its half-width
+        at Student's t quantile for the sizes it held out; the prior SIZE_PRIOR_SD with one size); and the
+        bootstrap refits' spread."""
         pred = self.predict(steps, lr, params)
         zq = float(norm.ppf(0.5 + level / 2))
-        var = self._model_var(steps, lr, params, pred) * self.calib**2 + self._size_var(params, pred)
+        var = self._model_var(steps, lr, params, pred) * self.calib**2 + self._size_var(params, pred) * self._size_t(level)**2
         if self.boot_z is not None and len(self.boot_z) >= 2:
             draws = np.stack([self.predict(steps, lr, params, _z=zb) for zb in self.boot_z])
             var = var + draws.var(0, ddof=1)
@@ -142,9 +149,23 @@ class CurveFit:
             var = var + (self.extrap_rel * rho_n * pred) ** 2
         return var
 
+    def _size_t(self, level: float) -> float:
+        """A measured size term rests on few held-out sizes: its half-width takes Student's t quantile
+        with that many degrees of freedom in place of the normal one (1 for the prior)."""
+        dof = int(self.size_backtest.get("sizes_held_out", 0) or 0) if self.size_sd is not None else 0
+        if dof < 1:
+            return 1.0
+        return float(student_t.ppf(0.5 + level / 2, dof) / norm.ppf(0.5 + level / 2))
+
+    @property
+    def size_term(self) -> float:
+        """The size term's relative sd per e-fold of N: measured (size_sd) where the fit has several
+        sizes and backtested them, else the prior SIZE_PRIOR_SD."""
+        return SIZE_PRIOR_SD if self.size_sd is None else self.size_sd
+
     def _size_var(self, params, pred: np.ndarray) -> np.ndarray:
         scale = self.curve_params()["L0"] if self.law_kind == "none" and self._scales_floor else pred
-        return (SIZE_PRIOR_SD * self.size_efolds(params) * scale) ** 2
+        return (self.size_term * self.size_efolds(params) * scale) ** 2
 
     def predict_warnings(self, params: float | None) -> list[str]:
         """What a reader of a prediction at size `params` must know."""
@@ -180,10 +201,15 @@ class CurveFit:
             "calibration": self.calibration,
             "converged": self.converged,
             "warnings": list(self.warnings),
+            "size_sd": self.size_sd,
+            "size_backtest": self.size_backtest,
             "band_method": ("normal quantiles of: (relative residual scatter and extrapolation in LR area, backtested "
                             "per curve) x calib (leave-one-curve-out), "
-                            f"{SIZE_PRIOR_SD} relative per e-fold of N outside the fitted sizes, and the bootstrap "
-                            "refits' variance, in quadrature"),
+                            + (f"{self.size_sd:.4g} relative per e-fold of N outside the fitted sizes (the fit's own "
+                               "size backtest: each size from the smaller ones)" if self.size_sd is not None else
+                               f"{SIZE_PRIOR_SD} relative per e-fold of N outside the fitted size (the published "
+                               "laws' disagreement: one size measures no size dependence)")
+                            + ", and the bootstrap refits' variance, in quadrature"),
         }
         if self.law_kind == "none":
             whole = f"the whole curve x (N/N_fit)^-{KAPLAN_ALPHA_N} (Kaplan et al. 2020)"
@@ -230,6 +256,8 @@ class CurveFit:
                 sizes=list(d.get("sizes") or []),
                 calib=float(d.get("calib", 1.0)),
                 calibration=dict(d.get("calibration") or {}),
+                size_sd=None if d.get("size_sd") is None else float(d["size_sd"]),
+                size_backtest=dict(d.get("size_backtest") or {}),
                 converged=bool(d.get("converged", True)),
                 warnings=list(d.get("warnings") or []),
             )

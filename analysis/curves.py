@@ -67,7 +67,13 @@ otherwise) in quadrature. bench/forecast_backtest.py measures the three priors o
 (multipower 25M <-> 100M, and each ladder rung predicting the next size up) and docs/results/forecast-backtests.md reports it.
 
 Bands (`CurveFit.band`): the training residuals' relative scatter, the bootstrap refits' spread, an
-extrapolation term in LR area and, at another size, the size term, added in quadrature; the
+extrapolation term in LR area and, at another size, the size term, added in quadrature. The size term
+is measured wherever the fit has several sizes: each size beyond the smallest is predicted from the
+smaller sizes' curves (one size: its prior; several: their size law), and the root mean square of the
+held-out curves' mean relative errors per e-fold of N is the term's sd per e-fold beyond the fitted
+sizes, its half-width at Student's t quantile for the number of held-out sizes (1 for two sizes). With
+one size nothing measures it: the prior's SIZE_PRIOR_SD (the published laws' disagreement) stands, and
+the band says little across sizes. The
 non-bootstrap parts are scaled by a calibration factor measured leave-one-curve-out on the training
 curves (refit without each curve, predict it: the factor makes `level` of the held-out points fall
 inside). With a single curve there is nothing to leave out, the factor is 1 and a warning says so.
@@ -101,7 +107,7 @@ from analysis.curve_data import Curve, CurveError, CurveFitError, lr_per_step_fr
 from analysis.curve_design import GAMMA_MAX, LOG_BOUNDS, MODELS, Design
 from analysis.curve_fit import CurveFit
 from analysis.curve_optim import bounds_for, clip_to, fit_one_size, fix_bound, lbfgs, linearised_start, sized_start
-from analysis.curve_sizelaw import KAPLAN_ALPHA_N, SIZE_LAWS, SIZE_PRIORS, SizeLaw
+from analysis.curve_sizelaw import KAPLAN_ALPHA_N, SIZE_LAWS, SIZE_PRIOR_SD, SIZE_PRIORS, SizeLaw
 
 try:  # a transitive dependency (scikit-learn via mlflow); without it the fit is only slower
     from threadpoolctl import threadpool_limits
@@ -186,6 +192,14 @@ def _finish(fit: CurveFit, curves, model, joint, size_prior, calibrate, level) -
                             f"{size_prior} prior (analysis.curves), not on this data")
     elif fit.law_kind == "two":
         fit.warnings += fitwarn.too_few_sizes(2, "sizes for the size law")
+    if fit.law_kind != "none" and len(set(fit.sizes)) >= 2:
+        fit.size_sd, fit.size_backtest = _size_backtest(fit, list(curves), model, joint, size_prior)
+        if fit.size_sd is None:
+            fit.warnings.append(f"size term not backtested ({fit.size_backtest.get('why')}): the band beyond the "
+                                f"fitted sizes uses the prior {SIZE_PRIOR_SD} per e-fold of N")
+        elif fit.size_backtest.get("sizes_held_out", 0) < 2:
+            fit.warnings.append("the band's size term rests on one held-out size (the larger predicted from the "
+                                "smaller): beyond the fitted sizes it is a one-point estimate")
     if calibrate:
         fit.calib, fit.calibration = _calibrate(fit, list(curves), model, joint, size_prior, level)
         if fit.calibration.get("n_points", 0) == 0:
@@ -217,6 +231,39 @@ def _bound_warnings(names, z, bounds) -> list[str]:
 
 def _natural_row(names, z) -> list[float]:
     return [float(math.exp(v)) if k in LOG_BOUNDS or k in ("a", "p") else float(v) for k, v in zip(names, z)]
+
+
+def _size_backtest(fit: CurveFit, curves, model, joint, size_prior) -> tuple[float | None, dict]:
+    """The size term from the fit's own sizes: each size beyond the smallest predicted from the curves of
+    the smaller sizes (one size: its prior; several: their size law), told only N and the schedule. A
+    held-out curve's error is its mean relative error (the level the size sets; the schedule's own
+    scatter is the band's other terms), per e-fold of N beyond the largest smaller size:
+    size_sd^2 = mean over held-out curves of (mean error / e-folds)^2."""
+    sizes = sorted({c.params for c in curves if c.params is not None})
+    obs, rows = [], []
+    for k in range(1, len(sizes)):
+        fitted = [c for c in curves if c.params is not None and c.params < sizes[k]]
+        held = [c for c in curves if c.params == sizes[k]]
+        try:
+            floor = fit.info.get("floor_law")
+            floor = (floor["E"], floor["p"]) if floor and len({c.params for c in fitted}) >= 3 else None
+            sub = _fit_curves(fitted, model, 0, 0, joint, False, fit.size_law, floor)
+            sub.size_prior, sub.sizes = size_prior, list(sub.info.get("sizes") or [])
+        except CurveError:
+            continue
+        rho = math.log(sizes[k] / sizes[k - 1])
+        for c in held:
+            e = float(np.mean(sub.predict_curve(c) / c.loss - 1.0))
+            if math.isfinite(e):
+                obs.append((e / rho) ** 2)
+                rows.append({"curve": c.name, "size": sizes[k], "from_sizes": sizes[:k], "mean_rel_error": e,
+                             "efolds": rho})
+    if not obs:
+        return None, {"why": "no size could be predicted from smaller ones"}
+    sd = float(math.sqrt(np.mean(obs)))
+    return sd, {"method": "each size beyond the smallest from the smaller sizes' curves; size_sd = root mean "
+                "square over held-out curves of (mean relative error / e-folds of N)", "size_sd": sd,
+                "sizes_held_out": len(sizes) - 1, "curves": rows}
 
 
 def _calibrate(fit: CurveFit, curves, model, joint, size_prior, level) -> tuple[float, dict]:

@@ -2,16 +2,18 @@
 the hero's own schedule, and a grad-norm envelope; a typed value (HeroForecast) whose JSON is
 forecast.json.
 
-- Final loss: the compute envelope L(C) = E + A*C^-alpha fitted on the rungs' final eval losses
-  (analysis.laws), with its prediction interval (bootstrap refits, residual scatter, backtested
-  extrapolation in log C); widened by the ladder's own backtest when that is larger: the error made
-  predicting the largest rung from the others, scaled by how much further (in log compute) the hero
-  lies beyond the largest rung than that rung lay beyond the next.
+- Final loss: the compute envelope L(C) = E + A*C^-alpha fitted on one point per rung family (runs
+  that differ only in their seed, at their mean final eval loss: analysis.replicates), with the
+  interval of analysis.final_loss: parametric-bootstrap fit variance + the hero's measurement
+  variance (the replicates' seed spread and the eval standard error) + the ladder's leave-one-out
+  backtest term scaled by the e-folds of compute beyond the largest rung, t-calibrated. Runs scored
+  on different eval sets are refused (replicates.check_yardstick). Backtests hold a whole family out.
 - Trajectory: the schedule-aware curve model (analysis.curves) fitted on all rung trajectories with
   their sizes (each from FIT_FROM of its steps on, its clock in steps of the smallest batch's tokens so
   that rungs of different batch sizes share the LR area per token), evaluated at the hero's size under
   lr_at(hero, step); it is then shifted to end on the law's final loss so the two forecasts agree
-  (the compute law anchors the size dependence), and its band grows to the final interval. Where the
+  (the compute law anchors the size dependence), and its band grows to the law's interval there
+  (without one run's eval measurement noise, which a train loss does not carry). Where the
   rungs read the hero's tokens (the same data stream, at any batch size) the trajectory carries the
   rungs' per-step deviations from their own trend there (analysis.stream_residual: the batch
   content's share of the step-to-step noise), and the band's noise term there is the scatter they
@@ -36,14 +38,15 @@ import datetime as _dt
 import math
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
 
-from analysis import fitwarn, gradnorm, law_backtest
+from analysis import fitwarn, gradnorm, law_backtest, replicates
 from analysis.curves import Curve, fit_curves
-from analysis.laws import fit_envelope
+from analysis.final_loss import MIN_FIT, FinalLaw, Point, fit_final_law
+from analysis.final_loss import coverage as final_coverage
 from analysis.stream_residual import TREND_STEPS, StreamRun, loo_residual_sd, same_stream
 from analysis.stream_residual import transfer as stream_transfer
 from core import costs
@@ -60,6 +63,7 @@ FIT_FROM = 0.1
 # backtests of both ladders; analysis.stream_residual)
 STREAM_DEVIATIONS = True
 CALIB_MIN, CALIB_MAX = 0.5, 10.0  # the trajectory band's calibration factor is kept in this range
+FINAL_FLAG, FINAL_SE = "extra.eval_final", "extra.eval_loss_se"  # the final eval's record (engines/trainer.py)
 
 
 @dataclass
@@ -68,12 +72,33 @@ class RungRun:
     run_dir: Path
     metrics: pd.DataFrame
 
+    def _final_row(self) -> pd.Series | None:
+        """The record of the final eval (eval_final, else the last finite eval loss)."""
+        m = self.metrics
+        if "eval_loss" not in m:
+            return None
+        ev = pd.to_numeric(m["eval_loss"], errors="coerce")
+        ok = np.isfinite(ev)
+        if FINAL_FLAG in m:
+            fin = ok & (m[FINAL_FLAG] == True)  # noqa: E712 (a column of True/NaN)
+            if fin.any():
+                return m[fin].iloc[-1]
+        return m[ok].iloc[-1] if ok.any() else None
+
     @property
     def final_loss(self) -> float:
-        ev = self.metrics["eval_loss"].dropna() if "eval_loss" in self.metrics else pd.Series(dtype=float)
-        if not len(ev):
+        row = self._final_row()
+        if row is None:
             raise ValueError(f"rung {self.spec.name}: no eval loss in {self.run_dir}")
-        return float(ev.iloc[-1])
+        return float(row["eval_loss"])
+
+    @property
+    def final_se(self) -> float | None:
+        """The final eval loss's standard error (None where the run does not report one)."""
+        row = self._final_row()
+        v = row.get(FINAL_SE) if row is not None else None
+        v = pd.to_numeric(pd.Series([v]), errors="coerce").iloc[0]
+        return float(v) if np.isfinite(v) else None
 
     @property
     def final_eval_warning(self) -> str | None:
@@ -99,63 +124,81 @@ class RungRun:
         return float(costs.param_counts(self.spec.model)["active"])
 
 
-def _law(rungs: list[RungRun], level: float = LEVEL):
-    return fit_envelope([r.flops for r in rungs], [r.final_loss for r in rungs], level=level, strict=False,
-                        n_bootstrap=200)
+def ladder_points(rungs: Sequence[Any]) -> tuple[list[Point], replicates.Noise | None]:
+    """One point per rung family (runs that differ only in their seed, at their mean final loss) and the
+    ladder's measurement noise; Point lists (bench) pass through, their noise unmeasured."""
+    if all(isinstance(r, Point) for r in rungs):
+        return list(rungs), None
+    fams = replicates.group(rungs)
+    nz = replicates.noise(fams)
+    return [Point(f.name, costs.total_flops(f.spec), f.final_loss, nz.family_var[f.name], tuple(f.names))
+            for f in fams], nz
 
 
-def _law_predict(fit, C: float) -> tuple[float, float, float]:
-    p = fit.predict(C, level=LEVEL)
-    mean = float(p["loss"])
-    lo = p["lo"] if math.isfinite(p["lo"]) else mean
-    hi = p["hi"] if math.isfinite(p["hi"]) else mean
-    return mean, float(lo), float(hi)
+def final_law(rungs: Sequence[Any], nested: bool = True) -> FinalLaw:
+    points, nz = ladder_points(rungs)
+    if nz is None:
+        return fit_final_law(points, seed_var=None, seed_dof=0, nested=nested)
+    law = fit_final_law(points, seed_var=nz.seed_var, seed_dof=nz.seed_dof, eval_var=nz.eval_var, nested=nested)
+    law.warnings[:0] = [f"measurement: {w}" for w in nz.warnings]
+    return law
+
+
+def _law(rungs) -> Any:
+    """The compute law's point fit on one point per rung family."""
+    return final_law(rungs, nested=False).fit
+
+
+def largest_family_out(rungs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
+    """(the runs of every family but the largest, the largest family's runs): no replicate of the
+    held-out family stays among the fitted."""
+    if all(isinstance(r, Point) for r in rungs):
+        ordered = sorted(rungs, key=lambda r: r.flops)
+        return ordered[:-1], ordered[-1:]
+    big = replicates.family_key(max(rungs, key=lambda r: r.flops).spec)
+    return ([r for r in rungs if replicates.family_key(r.spec) != big],
+            [r for r in rungs if replicates.family_key(r.spec) == big])
 
 
 def backtest(rungs: list[RungRun]) -> dict | None:
-    """Refit without the largest rung and predict it (with the same interval method)."""
-    if len(rungs) < 4:
+    """Refit without the largest rung family and predict its mean final loss (with the same interval method)."""
+    base, held = largest_family_out(rungs)
+    if len(ladder_points(base)[0]) < MIN_FIT:
         return None
-    ordered = sorted(rungs, key=lambda r: r.flops)
-    pred, lo, hi, _ = final_interval(ordered[:-1], ordered[-1].flops)
-    actual = ordered[-1].final_loss
-    return {"held_out": ordered[-1].spec.name, "predicted": pred, "lo": lo, "hi": hi, "actual": actual,
-            "rel_error": (pred - actual) / actual, "inside": bool(lo <= actual <= hi)}
+    target, _ = ladder_points(held)
+    law = final_law(base)
+    iv = law.interval(target[0].flops, target_var=target[0].var)
+    actual = target[0].loss
+    return {"held_out": target[0].name, "members": list(target[0].members), "predicted": iv["mean"], "lo": iv["lo"],
+            "hi": iv["hi"], "actual": actual, "rel_error": (iv["mean"] - actual) / actual,
+            "inside": bool(iv["lo"] <= actual <= iv["hi"])}
 
 
-def final_interval(rungs: list[RungRun], C: float) -> tuple[float, float, float, Any]:
-    """(mean, lo, hi, law fit) of the final loss at compute C: the law's prediction interval, widened
-    to the backtest of the largest rung (needs 4 rungs) scaled by the reach in log compute."""
-    fit = _law(rungs)
-    mean, lo, hi = _law_predict(fit, C)
-    if len(rungs) >= 4:
-        ordered = sorted(rungs, key=lambda r: r.flops)
-        sub = _law(ordered[:-1])
-        pred = _law_predict(sub, ordered[-1].flops)[0]
-        err = (pred - ordered[-1].final_loss) / ordered[-1].final_loss
-        reach = math.log(C / ordered[-1].flops) / max(math.log(ordered[-1].flops / ordered[-2].flops), 1e-9)
-        half = Z90 * abs(err) * max(reach, 1.0) * mean
-        lo, hi = min(lo, mean - half), max(hi, mean + half)
-    return mean, lo, hi, fit
+def final_interval(rungs: Sequence[Any], C: float) -> tuple[float, float, float, FinalLaw]:
+    """(mean, lo, hi, law) of one run's final loss at compute C (analysis.final_loss)."""
+    law = final_law(rungs)
+    iv = law.interval(C)
+    return iv["mean"], iv["lo"], iv["hi"], law
 
 
-def final_loss_forecast(rungs: list[RungRun], hero: Spec) -> tuple[dict, Any, dict | None]:
-    mean, lo, hi, fit = final_interval(rungs, costs.total_flops(hero))
-    return {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL}, fit, backtest(rungs)
+def final_loss_forecast(rungs: list[RungRun], hero: Spec) -> tuple[dict, FinalLaw, dict | None]:
+    law = final_law(rungs)
+    iv = law.interval(costs.total_flops(hero))
+    if law.backtest.get("points"):
+        reached = max(p["reach_efolds"] for p in law.backtest["points"])
+        if iv["reach_efolds"] > reached * 1.5:
+            law.warnings.append(f"final-loss interval: the hero lies {iv['reach_efolds']:.2f} e-folds of compute beyond "
+                                f"the largest rung, further than any backtest reached ({reached:.2f}): its "
+                                "extrapolation term is scaled up linearly")
+    return {**iv, "method": law.describe()}, law, backtest(rungs)
 
 
 def final_loss_coverage(rungs: list[RungRun]) -> dict | None:
-    """Each rung from the smaller ones (the envelope needs 3), with final_interval's method."""
-    ordered = sorted(rungs, key=lambda r: r.flops)
-    pred, lo, hi, act, names = [], [], [], [], []
-    for k in range(3, len(ordered)):
-        m, l, h, _ = final_interval(ordered[:k], ordered[k].flops)
-        pred.append(m), lo.append(l), hi.append(h), act.append(ordered[k].final_loss), names.append(ordered[k].spec.name)
-    if not pred:
-        return None
-    out = law_backtest.summarise(pred, lo, hi, act)
-    out.update(method="each rung from the smaller ones (at least 3)", level=LEVEL, held_out=names)
-    return out
+    """Each rung family from the smaller ones (the envelope needs 3), with the whole interval method."""
+    points, nz = ladder_points(rungs)
+    kw = dict(seed_var=None, seed_dof=0) if nz is None else dict(seed_var=nz.seed_var, seed_dof=nz.seed_dof,
+                                                                 eval_var=nz.eval_var)
+    return final_coverage(points, level=LEVEL, **kw)
 
 
 def _ref_steps(spec: Spec, ref_tokens: float) -> tuple[float, np.ndarray]:
@@ -283,18 +326,26 @@ def _grads(r: RungRun) -> gradnorm.RungGrad:
 
 
 def grad_norm_envelope(rungs: list[RungRun], hero: Spec, n_bins: int = 50) -> dict:
-    return gradnorm.envelope([_grads(r) for r in rungs], float(costs.param_counts(hero.model)["active"]),
-                             hero.total_steps, n_bins=n_bins, level=LEVEL)
+    """One RungGrad per rung family (its seeds' points together), so that the envelope's nested
+    backtest never sees a replicate of the rung it holds out."""
+    grads = []
+    for fam in replicates.group(rungs):
+        gs = [_grads(r) for r in fam.runs]
+        grads.append(gradnorm.RungGrad(fam.name, gs[0].size, np.concatenate([np.asarray(g.frac, float) for g in gs]),
+                                       np.concatenate([np.asarray(g.g, float) for g in gs])))
+    return gradnorm.envelope(grads, float(costs.param_counts(hero.model)["active"]), hero.total_steps, n_bins=n_bins,
+                             level=LEVEL)
 
 
 def trajectory_coverage(rungs: list[RungRun], stream_deviations: bool = STREAM_DEVIATIONS) -> dict | None:
     """The largest rung's train-loss curve forecast from the others as the hero's is (the curve model,
     aligned to final_interval's forecast of its final loss), against its own run."""
-    ordered = sorted(rungs, key=lambda r: r.flops)
-    if len(ordered) < 4:
+    base, held = largest_family_out(rungs)
+    if len(ladder_points(base)[0]) < MIN_FIT:
         return None
-    base, target = ordered[:-1], ordered[-1]
-    mean, lo, hi, _ = final_interval(base, target.flops)
+    target = held[0]  # the family's first seed (its curve; the law predicts the family's mean)
+    iv = final_law(base).interval(target.flops, target_var=0.0)  # as the hero's: the law's level
+    mean, lo, hi = iv["mean"], iv["lo"], iv["hi"]
     traj, _, _ = trajectory_forecast(base, target.spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
                                      stream_deviations)
     p, l, h, y = on_run_steps(traj, target)
@@ -434,24 +485,36 @@ class HeroForecast:
 def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviations: bool = STREAM_DEVIATIONS) -> HeroForecast:
     if len(rungs) < 3:
         raise ValueError(f"forecast needs at least 3 finished rungs with eval losses, found {len(rungs)}")
-    final, fit, bt = final_loss_forecast(rungs, hero)
-    fl = fit.to_dict()
+    fingerprint = replicates.check_yardstick(rungs)
+    if len(replicates.group(rungs)) < MIN_FIT:
+        raise ValueError(f"forecast needs at least {MIN_FIT} rung sizes (families of seeds), found "
+                         f"{len(replicates.group(rungs))}: {', '.join(r.spec.name for r in rungs)}")
+    final, law_fit, bt = final_loss_forecast(rungs, hero)
+    # the trajectory is train loss: it ends on the law's level without the eval measurement of one run
+    law_level = law_fit.interval(costs.total_flops(hero), target_var=0.0)
+    fl = law_fit.fit.to_dict()
     Cs = np.geomspace(min(r.flops for r in rungs) / 2, costs.total_flops(hero) * 2, 60)
     curve = {"flops": Cs.tolist(), "loss": [], "lo": [], "hi": []}
     for C in Cs:
-        m, lo, hi = _law_predict(fit, float(C))
-        curve["loss"].append(m)
-        curve["lo"].append(lo)
-        curve["hi"].append(hi)
+        iv = law_fit.interval(float(C))
+        curve["loss"].append(iv["mean"])
+        curve["lo"].append(iv["lo"])
+        curve["hi"].append(iv["hi"])
+    ci = ({k: [float(v) for v in np.quantile(law_fit.draws[:, i], [(1 - LEVEL) / 2, (1 + LEVEL) / 2])]
+           for i, k in enumerate(("E", "A", "alpha"))} if len(law_fit.draws) > 1 else None)
     law = {"kind": "compute", "label": "L(C) = E + A C^-alpha", **{k: fl[k] for k in ("E", "A", "alpha") if k in fl},
-           "ci": fl.get("ci"), "converged": fl.get("converged", True), "warnings": fl.get("warnings", []),
-           "interval": fl.get("interval"), "curve": curve}
+           "ci": ci, "ci_level": LEVEL, "converged": fl.get("converged", True), "warnings": fl.get("warnings", []),
+           "interval": "one run's final loss at C (analysis.final_loss; hero.final_loss.method)",
+           "points": final["method"]["points"], "curve": curve}
     fc = HeroForecast(
         experiment=experiment,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         sources={"rungs": [{"name": r.spec.name, "spec_id": r.spec.id, "run_dir": str(r.run_dir), "active_params": r.active,
                             "total_params": costs.param_counts(r.spec.model)["total"], "tokens": costs.tokens(r.spec),
-                            "flops": r.flops, "final_loss": r.final_loss} for r in rungs]},
+                            "flops": r.flops, "final_loss": r.final_loss, "final_loss_se": r.final_se,
+                            "seed": r.spec.seed, "family": replicates.family_key(r.spec)} for r in rungs],
+                 "eval_fingerprint": fingerprint,
+                 "measurement": replicates.noise(replicates.group(rungs)).to_dict()},
         law=law,
         hero={"name": hero.name, "spec_id": hero.id, "total_steps": hero.total_steps,
               "tokens_per_step": hero.data.tokens_per_step, "active_params": costs.param_counts(hero.model)["active"],
@@ -461,13 +524,13 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
         trajectory={},
         grad_norm=grad_norm_envelope(rungs, hero),
     )
-    fc.warnings += [f"final-loss law: {w}" for w in law["warnings"]]
+    fc.warnings += law_fit.warnings
     try:
-        fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, final, stream_deviations)
+        fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, law_level, stream_deviations)
         fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]
     except Exception as e:  # the final-loss forecast stands on its own; say why the curve model is missing
         fc.curve_model_error = f"{type(e).__name__}: {e}"
-        fc.trajectory = scaled_rung_trajectory(rungs, hero, final)
+        fc.trajectory = scaled_rung_trajectory(rungs, hero, law_level)
         fc.warnings.append(f"no curve model ({fc.curve_model_error}): the trajectory is the largest rung's, scaled")
     fc.coverage = {"final_loss": final_loss_coverage(rungs), "grad_norm": fc.grad_norm.get("backtest")}
     try:

@@ -46,8 +46,9 @@ def _predict(fit, cols: Sequence[np.ndarray], idx: np.ndarray, level: float):
 
 
 def cross_validate(fit_fn: Callable, cols: Sequence[np.ndarray], loss: np.ndarray, *, level: float,
-                   seed: int = 0) -> dict[str, Any] | None:
-    """Leave-one-out (n <= LOO_MAX) or K-fold refits with `fit_fn(*cols, loss, n_bootstrap, level, seed)`."""
+                   seed: int = 0, start=None) -> dict[str, Any] | None:
+    """Leave-one-out (n <= LOO_MAX) or K-fold refits with `fit_fn(*cols, loss, n_bootstrap, level, seed)`;
+    start: the fit of all the points, which warm-starts every refit (each fold's optimum lies next to it)."""
     n = len(loss)
     folds_n = n if n <= LOO_MAX else K_FOLDS
     order = np.random.default_rng(seed).permutation(n)
@@ -57,7 +58,8 @@ def cross_validate(fit_fn: Callable, cols: Sequence[np.ndarray], loss: np.ndarra
         test = order[f::folds_n]
         train = np.setdiff1d(np.arange(n), test)
         try:
-            fit = fit_fn(*[c[train] for c in cols], loss[train], n_bootstrap=BOOT, level=level, seed=seed)
+            fit = fit_fn(*[c[train] for c in cols], loss[train], n_bootstrap=BOOT, level=level, seed=seed,
+                         **({"start": start} if start is not None else {}))
         except FitError:
             failed += 1
             continue
@@ -72,15 +74,18 @@ def cross_validate(fit_fn: Callable, cols: Sequence[np.ndarray], loss: np.ndarra
 
 
 def extrapolate(fit_fn: Callable, cols: Sequence[np.ndarray], loss: np.ndarray, *, level: float, factor: float = 4.0,
-                min_points: int = 5, seed: int = 0) -> dict[str, Any] | None:
-    """Fit on points with cols[0] <= max / factor, predict the others."""
+                min_points: int = 5, seed: int = 0, start=None) -> dict[str, Any] | None:
+    """Fit on points with cols[0] <= max / factor, predict the others; start: the fit of all the points
+    (its own extrapolation sub-fit, on the same points when factor is 4, warm-starts this one)."""
     x = cols[0]
     cut = float(np.max(x)) / factor
     train, test = np.flatnonzero(x <= cut * (1 + 1e-9)), np.flatnonzero(x > cut * (1 + 1e-9))
     if len(train) < min_points or not len(test):
         return None
     try:
-        fit = fit_fn(*[c[train] for c in cols], loss[train], n_bootstrap=BOOT, level=level, seed=seed)
+        warm = getattr(start, "sub_params", None)
+        fit = fit_fn(*[c[train] for c in cols], loss[train], n_bootstrap=BOOT, level=level, seed=seed,
+                     **({"start": warm} if warm else {}))
     except FitError as e:
         return {"method": f"fit below max/{factor:g}, predict above", "error": str(e)}
     p, l, h = _predict(fit, cols, test, level)

@@ -140,9 +140,10 @@ def degeneracy(p_Q: np.ndarray, X_KR: np.ndarray, y_R: np.ndarray, terms: Sequen
 
 def fit_terms(
     X_KR: np.ndarray, y_R: np.ndarray, w_R: np.ndarray | None, delta: float, maxiter: int,
-    starts_SQ: np.ndarray | None = None,
+    starts_SQ: np.ndarray | None = None, polish: bool = True,
 ) -> Local:
-    """Best optimum over the start grid (or over `starts_SQ`), in centred coordinates."""
+    """Best optimum over the start grid (or over `starts_SQ`), in centred coordinates; polish: restart
+    L-BFGS from the winner (a bootstrap refit warm-started next to its optimum needs no second run)."""
     if starts_SQ is None:
         grid_SQ = start_grid(X_KR.shape[0], y_R)
         f_S, _ = objective(grid_SQ, X_KR, y_R, w_R, delta)
@@ -155,6 +156,8 @@ def fit_terms(
             best = loc
     if best is None:
         return loc  # every start failed; report the last one
+    if not polish:
+        return best
     # Restart from the winner with a fresh curvature memory: a stale one can stop a long run early.
     polish = lbfgs(best.p_Q, X_KR, y_R, w_R, delta, maxiter)
     if polish.ok and polish.loss <= best.loss:

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
-from scipy.stats import norm
+from scipy.special import ndtri  # the normal quantile (scipy.stats costs a CLI run ~0.4 s to import)
 
 from analysis import fitwarn
 from analysis.law_optim import MAX_EXPONENT, degeneracy, fit_terms
@@ -59,6 +59,7 @@ __all__ = [
     "fit_moe_law",
     "fit_law",
     "fit_envelope",
+    "refit_envelope",
     "compute_optimal",
 ]
 
@@ -105,6 +106,9 @@ class _PowerFit:
     sizes: int = 0  # distinct values of the first variable (model sizes, or compute budgets)
     x_max: float = math.inf  # largest value of the first variable in the data
     extrap_sd: float = 0.0  # log-loss sd per e-fold of the first variable beyond x_max (backtested)
+    # the extrapolation backtest's own fit (natural parameters): with `params`, a warm start for refits
+    # of nearby data (`start=` of fit_law, fit_envelope, fit_moe_law)
+    sub_params: dict[str, float] | None = field(default=None, repr=False)
 
     _TERMS: ClassVar[tuple[str, ...]] = ()
     _EXPS: ClassVar[tuple[str, ...]] = ()
@@ -140,7 +144,7 @@ class _PowerFit:
                 logd_BR = np.log(self._eval(self.draws, arrs))
             rho_R = np.maximum(np.log(arrs[0] / self.x_max), 0.0) if math.isfinite(self.x_max) else 0.0
             var_R = np.nanvar(logd_BR, axis=0) + self.resid_sd**2 + (self.extrap_sd * rho_R) ** 2
-            half = float(norm.ppf(0.5 + level / 2)) * np.sqrt(var_R)
+            half = float(ndtri(0.5 + level / 2)) * np.sqrt(var_R)
             lo, hi = point * np.exp(-half), point * np.exp(half)
         else:
             lo = hi = np.full_like(point, np.nan)
@@ -327,9 +331,27 @@ def _run(*args, **kwargs):
         return _run_fit(*args, **kwargs)
 
 
+def _centred(params: dict[str, float], names, exps, centre_K: np.ndarray) -> np.ndarray:
+    """Natural parameters -> the optimiser's centred coordinates (a_1.., alpha_1.., e)."""
+    al = np.array([params[k] for k in exps])
+    a = np.log([params[k] for k in names]) - al * centre_K
+    return np.concatenate([a, al, [math.log(max(params["E"], 1e-300))]])
+
+
+def _start_kw(start) -> dict[str, Any]:
+    """start: a fit of nearby data (its optimum and its extrapolation sub-fit's warm-start the refit and
+    its own sub-fit) or a dict of natural parameters; None: the start grid."""
+    if start is None:
+        return {}
+    if isinstance(start, _PowerFit):
+        return {"start": start.params, "sub_start": start.sub_params}
+    return {"start": dict(start)}
+
+
 def _run_fit(
     xs: list[np.ndarray], loss: np.ndarray, terms: Sequence[tuple[str, str, str]], *,
     delta: float, n_bootstrap: int, level: float, seed: int, strict: bool, max_iter: int,
+    start: dict[str, float] | None = None, sub_start: dict[str, float] | None = None,
 ):
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
@@ -351,7 +373,13 @@ def _run_fit(
         a, al, e = p_Q[..., :K], p_Q[..., K : 2 * K], p_Q[..., 2 * K]
         return np.concatenate([np.exp(e)[..., None], np.exp(a + al * centre_K), al], axis=-1)
 
-    best = fit_terms(X_KR, y_R, None, delta, max_iter)
+    best = None
+    if start is not None:  # a warm start (a fit of nearby data); the grid where it finds no optimum
+        best = fit_terms(X_KR, y_R, None, delta, max_iter, starts_SQ=_centred(start, names, exps, centre_K)[None])
+        if not best.ok or degeneracy(best.p_Q, X_KR, y_R, terms) is not None:
+            best = None
+    if best is None:
+        best = fit_terms(X_KR, y_R, None, delta, max_iter)
     why = None if best.ok else f"L-BFGS stopped without an optimum ({best.message}, {best.nit} iterations)"
     why = why or degeneracy(best.p_Q, X_KR, y_R, terms)
     usable = why is None
@@ -378,7 +406,7 @@ def _run_fit(
         rng = np.random.default_rng(seed)
         for _ in range(n_bootstrap):
             w_R = np.bincount(rng.integers(0, n, n), minlength=n).astype(np.float64)
-            loc = fit_terms(X_KR, y_R, w_R, delta, max_iter, starts_SQ=best.p_Q[None])
+            loc = fit_terms(X_KR, y_R, w_R, delta, max_iter, starts_SQ=best.p_Q[None], polish=False)
             if loc.ok and degeneracy(loc.p_Q, X_KR, y_R, terms) is None:
                 draws.append(loc.p_Q)
             else:
@@ -386,39 +414,74 @@ def _run_fit(
     draws_BQ = natural(np.array(draws)) if draws else np.empty((0, len(keys)))
     ci = {k: (_quantiles(draws_BQ[:, i], level) if len(draws_BQ) else [math.nan, math.nan]) for i, k in enumerate(keys)}
     warnings += fitwarn.bootstrap_disagreement(ci, len(draws), failed, positive=keys)
-    extrap_sd = _extrapolation_sd(xs, loss, terms, delta=delta, max_iter=max_iter) if usable and n_bootstrap > 0 else 0.0
+    extrap_sd, sub_params = (_extrapolation_sd(xs, loss, terms, delta=delta, max_iter=max_iter, start=sub_start)
+                             if usable and n_bootstrap > 0 else (0.0, None))
+    if math.isnan(extrap_sd):
+        warnings.append(f"the intervals beyond the largest {terms[0][2]} carry no backtested extrapolation term: "
+                        f"{n} points leave too few below the largest {terms[0][2]} to refit ({len(keys) + 2} needed); "
+                        "predictions there are less certain than their intervals say")
+        extrap_sd = 0.0
     message = why or ("; ".join(warnings[:1]) if not converged else "")
     return dict(
         params=params, ci=ci, draws=draws_BQ, n_points=n, loss=best.loss, converged=converged,
         level=level, n_bootstrap=len(draws), n_bootstrap_failed=failed,
         seconds=time.perf_counter() - t0, message=message, huber_delta=delta,
         warnings=warnings, resid_sd=resid_sd, sizes=n_sizes, x_max=float(np.max(xs[0])), extrap_sd=extrap_sd,
+        sub_params=sub_params,
     )
+
+
+def refit_envelope(C, loss_BR, start: dict[str, float], *, delta: float = HUBER_DELTA,
+                   max_iter: int = 3000) -> np.ndarray:
+    """Refits of L(C) = E + A*C^-alpha to B sets of losses at the same compute C, each one L-BFGS
+    started from `start` (E, A, alpha: a fit of nearby data): (B, 3) natural parameters (E, A,
+    alpha), a row of NaN where a refit found no usable law. A parametric bootstrap's refits."""
+    C = np.asarray(C, dtype=np.float64).reshape(-1)
+    L_BR = np.atleast_2d(np.asarray(loss_BR, dtype=np.float64))
+    logx = np.log(C)
+    centre = float(logx.mean())
+    X_KR = (logx - centre)[None]
+    terms = [("A", "alpha", "C")]
+    p0 = np.array([math.log(start["A"]) - start["alpha"] * centre, start["alpha"], math.log(max(start["E"], 1e-300))])
+    out = np.full((len(L_BR), 3), np.nan)
+    with _single_blas_thread():
+        for b, L_R in enumerate(L_BR):
+            if not np.all(np.isfinite(L_R) & (L_R > 0)):
+                continue
+            y_R = np.log(L_R)
+            loc = fit_terms(X_KR, y_R, None, delta, max_iter, starts_SQ=p0[None])
+            if loc.ok and degeneracy(loc.p_Q, X_KR, y_R, terms) is None:
+                a, al, e = loc.p_Q
+                out[b] = (math.exp(e), math.exp(a + al * centre), al)
+    return out
 
 
 EXTRAP_FACTOR = 4.0
 
 
-def _extrapolation_sd(xs, loss, terms, *, delta, max_iter) -> float:
-    """Log-loss error per e-fold of extrapolation in the first variable: refit on the points with
-    x <= max/4 and predict the rest; sqrt(sum e^2 / sum rho^2), rho = log(x / largest fitted x).
-    0 when too few points lie on either side."""
+def _extrapolation_sd(xs, loss, terms, *, delta, max_iter, start=None) -> tuple[float, dict[str, float] | None]:
+    """(log-loss error per e-fold of extrapolation in the first variable, the sub-fit's parameters):
+    refit on the points with x <= max/4 (or, where too few lie there, on those below the largest x)
+    and predict the rest; sqrt(sum e^2 / sum rho^2), rho = log(x / largest fitted x). (nan, None)
+    when too few points lie on either side: the term is then unknown, not 0."""
     x = xs[0]
-    train = x <= np.max(x) / EXTRAP_FACTOR * (1 + 1e-9)
     n_q = 2 * len(terms) + 1
+    train = x <= np.max(x) / EXTRAP_FACTOR * (1 + 1e-9)
+    if train.sum() < n_q + 2:
+        train = x < np.max(x) * (1 - 1e-9)
     if train.sum() < n_q + 2 or (~train).sum() < 1:
-        return 0.0
+        return math.nan, None
     sub = _run_fit([a[train] for a in xs], loss[train], terms, delta=delta, n_bootstrap=0, level=0.9, seed=0,
-                   strict=False, max_iter=max_iter)
+                   strict=False, max_iter=max_iter, start=start)
     if sub["message"] and not sub["params"]:
-        return 0.0
+        return math.nan, None
     theta = np.array([sub["params"][k] for k in ("E", *(t[0] for t in terms), *(t[1] for t in terms))])
     pred = natural_eval(theta, [a[~train] for a in xs])
     if not np.all(np.isfinite(pred)) or np.any(pred <= 0):
-        return 0.0
+        return math.nan, None
     e = np.log(loss[~train]) - np.log(pred)
     rho = np.log(x[~train] / np.max(x[train]))
-    return float(math.sqrt(np.sum(e * e) / max(np.sum(rho * rho), 1e-12)))
+    return float(math.sqrt(np.sum(e * e) / max(np.sum(rho * rho), 1e-12))), sub["params"]
 
 
 def natural_eval(theta_Q: np.ndarray, xs: Sequence[np.ndarray]) -> np.ndarray:
@@ -447,7 +510,7 @@ def _bound_warnings(params: dict[str, float], exps: Sequence[str], loss_min: flo
 
 def fit_law(
     N, D, loss, *, delta: float = HUBER_DELTA, n_bootstrap: int = 200, level: float = 0.95,
-    seed: int = 0, strict: bool = True, max_iter: int = 3000,
+    seed: int = 0, strict: bool = True, max_iter: int = 3000, start=None,
 ) -> LawFit:
     """Fit L(N, D) = E + A/N^alpha + B/D^beta to points (N params, D tokens, final loss).
 
@@ -456,22 +519,24 @@ def fit_law(
     """
     Nv, Dv, Lv = _check_inputs({"N": N, "D": D, "loss": loss}, 5)
     return LawFit(**_run([Nv, Dv], Lv, [("A", "alpha", "N"), ("B", "beta", "D")], delta=delta,
-                         n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict, max_iter=max_iter))
+                         n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict, max_iter=max_iter,
+                         **_start_kw(start)))
 
 
 def fit_envelope(
     C, loss, *, delta: float = HUBER_DELTA, n_bootstrap: int = 200, level: float = 0.95,
-    seed: int = 0, strict: bool = True, max_iter: int = 3000,
+    seed: int = 0, strict: bool = True, max_iter: int = 3000, start=None,
 ) -> EnvelopeFit:
     """Fit the compute envelope L(C) = E + A*C^-alpha to (compute, best loss at that compute) points."""
     Cv, Lv = _check_inputs({"C": C, "loss": loss}, 3)
     return EnvelopeFit(**_run([Cv], Lv, [("A", "alpha", "C")], delta=delta,
-                              n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict, max_iter=max_iter))
+                              n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict, max_iter=max_iter,
+                         **_start_kw(start)))
 
 
 def fit_moe_law(
     N_active, N_total, D, loss, *, delta: float = HUBER_DELTA, n_bootstrap: int = 200, level: float = 0.95,
-    seed: int = 0, strict: bool = True, max_iter: int = 3000,
+    seed: int = 0, strict: bool = True, max_iter: int = 3000, start=None,
 ) -> MoELawFit:
     """Fit L = E + A/N_active^alpha + G/N_total^gamma + B/D^beta to runs of different sparsity.
 
@@ -492,4 +557,4 @@ def fit_moe_law(
         )
     return MoELawFit(**_run([Na, Nt, Dv], Lv, [("A", "alpha", "N_active"), ("G", "gamma", "N_total"), ("B", "beta", "D")],
                             delta=delta, n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict,
-                            max_iter=max_iter))
+                            max_iter=max_iter, **_start_kw(start)))

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pandas as pd
 
+from analysis import law_backtest
 from analysis.laws import fit_law
 
 DEFAULT_CSV = Path(__file__).resolve().parents[1] / "tests" / "data" / "chinchilla" / "svg_extracted_data.csv"
@@ -51,6 +52,15 @@ def main() -> None:
     print(f"Huber sum {fit.loss:.6g}, converged {fit.converged}")
     print(f"fit seconds: {t_fit:.3f}")
     print(f"fit + {args.bootstrap} bootstrap refits seconds: {t_boot:.3f} ({fit_b.n_bootstrap_failed} refits failed)")
+    # what `ladder law fit` adds: the backtests, their refits warm-started from the fit of all the points
+    times = {}
+    for warm in (False, True):
+        t0 = time.perf_counter()
+        law_backtest.cross_validate(law_backtest.fit_n_d, [N, D], L, level=0.95, start=fit_b if warm else None)
+        law_backtest.extrapolate(law_backtest.fit_n_d, [N, D], L, level=0.95, start=fit_b if warm else None)
+        times[warm] = time.perf_counter() - t0
+    print(f"backtests seconds: {times[True]:.3f} warm-started, {times[False]:.3f} from the start grid "
+          f"(ratio {times[True] / times[False]:.2f})")
 
 
 if __name__ == "__main__":

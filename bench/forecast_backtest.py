@@ -27,6 +27,7 @@ Datasets:
 from __future__ import annotations
 
 import argparse
+import math
 import subprocess
 import sys
 import tarfile
@@ -36,10 +37,11 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import law_backtest
+from analysis import law_backtest, replicates
+from analysis.final_loss import TAU_PRIOR, Point
 from analysis.curves import SIZE_PRIORS, Curve, CurveError, fit_curves
-from analysis.forecast import (FIT_FROM, RungRun, final_interval, floor_law, forecast, on_run_steps, rung_curves,
-                               trajectory_forecast)
+from analysis.forecast import (FIT_FROM, RungRun, final_interval, final_loss_coverage, floor_law, forecast,
+                               largest_family_out, on_run_steps, rung_curves, trajectory_forecast)
 from analysis.gradnorm import RungGrad, backtest as gn_backtest
 from analysis.laws import fit_envelope
 from analysis.metrics_io import read_metrics_frame
@@ -86,22 +88,11 @@ def chinchilla() -> None:
         ex["n"], ex["mean_abs_rel_err"], ex["coverage"], ex["mean_rel_width"])
 
 
-class _EnvelopePoint:
-    """A compute-envelope point as analysis.forecast.final_interval reads a rung (flops, final loss)."""
-
-    def __init__(self, flops: float, loss: float):
-        self.flops, self.final_loss = float(flops), float(loss)
-
-
-def chinchilla_envelope() -> None:
-    """The hero final-loss interval's method (analysis.forecast.final_interval: the L(C) law on four
-    points, widened by its own leave-largest-out backtest) on ladders cut from the Chinchilla points:
-    the compute envelope (least loss per bin of log10 C; bins 0.5 and 0.6 decades wide, each at two
-    offsets), every four consecutive envelope points predicting the next two (2-17x beyond)."""
-    df = pd.read_csv(CHINCHILLA).sort_values("loss", kind="stable").iloc[:-5]
-    C, L = df["Training FLOP"].to_numpy(), df["loss"].to_numpy()
+def _envelopes(C: np.ndarray, L: np.ndarray) -> list[list[Point]]:
+    """Compute envelopes of the Chinchilla points: the least loss per bin of log10 C (bins 0.5 and 0.6
+    decades wide, each at two offsets), each sorted by compute."""
     lc = np.log10(C)
-    pred, lo, hi, act = [], [], [], []
+    out = []
     for width in (0.5, 0.6):
         for off in (0.0, width / 2):
             edges = np.arange(lc.min() - off, lc.max() + width, width)
@@ -110,15 +101,39 @@ def chinchilla_envelope() -> None:
                 m = (lc >= a) & (lc < b)
                 if m.any():
                     i = int(np.argmin(np.where(m, L, np.inf)))
-                    env.append(_EnvelopePoint(C[i], L[i]))
-            env.sort(key=lambda r: r.flops)
-            for s in range(len(env) - 4):
-                for t in env[s + 4:s + 6]:
-                    m_, l_, h_, _ = final_interval(env[s:s + 4], t.flops)
-                    pred.append(m_), lo.append(l_), hi.append(h_), act.append(t.final_loss)
-    r = law_backtest.summarise(pred, lo, hi, act)
-    row("chinchilla", "compute envelope: 4 points predict the next 2", "hero final-loss interval's method", r["n"],
-        r["mean_abs_rel_err"], r["coverage"], r["mean_rel_width"], "4 binnings of the envelope; windows overlap")
+                    env.append(Point(f"C={C[i]:.3g}", float(C[i]), float(L[i])))
+            out.append(sorted(env, key=lambda r: r.flops))
+    return out
+
+
+def chinchilla_envelope() -> None:
+    """The hero final-loss interval's method (analysis.final_loss) on ladders cut from the Chinchilla
+    points' compute envelopes: every window of 4 and of 6 consecutive envelope points predicting the
+    next 2 (2-17x beyond). Also the extrapolation error per e-fold of compute that the method's prior
+    TAU_PRIOR states: sqrt(sum e^2 / sum rho^2) of the point fits of 4 points on the next 2."""
+    df = pd.read_csv(CHINCHILLA).sort_values("loss", kind="stable").iloc[:-5]
+    C, L = df["Training FLOP"].to_numpy(), df["loss"].to_numpy()
+    envs = _envelopes(C, L)
+    for size in (4, 6):
+        pred, lo, hi, act = [], [], [], []
+        for env in envs:
+            for s in range(len(env) - size):
+                for t in env[s + size:s + size + 2]:
+                    m_, l_, h_, _ = final_interval(env[s:s + size], t.flops)
+                    pred.append(m_), lo.append(l_), hi.append(h_), act.append(t.final_loss if hasattr(t, "final_loss") else t.loss)
+        r = law_backtest.summarise(pred, lo, hi, act)
+        row("chinchilla", f"compute envelope: {size} points predict the next 2", "hero final-loss interval's method",
+            r["n"], r["mean_abs_rel_err"], r["coverage"], r["mean_rel_width"], "4 binnings of the envelope; windows overlap")
+    e2, r2 = 0.0, 0.0
+    for env in envs:
+        for s in range(len(env) - 4):
+            fit = fit_envelope([p.flops for p in env[s:s + 4]], [p.loss for p in env[s:s + 4]], strict=False,
+                               n_bootstrap=0)
+            for t in env[s + 4:s + 6]:
+                e2 += math.log(t.loss / fit.predict(t.flops)["loss"]) ** 2
+                r2 += math.log(t.flops / env[s + 3].flops) ** 2
+    print(f"chinchilla envelopes: extrapolation error per e-fold of compute sqrt(sum e^2 / sum rho^2) = "
+          f"{math.sqrt(e2 / r2):.4f} (analysis.final_loss.TAU_PRIOR = {TAU_PRIOR})")
 
 
 # ---- multipower ----------------------------------------------------------------------------------
@@ -187,18 +202,20 @@ def multipower_stream(width: int = 5) -> None:
 # ---- ladders (run directories) ---------------------------------------------------------------------
 
 
-def load_ladder(path: Path) -> tuple[list[RungRun], RungRun | None]:
-    rungs, hero = [], None
+def load_ladder(path: Path) -> tuple[list[RungRun], RungRun | None, list[RungRun]]:
+    """(the rungs, the hero of the lowest seed, every hero run: its replicates too)."""
+    rungs, heroes = [], []
     for rd in iter_run_dirs(path):
         if not rd.metrics_path.exists():
             continue
         spec = load_spec(rd.spec_path)
         run = RungRun(spec, rd.path, read_metrics_frame(rd.metrics_path))
         if spec.role == "hero":
-            hero = run
+            heroes.append(run)
         elif spec.role == "rung":
             rungs.append(run)
-    return sorted(rungs, key=lambda r: r.flops), hero
+    heroes.sort(key=lambda r: (r.spec.seed, r.spec.name))
+    return sorted(rungs, key=lambda r: r.flops), (heroes[0] if heroes else None), heroes
 
 
 def _finished(r: RungRun) -> bool:
@@ -206,27 +223,29 @@ def _finished(r: RungRun) -> bool:
 
 
 def ladder(name: str, path: Path, boot: int) -> None:
-    rungs, hero = load_ladder(path)
+    rungs, hero, heroes = load_ladder(path)
     rungs = [r for r in rungs if _finished(r)]
-    if len(rungs) < 3:
+    if len(replicates.group(rungs)) < 3:
         print(f"{name}: {len(rungs)} finished rungs in {path}; skipped")
         return
-    # final loss: each rung k >= 4 from the smaller ones (the envelope has 3 parameters)
-    pred, lo, hi, act = [], [], [], []
-    for k in range(3, len(rungs)):
-        fit = fit_envelope([r.flops for r in rungs[:k]], [r.final_loss for r in rungs[:k]], level=LEVEL,
-                           strict=False, n_bootstrap=200)
-        p = fit.predict(rungs[k].flops)
-        pred.append(p["loss"]), lo.append(p["lo"]), hi.append(p["hi"]), act.append(rungs[k].final_loss)
-    if pred:
-        s = law_backtest.summarise(pred, lo, hi, act)
-        row(name, "final loss: each rung from the smaller ones", "L(C) prediction interval", s["n"],
-            s["mean_abs_rel_err"], s["coverage"], s["mean_rel_width"])
+    # final loss: each rung family with >= 3 smaller ones from those, the hero interval's whole method
+    # (analysis.final_loss: fit + measurement + nested backtest, t-calibrated), and the bare law's interval
+    cov = final_loss_coverage(rungs)
+    if cov:
+        row(name, "final loss: each rung family from the smaller ones", "hero final-loss interval's method", cov["n"],
+            cov["mean_abs_rel_err"], cov["coverage"], cov["mean_rel_width"], f"held out {', '.join(cov['held_out'])}")
+    fams = replicates.group(rungs)
+    if any(f.n > 1 for f in fams):
+        nz = replicates.noise(fams)
+        print(f"{name}: seed spread {100 * (nz.seed_var or 0) ** 0.5:.2f}% of final eval loss ({nz.seed_dof} dof), "
+              f"eval standard error {100 * nz.eval_var ** 0.5:.2f}%")
     # the curve model: the largest rung's curve (and the hero's) from the smaller runs, told only its
-    # size and schedule; curves as the forecast fits them (analysis.forecast.rung_curves)
-    runs = rungs + ([hero] if hero is not None and _finished(hero) else [])
+    # size and schedule; curves as the forecast fits them (analysis.forecast.rung_curves); one run (the
+    # first seed) per rung family, so that no replicate of a held-out rung is among the fitted
+    faces = sorted((f.runs[0] for f in fams), key=lambda r: r.flops)
+    runs = faces + ([hero] if hero is not None and _finished(hero) else [])
     curves = rung_curves(runs, min(r.spec.data.tokens_per_step for r in runs))
-    for k in range(len(rungs) - 1, len(runs)):
+    for k in range(len(faces) - 1, len(runs)):
         try:
             fit = fit_curves(curves[:k], n_boot=boot)
             n, e, c, w = _curve_scores(fit, [curves[k]])
@@ -247,15 +266,17 @@ def ladder(name: str, path: Path, boot: int) -> None:
             print(f"{name}: curve model with the compute law's floor failed: {err}")
     for stream in (False, True):  # the same, its level anchored to the compute law's forecast of the final loss
         try:  # (as the hero's), without and with the stream deviations of the smaller rungs
-            mean, lo, hi, _ = final_interval(rungs[:-1], rungs[-1].flops)
-            traj, _, _ = trajectory_forecast(rungs[:-1], rungs[-1].spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
+            base, held = largest_family_out(rungs)
+            mean, lo, hi, _ = final_interval(base, held[0].flops)
+            traj, _, _ = trajectory_forecast(base, held[0].spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
                                              stream_deviations=stream)
-            _trajectory_row(name, f"train curve of {rungs[-1].spec.name} from the smaller rungs",
-                            "curve model on L(C)'s final loss" + (" + stream deviations" if stream else ""), traj, rungs[-1])
+            _trajectory_row(name, f"train curve of {held[0].spec.name} from the smaller rungs",
+                            "curve model on L(C)'s final loss" + (" + stream deviations" if stream else ""), traj, held[0])
         except Exception as err:
             print(f"{name}: anchored curve model failed: {err}")
     one_size_priors(name, curves, boot)
-    gn = gn_backtest([_grad(r) for r in rungs])
+    two_sizes(name, curves, boot)
+    gn = gn_backtest([_grad(r) for r in faces])
     if gn:
         row(name, "grad norm: each rung >= 3rd from the smaller", "grad-norm envelope", gn["n"],
             gn["mean_abs_rel_err"], gn["coverage"], gn["mean_rel_width"])
@@ -263,9 +284,11 @@ def ladder(name: str, path: Path, boot: int) -> None:
         return
     fc = forecast(name, rungs, hero.spec).to_dict()
     fl = fc["hero"]["final_loss"]
-    act = hero.final_loss
-    row(name, f"hero {hero.spec.name} final eval loss", "hero final-loss interval", 1, abs(fl["mean"] / act - 1),
-        float(fl["lo"] <= act <= fl["hi"]), (fl["hi"] - fl["lo"]) / fl["mean"])
+    for h in [x for x in heroes if _finished(x)]:  # every seed of the hero against the one forecast
+        act = h.final_loss
+        row(name, f"hero {h.spec.name} final eval loss", "hero final-loss interval", 1, abs(fl["mean"] / act - 1),
+            float(fl["lo"] <= act <= fl["hi"]), (fl["hi"] - fl["lo"]) / fl["mean"],
+            f"sd: fit {fl['sd']['fit']:.4f}, measurement {fl['sd']['measurement']:.4f}, backtest {fl['sd']['backtest']:.4f}")
     for stream in (False, True):  # the default forecast carries stream deviations (analysis.forecast.STREAM_DEVIATIONS)
         tr = fc["trajectory"] if stream else forecast(name, rungs, hero.spec, stream_deviations=False).to_dict()["trajectory"]
         _trajectory_row(name, f"hero {hero.spec.name} train-loss trajectory",
@@ -331,6 +354,30 @@ def _noise(c: Curve) -> float:
     its own centred 25-step mean."""
     smooth = pd.Series(c.loss).rolling(25, center=True, min_periods=1).mean().to_numpy()
     return float(np.mean(np.abs(c.loss / smooth - 1)))
+
+
+def two_sizes(name: str, curves: list[Curve], boot: int) -> None:
+    """Two consecutive sizes' curves predicting the curve of the size nearest 4x beyond the larger (3-6x),
+    with the size term the fit measures itself (the larger size predicted from the smaller)."""
+    n, errs, inside, width, notes = 0, [], [], [], []
+    for i in range(len(curves) - 2):
+        a, b = curves[i], curves[i + 1]
+        far = [c for c in curves[i + 2:] if 3.0 <= c.params / b.params <= 6.0]
+        if not far:
+            continue
+        t = min(far, key=lambda c: abs(math.log(c.params / b.params / 4.0)))
+        try:
+            fit = fit_curves([a, b], n_boot=boot)
+        except CurveError as err:
+            print(f"{name}: two-size fit of {a.name}, {b.name} failed: {err}")
+            continue
+        k, e, c, w = _curve_scores(fit, [t])
+        n, errs, inside, width = n + k, errs + [e], inside + [c * k], width + [w * k]
+        notes.append(f"{a.name}+{b.name} -> {t.name} ({t.params / b.params:.1f}x): cover {100 * c:.0f}%, width "
+                     f"{100 * w:.1f}%, size sd {fit.size_term:.4f}/e-fold")
+    if n:
+        row(name, "two sizes' curves -> the size ~4x beyond", "MPL size law, measured size term", n,
+            float(np.mean(errs)), sum(inside) / n, sum(width) / n, "; ".join(notes))
 
 
 def one_size_priors(name: str, curves: list[Curve], boot: int) -> None:

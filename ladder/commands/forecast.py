@@ -18,6 +18,7 @@ from core.spec import load_spec
 from core import costs
 from core.fsutil import atomic_write_json
 from ladder.experiment import load_experiment
+from analysis.replicates import YardstickError, family_key
 from ladder.tracking import log_artifact_to_parent, log_forecast
 
 
@@ -83,9 +84,11 @@ def finished_rungs(root: Path, exp, holdout: str | None = None):
     if holdout:
         by_flops = sorted(rungs, key=lambda r: r.flops)
         target = by_flops[-1].spec.name if holdout.upper() == "LAST" and by_flops else holdout
-        if target not in {r.spec.name for r in rungs}:
+        named = [r for r in rungs if r.spec.name == target]
+        if not named:
             raise LadderError(f"--holdout {holdout}: no finished rung named {target!r}")
-        rungs = [r for r in rungs if r.spec.name != target]
+        family = family_key(named[0].spec)  # its replicates (other seeds) are held out with it
+        rungs = [r for r in rungs if family_key(r.spec) != family]
     return rungs, missing
 
 
@@ -99,12 +102,19 @@ def _print_forecast(fc: dict, name: str, rungs, path: Path, as_json: bool, done:
     c = Console()
     h = fc["hero"]["final_loss"]
     c.print(f"[bold]{name}[/bold]: hero {fc['hero']['name']} forecast final loss {h['mean']:.4f} "
-            f"({int(100 * h['level'])}% interval {h['lo']:.4f} to {h['hi']:.4f}) from {len(rungs)} rungs")
+            f"({int(100 * h['level'])}% interval {h['lo']:.4f} to {h['hi']:.4f}, +-{50 * (h['hi'] - h['lo']) / h['mean']:.1f}%) "
+            f"from {len(rungs)} rungs in {len(h.get('method', {}).get('points', [])) or len(rungs)} sizes")
+    if h.get("sd"):
+        sd = h["sd"]
+        c.print(f"interval parts (log-loss sd): fit {sd['fit']:.4f}, measurement {sd['measurement']:.4f}, "
+                f"backtest {sd['backtest']:.4f} over {h['reach_efolds']:.2f} e-folds; t quantile {h['quantile']:.2f} "
+                f"(dof {h['dof']:.3g})", highlight=False)
     law = fc["law"]
     c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
     if fc.get("backtest"):
         b = fc["backtest"]
-        c.print(f"backtest: {b['held_out']} predicted {b['predicted']:.4f}, actual {b['actual']:.4f}, "
+        c.print(f"backtest: {b['held_out']} predicted {b['predicted']:.4f} ({b['lo']:.4f} to {b['hi']:.4f}), "
+                f"actual {b['actual']:.4f} (mean of {len(b.get('members') or [1])} run(s)), "
                 f"error {100 * b['rel_error']:+.2f}%")
     if fc.get("trajectory") is None:
         c.print(f"[yellow]no trajectory: {fc.get('curve_model_error')}[/yellow]")
@@ -181,7 +191,10 @@ def register(app: typer.Typer) -> None:
             raise LadderError(f"forecast needs at least 3 finished rungs; unfinished: {', '.join(missing) or 'none'}"
                               f" (run `ladder submit {experiment}` first)")
         check_losses_fall(rungs)
-        fc = forecast(exp.name, rungs, exp.hero).to_dict()
+        try:
+            fc = forecast(exp.name, rungs, exp.hero).to_dict()
+        except YardstickError as e:
+            raise LadderError(f"{experiment}: {e}") from None
         fl = fc["hero"]["final_loss"]
         if not all(math.isfinite(fl[k]) for k in ("mean", "lo", "hi")):  # nothing written from a failed fit
             raise LadderError(f"cannot forecast: the law fitted to rungs {', '.join(x.spec.name for x in rungs)} gives "

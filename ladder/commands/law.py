@@ -202,12 +202,13 @@ def _render_warnings(console: Console, warnings: list[str] | None) -> None:
         console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
 
 
-def _backtest(fit_fn, cols, loss, level, seed) -> dict:
+def _backtest(fit_fn, cols, loss, level, seed, start=None) -> dict:
+    """start: the fit of all the points, which warm-starts the backtests' refits."""
     from analysis import law_backtest
 
     return {
-        "cross_validation": law_backtest.cross_validate(fit_fn, cols, loss, level=level, seed=seed),
-        "extrapolation": law_backtest.extrapolate(fit_fn, cols, loss, level=level, seed=seed),
+        "cross_validation": law_backtest.cross_validate(fit_fn, cols, loss, level=level, seed=seed, start=start),
+        "extrapolation": law_backtest.extrapolate(fit_fn, cols, loss, level=level, seed=seed, start=start),
     }
 
 
@@ -310,7 +311,7 @@ def register(app: typer.Typer) -> None:
         png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
     ) -> None:
         """Fit L(N, D) = E + A/N^alpha + B/D^beta (Huber on log loss, L-BFGS, bootstrap intervals)."""
-        from analysis import fitplots, law_backtest
+        from analysis import law_backtest
         from analysis.laws import fit_law, fit_moe_law
         if (tokens_col is None) == (flops_col is None):
             raise LadderError("give exactly one of --tokens-col (D) or --flops-col (C, with D = C / 6N)")
@@ -345,9 +346,11 @@ def register(app: typer.Typer) -> None:
             if budget:
                 d["compute_optimal"] = [{"C": c, **fit.compute_optimal(c)} for c in budget]
             if backtest and fit.converged:
-                d["backtest"] = _backtest(fn, xs, L, level, seed)
+                d["backtest"] = _backtest(fn, xs, L, level, seed, start=fit)
             path = _png_path(png, lc, len(loss_col) > 1)
             if path is not None:
+                from analysis import fitplots  # matplotlib only for a plot
+
                 d["png"] = str(fitplots.plot_law_fit(fit, N, D, L, path, f"{fit._LAW}  ({file.name}, {lc})"))
             docs.append(d)
 
@@ -381,7 +384,7 @@ def register(app: typer.Typer) -> None:
         png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
     ) -> None:
         """Fit the compute envelope L(C) = E + A*C^-alpha."""
-        from analysis import fitplots, law_backtest
+        from analysis import law_backtest
         from analysis.laws import fit_envelope
         _check_common(level, bootstrap)
         conds = _parse_where(where)
@@ -394,9 +397,11 @@ def register(app: typer.Typer) -> None:
             d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": lc, "where": _where_json(conds),
                          "dropped_highest": drop_highest}
             if backtest and fit.converged:
-                d["backtest"] = _backtest(law_backtest.fit_c, [C], L, level, seed)
+                d["backtest"] = _backtest(law_backtest.fit_c, [C], L, level, seed, start=fit)
             path = _png_path(png, lc, len(loss_col) > 1)
             if path is not None:
+                from analysis import fitplots  # matplotlib only for a plot
+
                 d["png"] = str(fitplots.plot_envelope_fit(fit, C, L, path, f"{file.name}, {lc}"))
             docs.append(d)
         _emit(docs, as_json, lambda d: _render(d, f"{d['law']}  ({file.name}, {d['data']['loss_col']})", []))

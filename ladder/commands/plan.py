@@ -14,6 +14,7 @@ from core.spec import Spec, load_spec
 from engines.epochs import spec_epochs
 from engines.tokenizer import check_vocab
 from ladder.experiment import check_engine, load_experiment
+from analysis.replicates import family_key
 from ladder.preflight import memory_problem
 
 
@@ -21,22 +22,38 @@ SPEC_SUFFIXES = (".yaml", ".yml", ".json")
 
 
 def plan_rows(experiment: str) -> tuple[list[dict], dict]:
-    """The cost rows of an experiment file, or of one or more spec files (YAML/JSON) given together."""
+    """One row per spec of an experiment file (rungs, hero, extras such as replicates and cooldown
+    branches), each with its role in the plan ("rung", "hero", "extra") and, for a replicate (a run
+    that differs from another of the experiment only in its seed), the spec it replicates; or the
+    rows of one or more spec files (YAML/JSON) given together."""
     paths = [p.strip() for p in str(experiment).split(",")]
     if all(Path(p).suffix in SPEC_SUFFIXES for p in paths):
         specs = [load_spec(p) for p in paths]
         hero = next((s for s in specs if s.role == "hero"), None)
         name = ", ".join(Path(p).name for p in paths)
+        kinds = ["hero" if s is hero else "rung" for s in specs]
+        ladder = [s for s in specs if s is not hero]
     else:
         exp = load_experiment(experiment)
-        specs, hero, name = [*exp.rungs, *([exp.hero] if exp.hero else [])], exp.hero, exp.name
+        specs, hero, name = exp.all_specs(), exp.hero, exp.name
+        kinds = [*(["rung"] * len(exp.rungs)), *(["hero"] if exp.hero else []), *(["extra"] * len(exp.extras))]
+        ladder = list(exp.rungs)
     rows = costs.plan(specs, hero)
-    for row, spec in zip(rows, specs):
+    first: dict[str, str] = {}
+    for row, spec, kind in zip(rows, specs, kinds):
         row["data"] = spec_epochs(spec)  # tokenizer, epochs over each source, and how the counts are known
+        row["plan_role"] = kind
+        key = family_key(spec)
+        row["replicate_of"] = first.get(key)
+        first.setdefault(key, spec.name)
     summary = {"experiment": name}
-    rungs = [s for s in specs if s is not hero]
-    if hero is not None and rungs:
-        summary["ladder_share_of_hero"] = costs.ladder_share(rungs, hero)
+    reps = [s for s, r in zip(specs, rows) if r["replicate_of"]]
+    summary["replicates"] = [s.name for s in reps]
+    summary["replicate_gpu_hours"] = sum(r["gpu_hours"] for r in rows if r["replicate_of"])
+    summary["gpu_hours"] = sum(r["gpu_hours"] for r in rows)
+    if hero is not None and ladder:
+        summary["ladder_share_of_hero"] = costs.ladder_share(ladder, hero)
+        summary["replicate_share_of_hero"] = costs.ladder_share(reps, hero) if reps else 0.0
     return rows, summary
 
 
@@ -47,11 +64,13 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
     t = Table(title=f"plan: {summary['experiment']}", header_style="bold")
     for col in ("rung", "layers", "d", "total", "active", "tokens", "tok/act", "FLOPs", "% hero",
                 "mem/GPU", "a2a B/tok", "GPUs", "GPU-h", "days", "epochs"):
-        t.add_column(col, justify="right")
+        t.add_column(col, justify="right", no_wrap=col == "rung")
     for r in rows:
         share = f"{100 * r['share_of_hero']:.3g}%" if r["share_of_hero"] is not None else "-"
+        mark = {"hero": " (hero)", "extra": " (extra)"}.get(r.get("plan_role"), "")
+        label = r["name"] + (f" (replicate of {r['replicate_of']})" if r.get("replicate_of") else mark)
         t.add_row(
-            r["name"], str(r["layers"]), str(r["d_model"]), costs.fmt_count(r["total_params"]),
+            label, str(r["layers"]), str(r["d_model"]), costs.fmt_count(r["total_params"]),
             costs.fmt_count(r["active_params"]), costs.fmt_count(r["tokens"]), f"{r['tokens_per_active_param']:.0f}",
             costs.fmt_sci(r["flops"]), share, f"{r['memory_per_gpu_gb']:.1f} GB" + ("" if r["memory_fits"] else " !"),
             f"{r['a2a_bytes_per_token'] / 1e6:.2f} MB", str(r["gpus"]), f"{r['gpu_hours']:.3g}", f"{r['days']:.3g}",
@@ -63,6 +82,11 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
     console.print(f"GPU-hours and days at MFU {', '.join(f'{m:.0%}' for m in sorted(mfu))} on {', '.join(sorted(systems))}.")
     if "ladder_share_of_hero" in summary:
         console.print(f"ladder compute: {100 * summary['ladder_share_of_hero']:.2f}% of the hero's.")
+    if summary.get("replicates"):
+        share = summary.get("replicate_share_of_hero")
+        console.print(f"replicates ({', '.join(summary['replicates'])}): {summary['replicate_gpu_hours']:.3g} GPU-h of "
+                      f"{summary['gpu_hours']:.3g} in all" + (f", {100 * share:.3g}% of the hero's compute" if share else "")
+                      + "; they measure the ladder's seed-to-seed noise.", highlight=False)
     _print_data(rows, console)
 
 

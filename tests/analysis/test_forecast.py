@@ -153,7 +153,7 @@ def h200_forecast(tmp_path_factory):
     with tarfile.open(ROOT / "docs" / "results" / "h200_ladder" / "h200_ladder.tar.gz") as tar:
         tar.extractall(root, filter="data")
     runs = [RungRun(load_spec(rd.spec_path), rd.path, read_metrics_frame(rd.metrics_path)) for rd in iter_run_dirs(root)]
-    hero = next(r for r in runs if r.spec.role == "hero")
+    hero = min((r for r in runs if r.spec.role == "hero"), key=lambda r: r.spec.seed)  # seed 0 (others replicate it)
     return runs, hero, forecast("h200", [r for r in runs if r.spec.role == "rung"], hero.spec)
 
 
@@ -192,7 +192,9 @@ def test_the_h200_heros_trajectory_carries_the_rungs_stream_deviations(h200_fore
 
     runs, hero, fc = h200_forecast
     st = fc.trajectory["stream"]
-    assert st["covered_steps"] > 500 and set(st["runs"]) == {r.spec.name for r in runs if r.spec.role == "rung"}
+    # the rungs at the hero's seed read its stream; replicates at another seed read another
+    assert st["covered_steps"] > 500
+    assert set(st["runs"]) == {r.spec.name for r in runs if r.spec.role == "rung" and r.spec.seed == hero.spec.seed}
     assert st["residual_sd"] < 0.5 * st["deviation_sd"]
     m, steps, pred = _on_hero_steps(fc, hero, "loss")
     covered = np.asarray(fc.trajectory["step"])[np.asarray(fc.trajectory["stream_covered"])]
@@ -201,14 +203,18 @@ def test_the_h200_heros_trajectory_carries_the_rungs_stream_deviations(h200_fore
     assert np.corrcoef(hp(pred)[c], hp(m["loss"].to_numpy())[c])[0, 1] > 0.8
 
 
-def test_the_h200_heros_calibrated_trajectory_band_holds_about_90pct_of_its_steps(h200_forecast):
+def test_the_h200_heros_calibrated_trajectory_band_holds_its_steps_or_says_it_is_wider(h200_forecast):
     """The band's half-widths are scaled by the factor the largest rung's backtest asks for; on the
-    hero, which no part of the forecast saw, it holds 91% of the per-step train losses."""
+    hero, which no part of the forecast saw, it holds at least 85% of the per-step train losses, and
+    where it holds nearly all of them the forecast says its factor sat at the bound that kept it wider
+    than asked (on this ladder the law's own interval is wide: its rungs scatter ~9% about it)."""
     import numpy as np
 
     _, hero, fc = h200_forecast
     assert fc.trajectory["calibration"]["factor"] == fc.coverage["trajectory"]["calibration_factor"] != 1.0
     m, steps, lo = _on_hero_steps(fc, hero, "lo")
     _, _, hi = _on_hero_steps(fc, hero, "hi")
-    inside = ((m["loss"] >= lo) & (m["loss"] <= hi))[(m["step"] >= steps[0]) & (m["step"] <= steps[-1])]
-    assert 0.85 <= float(np.mean(inside)) <= 0.97
+    inside = float(np.mean(((m["loss"] >= lo) & (m["loss"] <= hi))[(m["step"] >= steps[0]) & (m["step"] <= steps[-1])]))
+    assert inside >= 0.85
+    if inside > 0.97:
+        assert any("lower bound" in w and "wider than its backtest asked for" in w for w in fc.warnings)
