@@ -58,20 +58,36 @@ import numpy as np
 import pandas as pd
 
 from analysis.forecast_file import Forecast, load_forecast
+from analysis.monitor_calib import Calibration, load_calibration
 from analysis.monitor_checks import (RunCurves, check_band, check_grad_norm, check_loss_jump, check_non_finite,
                                      check_router_entropy, check_run_status, check_spikes, check_throughput,
                                      check_token_drops)
+from analysis.monitor_seq import check_sequential, check_throughput_drop, check_train_eval
 from analysis.monitor_stats import (column, json_num, measured_tokens_per_s, olmo_spike_score, planned_tokens_per_s,
                                     spec_warmup_steps)
 from analysis.monitor_types import SEVERITY_RANK, Flag, MonitorReport, MonitorSettings, Severity
 from core.spec import Spec
 
-__all__ = ["CHECKS", "Flag", "Forecast", "MonitorReport", "MonitorSettings", "SEVERITY_RANK", "Severity", "load_forecast",
+__all__ = ["CHECKS", "Calibration", "Flag", "load_calibration", "transient_end", "Forecast", "MonitorReport", "MonitorSettings", "SEVERITY_RANK", "Severity", "load_forecast",
            "measured_tokens_per_s", "monitor", "olmo_spike_score", "planned_tokens_per_s", "spec_warmup_steps"]
 
 # One function per flag family, in the order their flags and summaries are gathered.
-CHECKS = (check_non_finite, check_run_status, check_band, check_loss_jump, check_spikes, check_grad_norm,
-          check_token_drops, check_router_entropy, check_throughput)
+CHECKS = (check_non_finite, check_run_status, check_band, check_sequential, check_train_eval, check_loss_jump,
+          check_spikes, check_grad_norm, check_token_drops, check_router_entropy, check_throughput, check_throughput_drop)
+
+
+def transient_end(spec: Spec | None, forecast: Forecast | None, calibration: Calibration | None,
+                  cfg: MonitorSettings) -> tuple[int, str]:
+    """(first step past the early transient, where that comes from): the settings' ignore_first_steps;
+    else what the healthy runs of the calibration show; else the later of the spec's warmup and the
+    forecast trajectory's first step (the forecaster's own cut of the early curve)."""
+    if cfg.ignore_first_steps is not None:
+        return cfg.ignore_first_steps, "settings"
+    if calibration is not None:
+        return calibration.transient_end_step, "healthy runs"
+    warm = spec_warmup_steps(spec) if spec else 0
+    first = int(forecast.traj_step[0]) if forecast is not None and len(forecast.traj_step) else 0
+    return max(warm, first), "warmup / forecast start"
 
 
 def monitor(
@@ -83,14 +99,17 @@ def monitor(
     plan_tokens_per_s: float | None = None,
     status: dict | None = None,
     now: float | None = None,
+    calibration: Calibration | None = None,
 ) -> MonitorReport:
     cfg = settings or MonitorSettings()
+    if calibration is not None:
+        calibration.check_forecast(forecast)
     steps = df["step"].to_numpy(dtype=np.int64)
-    skip = cfg.ignore_first_steps if cfg.ignore_first_steps is not None else (spec_warmup_steps(spec) if spec else 0)
+    skip, skip_from = transient_end(spec, forecast, calibration, cfg)
     curves = RunCurves(df=df, spec=spec, forecast=forecast, cfg=cfg, status=status,
                        now=_time.time() if now is None else now, plan_tokens_per_s=plan_tokens_per_s, steps=steps,
                        loss=df["loss"].to_numpy(dtype=np.float64), grad_norm=column(df, "grad_norm"),
-                       after_warm=steps >= skip)
+                       after_warm=steps >= skip, calibration=calibration, transient_end=skip)
     flags: list[Flag] = []
     found: dict = {}
     for check in CHECKS:
@@ -114,6 +133,8 @@ def _summarise(c: RunCurves, flags: list[Flag], found: dict) -> tuple[list[Flag]
         "spec_id": spec.id if spec else None,
         "total_steps": spec.total_steps if spec else None,
         "spike_score": {},
+        "transient_end_step": int(c.transient_end),
+        "calibrated": c.calibration is not None,
         **found,
     }
     return flags, summary, cfg.model_dump()
