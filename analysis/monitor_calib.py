@@ -64,13 +64,13 @@ from __future__ import annotations
 
 import json
 import math
+from statistics import NormalDist
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
 
 import numpy as np
 import pandas as pd
-from scipy import optimize, stats
 
 from analysis.forecast_file import Forecast
 from analysis.monitor_stats import column, local_spike_z, rolling_median
@@ -97,10 +97,13 @@ def cusum_threshold(blocks: int, alpha: float, k: float = K_REF) -> float:
 
     if arl(0.0) >= 0:
         return 0.0
-    hi = 1.0
+    lo, hi = 0.0, 1.0
     while arl(hi) < 0:
-        hi *= 2
-    return float(optimize.brentq(arl, 0.0, hi))
+        lo, hi = hi, hi * 2
+    for _ in range(60):  # bisection: arl is increasing in h
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if arl(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
 
 
 def series_values(df: pd.DataFrame, series: str) -> tuple[np.ndarray, np.ndarray] | None:
@@ -121,6 +124,20 @@ def series_values(df: pd.DataFrame, series: str) -> tuple[np.ndarray, np.ndarray
         return None
     ok = np.isfinite(v)
     return (steps[ok], v[ok]) if ok.any() else None
+
+
+def throughput_ratio(df: pd.DataFrame, k: int) -> np.ndarray | None:
+    """Per point: the median logged tokens/s of the last k points over the median of all points
+    before them (NaN until there are 2 k points); None without tokens/s."""
+    tps = column(df, "tokens_per_s")
+    if tps is None:
+        return None
+    v = pd.Series(tps[np.isfinite(tps) & (tps > 0)])
+    if len(v) < 2 * k:
+        return None
+    ratio = np.array((v.rolling(k).median() / v.expanding().median().shift(k)).to_numpy(), dtype=np.float64)
+    ratio[: 2 * k - 1] = np.nan
+    return ratio
 
 
 def reference(series: str, steps: np.ndarray, forecast: Forecast | None) -> np.ndarray:
@@ -199,6 +216,7 @@ class Calibration:
     runs: list[dict[str, Any]]  # name, spec id, seed, last step of each healthy run
     transient_end_step: int  # where the healthy runs' early spikes and grad-norm excursions end
     tokens_per_s: float | None  # the healthy runs' median throughput
+    throughput_min_ratio: float | None = None  # the lowest (recent median / earlier median) tokens/s a healthy run showed
     method: str = "healthy replicates: per-block mean and spread of the log residual; AR(1)-whitened CUSUM"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -286,7 +304,9 @@ def _spread(M_RB: np.ndarray, S_RB: np.ndarray, per_block: np.ndarray) -> tuple[
     pooled = _smooth_mean(np.where(np.isfinite(var), var, np.nan), NEIGHBOURS)
     v = np.where(cnt >= 1, np.maximum(np.nan_to_num(pooled, nan=0.0), floor), np.nan)
     dof = max((R - 1) * (2 * NEIGHBOURS + 1), 1)
-    widen = float(stats.t.ppf(0.975, dof) / stats.norm.ppf(0.975))
+    from scipy import stats  # calibration only: the CLI's import of the monitor stays light
+
+    widen = float(stats.t.ppf(0.975, dof) / NormalDist().inv_cdf(0.975))
     sd = np.sqrt(v * (1 + 1 / max(R, 1))) * widen
     return mu, np.where(sd > 0, sd, np.nan), scat, dof, widen
 
@@ -349,14 +369,18 @@ def _series_calibration(runs: Sequence[tuple[np.ndarray, np.ndarray]], series: s
 
 def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int, forecast: Forecast | None = None,
               n_blocks: int = 100, spike_window: int = 50, spike_min_history: int = 10,
-              spike_sigma: float = 7.0, grad_norm_warn: float = 2.0, grad_norm_k: int = 3) -> Calibration:
+              spike_sigma: float = 7.0, grad_norm_warn: float = 2.0, grad_norm_k: int = 3,
+              throughput_points: int = 20) -> Calibration:
     """A calibration from healthy runs [(name, metrics frame, spec or None)] of one spec."""
     if len(healthy) < 2:
         raise ValueError(f"a calibration needs at least 2 healthy runs (got {len(healthy)}): their spread is the band")
     B = max(1, min(n_blocks, total_steps))
     edges = np.unique(np.round(np.linspace(0, total_steps, B + 1)).astype(np.int64))
     series: dict[str, SeriesCalibration] = {}
-    for name in SERIES:
+    # the fixed series, and the held-out eval loss of each source when every healthy run logs it
+    per_source = sorted(set.intersection(*[{c for c in df.columns if str(c).startswith("eval_loss/")}
+                                           for _, df, _ in healthy]))
+    for name in (*SERIES, *per_source):
         runs = [sv for _, df, _ in healthy if (sv := series_values(df, name)) is not None]
         if len(runs) >= 2:
             series[name] = _series_calibration(runs, name, edges, forecast, spike_window, spike_min_history)
@@ -378,6 +402,7 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
             if len(hot):
                 transient = max(transient, int(steps[hot[-1]]) + 1)
     tps = [float(np.nanmedian(v)) for _, df, _ in healthy if (v := column(df, "tokens_per_s")) is not None]
+    ratios = [r for _, df, _ in healthy if (r := throughput_ratio(df, throughput_points)) is not None]
     runs_meta = []
     for name, df, spec in healthy:
         runs_meta.append({"name": name, "spec_id": getattr(spec, "id", None), "seed": getattr(spec, "seed", None),
@@ -385,7 +410,8 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
     return Calibration(edges=edges.tolist(), total_steps=int(total_steps), series=series,
                        reference="forecast" if forecast is not None else "healthy mean",
                        forecast=_forecast_id(forecast) if forecast is not None else None, runs=runs_meta,
-                       transient_end_step=int(transient), tokens_per_s=float(np.median(tps)) if tps else None)
+                       transient_end_step=int(transient), tokens_per_s=float(np.median(tps)) if tps else None,
+                       throughput_min_ratio=float(np.nanmin(np.concatenate(ratios))) if ratios else None)
 
 
 @dataclass
@@ -411,7 +437,7 @@ class SequentialResult:
 def tolerance(rho: float, alpha: float) -> tuple[float, float]:
     """(z_tol, k'): the level a healthy run may hold and the CUSUM reference value in units of
     the block noise (module docstring)."""
-    z_tol = float(stats.norm.ppf(1 - alpha))
+    z_tol = NormalDist().inv_cdf(1 - alpha)
     return z_tol, K_REF + z_tol * math.sqrt(rho / (1 - rho))
 
 

@@ -170,15 +170,16 @@ def check_spikes(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
         spike_scores[name] = olmo_spike_score(v, cfg.spike_window, cfg.spike_sigma)
         z, pred = local_spike_z(steps, v, cfg.spike_local_window, cfg.spike_min_history)
         thr = spike_threshold(c, name)
-        hits = np.flatnonzero(np.nan_to_num(z, nan=0.0) > thr)
+        hits = np.flatnonzero(np.nan_to_num(z, nan=0.0) > cfg.spike_sigma)
         if len(hits):
-            late = hits[c.after_warm[hits]]
+            late = hits[c.after_warm[hits] & (z[hits] > thr[hits])]
             i = int(late[0]) if len(late) else int(hits[0])
             sev = "warning" if len(late) else "info"
             flags.append(Flag(f"{name}_spike", sev, int(steps[i]), {
                 "text": f"{name} {v[i]:.4g} at step {steps[i]} is {z[i]:.1f} sigma above its local trend "
                         f"({pred[i]:.4g}; threshold {thr[i]:.1f}); {len(hits)} spike point(s)"
-                        + ("" if len(late) else f", all in the early transient (before step {c.transient_end})")
+                        + ("" if len(late) else f", none past the early transient (step {c.transient_end}) and "
+                                                f"its warning threshold")
                         + f"; OLMo 2 spike score {spike_scores[name]:.4f}",
                 "value": json_num(v[i]), "expected": json_num(pred[i]), "z": json_num(z[i]), "threshold": json_num(thr[i]),
                 "n_spikes": int(len(hits)), "spike_score": spike_scores[name],
@@ -187,12 +188,14 @@ def check_spikes(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
 
 
 def spike_threshold(c: RunCurves, name: str) -> np.ndarray:
-    """Per point: spike_sigma, or with a calibration the largest local z healthy runs showed in the
-    point's stretch (and the two each side) x spike_healthy_margin, when that is higher."""
+    """Per point, the z a spike must pass to warn: with a calibration, spike_sigma or the largest
+    local z healthy runs showed in the point's stretch (and the two each side) x
+    spike_healthy_margin, whichever is higher; without one, spike_gross_factor x spike_sigma."""
     thr = np.full(c.n, c.cfg.spike_sigma)
     cal = c.calibration
     if cal is None or name not in cal.series:
-        return thr
+        # nothing says how large this spec's healthy spikes get: only a gross one warns
+        return thr * c.cfg.spike_gross_factor
     z = np.asarray(cal.series[name].spike_z, dtype=np.float64)
     near = pd.Series(z).rolling(5, center=True, min_periods=1).max().to_numpy()
     edges = cal.edges_array

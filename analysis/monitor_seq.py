@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.monitor_calib import sequential_test, series_values
+from analysis.monitor_calib import sequential_test, series_values, throughput_ratio
 from analysis.monitor_checks import RunCurves
 from analysis.monitor_stats import column, json_num
 from analysis.monitor_types import Flag
@@ -52,7 +52,8 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
             sev = "critical" if len(gross) else "warning"
             step = _block_step(edges, alarm)
             rel = math.expm1(res.m[alarm] - res.mu[alarm]) if np.isfinite(res.m[alarm]) else float("nan")
-            text = (f"{_WHAT.get(col, col)} {word} its healthy band: the sequential test alarmed at step {step} "
+            what = _WHAT.get(col) or (f"held-out eval loss of {col.split('/', 1)[1]}" if col.startswith("eval_loss/") else col)
+            text = (f"{what} {word} its healthy band: the sequential test alarmed at step {step} "
                     f"(CUSUM {S[alarm]:.1f} > {res.h:.1f}; change began near step {int(edges[onset])}); "
                     f"{rel:+.1%} from the healthy runs, {res.u[alarm]:+.1f} healthy sds")
             if len(gross):
@@ -117,25 +118,27 @@ def check_train_eval(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
 
 def check_throughput_drop(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     """`throughput_drop` (warning): the median logged tokens/s of the last throughput_points points
-    below throughput_drop_frac x the median of all the points before them."""
+    below a share of the median of all the points before them: throughput_drop_frac, or with a
+    calibration the lowest such ratio a healthy run showed / spike_healthy_margin when lower (a
+    shared machine's own swings are not a fault of the run)."""
     cfg = c.cfg
-    tps = column(c.df, "tokens_per_s")
-    if tps is None:
-        return [], {}
-    ok = np.flatnonzero(np.isfinite(tps) & (tps > 0))
     k = cfg.throughput_points
-    if len(ok) < 2 * k:
+    ratio = throughput_ratio(c.df, k)
+    if ratio is None:
         return [], {}
-    # the first point where the rolling median of k points falls below the share of the median before it
-    v = pd.Series(tps[ok])
-    recent = v.rolling(k).median().to_numpy()
-    before = v.expanding().median().shift(k).to_numpy()
-    hit = np.flatnonzero((np.arange(len(v)) >= 2 * k - 1) & (recent < cfg.throughput_drop_frac * before))
+    frac, why = cfg.throughput_drop_frac, "the setting"
+    cal = c.calibration
+    if cal is not None and cal.throughput_min_ratio is not None and \
+            cal.throughput_min_ratio / cfg.spike_healthy_margin < frac:
+        frac, why = cal.throughput_min_ratio / cfg.spike_healthy_margin, "the healthy runs' lowest / margin"
+    tps = column(c.df, "tokens_per_s")
+    ok = np.flatnonzero(np.isfinite(tps) & (tps > 0))
+    hit = np.flatnonzero(np.nan_to_num(ratio, nan=np.inf) < frac)
     if not len(hit):
         return [], {}
     j = int(hit[0])
     i = ok[j]
     return [Flag("throughput_drop", "warning", int(c.steps[i]), {
-        "text": f"tokens/s fell to {recent[j]:,.0f} (median of the last {k} points) from {before[j]:,.0f} before: "
-                f"{recent[j] / before[j]:.0%} of the run's own rate",
-        "tokens_per_s": json_num(recent[j]), "before": json_num(before[j]), "ratio": json_num(recent[j] / before[j])})], {}
+        "text": f"tokens/s fell to {ratio[j]:.0%} of the run's own earlier rate (median of the last {k} points "
+                f"against the median before them; threshold {frac:.0%} from {why})",
+        "ratio": json_num(ratio[j]), "threshold": json_num(frac)})], {}
