@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from statistics import NormalDist
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -81,6 +82,9 @@ __all__ = ["Calibration", "SeriesCalibration", "SequentialResult", "calibrate", 
 
 SERIES = ("loss", "grad_norm", "eval_loss", "router_entropy", "train_eval_gap")
 SPIKE_SERIES = ("loss", "grad_norm")
+LAMBDAS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)  # smoothing of the run's own level tried
+LAMBDA_DEFAULT = 0.2
+CHANGE_POOL = 5
 RHO_DEFAULT = 0.5  # the persistent share of a healthy run's variance when fewer than 3 runs measure it
 K_REF = 0.5  # CUSUM reference value, in sds of the innovation
 NEIGHBOURS = 2  # blocks each side whose healthy variance is pooled with a block's own
@@ -196,6 +200,8 @@ class SeriesCalibration:
     scatter: list[float]  # one point's robust scatter within a block (pooled over the runs)
     spike_z: list[float]  # the largest local-trend spike z any healthy run showed in the block
     rho: float  # the persistent (run-level) share of a healthy run's standardised variance
+    change_sd: list[float]  # per block: sd of a healthy run's one-step prediction error of its own level
+    change_lambda: float  # the smoothing of that level
     runs: int
     dof: int
     widen: float  # c above
@@ -294,8 +300,8 @@ def _smooth_mean(v: np.ndarray, w: int) -> np.ndarray:
 def _spread(M_RB: np.ndarray, S_RB: np.ndarray, per_block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float]:
     """(mu (B,), sd (B,), scatter (B,), dof, widen) from the block means of R healthy runs."""
     R = M_RB.shape[0]
-    with np.errstate(invalid="ignore", divide="ignore"), np.testing.suppress_warnings() as sup:
-        sup.filter(RuntimeWarning)
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN block is NaN, as meant
         mu = np.nanmean(M_RB, 0)
         cnt = np.isfinite(M_RB).sum(0)
         var = np.where(cnt >= 2, np.nanvar(M_RB, 0, ddof=1), np.nan) if R >= 2 else np.full(M_RB.shape[1], np.nan)
@@ -347,7 +353,7 @@ def _series_calibration(runs: Sequence[tuple[np.ndarray, np.ndarray]], series: s
         spike = np.max(np.where(np.isfinite(Z_RB), Z_RB, -np.inf), 0)
     spike = np.where(np.isfinite(spike), spike, np.nan)
     # leave one run out: each run standardised by the others' mu and sd, as a new run would be
-    scale, rho = 1.0, RHO_DEFAULT
+    scale, rho, change_sd, change_lambda = 1.0, RHO_DEFAULT, None, LAMBDA_DEFAULT
     if R >= 3:
         U = []
         for i in range(R):
@@ -363,8 +369,40 @@ def _series_calibration(runs: Sequence[tuple[np.ndarray, np.ndarray]], series: s
             r_long = _lagged(U_RB, range(2, 9))
             if np.isfinite(r_long):
                 rho = float(np.clip(r_long, 0.0, 0.9))
+            # the local-level model's smoothing that predicts the healthy runs' next block best, and
+            # the spread of its prediction errors per stretch (pooled over CHANGE_POOL blocks each side)
+            best = None
+            for lam in LAMBDAS:
+                D_RB = np.array([own_change(u, lam) for u in U_RB])
+                fin_d = np.isfinite(D_RB)
+                if fin_d.sum() >= 10 and (best is None or np.mean(D_RB[fin_d] ** 2) < best[1]):
+                    best = (lam, float(np.mean(D_RB[fin_d] ** 2)), D_RB)
+            if best is not None:
+                change_lambda = best[0]
+                D_RB = best[2]
+                sq = np.where(np.isfinite(D_RB), D_RB ** 2, 0.0).sum(0)
+                n = np.isfinite(D_RB).sum(0).astype(np.float64)
+                win = 2 * CHANGE_POOL + 1
+                pooled = (pd.Series(sq).rolling(win, center=True, min_periods=1).sum()
+                          / pd.Series(n).rolling(win, center=True, min_periods=1).sum()).to_numpy()
+                change_sd = np.sqrt(np.where(np.isfinite(pooled) & (pooled > 0), pooled, best[1])).tolist()
+    if change_sd is None:  # u = level + independent noise: the noise part, and the level's
+        change_sd = [math.sqrt((1 - rho) * (1 + change_lambda))] * B
     return SeriesCalibration(mu=mu.tolist(), sd=(sd * scale).tolist(), scatter=scat.tolist(), spike_z=spike.tolist(),
-                             rho=rho, runs=R, dof=dof, widen=widen * scale)
+                             rho=rho, change_sd=change_sd, change_lambda=change_lambda, runs=R, dof=dof, widen=widen * scale)
+
+
+def own_change(u: np.ndarray, lam: float) -> np.ndarray:
+    """Per block: the one-step prediction error of the run's own level, u_b - l_{b-1}, with the
+    level l exponentially smoothed (l_b = l_{b-1} + lam (u_b - l_{b-1}), l = 0 before the first
+    block: the healthy mean); NaN where u is."""
+    out = np.full(len(u), np.nan)
+    level = 0.0
+    for b in range(len(u)):
+        if np.isfinite(u[b]):
+            out[b] = u[b] - level
+            level += lam * out[b]
+    return out
 
 
 def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int, forecast: Forecast | None = None,
@@ -416,7 +454,8 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
 
 @dataclass
 class SequentialResult:
-    """One series' test: per block u, e, S+ and S-, and the first alarm each way."""
+    """One series' test: per block u, e, S+ and S- (the larger of the two tests' sums over their
+    thresholds: an alarm is S > h = 1), and the first alarm each way."""
 
     u: np.ndarray
     e: np.ndarray
@@ -432,6 +471,8 @@ class SequentialResult:
     m: np.ndarray  # the run's block means
     mu: np.ndarray
     sd: np.ndarray
+    test_up: str | None = None  # which test alarmed: "level" or "change"
+    test_down: str | None = None
 
 
 def tolerance(rho: float, alpha: float) -> tuple[float, float]:
@@ -456,30 +497,37 @@ def sequential_test(steps: np.ndarray, values: np.ndarray, series: str, cal: Cal
     u = (m - mu) / sd
     B = len(u)
     rho = float(sc.rho)
-    _, k = tolerance(rho, alpha / 2)
-    h = cusum_threshold(max(int(np.sum(np.isfinite(mu) & np.isfinite(sd))), 1), alpha / 2, k)
+    _, k = tolerance(rho, alpha / 4)
+    # h for the worst level the tolerance allows: there the increments e - k have the mean -K_REF
+    h = cusum_threshold(max(int(np.sum(np.isfinite(mu) & np.isfinite(sd))), 1), alpha / 4, K_REF)
     noise = math.sqrt(1 - rho)
     e = u / noise
+    # the change test: u against the run's own recent level, in healthy sds of that difference
+    c = own_change(u, float(sc.change_lambda)) / np.maximum(np.asarray(sc.change_sd, dtype=np.float64), 1e-12)
+    h_change = cusum_threshold(max(int(np.sum(np.isfinite(mu) & np.isfinite(sd))), 1), alpha / 2, K_REF)
     s_up, s_dn = np.zeros(B), np.zeros(B)
-    up = dn = 0.0
-    alarm_up = alarm_dn = onset_up = onset_dn = None
-    last_zero_up = last_zero_dn = 0
+    alarm = {"up": None, "down": None}
+    onset = {"up": None, "down": None}
+    test = {"up": None, "down": None}
+    state = {("level", "up"): 0.0, ("level", "down"): 0.0, ("change", "up"): 0.0, ("change", "down"): 0.0}
+    zero = {key: 0 for key in state}
     tested = 0
     for b in range(B):
-        if not np.isfinite(e[b]):
-            s_up[b], s_dn[b] = up, dn
-            continue
-        tested += 1
-        up = max(0.0, up + e[b] - k)
-        dn = max(0.0, dn - e[b] - k)
-        if up == 0.0:
-            last_zero_up = b + 1
-        if dn == 0.0:
-            last_zero_dn = b + 1
-        s_up[b], s_dn[b] = up, dn
-        if alarm_up is None and up > h:
-            alarm_up, onset_up = b, min(last_zero_up, b)
-        if alarm_dn is None and dn > h:
-            alarm_dn, onset_dn = b, min(last_zero_dn, b)
-    return SequentialResult(u=u, e=e, s_up=s_up, s_down=s_dn, h=h, k=k, tested=tested, alarm_up=alarm_up,
-                            alarm_down=alarm_dn, onset_up=onset_up, onset_down=onset_dn, m=m, mu=mu, sd=sd)
+        if np.isfinite(e[b]):
+            tested += 1
+        for name, x, kk, hh in (("level", e[b], k, h), ("change", c[b], K_REF, h_change)):
+            if not np.isfinite(x):
+                continue
+            for side, sign in (("up", 1.0), ("down", -1.0)):
+                key = (name, side)
+                state[key] = max(0.0, state[key] + sign * x - kk)
+                if state[key] == 0.0:
+                    zero[key] = b + 1
+                if alarm[side] is None and state[key] > hh:
+                    alarm[side], onset[side], test[side] = b, min(zero[key], b), name
+        s_up[b] = max(state[("level", "up")] / max(h, 1e-12), state[("change", "up")] / max(h_change, 1e-12))
+        s_dn[b] = max(state[("level", "down")] / max(h, 1e-12), state[("change", "down")] / max(h_change, 1e-12))
+    alarm_up, alarm_dn, onset_up, onset_dn = alarm["up"], alarm["down"], onset["up"], onset["down"]
+    return SequentialResult(u=u, e=e, s_up=s_up, s_down=s_dn, h=1.0, k=k, tested=tested, alarm_up=alarm_up,
+                            alarm_down=alarm_dn, onset_up=onset_up, onset_down=onset_dn, m=m, mu=mu, sd=sd,
+                            test_up=test["up"], test_down=test["down"])

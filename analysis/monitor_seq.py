@@ -43,8 +43,8 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
             continue
         last = np.flatnonzero(np.isfinite(res.u))
         summary[f"{stem}_sd_from_healthy"] = json_num(res.u[last[-1]]) if len(last) else None
-        for word, alarm, onset, sign, S in (("above", res.alarm_up, res.onset_up, 1.0, res.s_up),
-                                            ("below", res.alarm_down, res.onset_down, -1.0, res.s_down)):
+        for word, alarm, onset, sign, S, test in (("above", res.alarm_up, res.onset_up, 1.0, res.s_up, res.test_up),
+                                                  ("below", res.alarm_down, res.onset_down, -1.0, res.s_down, res.test_down)):
             if alarm is None:
                 continue
             after = sign * res.u[alarm:]
@@ -52,15 +52,16 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
             sev = "critical" if len(gross) else "warning"
             step = _block_step(edges, alarm)
             rel = math.expm1(res.m[alarm] - res.mu[alarm]) if np.isfinite(res.m[alarm]) else float("nan")
+            how = ("its level against the healthy runs'" if test == "level" else "a change against its own recent level")
             what = _WHAT.get(col) or (f"held-out eval loss of {col.split('/', 1)[1]}" if col.startswith("eval_loss/") else col)
-            text = (f"{what} {word} its healthy band: the sequential test alarmed at step {step} "
-                    f"(CUSUM {S[alarm]:.1f} > {res.h:.1f}; change began near step {int(edges[onset])}); "
-                    f"{rel:+.1%} from the healthy runs, {res.u[alarm]:+.1f} healthy sds")
+            text = (f"{what} {word} its healthy band: the sequential test ({how}) alarmed at step {step}, the change "
+                    f"beginning near step {int(edges[onset])}; {rel:+.1%} from the healthy runs, "
+                    f"{res.u[alarm]:+.1f} healthy sds")
             if len(gross):
                 g = alarm + int(gross[0])
                 text += f"; {res.u[g]:+.1f} sds at step {_block_step(edges, g)}"
             flags.append(Flag(f"{stem}_{word}_band", sev, step, {
-                "text": text, "cusum": json_num(S[alarm]), "threshold": json_num(res.h),
+                "text": text, "test": test, "cusum_over_threshold": json_num(S[alarm]),
                 "onset_step": int(edges[onset]), "sd_from_healthy": json_num(res.u[alarm]),
                 "rel_from_healthy": json_num(rel), "critical_step": _block_step(edges, alarm + int(gross[0])) if len(gross) else None,
                 "false_alarm_rate": alpha, "axis": "step"}))
