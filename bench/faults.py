@@ -1,9 +1,9 @@
 """The fault suite: healthy replicates and injected faults of an experiment's hero, judged by the
 monitor as `ladder compare --follow` would have judged them live.
 
-    .venv/bin/ladder faults EXPERIMENT.py [--forecast forecast.json] [--seeds 1,2,3,4] \
+    .venv/bin/python bench/faults.py EXPERIMENT.py [--forecast forecast.json] [--seeds 1,2,3,4] \
         [--stop 0.4] [--onset 0.2] [--only NAME ...] [--out DIR]
-    .venv/bin/python bench/faults.py ...        (the same)
+    .venv/bin/python bench/faults.py --tiny --out DIR     (the CI scale: tests/bench/test_faults.py)
 
 What it runs (every run really trains, with the hero's engine, up to `--stop` of its steps: a
 monitor has to decide early):
@@ -69,6 +69,7 @@ from engines.torch.engine import TorchStep, cpu_threads, default_device
 from engines.registry import get_engine
 from engines.trainer import Trainer
 from ladder.experiment import load_experiment
+from ladder.presets import micro_spec
 
 __all__ = ["FAULTS", "Fault", "run_suite", "main"]
 
@@ -304,6 +305,9 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
     if onset >= stop:
         raise ValueError(f"--onset ({onset_frac}) must come before --stop ({stop_frac})")
     every = max(1, total // 100)
+    unknown = set(only) - {f.name for f in FAULTS}
+    if unknown:
+        raise ValueError(f"unknown fault(s) {sorted(unknown)}; the suite has {[f.name for f in FAULTS]}")
     healthy: list[tuple[str, pd.DataFrame, Spec, str]] = []
     for seed in seeds:
         spec = hero.replace(seed=seed)
@@ -330,9 +334,6 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
         rep = replay(df, spec, forecast, cal, settings, RunDir(runs_dir / name).read_status(), every)
         rows.append(_row(name, "healthy", None, spec, None, state, rep))
     faults = [f for f in FAULTS if not only or f.name in only]
-    unknown = set(only) - {f.name for f in FAULTS}
-    if unknown:
-        raise ValueError(f"unknown fault(s) {sorted(unknown)}; the suite has {[f.name for f in FAULTS]}")
     for f in faults:
         at = 0 if f.from_start else onset
         spec = hero.replace(**f.spec_change(hero, at)) if f.spec_change else hero
@@ -387,9 +388,18 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def tiny_hero() -> Spec:
+    """The CI scale: a few-thousand-parameter MoE (ladder.presets.micro_spec) on real text, 300
+    steps of 8 x 64 tokens, evaluated every 10 steps."""
+    return micro_spec("hero-tiny", **{"role": "hero", "data.seq_len": 64, "data.batch_size": 8,
+                                      "data.total_tokens": 64 * 8 * 300, "run.eval_every": 10,
+                                      "run.eval_batches": 2, "run.checkpoint_every": 1000})
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("experiment")
+    p.add_argument("experiment", nargs="?", help="experiment file whose hero the suite runs (or --tiny)")
+    p.add_argument("--tiny", action="store_true", help="the CI scale's tiny hero instead of an experiment's")
     p.add_argument("--forecast", default=None)
     p.add_argument("--seeds", default="1,2,3,4")
     p.add_argument("--stop", type=float, default=0.4)
@@ -397,7 +407,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--only", nargs="*", default=[])
     p.add_argument("--out", default="faults")
     a = p.parse_args(argv)
-    hero = load_experiment(a.experiment).hero
+    if a.tiny == bool(a.experiment):
+        p.error("give an experiment file or --tiny (one of them)")
+    hero = tiny_hero() if a.tiny else load_experiment(a.experiment).hero
     fc = load_forecast(a.forecast) if a.forecast else None
     seeds = tuple(int(s) for s in a.seeds.split(",") if s.strip())
     res = run_suite(hero, Path(a.out), forecast=fc, seeds=seeds, stop_frac=a.stop, onset_frac=a.onset, only=tuple(a.only))

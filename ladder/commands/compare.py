@@ -113,7 +113,7 @@ class Announcer:
             step = f.evidence.get("critical_step") if before is not None and f.severity == "critical" else None
             self.console.print(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/] {f.kind} @ step "
                                f"{step if step is not None else f.first_step} ({word}): {f.evidence.get('text', '')}",
-                               highlight=False)
+                               highlight=False, soft_wrap=True)  # one alert, one line
 
 
 def register(app: typer.Typer) -> None:
