@@ -2,7 +2,7 @@
 
     cal = calibrate(healthy_frames, total_steps, forecast=None)   # Calibration
     cal.save("calibration.json"); cal = load_calibration("calibration.json")
-    seq = sequential_test(steps, values, cal.series["loss"], forecast, total_steps, alpha)
+    seq = sequential_test(steps, values, "loss", cal, forecast, alpha)     # SequentialResult
 
 A flag is worth reading only if healthy runs do not raise it. So the width the monitor allows at
 each stretch of training is measured on healthy runs of the same spec (replicates with other
@@ -11,7 +11,9 @@ is judged by a sequential test whose false-alarm rate is stated.
 
 Shape legend: B blocks (stretches of training), R healthy runs, N logged points of one run.
 
-The residual. For a series x (the train loss, the grad norm) a run's residual at step t is
+The residual. For a series x (train loss, grad norm, held-out eval loss and each source's when every healthy
+run logs it, router entropy, and the train/eval gap: eval loss over the median train loss of the
+10 points before it) a run's residual at step t is
 r_t = log x_t - log ref(t), ref the forecast's trajectory (loss: trajectory.loss; grad norm:
 grad_norm.mean) where the forecast covers t, or 1 when the calibration was made without a
 forecast (then the healthy mean below is the reference itself). Log, so a residual is relative.
@@ -31,26 +33,40 @@ What the healthy runs give, per block b (R runs, block means m_rb):
 The early transient (the loss falling fast and differently from seed to seed) needs no step cut:
 its blocks have a large sd_b, so the same standardised residual means the same there as later.
 
-The standardised residual of a monitored run is u_b = (m_b - mu_b) / sd_b: about N(0, 1) on a
-healthy run, but not independent from block to block (a seed that runs a little high stays high
-for a while). The healthy runs measure that persistence as phi, the pooled lag-1 autocorrelation
-of their u_b (clipped to [0, 0.95]), and the test runs on the innovations
-    e_b = (u_b - phi u_{b-1}) / sqrt(1 - phi^2),
-independent N(0, 1) on a healthy run under an AR(1) model of u. A step change of D sds at block
-b0 gives e_b0 = D / sqrt(1 - phi^2) at once, then a drift of D sqrt((1 - phi) / (1 + phi)) per
-block, which the cumulative sums below add up.
+The standardised residual of a monitored run is u_b = (m_b - mu_b) / sd_b. On a healthy run it
+is about N(0, 1) but not independent from block to block: a seed that runs a little high stays
+high for a while. The runs left out one at a time (each standardised by the others' mu and sd, as
+a new run is) measure that: the band's width is scaled up by their root-mean-square u when it
+exceeds 1 (never narrowed), and rho, their pooled autocorrelation at lags 2-8 (clipped to
+[0, 0.9]), is the share of u's variance that is the run's own persistent level (u = L + noise,
+var L = rho; 0.5 when fewer than 3 runs can measure it). Two sequential tests, each one-sided in
+both directions (Page's CUSUM: S_b = max(0, S_{b-1} + x_b - k), alarm when S_b > h):
 
-The test (Page's CUSUM, one-sided, one for each direction):
-    S+_b = max(0, S+_{b-1} + e_b - k)      (the series above its healthy band)
-    S-_b = max(0, S-_{b-1} - e_b - k)      (below it)
-alarming when S > h, with k = 0.5 (the reference value that detects a shift of 1 sd of e
-soonest). h is set from the stated false-alarm rate alpha, the chance that a healthy run of
-B_run tested blocks raises the alarm in one direction at all: the in-control run length needed
-is ARL0 = -B_run / ln(1 - alpha) (alarms as a Poisson process), and Siegmund's approximation
-    ARL0(k, h) = (exp(2 k b) - 2 k b - 1) / (2 k^2),   b = h + 1.166,
-is solved for h (default alpha = 0.01 per direction per series: B = 100 blocks gives h = 5.3).
-The alarm's block is the step it is reported at (the first step flagged); the block after the
-last zero of S before it is the change's estimated onset.
+- the level test, on x_b = +-u_b / sqrt(1 - rho) (the noise part in its own units) with the
+  reference value k = 0.5 + z_tol sqrt(rho / (1 - rho)), z_tol the (1 - alpha/4) normal
+  quantile: a healthy run may hold any level its seed gives it, up to z_tol of its spread,
+  without accumulating; beyond it, its excess adds up block after block;
+- the change test, on x_b = +-(u_b - l_{b-1}) / c_b with k = 0.5: the run against its own recent
+  level l (exponentially smoothed, l_b = l_{b-1} + lam (u_b - l_{b-1}), l = 0 before the first
+  block), where lam is the smoothing that predicts the left-out healthy runs' next block best
+  and c_b those prediction errors' spread per stretch (pooled over 5 blocks each side). A step
+  change shows here at once, whatever level the run held before it.
+
+The threshold h comes from the stated false-alarm rate: a healthy run of B_run tested blocks
+should raise one test's alarm in one direction with probability a, so its in-control run length
+must be ARL0 = -B_run / ln(1 - a) (alarms as a Poisson process), and Siegmund's approximation for
+N(0, 1) increments against the reference value 0.5 (the level test at its tolerance's edge too),
+    ARL0(h) = (exp(2 k b) - 2 k b - 1) / (2 k^2),   k = 0.5, b = h + 1.166,
+is solved for h. The monitor's false_alarm_rate (default 0.01 a run) is split evenly over the
+series it tests and their two directions; within one direction a quarter goes to the level
+tolerance, a quarter to the level test's h and half to the change test's h. Measured on simulated
+healthy runs whose levels wander (tests/analysis/test_monitor_calib.py) the rate comes out within
+about 2x of the stated one: the healthy runs' spread is itself estimated from a few runs. The fault
+suite reports the flags of real replicates the calibration never saw.
+
+The block where a test alarms is the step it is reported at (the first step flagged); the block
+after the last zero of its sum before it is the change's estimated onset. Critical: the departure
+reaches crit_sd healthy sds at or after the alarm.
 
 Without healthy runs the monitor can still read the forecast band (analysis.monitor_checks), but
 that band is the forecast's own interval for the level, not calibrated on this spec's runs: it
@@ -184,7 +200,9 @@ def block_means(steps: np.ndarray, r: np.ndarray, edges: np.ndarray, complete_to
         mean[m.index.to_numpy()] = m.to_numpy()
         c = g.count()
         n[c.index.to_numpy()] = c.to_numpy()
-        mad = g.apply(lambda x: 1.4826 * float(np.median(np.abs(x - np.median(x)))) if len(x) >= 3 else np.nan)
+        dev = (df["r"] - g.transform("median")).abs()
+        mad = 1.4826 * dev.groupby(df["b"]).median()
+        mad[c.reindex(mad.index) < 3] = np.nan
         scat[mad.index.to_numpy()] = mad.to_numpy()
     if complete_to is not None:
         mean[edges[1:] - 1 > complete_to] = np.nan
