@@ -35,8 +35,9 @@ The kinds, with their severities:
   `loss_jump_smooth` points, rises more than `loss_jump_warn` (relative) above its running minimum,
   and by more than `loss_jump_sigma` times the smoothed loss's own noise.
 - `loss_spike` / `grad_norm_spike` (info; warning past the early transient when z passes the
-  healthy runs' own largest spike in that stretch x `spike_healthy_margin`, or without a
-  calibration `spike_gross_factor` x `spike_sigma`): a point more than `spike_sigma` standard
+  healthy runs' own largest spike in that stretch x `spike_healthy_margin`; without a
+  calibration, a loss spike past `spike_gross_factor` x `spike_sigma`, a grad-norm spike never:
+  healthy runs spike in grad norm): a point more than `spike_sigma` standard
   deviations above the quadratic trend of the previous `spike_local_window` points. The evidence
   also reports OLMo 2's spike score (share of points 7 sigma off the rolling mean of 1,000).
 - `grad_norm_high` (warning above `grad_norm_warn`, info instead with a calibration, whose

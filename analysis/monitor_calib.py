@@ -93,7 +93,7 @@ from analysis.forecast_file import Forecast
 from analysis.monitor_stats import column, local_spike_z, rolling_median
 from core.fsutil import atomic_write_text
 
-__all__ = ["Calibration", "SeriesCalibration", "SequentialResult", "calibrate", "cusum_threshold", "load_calibration",
+__all__ = ["eval_series", "source_eval_names", "Calibration", "SeriesCalibration", "SequentialResult", "calibrate", "cusum_threshold", "load_calibration",
            "reference", "sequential_test", "block_means", "SERIES"]
 
 SERIES = ("loss", "grad_norm", "eval_loss", "router_entropy", "train_eval_gap")
@@ -126,12 +126,59 @@ def cusum_threshold(blocks: int, alpha: float, k: float = K_REF) -> float:
     return (lo + hi) / 2
 
 
+def _col(df: pd.DataFrame, name: str) -> np.ndarray | None:
+    """A column by its name, or as the trainer's extras carry it (extra.<name>)."""
+    v = column(df, name)
+    return v if v is not None else column(df, f"extra.{name}")
+
+
+def eval_series(df: pd.DataFrame) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(eval loss (N,), its standard error (N,) or None): the periodic subset's value where the
+    records carry it (eval_loss_periodic: the same windows at every eval, the final one included,
+    so one continuous series), else eval_loss. At a final eval (every window) the standard error
+    logged is the whole set's, not the periodic subset's: it is dropped there."""
+    ev = _col(df, "eval_loss_periodic")
+    periodic = ev is not None
+    if ev is None:
+        ev = column(df, "eval_loss")
+    se = _col(df, "eval_loss_se")
+    final = _col(df, "eval_final")
+    if se is not None and periodic and final is not None:
+        se = np.where(np.nan_to_num(final) > 0, np.nan, se)
+    return ev, se
+
+
+def source_eval_names(df: pd.DataFrame) -> list[str]:
+    """eval_loss/<source> series the frame carries (as columns or extras)."""
+    out = set()
+    for c in df.columns:
+        c = str(c)
+        c = c[len("extra."):] if c.startswith("extra.") else c
+        if c.startswith("eval_loss/"):
+            out.add(c)
+    return sorted(out)
+
+
 def series_values(df: pd.DataFrame, series: str) -> tuple[np.ndarray, np.ndarray] | None:
     """(steps, values) of a series in a metrics frame, finite points only; None when absent.
-    train_eval_gap is eval_loss over the median train loss of the (up to 10) points before it."""
+    train_eval_gap is the eval loss (eval_series) over the median train loss of the (up to 10)
+    points before it; a source's eval loss leaves out the final eval (scored on every window, not
+    the periodic subset)."""
     steps = df["step"].to_numpy(dtype=np.int64)
+    if series.startswith("eval_loss/"):
+        v, final = _col(df, series), _col(df, "eval_final")
+        if v is None:
+            return None
+        ok = np.isfinite(v) & ~(np.nan_to_num(final) > 0 if final is not None else False)
+        return (steps[ok], v[ok]) if ok.any() else None
+    if series == "eval_loss":
+        v = eval_series(df)[0]
+        if v is None:
+            return None
+        ok = np.isfinite(v)
+        return (steps[ok], v[ok]) if ok.any() else None
     if series == "train_eval_gap":
-        ev, loss = column(df, "eval_loss"), column(df, "loss")
+        ev, loss = eval_series(df)[0], column(df, "loss")
         if ev is None or loss is None:
             return None
         idx = np.flatnonzero(np.isfinite(ev))
@@ -434,8 +481,7 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
     edges = np.unique(np.round(np.linspace(0, total_steps, B + 1)).astype(np.int64))
     series: dict[str, SeriesCalibration] = {}
     # the fixed series, and the held-out eval loss of each source when every healthy run logs it
-    per_source = sorted(set.intersection(*[{c for c in df.columns if str(c).startswith("eval_loss/")}
-                                           for _, df, _ in healthy]))
+    per_source = sorted(set.intersection(*[set(source_eval_names(df)) for _, df, _ in healthy]))
     for name in (*SERIES, *per_source):
         runs = [sv for _, df, _ in healthy if (sv := series_values(df, name)) is not None]
         if len(runs) >= 2:

@@ -190,12 +190,14 @@ def check_spikes(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
 def spike_threshold(c: RunCurves, name: str) -> np.ndarray:
     """Per point, the z a spike must pass to warn: with a calibration, spike_sigma or the largest
     local z healthy runs showed in the point's stretch (and the two each side) x
-    spike_healthy_margin, whichever is higher; without one, spike_gross_factor x spike_sigma."""
+    spike_healthy_margin, whichever is higher; without one, spike_gross_factor x spike_sigma for
+    the loss and never for the grad norm."""
     thr = np.full(c.n, c.cfg.spike_sigma)
     cal = c.calibration
     if cal is None or name not in cal.series:
-        # nothing says how large this spec's healthy spikes get: only a gross one warns
-        return thr * c.cfg.spike_gross_factor
+        # nothing says how large this spec's healthy spikes get: only a gross loss spike warns (a
+        # healthy H200 hero's grad norm spiked 4x, 55 sigma, for one step)
+        return thr * c.cfg.spike_gross_factor if name == "loss" else np.full(c.n, np.inf)
     z = np.asarray(cal.series[name].spike_z, dtype=np.float64)
     near = pd.Series(z).rolling(5, center=True, min_periods=1).max().to_numpy()
     edges = cal.edges_array

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.monitor_calib import sequential_test, series_values, throughput_ratio
+from analysis.monitor_calib import eval_series, sequential_test, series_values, throughput_ratio
 from analysis.monitor_checks import RunCurves
 from analysis.monitor_stats import column, json_num
 from analysis.monitor_types import Flag
@@ -69,15 +69,15 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
 
 
 def check_train_eval(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
-    """`train_eval_divergence` (critical): held-out eval loss risen over its running minimum (by
+    """`train_eval_divergence` (critical): held-out eval loss (the periodic subset's series where
+    the records carry it: analysis.monitor_calib.eval_series) risen over its running minimum (by
     eval_rise_sigma standard errors when eval_loss_se is logged, else by eval_rise_rel) while the
     train loss near it fell below what it was at that minimum, at eval_rise_points consecutive
     eval points."""
     cfg = c.cfg
-    ev = column(c.df, "eval_loss")
+    ev, se = eval_series(c.df)
     if ev is None:
         return [], {}
-    se = column(c.df, "eval_loss_se")
     idx = np.flatnonzero(np.isfinite(ev))
     if len(idx) < cfg.eval_rise_points + 1:
         return [], {}

@@ -58,9 +58,9 @@ class MonitorSettings(BaseModel):
     crit_sd: float = Field(8.0, gt=0, description="healthy sds a departure must reach, past the alarm, to be critical")
     spike_healthy_margin: float = Field(1.5, ge=1, description="with a calibration, a spike must exceed the healthy "
                                         "runs' largest local z in its stretch by this factor to warn")
-    spike_gross_factor: float = Field(3.0, ge=1, description="without a calibration, a spike warns only past this "
-                                      "many times spike_sigma (else it is info)")
-    band_gross_widths: float = Field(1.0, gt=0, description="without a calibration: band widths beyond the "
+    spike_gross_factor: float = Field(3.0, ge=1, description="without a calibration, a loss spike warns only past "
+                                      "this many times spike_sigma (else it is info; a grad-norm spike alone is info)")
+    band_gross_widths: float = Field(2.0, gt=0, description="without a calibration: band widths beyond the "
                                      "forecast band that make a departure a warning")
     eval_rise_sigma: float = Field(3.0, gt=0, description="eval loss rise over its running minimum, in standard "
                                    "errors (eval_loss_se), that counts as a rise")

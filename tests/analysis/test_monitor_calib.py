@@ -11,8 +11,8 @@ import pandas as pd
 import pytest
 
 from analysis.monitor import MonitorSettings, monitor
-from analysis.monitor_calib import (Calibration, calibrate, cusum_threshold, load_calibration, sequential_test,
-                                    series_values)
+from analysis.monitor_calib import (Calibration, calibrate, cusum_threshold, eval_series, load_calibration,
+                                    sequential_test, series_values, source_eval_names)
 from analysis.forecast_file import load_forecast
 from tests.analysis.test_monitor import forecast_file
 
@@ -157,3 +157,17 @@ def test_spikes_warn_only_past_what_healthy_runs_show():
     uncalibrated = next(f for f in monitor(df, settings=MonitorSettings(spike_gross_factor=100)).flags
                         if f.kind == "loss_spike")
     assert uncalibrated.severity == "info"
+
+
+def test_the_eval_series_is_the_periodic_subset_as_the_trainer_records_it():
+    """The trainer's extras: eval_loss_periodic continues through the final eval (every window),
+    whose standard error is the whole set's and is dropped."""
+    df = pd.DataFrame({"step": [9, 19, 29], "loss": [3.0, 2.9, 2.8], "eval_loss": [3.1, 3.0, 2.5],
+                       "extra.eval_loss_periodic": [3.1, 3.0, 2.95], "extra.eval_loss_se": [0.02, 0.02, 0.005],
+                       "extra.eval_final": [0.0, 0.0, 1.0], "extra.eval_loss/code": [3.2, 3.1, 2.6]})
+    ev, se = eval_series(df)
+    assert list(ev) == [3.1, 3.0, 2.95]
+    assert list(se[:2]) == [0.02, 0.02] and np.isnan(se[2])
+    assert source_eval_names(df) == ["eval_loss/code"]
+    steps, v = series_values(df, "eval_loss/code")
+    assert list(steps) == [9, 19] and list(v) == [3.2, 3.1]
