@@ -101,6 +101,7 @@ SPIKE_SERIES = ("loss", "grad_norm")
 LAMBDAS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)  # smoothing of the run's own level tried
 LAMBDA_DEFAULT = 0.2
 CHANGE_POOL = 5
+TRANSIENT_CLEAN = 5  # clean blocks in a row that end the early transient
 RHO_DEFAULT = 0.5  # the persistent share of a healthy run's variance when fewer than 3 runs measure it
 K_REF = 0.5  # CUSUM reference value, in sds of the innovation
 NEIGHBOURS = 2  # blocks each side whose healthy variance is pooled with a block's own
@@ -486,23 +487,26 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
         runs = [sv for _, df, _ in healthy if (sv := series_values(df, name)) is not None]
         if len(runs) >= 2:
             series[name] = _series_calibration(runs, name, edges, forecast, spike_window, spike_min_history)
-    # the transient: the last block, in the first half of training, where a healthy run spiked
-    # past spike_sigma or its grad norm's rolling median passed grad_norm_warn
-    transient = 0
-    for name, cal in series.items():
-        z = np.asarray(cal.spike_z, dtype=np.float64)
-        hot = np.flatnonzero(np.nan_to_num(z, nan=0.0) > spike_sigma)
-        hot = hot[edges[hot] < total_steps / 2]
-        if len(hot):
-            transient = max(transient, int(edges[hot[-1] + 1]))
+    # the transient: from step 0 to the first run of TRANSIENT_CLEAN blocks in which no healthy run
+    # spiked past spike_sigma and no healthy grad norm's rolling median passed grad_norm_warn (a
+    # spike later on is the per-stretch spike threshold's business, not the transient's)
+    hot_B = np.zeros(len(edges) - 1, dtype=bool)
+    for cal in series.values():
+        hot_B |= np.nan_to_num(np.asarray(cal.spike_z, dtype=np.float64), nan=0.0) > spike_sigma
     for _, df, _ in healthy:
         gn = column(df, "grad_norm")
         if gn is not None:
             gsm = rolling_median(np.where(np.isfinite(gn), gn, np.nan), grad_norm_k)
-            steps = df["step"].to_numpy()
-            hot = np.flatnonzero((np.nan_to_num(gsm) > grad_norm_warn) & (steps < total_steps / 2))
-            if len(hot):
-                transient = max(transient, int(steps[hot[-1]]) + 1)
+            idx = np.searchsorted(edges, df["step"].to_numpy(), side="right") - 1
+            hit = idx[(np.nan_to_num(gsm) > grad_norm_warn) & (idx >= 0) & (idx < len(hot_B))]
+            hot_B[hit] = True
+    transient, clean = 0, 0
+    for b, hot in enumerate(hot_B):
+        clean = 0 if hot else clean + 1
+        if hot:
+            transient = int(edges[b + 1])
+        if clean >= TRANSIENT_CLEAN:
+            break
     tps = [float(np.nanmedian(v)) for _, df, _ in healthy if (v := column(df, "tokens_per_s")) is not None]
     ratios = [r for _, df, _ in healthy if (r := throughput_ratio(df, throughput_points)) is not None]
     runs_meta = []

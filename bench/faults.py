@@ -60,7 +60,7 @@ from analysis.monitor import SEVERITY_RANK, MonitorSettings, monitor
 from analysis.monitor_calib import Calibration, calibrate
 from core.fsutil import atomic_write_text
 from core.rundir import RunDir
-from core.spec import Spec, save_spec
+from core.spec import Spec, load_spec, save_spec
 import torch
 
 from engines.base import DivergedError
@@ -220,12 +220,32 @@ def step_module(spec: Spec):
     return TorchStep(spec, device, options)
 
 
-def train_run(spec: Spec, run_dir: Path, stop: int, hook=None) -> str:
-    """Train `spec` in `run_dir` up to step `stop` (a fresh start); 'stopped', 'diverged' or 'finished'."""
+def reusable(spec: Spec, run_dir: Path, stop: int, what: str) -> str | None:
+    """The state of an earlier run in run_dir of this very spec and fault that reached `stop` (or
+    diverged on the way), else None."""
+    try:
+        if load_spec(run_dir / "spec.yaml").id != spec.id or (run_dir / "fault.txt").read_text() != what:
+            return None
+        status = RunDir(run_dir).read_status()
+    except (OSError, ValueError):
+        return None
+    if status.get("state") == "diverged":
+        return "diverged"
+    return ("finished" if stop >= spec.total_steps else "stopped") if status.get("step") == stop else None
+
+
+def train_run(spec: Spec, run_dir: Path, stop: int, hook=None, what: str = "healthy", reuse: bool = False) -> str:
+    """Train `spec` in `run_dir` up to step `stop` (a fresh start); 'stopped', 'diverged' or
+    'finished'. reuse: keep an earlier run of the same spec and fault that got as far (to judge a
+    changed monitor on the same runs)."""
+    state = reusable(spec, run_dir, stop, what) if reuse else None
+    if state is not None:
+        return state
     if run_dir.exists():
         shutil.rmtree(run_dir)
     run_dir.mkdir(parents=True)
     save_spec(spec, run_dir / "spec.yaml")
+    (run_dir / "fault.txt").write_text(what)
     trainer = Trainer(spec, run_dir, step_module(spec), stop_after=stop, fault=hook)
     try:
         for _ in trainer.fit(resume=False):
@@ -294,8 +314,8 @@ def _row(name: str, role: str, fault: Fault | None, spec: Spec, onset: int | Non
 
 def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds: tuple[int, ...] = (1, 2, 3, 4),
               stop_frac: float = 0.4, onset_frac: float = 0.2, only: tuple[str, ...] = (),
-              settings: MonitorSettings | None = None, n_blocks: int = 100, log=print, faults: bool = True
-              ) -> dict[str, Any]:
+              settings: MonitorSettings | None = None, n_blocks: int = 100, log=print, faults: bool = True,
+              reuse: bool = False) -> dict[str, Any]:
     """Train the replicates and the faults under `out`, calibrate, judge, write the table."""
     settings = settings or MonitorSettings()
     out = Path(out)
@@ -314,7 +334,7 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
         spec = hero.replace(seed=seed)
         name = f"healthy_seed{seed}"
         t0 = time.time()
-        state = train_run(spec, runs_dir / name, stop)
+        state = train_run(spec, runs_dir / name, stop, reuse=reuse)
         log(f"{name}: {state} at step {stop} in {time.time() - t0:.0f} s")
         healthy.append((name, read_metrics_frame(runs_dir / name), spec, state))
     if len(healthy) < 2:
@@ -340,7 +360,7 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
         hook = f.hook(spec, at) if f.hook else None
         t0 = time.time()
         try:
-            state = train_run(spec, runs_dir / f.name, stop, hook)
+            state = train_run(spec, runs_dir / f.name, stop, hook, what=f"{f.name} from step {at}", reuse=reuse)
         except Exception as err:  # a fault that breaks the engine outright is also a detection
             state = f"failed: {type(err).__name__}: {err}"
         log(f"{f.name}: {state} in {time.time() - t0:.0f} s")
@@ -407,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--onset", type=float, default=0.2)
     p.add_argument("--only", nargs="*", default=[], help="these faults only (default: all)")
     p.add_argument("--no-faults", action="store_true", help="the healthy replicates and the calibration only")
+    p.add_argument("--reuse", action="store_true", help="judge the runs already under OUT/runs (same spec, fault "
+                   "and stop) again instead of training them: a changed monitor measured on the same runs")
     p.add_argument("--out", default="faults")
     a = p.parse_args(argv)
     if a.tiny == bool(a.experiment):
@@ -415,7 +437,7 @@ def main(argv: list[str] | None = None) -> int:
     fc = load_forecast(a.forecast) if a.forecast else None
     seeds = tuple(int(s) for s in a.seeds.split(",") if s.strip())
     res = run_suite(hero, Path(a.out), forecast=fc, seeds=seeds, stop_frac=a.stop, onset_frac=a.onset, only=tuple(a.only),
-                    faults=not a.no_faults)
+                    faults=not a.no_faults, reuse=a.reuse)
     print(markdown(res))
     return 0 if all(r["pass"] for r in res["rows"]) else 1
 

@@ -32,6 +32,12 @@ def test_healthy_replicates_stay_quiet_and_the_faults_a_tiny_run_shows_are_caugh
     assert [r["run"] for r in written["rows"]] == [r["run"] for r in res["rows"]]
     assert "| nan |" in (tmp_path / "faults.md").read_text()
     assert (tmp_path / "calibration.json").exists()
+    # judged again on the same runs (a changed monitor): nothing is trained again
+    before = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/metrics.jsonl")}
+    again = run_suite(tiny_hero(), tmp_path, seeds=(1, 2, 3, 4), stop_frac=0.4, onset_frac=0.2, only=("nan",),
+                      log=lambda *_: None, reuse=True)
+    assert {p: p.stat().st_mtime_ns for p in before} == before
+    assert next(r for r in again["rows"] if r["run"] == "nan")["pass"]
 
 
 def test_the_suite_names_an_unknown_fault(tmp_path):
