@@ -149,7 +149,10 @@ def check_loss_jump(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
             i = int(warn[0])
             crit = np.flatnonzero((np.nan_to_num(rel, nan=-1) > cfg.loss_jump_crit) & (rise > gate))
             peak = int(np.nanargmax(rel))
-            flags.append(Flag("loss_jump", "critical" if len(crit) else "warning", int(steps[i]), {
+            # with a calibration the healthy runs' loss band judges warnings; a jump keeps its critical
+            sev = "critical" if len(crit) else ("info" if c.calibration is not None else "warning")
+            flags.append(Flag("loss_jump", sev, int(steps[crit[0]]) if len(crit) and c.calibration is not None
+                              else int(steps[i]), {
                 "text": f"smoothed loss rose {rel[i]:.1%} above its running minimum {runmin[i]:.4f} at step {steps[i]}"
                         + (f", {rel[crit[0]]:.1%} by step {steps[crit[0]]}" if len(crit) and crit[0] != i else "")
                         + f"; peak rise {rel[peak]:.1%} at step {steps[peak]}",
@@ -189,8 +192,8 @@ def check_spikes(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
 
 def spike_threshold(c: RunCurves, name: str) -> np.ndarray:
     """Per point, the z a spike must pass to warn: with a calibration, spike_sigma or the largest
-    local z healthy runs showed in the point's stretch (and the two each side) x
-    spike_healthy_margin, whichever is higher; without one, spike_gross_factor x spike_sigma for
+    local z healthy runs showed in the point's stretch (and the two each side), and past the
+    transient anywhere past it, x spike_healthy_margin, whichever is higher; without one, spike_gross_factor x spike_sigma for
     the loss and never for the grad norm."""
     thr = np.full(c.n, c.cfg.spike_sigma)
     cal = c.calibration
@@ -201,9 +204,12 @@ def spike_threshold(c: RunCurves, name: str) -> np.ndarray:
     z = np.asarray(cal.series[name].spike_z, dtype=np.float64)
     near = pd.Series(z).rolling(5, center=True, min_periods=1).max().to_numpy()
     edges = cal.edges_array
+    # a few healthy runs spike where they happen to: past the transient, anywhere
+    late = z[edges[1:] > cal.transient_end_step]
+    anywhere = float(np.nanmax(late)) if np.isfinite(late).any() else 0.0
     b = np.clip(np.searchsorted(edges, c.steps, side="right") - 1, 0, len(z) - 1)
-    healthy = np.nan_to_num(near[b], nan=0.0) * c.cfg.spike_healthy_margin
-    return np.maximum(thr, healthy)
+    healthy = np.maximum(np.nan_to_num(near[b], nan=0.0), np.where(c.steps >= cal.transient_end_step, anywhere, 0.0))
+    return np.maximum(thr, healthy * c.cfg.spike_healthy_margin)
 
 
 def check_grad_norm(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
@@ -218,11 +224,9 @@ def check_grad_norm(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
         if len(over_w):
             i = int(over_w[0])
             over_c = np.flatnonzero(np.nan_to_num(gsm) > cfg.grad_norm_crit)
-            # with a calibration the healthy runs' grad-norm band judges warnings; the fixed
-            # thresholds (Marin's) keep only their critical one
-            sev = "critical" if len(over_c) else ("info" if c.calibration is not None else "warning")
-            if len(over_c):
-                i = int(over_c[0]) if c.calibration is not None else i
+            # with a calibration the healthy runs' grad-norm band judges (its crit_sd makes a gross
+            # rise critical); the fixed thresholds (Marin's) are for runs without one
+            sev = "info" if c.calibration is not None else ("critical" if len(over_c) else "warning")
             flags.append(Flag("grad_norm_high", sev, int(steps[i]), {
                 "text": f"grad norm (median of {cfg.grad_norm_k}) {gsm[i]:.3g} > {cfg.grad_norm_warn:g} at step {steps[i]}"
                         + (f"; > {cfg.grad_norm_crit:g} from step {steps[over_c[0]]}" if len(over_c) else "")
@@ -246,6 +250,8 @@ def check_grad_norm(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
                         "points_outside": int(mask.sum())}))
         g = grad_growth(steps, gn, env_mean, after_warm, cfg)
         if g is not None:
+            if c.calibration is not None:
+                g.severity = "info"  # the healthy runs' grad-norm band judges
             flags.append(g)
         fin = np.flatnonzero(np.isfinite(gn))
         if len(fin):
