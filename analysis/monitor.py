@@ -31,23 +31,24 @@ The kinds, with their severities:
   `band_gross_widths` band widths): the (optionally smoothed) loss outside the forecast band for
   `band_k` consecutive points; matched by step, or by tokens when the run's tokens per step differ
   from the forecast hero's.
-- `loss_jump` (warning; critical past `loss_jump_crit`): the loss, smoothed by a rolling median of
-  `loss_jump_smooth` points, rises more than `loss_jump_warn` (relative) above its running minimum,
-  and by more than `loss_jump_sigma` times the smoothed loss's own noise.
+- `loss_jump` (warning, info with a calibration; critical past `loss_jump_crit`): the loss,
+  smoothed by a rolling median of `loss_jump_smooth` points, rises more than `loss_jump_warn`
+  (relative) above its running minimum, and by more than `loss_jump_sigma` times the smoothed
+  loss's own noise.
 - `loss_spike` / `grad_norm_spike` (info; warning past the early transient when z passes the
   healthy runs' own largest spike in that stretch x `spike_healthy_margin`; without a
   calibration, a loss spike past `spike_gross_factor` x `spike_sigma`, a grad-norm spike never:
-  healthy runs spike in grad norm): a point more than `spike_sigma` standard
-  deviations above the quadratic trend of the previous `spike_local_window` points. The evidence
+  healthy runs spike in grad norm): a point more than `spike_sigma` standard deviations above the
+  quadratic trend of the previous `spike_local_window` points. The evidence
   also reports OLMo 2's spike score (share of points 7 sigma off the rolling mean of 1,000).
-- `grad_norm_high` (warning above `grad_norm_warn`, info instead with a calibration, whose
-  grad-norm band judges warnings; critical above `grad_norm_crit`; Marin's 2 and 4): the rolling
-  median of `grad_norm_k` points over the threshold, past the early transient.
+- `grad_norm_high` (warning above `grad_norm_warn`, critical above `grad_norm_crit`, Marin's 2
+  and 4; info with a calibration, whose grad-norm band judges): the rolling median of
+  `grad_norm_k` points over the threshold, past the early transient.
 - `grad_norm_above_envelope` (info): grad norm above the forecast envelope's upper edge for
   `band_k` consecutive points (the envelope is the forecast's interval, not healthy spread).
-- `grad_norm_growth` (warning): over a trailing window log(grad norm) grows by more than
-  `grad_trend_ratio` x what the forecast envelope grows, the slope `grad_trend_min_t` standard
-  errors above zero.
+- `grad_norm_growth` (warning; info with a calibration): over a trailing window log(grad norm)
+  grows by more than `grad_trend_ratio` x what the forecast envelope grows, the slope
+  `grad_trend_min_t` standard errors above zero.
 - `token_drops` (warning; critical past `drop_crit`): drop_frac_send + drop_frac_recv above
   `drop_budget` (7%, Marin's alert) for `drop_k` consecutive points past the transient.
 - `router_entropy_collapse` (warning): the rolling median of router entropy below
