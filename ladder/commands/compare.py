@@ -123,7 +123,7 @@ def register(app: typer.Typer) -> None:
         metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV (step, loss, ...)"),
         forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json from `ladder forecast`"),
         calibration: Optional[str] = typer.Option(
-            None, "--calibration", help="calibration.json from `ladder faults` (healthy replicates): the band and the "
+            None, "--calibration", help="calibration.json from bench/faults.py (healthy replicates): the band and the "
             "sequential test's spread per stretch of training"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="print only warnings and criticals (for CI and cron); "
                                    "the exit status says the worst severity"),
