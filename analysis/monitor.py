@@ -61,8 +61,8 @@ The kinds, with their severities:
 - `forecast_spec_mismatch` (info): the forecast was made for another spec id than the run's.
 
 The early transient (where grad-norm, spike, drop and entropy tests wait): the settings'
-`ignore_first_steps`; else where the calibration's healthy runs stop spiking and passing the
-grad-norm threshold (the first 5 clean stretches in a row end it); else the later of the spec's
+`ignore_first_steps`; else where the calibration's healthy runs stop spiking (the first 5 clean
+stretches in a row end it); else the later of the spec's
 warmup and the forecast trajectory's first step (the forecaster's own cut of the early curve).
 
 Where things are: the settings, flags and report in analysis.monitor_types; one check function per

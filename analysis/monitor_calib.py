@@ -90,7 +90,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.forecast_file import Forecast
-from analysis.monitor_stats import column, local_spike_z, rolling_median
+from analysis.monitor_stats import column, local_spike_z
 from core.fsutil import atomic_write_text
 
 __all__ = ["eval_series", "source_eval_names", "Calibration", "SeriesCalibration", "SequentialResult", "calibrate", "cusum_threshold", "load_calibration",
@@ -289,6 +289,7 @@ class Calibration:
     transient_end_step: int  # where the healthy runs' early spikes and grad-norm excursions end
     tokens_per_s: float | None  # the healthy runs' median throughput
     throughput_min_ratio: float | None = None  # the lowest (recent median / earlier median) tokens/s a healthy run showed
+    drop_frac_max: float | None = None  # the largest token-drop fraction (send + recv) a healthy run showed past the transient
     method: str = "healthy replicates: per-block mean and spread of the log residual; AR(1)-whitened CUSUM"
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -473,8 +474,7 @@ def own_change(u: np.ndarray, lam: float) -> np.ndarray:
 
 def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int, forecast: Forecast | None = None,
               n_blocks: int = 100, spike_window: int = 50, spike_min_history: int = 10,
-              spike_sigma: float = 7.0, grad_norm_warn: float = 2.0, grad_norm_k: int = 3,
-              throughput_points: int = 20) -> Calibration:
+              spike_sigma: float = 7.0, throughput_points: int = 20) -> Calibration:
     """A calibration from healthy runs [(name, metrics frame, spec or None)] of one spec."""
     if len(healthy) < 2:
         raise ValueError(f"a calibration needs at least 2 healthy runs (got {len(healthy)}): their spread is the band")
@@ -488,18 +488,11 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
         if len(runs) >= 2:
             series[name] = _series_calibration(runs, name, edges, forecast, spike_window, spike_min_history)
     # the transient: from step 0 to the first run of TRANSIENT_CLEAN blocks in which no healthy run
-    # spiked past spike_sigma and no healthy grad norm's rolling median passed grad_norm_warn (a
-    # spike later on is the per-stretch spike threshold's business, not the transient's)
+    # spiked past spike_sigma (a spike later on is the per-stretch spike threshold's business; a
+    # grad norm over a fixed threshold says nothing here: healthy runs of some specs stay over it)
     hot_B = np.zeros(len(edges) - 1, dtype=bool)
     for cal in series.values():
         hot_B |= np.nan_to_num(np.asarray(cal.spike_z, dtype=np.float64), nan=0.0) > spike_sigma
-    for _, df, _ in healthy:
-        gn = column(df, "grad_norm")
-        if gn is not None:
-            gsm = rolling_median(np.where(np.isfinite(gn), gn, np.nan), grad_norm_k)
-            idx = np.searchsorted(edges, df["step"].to_numpy(), side="right") - 1
-            hit = idx[(np.nan_to_num(gsm) > grad_norm_warn) & (idx >= 0) & (idx < len(hot_B))]
-            hot_B[hit] = True
     transient, clean = 0, 0
     for b, hot in enumerate(hot_B):
         clean = 0 if hot else clean + 1
@@ -509,6 +502,14 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
             break
     tps = [float(np.nanmedian(v)) for _, df, _ in healthy if (v := column(df, "tokens_per_s")) is not None]
     ratios = [r for _, df, _ in healthy if (r := throughput_ratio(df, throughput_points)) is not None]
+    drops = []
+    for _, df, _ in healthy:
+        ds, dr = column(df, "drop_frac_send"), column(df, "drop_frac_recv")
+        if ds is not None or dr is not None:
+            d = np.nan_to_num(ds if ds is not None else 0.0) + np.nan_to_num(dr if dr is not None else 0.0)
+            d = np.broadcast_to(d, (len(df),))[df["step"].to_numpy() >= transient]
+            if len(d):
+                drops.append(float(np.max(d)))
     runs_meta = []
     for name, df, spec in healthy:
         runs_meta.append({"name": name, "spec_id": getattr(spec, "id", None), "seed": getattr(spec, "seed", None),
@@ -517,7 +518,8 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
                        reference="forecast" if forecast is not None else "healthy mean",
                        forecast=_forecast_id(forecast) if forecast is not None else None, runs=runs_meta,
                        transient_end_step=int(transient), tokens_per_s=float(np.median(tps)) if tps else None,
-                       throughput_min_ratio=float(np.nanmin(np.concatenate(ratios))) if ratios else None)
+                       throughput_min_ratio=float(np.nanmin(np.concatenate(ratios))) if ratios else None,
+                       drop_frac_max=max(drops) if drops else None)
 
 
 @dataclass

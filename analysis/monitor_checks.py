@@ -197,10 +197,13 @@ def spike_threshold(c: RunCurves, name: str) -> np.ndarray:
     the loss and never for the grad norm."""
     thr = np.full(c.n, c.cfg.spike_sigma)
     cal = c.calibration
+    if name != "loss":
+        # a grad-norm spike alone is routine in healthy runs (a healthy H200 hero's grad norm spiked
+        # 4x, 55 sigma, for one step): it is for the record; a sustained rise is the band's business
+        return np.full(c.n, np.inf)
     if cal is None or name not in cal.series:
-        # nothing says how large this spec's healthy spikes get: only a gross loss spike warns (a
-        # healthy H200 hero's grad norm spiked 4x, 55 sigma, for one step)
-        return thr * c.cfg.spike_gross_factor if name == "loss" else np.full(c.n, np.inf)
+        # nothing says how large this spec's healthy spikes get: only a gross loss spike warns
+        return thr * c.cfg.spike_gross_factor
     z = np.asarray(cal.series[name].spike_z, dtype=np.float64)
     near = pd.Series(z).rolling(5, center=True, min_periods=1).max().to_numpy()
     edges = cal.edges_array
@@ -273,7 +276,15 @@ def check_token_drops(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
         if r:
             a, b = r
             rc = first_run((drop > cfg.drop_crit) & after_warm, cfg.drop_k)
-            flags.append(Flag("token_drops", "critical" if rc else "warning", int(steps[a]), {
+            sev = "critical" if rc else "warning"
+            cal = c.calibration
+            if cal is not None and cal.drop_frac_max is not None:
+                # healthy runs of this spec drop this much: only more than they ever did is news
+                over = first_run((drop > cal.drop_frac_max * cfg.spike_healthy_margin) & after_warm, cfg.drop_k)
+                sev = ("critical" if rc and over else "warning") if over else "info"
+                if over:
+                    a, b = over
+            flags.append(Flag("token_drops", sev, int(steps[a]), {
                 "text": f"token-drop fraction {drop[a]:.1%} (send + recv) over the {cfg.drop_budget:.0%} budget for "
                         f"{cfg.drop_k} consecutive points from step {steps[a]}; last {drop[-1]:.1%}, max {drop.max():.1%}",
                 "drop_frac": json_num(drop[a]), "drop_frac_last": json_num(drop[-1]), "drop_frac_max": json_num(drop.max()),

@@ -154,7 +154,7 @@ def _hook_stale(spec: Spec, onset: int):
 
 
 def _hook_replay(spec: Spec, onset: int):
-    back = _back(spec)
+    back = min(_back(spec), onset)  # never before step 0
 
     def hook(step, batch, lr, trainer):
         return (trainer.stream.batch(step - back) if step >= onset else batch), lr
@@ -342,7 +342,6 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
     def cal_from(runs):
         return calibrate(runs, total, forecast, n_blocks=n_blocks, spike_window=settings.spike_local_window,
                          spike_min_history=settings.spike_min_history, spike_sigma=settings.spike_sigma,
-                         grad_norm_warn=settings.grad_norm_warn, grad_norm_k=settings.grad_norm_k,
                          throughput_points=settings.throughput_points)
 
     cal_all = cal_from([(n, df, s) for n, df, s, _ in healthy])
