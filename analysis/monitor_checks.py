@@ -11,6 +11,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.forecast_file import Forecast
+from analysis.monitor_calib import Calibration
 from analysis.metrics_io import frame_tokens_per_step
 from analysis.monitor_stats import (column, first_run, interp_inside, iso_utc, json_num, local_spike_z,
                                     measured_tokens_per_s, olmo_spike_score, planned_tokens_per_s, rolling_median)
@@ -32,7 +33,9 @@ class RunCurves:
     steps: np.ndarray
     loss: np.ndarray
     grad_norm: np.ndarray | None
-    after_warm: np.ndarray
+    after_warm: np.ndarray  # past the early transient
+    calibration: Calibration | None = None
+    transient_end: int = 0
 
     @property
     def n(self) -> int:
@@ -70,7 +73,9 @@ def check_run_status(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
 
 
 def check_band(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
-    """`loss_above_band` / `loss_below_band` against the forecast band, and `forecast_spec_mismatch`."""
+    """`loss_above_band` / `loss_below_band` against the forecast band (without a calibration: the
+    band is the forecast's interval, not healthy runs' spread, so outside it is info and beyond it
+    by band_gross_widths band widths a warning), and `forecast_spec_mismatch`."""
     df, steps, loss, n, spec, cfg, forecast = c.df, c.steps, c.loss, c.n, c.spec, c.cfg, c.forecast
     band_summary: dict[str, Any] = {}
     if forecast is None:
@@ -89,18 +94,29 @@ def check_band(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     lo, hi, mid = (interp_inside(xq, xp, a) for a in (forecast.traj_lo, forecast.traj_hi, forecast.traj_loss))
     sm = rolling_median(loss, cfg.band_smooth)
     inside = np.isfinite(lo) & np.isfinite(sm)
-    for kind, sev, mask, edge, word in (
-        ("loss_above_band", "warning", inside & (sm > hi), hi, "above"),
-        ("loss_below_band", "info", inside & (sm < lo), lo, "below"),
+    with np.errstate(divide="ignore", invalid="ignore"):
+        width = np.log(hi / lo) * cfg.band_gross_widths
+        gross_hi, gross_lo = hi * np.exp(width), lo * np.exp(-width)
+    for kind, mask, gross, word in (
+        ("loss_above_band", inside & (sm > hi), inside & (sm > gross_hi), "above"),
+        ("loss_below_band", inside & (sm < lo), inside & (sm < gross_lo), "below"),
     ):
+        if c.calibration is not None and "loss" in c.calibration.series:
+            break  # the calibrated sequential test (analysis.monitor_seq) judges the loss
         r = first_run(mask, cfg.band_k)
         if r:
             a, b = r
-            flags.append(Flag(kind, sev, int(steps[a]), {
+            rg = first_run(gross, cfg.band_k)
+            sev, at = ("warning", rg) if rg else ("info", r)
+            a, b = at
+            flags.append(Flag(kind, sev, int(steps[b]), {
                 "text": f"loss {word} the forecast band for {cfg.band_k} consecutive points from step {steps[a]} "
-                        f"({sm[a]:.4f} vs band [{lo[a]:.4f}, {hi[a]:.4f}]); {int(mask.sum())} point(s) {word} in all",
+                        f"({sm[a]:.4f} vs band [{lo[a]:.4f}, {hi[a]:.4f}])"
+                        + (f", beyond it by {cfg.band_gross_widths:g} band width(s)" if rg else
+                           " (the forecast's interval, not calibrated on healthy runs of this spec: for the record)")
+                        + f"; {int(mask.sum())} point(s) {word} in all",
                 "loss": json_num(sm[a]), "band_lo": json_num(lo[a]), "band_hi": json_num(hi[a]), "forecast": json_num(mid[a]),
-                "detected_step": int(steps[b]), "points_outside": int(mask.sum()), "axis": axis}))
+                "onset_step": int(steps[r[0]]), "points_outside": int(mask.sum()), "axis": axis}))
     last_in = np.flatnonzero(np.isfinite(lo))
     if len(last_in):
         j = last_in[-1]
@@ -133,7 +149,10 @@ def check_loss_jump(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
             i = int(warn[0])
             crit = np.flatnonzero((np.nan_to_num(rel, nan=-1) > cfg.loss_jump_crit) & (rise > gate))
             peak = int(np.nanargmax(rel))
-            flags.append(Flag("loss_jump", "critical" if len(crit) else "warning", int(steps[i]), {
+            # with a calibration the healthy runs' loss band judges warnings; a jump keeps its critical
+            sev = "critical" if len(crit) else ("info" if c.calibration is not None else "warning")
+            flags.append(Flag("loss_jump", sev, int(steps[crit[0]]) if len(crit) and c.calibration is not None
+                              else int(steps[i]), {
                 "text": f"smoothed loss rose {rel[i]:.1%} above its running minimum {runmin[i]:.4f} at step {steps[i]}"
                         + (f", {rel[crit[0]]:.1%} by step {steps[crit[0]]}" if len(crit) and crit[0] != i else "")
                         + f"; peak rise {rel[peak]:.1%} at step {steps[peak]}",
@@ -153,15 +172,47 @@ def check_spikes(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
             continue
         spike_scores[name] = olmo_spike_score(v, cfg.spike_window, cfg.spike_sigma)
         z, pred = local_spike_z(steps, v, cfg.spike_local_window, cfg.spike_min_history)
+        thr = spike_threshold(c, name)
         hits = np.flatnonzero(np.nan_to_num(z, nan=0.0) > cfg.spike_sigma)
         if len(hits):
-            i = int(hits[0])
-            flags.append(Flag(f"{name}_spike", "warning", int(steps[i]), {
+            late = hits[c.after_warm[hits] & (z[hits] > thr[hits])]
+            i = int(late[0]) if len(late) else int(hits[0])
+            sev = "warning" if len(late) else "info"
+            flags.append(Flag(f"{name}_spike", sev, int(steps[i]), {
                 "text": f"{name} {v[i]:.4g} at step {steps[i]} is {z[i]:.1f} sigma above its local trend "
-                        f"({pred[i]:.4g}); {len(hits)} spike point(s); OLMo 2 spike score {spike_scores[name]:.4f}",
-                "value": json_num(v[i]), "expected": json_num(pred[i]), "z": json_num(z[i]), "n_spikes": int(len(hits)),
-                "spike_score": spike_scores[name], "spike_steps": [int(s) for s in steps[hits[:20]]]}))
+                        f"({pred[i]:.4g}; threshold {thr[i]:.1f}); {len(hits)} spike point(s)"
+                        + ("" if len(late) else f", none past the early transient (step {c.transient_end}) and "
+                                                f"its warning threshold")
+                        + f"; OLMo 2 spike score {spike_scores[name]:.4f}",
+                "value": json_num(v[i]), "expected": json_num(pred[i]), "z": json_num(z[i]), "threshold": json_num(thr[i]),
+                "n_spikes": int(len(hits)), "spike_score": spike_scores[name],
+                "spike_steps": [int(s) for s in steps[hits[:20]]]}))
     return flags, {"spike_score": spike_scores}
+
+
+def spike_threshold(c: RunCurves, name: str) -> np.ndarray:
+    """Per point, the z a spike must pass to warn: with a calibration, spike_sigma or the largest
+    local z healthy runs showed in the point's stretch (and the two each side), and past the
+    transient anywhere past it, x spike_healthy_margin, whichever is higher; without one, spike_gross_factor x spike_sigma for
+    the loss and never for the grad norm."""
+    thr = np.full(c.n, c.cfg.spike_sigma)
+    cal = c.calibration
+    if name != "loss":
+        # a grad-norm spike alone is routine in healthy runs (a healthy H200 hero's grad norm spiked
+        # 4x, 55 sigma, for one step): it is for the record; a sustained rise is the band's business
+        return np.full(c.n, np.inf)
+    if cal is None or name not in cal.series:
+        # nothing says how large this spec's healthy spikes get: only a gross loss spike warns
+        return thr * c.cfg.spike_gross_factor
+    z = np.asarray(cal.series[name].spike_z, dtype=np.float64)
+    near = pd.Series(z).rolling(5, center=True, min_periods=1).max().to_numpy()
+    edges = cal.edges_array
+    # a few healthy runs spike where they happen to: past the transient, anywhere
+    late = z[edges[1:] > cal.transient_end_step]
+    anywhere = float(np.nanmax(late)) if np.isfinite(late).any() else 0.0
+    b = np.clip(np.searchsorted(edges, c.steps, side="right") - 1, 0, len(z) - 1)
+    healthy = np.maximum(np.nan_to_num(near[b], nan=0.0), np.where(c.steps >= cal.transient_end_step, anywhere, 0.0))
+    return np.maximum(thr, healthy * c.cfg.spike_healthy_margin)
 
 
 def check_grad_norm(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
@@ -176,7 +227,10 @@ def check_grad_norm(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
         if len(over_w):
             i = int(over_w[0])
             over_c = np.flatnonzero(np.nan_to_num(gsm) > cfg.grad_norm_crit)
-            flags.append(Flag("grad_norm_high", "critical" if len(over_c) else "warning", int(steps[i]), {
+            # with a calibration the healthy runs' grad-norm band judges (its crit_sd makes a gross
+            # rise critical); the fixed thresholds (Marin's) are for runs without one
+            sev = "info" if c.calibration is not None else ("critical" if len(over_c) else "warning")
+            flags.append(Flag("grad_norm_high", sev, int(steps[i]), {
                 "text": f"grad norm (median of {cfg.grad_norm_k}) {gsm[i]:.3g} > {cfg.grad_norm_warn:g} at step {steps[i]}"
                         + (f"; > {cfg.grad_norm_crit:g} from step {steps[over_c[0]]}" if len(over_c) else "")
                         + f"; max {np.nanmax(gsm):.3g}",
@@ -191,13 +245,16 @@ def check_grad_norm(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
                 r = first_run(mask, cfg.band_k)
                 if r:
                     a, b = r
-                    flags.append(Flag("grad_norm_above_envelope", "warning", int(steps[a]), {
+                    flags.append(Flag("grad_norm_above_envelope", "info", int(steps[b]), {
                         "text": f"grad norm above the forecast envelope for {cfg.band_k} consecutive points from step "
-                                f"{steps[a]} ({gn[a]:.3g} vs upper edge {hi[a]:.3g})",
+                                f"{steps[a]} ({gn[a]:.3g} vs upper edge {hi[a]:.3g}; the envelope is the forecast's "
+                                f"interval, not healthy runs' spread: for the record)",
                         "grad_norm": json_num(gn[a]), "envelope_hi": json_num(hi[a]), "detected_step": int(steps[b]),
                         "points_outside": int(mask.sum())}))
         g = grad_growth(steps, gn, env_mean, after_warm, cfg)
         if g is not None:
+            if c.calibration is not None:
+                g.severity = "info"  # the healthy runs' grad-norm band judges
             flags.append(g)
         fin = np.flatnonzero(np.isfinite(gn))
         if len(fin):
@@ -219,7 +276,15 @@ def check_token_drops(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
         if r:
             a, b = r
             rc = first_run((drop > cfg.drop_crit) & after_warm, cfg.drop_k)
-            flags.append(Flag("token_drops", "critical" if rc else "warning", int(steps[a]), {
+            sev = "critical" if rc else "warning"
+            cal = c.calibration
+            if cal is not None and cal.drop_frac_max is not None:
+                # healthy runs of this spec drop this much: only more than they ever did is news
+                over = first_run((drop > cal.drop_frac_max * cfg.spike_healthy_margin) & after_warm, cfg.drop_k)
+                sev = ("critical" if rc and over else "warning") if over else "info"
+                if over:
+                    a, b = over
+            flags.append(Flag("token_drops", sev, int(steps[a]), {
                 "text": f"token-drop fraction {drop[a]:.1%} (send + recv) over the {cfg.drop_budget:.0%} budget for "
                         f"{cfg.drop_k} consecutive points from step {steps[a]}; last {drop[-1]:.1%}, max {drop.max():.1%}",
                 "drop_frac": json_num(drop[a]), "drop_frac_last": json_num(drop[-1]), "drop_frac_max": json_num(drop.max()),
@@ -275,7 +340,7 @@ def check_throughput(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
             tput["planned_finish"] = iso_utc(base + remaining_tokens / plan)
     if (measured is not None and plan is not None and measured < cfg.throughput_frac * plan
             and tput.get("remaining_tokens", 1) > 0):
-        flags.append(Flag("throughput_low", "warning", int(steps[-1]), {
+        flags.append(Flag("throughput_low", "info", int(steps[-1]), {
             "text": f"measured {measured:,.0f} tokens/s is {measured / plan:.0%} of the plan's {plan:,.0f}"
                     + (f"; projected finish {tput['projected_finish']} instead of {tput['planned_finish']}"
                        if "projected_finish" in tput and "planned_finish" in tput else ""),

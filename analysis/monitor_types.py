@@ -49,6 +49,23 @@ class MonitorSettings(BaseModel):
     entropy_k: int = Field(3, ge=1, description="rolling-median points of the entropy test")
     throughput_frac: float = Field(0.9, gt=0, le=1, description="share of planned tokens/s below which to flag")
     throughput_points: int = Field(20, ge=1, description="last points whose median is the measured tokens/s")
+    throughput_drop_frac: float = Field(1 / 3, gt=0, lt=1, description="recent tokens/s below this share of the "
+                                        "run's own earlier rate: a throughput drop")
+    false_alarm_rate: float = Field(0.01, gt=0, lt=0.5, description="chance a healthy run trips one direction of "
+                                    "one series' sequential test (analysis.monitor_calib)")
+    min_sd: float = Field(0.01, ge=0, description="floor on a series' healthy sd in log units (1%): smaller "
+                          "departures are not worth a flag however steady the healthy runs are")
+    crit_sd: float = Field(8.0, gt=0, description="healthy sds a departure must reach, past the alarm, to be critical")
+    spike_healthy_margin: float = Field(1.5, ge=1, description="with a calibration, a spike must exceed the healthy "
+                                        "runs' largest local z in its stretch by this factor to warn")
+    spike_gross_factor: float = Field(3.0, ge=1, description="without a calibration, a loss spike warns only past "
+                                      "this many times spike_sigma (else it is info; a grad-norm spike alone is info)")
+    band_gross_widths: float = Field(2.0, gt=0, description="without a calibration: band widths beyond the "
+                                     "forecast band that make a departure a warning")
+    eval_rise_sigma: float = Field(3.0, gt=0, description="eval loss rise over its running minimum, in standard "
+                                   "errors (eval_loss_se), that counts as a rise")
+    eval_rise_rel: float = Field(0.02, gt=0, description="the relative rise that counts without eval_loss_se")
+    eval_rise_points: int = Field(2, ge=1, description="consecutive eval points risen, with train loss falling")
 
     @classmethod
     def load(cls, path: str | Path | None = None, overrides: dict[str, Any] | None = None) -> "MonitorSettings":

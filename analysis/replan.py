@@ -304,8 +304,16 @@ def make_replan(
         notes.append(f"no run directory: checkpoints assumed every {spec.run.checkpoint_every} steps")
     options: list[Option] = []
 
-    # keep
+    # a finished run has nothing left to replan
     state_now = (st.ref.status().get("state") if st.ref else None) or "running"
+    if state_now == "finished" or st.done_steps >= spec.total_steps:
+        return Replan(st, deadline, [], None,
+                      f"the run has finished ({min(st.done_steps, spec.total_steps)} of {spec.total_steps} steps): "
+                      "there is nothing left to replan, so no options are offered", None,
+                      notes + ["no options for a finished run: continue it with a new spec (a longer horizon "
+                               "through lineage.resume_step) if more training is wanted"])
+
+    # keep
     keep_note = {"running": "the run goes on as planned", "pending": "the run goes on as planned",
                  "finished": "the run has finished"}.get(
         state_now, f"the run has stopped ({state_now}): keeping the plan means resuming it as it is")
@@ -430,8 +438,59 @@ def make_replan(
         opt.forecast = keep.forecast
         options.append(opt)
 
+    notes += _monotone_in_tokens(options)
+    for o in options:
+        _check_kept(spec, o)
     rec, text = _recommend(st, options, deadline, bad, drops)
     return Replan(st, deadline, options, rec, text, gate, notes)
+
+
+SHAPE_KINDS = ("keep", "shorten", "shorten_mix")  # one schedule shape: the plan's, re-timed
+
+
+def _monotone_in_tokens(options: list[Option]) -> list[str]:
+    """More tokens under the same schedule shape never forecast a higher final loss: the options
+    of SHAPE_KINDS, ordered by their total tokens, get their forecast means pooled where a longer
+    one forecasts above a shorter one (pool-adjacent-violators, weights 1; the intervals move with
+    their means). Returns a note for each pooling."""
+    same = sorted([o for o in options if o.kind in SHAPE_KINDS and o.spec is not None and o.forecast],
+                  key=lambda o: o.spec.data.total_tokens)
+    if len(same) < 2:
+        return []
+    blocks = [[o] for o in same]
+    i = 0
+    while i < len(blocks) - 1:
+        a = np.mean([o.forecast["mean"] for o in blocks[i]])
+        b = np.mean([o.forecast["mean"] for o in blocks[i + 1]])
+        if b > a:  # the longer forecasts higher: pool them
+            blocks[i] += blocks.pop(i + 1)
+            i = max(i - 1, 0)
+        else:
+            i += 1
+    notes = []
+    for blk in blocks:
+        if len(blk) < 2:
+            continue
+        pooled = float(np.mean([o.forecast["mean"] for o in blk]))
+        was = ", ".join(f"{o.kind} {o.spec.total_steps} steps {o.forecast['mean']:.4g}" for o in blk)
+        for o in blk:
+            d = pooled - o.forecast["mean"]
+            o.forecast = {**o.forecast, "mean": pooled, "lo": max(o.forecast["lo"] + d, 0.0), "hi": o.forecast["hi"] + d,
+                          "pooled_from": o.forecast["mean"]}
+        notes.append(f"forecasts pooled to stay monotone in tokens (the curve model had {was}): more tokens under "
+                     "the same schedule shape do not end higher")
+    return notes
+
+
+def _check_kept(parent: Spec, o: Option) -> None:
+    """Every option keeps the run's checkpoint cadence, and its data seed unless re-drawing the
+    data is the option. A failure is a bug, not bad input."""
+    if o.spec is None:
+        return
+    if o.spec.run.checkpoint_every != parent.run.checkpoint_every or o.spec.run.eval_every != parent.run.eval_every:
+        raise AssertionError(f"option {o.kind} changed the run's checkpoint or eval cadence")
+    if o.kind != "rewind_redraw" and o.spec.seed != parent.seed:
+        raise AssertionError(f"option {o.kind} changed the data seed")
 
 
 def _drop_option(st, kind, title, why, join, deadline, forecaster, changes, note="") -> Option:

@@ -88,8 +88,9 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
     When forecast.json forecasts this very run (its hero spec id), a second forecast anchors on
     its trajectory: the plan's forecast loss at the option's last steps (with its band), plus the
     chosen model's difference between the option's schedule and the plan's at those steps (known
-    within +-50%). The narrower of the two intervals is reported: early in a long run the ladder
-    knows the level far better than the run's own first points.
+    within +-50%). The method with the narrower interval on the plan itself is used for every option
+    of the replan (early in a long run the ladder knows the level far better than the run's own
+    first points); options forecast by different methods would not be comparable.
 
     The interval of an option's final loss adds, in quadrature: the model's uncertainty, the
     larger of its band less the per-point scatter (bootstrap spread and the curve model's own
@@ -170,7 +171,8 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
     last_obs = int(s_obs[-1])
     zq = float(norm.ppf(0.5 + INTERVAL_LEVEL / 2))
 
-    def forecast(st, option: Spec, resume_step: int) -> dict | None:
+    def _both(option: Spec, resume_step: int) -> tuple[dict | None, dict | None]:
+        """(the run's own curve model's forecast, the forecast anchored on forecast.json's plan)."""
         total = option.total_steps
         lr_T = lr_at(option, np.arange(total))
         lr_T[:resume_step] = lr_run[:resume_step]  # the steps before the resume are the parent's
@@ -179,7 +181,7 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
             mean = float(np.mean(chosen.predict(last, lr_T)))
             boot_sd = chosen.boot_sd(last, lr_T)
         except errors:
-            return None
+            return None, None
         # The fit's own uncertainty is its bootstrap spread; its extrapolation error is this run's
         # own holdout (the error per step of a fit on the first 75% of the run, on the rest) times
         # the steps this forecast reaches beyond the data. Not the curve band's generic extrapolation
@@ -196,10 +198,23 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
         if not (math.isfinite(mean) and math.isfinite(half)) or mean <= 0:
             out = None
         anchored = _anchored(last, lr_T, noise_sd)
-        if anchored is not None and (out is None or anchored["hi"] - anchored["lo"] < out["hi"] - out["lo"]):
-            out = {**anchored, "holdout_err": holdout, "fitted_points": int(len(s_obs)),
-                   "what": f"mean training loss over the last {len(last)} steps"}
-        return out
+        if anchored is not None:
+            anchored = {**anchored, "holdout_err": holdout, "fitted_points": int(len(s_obs)),
+                        "what": f"mean training loss over the last {len(last)} steps"}
+        return out, anchored
+
+    def forecast(st, option: Spec, resume_step: int) -> dict | None:
+        # one method for every option of a replan (chosen on the plan itself, the narrower interval):
+        # options forecast by different methods are not comparable with each other
+        if "anchored" not in method:
+            own_p, anch_p = _both(spec, min(state.step + 1, spec.total_steps))
+            method["anchored"] = anch_p is not None and (
+                own_p is None or anch_p["hi"] - anch_p["lo"] < own_p["hi"] - own_p["lo"])
+        own, anchored = _both(option, resume_step)
+        first, second = (anchored, own) if method["anchored"] else (own, anchored)
+        return first if first is not None else second
+
+    method: dict[str, bool] = {}
 
     # The forecast's own trajectory of this run's plan (forecast.json, made from the ladder before
     # the run started) anchors the level; the run's curve model only supplies how the option's

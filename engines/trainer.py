@@ -20,6 +20,8 @@ does everything around the steps, the same way for each of them:
                         the periodic subset's value at every eval, the final one included
     divergence          a non-finite step is recorded, status.json says "diverged" and the run
                         raises DivergedError; nothing after the last checkpoint is ever saved
+    fault hook          `fault` (bench/faults.py only; None in every real run): a deliberate
+                        fault the monitor is measured on, applied to what a step reads (see inject)
     status and metrics  status.json (running -> finished | failed | diverged) and metrics.jsonl
                         through core.rundir (MetricsWriter: one record a step, flushed)
 
@@ -197,16 +199,34 @@ def record(step: int, tokens: int, lr: float, m: dict[str, float], tps: float, m
     )
 
 
+class FaultHook(Protocol):
+    """A deliberate fault (bench/faults.py): called before step `step` is launched with the batch
+    it would read and the LR it would use; returns the batch and LR it does read and use. It may
+    act on the trainer too (its module's state through save_arrays/load_arrays, its stream), and
+    is the only way a fault enters a run: the spec, the data pipeline and the step modules are
+    the real ones."""
+
+    def __call__(self, step: int, batch_BS1: np.ndarray, lr: float, trainer: "Trainer") -> tuple[np.ndarray, float]:
+        ...
+
+
+def inject(fault: FaultHook | None, step: int, batch_BS1: np.ndarray, lr: float, trainer: "Trainer"):
+    """(batch, lr) of step `step` after the fault hook, when there is one (never in a real run)."""
+    if fault is None:
+        return batch_BS1, lr
+    return fault(step, batch_BS1, lr, trainer)
+
+
 class Trainer:
     """Trains `spec` in `run_dir` with `module`'s steps; fit() yields every step's StepMetrics.
 
     stop_after: end this launch after that step of the schedule (with a checkpoint; the LR
     still follows the whole schedule); checkpoints False: write none (benchmarks); stream: the
     token stream (default: the spec's, engines/data.TokenStream; anything with its batch,
-    eval_plan, eval_batch, base_mixture, state and fingerprint)."""
+    eval_plan, eval_batch, base_mixture, state and fingerprint); fault: a FaultHook (the fault suite only)."""
 
     def __init__(self, spec: Spec, run_dir: str | Path, module: StepModule, stop_after: int | None = None,
-                 checkpoints: bool = True, stream: TokenStream | None = None):
+                 checkpoints: bool = True, stream: TokenStream | None = None, fault: "FaultHook | None" = None):
         self.spec, self.run, self.module = spec, RunDir(run_dir), module
         total = spec.total_steps
         self.end = total if stop_after is None else min(stop_after, total)
@@ -214,6 +234,7 @@ class Trainer:
         self.tokens = 0
         self.stream = stream
         self.last_good: tuple[Path, str] | None = None  # the newest checkpoint known good, and how
+        self.fault = fault
 
     # ---- cadence -------------------------------------------------------------------------
     def eval_due(self, done: int) -> bool:
@@ -368,7 +389,7 @@ class Trainer:
             else:
                 B = self.stream.batch_size_at(step)
                 batch = self.stream.batch(step, *batch_part(B))
-            lr = lrs(step)
+            batch, lr = inject(self.fault, step, batch, lrs(step), self)
             handle = module.launch(step, batch, lr)
             return handle, lr, B * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
 

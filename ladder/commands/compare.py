@@ -1,7 +1,9 @@
 """`ladder compare`: a live run (or any exported loss curve) against its forecast, with flags.
 
-Exit status 3 when a critical flag is raised (NaN/inf, divergence, grad norm past the critical
-threshold, ...), so it can gate a cron job; 2 on bad input; 0 otherwise.
+Exit status by the worst severity raised, so it can gate a cron job: 0 none or info, 1 warning,
+3 critical; 2 on bad input. With --follow each new flag, and each escalation of a flag to a
+higher severity, is printed once, when it happens, with its step; --quiet prints only those of
+warning or critical severity (and errors), nothing else.
 """
 
 from __future__ import annotations
@@ -17,10 +19,12 @@ from rich.console import Console
 from rich.table import Table
 from analysis.metric_names import load_metric_names
 from analysis.metrics_io import check_spec_matches, tokens_from_spec
-from analysis.monitor import MonitorSettings, load_forecast, monitor
+from analysis.monitor import SEVERITY_RANK, MonitorSettings, load_calibration, load_forecast, monitor
 from core.spec import load_spec
 
+EXIT_WARNING = 1
 EXIT_CRITICAL = 3
+EXIT_BY_SEVERITY = {None: 0, "info": 0, "warning": EXIT_WARNING, "critical": EXIT_CRITICAL}
 TERMINAL_STATES = ("finished", "diverged", "failed")
 SEVERITY_STYLE = {"info": "blue", "warning": "yellow", "critical": "bold red"}
 
@@ -91,6 +95,28 @@ def render(report, console: Console, title: str) -> None:
     console.print(", ".join(bits), highlight=False)
 
 
+class Announcer:
+    """Prints each flag kind once when it first appears and once more at each escalation."""
+
+    def __init__(self, console: Console, quiet: bool):
+        self.console, self.quiet = console, quiet
+        self.said: dict[str, str] = {}  # kind -> the highest severity printed
+
+    def __call__(self, report) -> None:
+        for f in sorted(report.flags, key=lambda f: (f.first_step, -SEVERITY_RANK[f.severity])):
+            before = self.said.get(f.kind)
+            if before is not None and SEVERITY_RANK[f.severity] <= SEVERITY_RANK[before]:
+                continue
+            self.said[f.kind] = f.severity
+            if self.quiet and f.severity == "info":
+                continue
+            word = "new" if before is None else f"escalated from {before}"
+            step = f.evidence.get("critical_step") if before is not None and f.severity == "critical" else None
+            self.console.print(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/] {f.kind} @ step "
+                               f"{step if step is not None else f.first_step} ({word}): {f.evidence.get('text', '')}",
+                               highlight=False, soft_wrap=True)  # one alert, one line
+
+
 def register(app: typer.Typer) -> None:
     @app.command("compare")
     def compare_cmd(
@@ -98,6 +124,11 @@ def register(app: typer.Typer) -> None:
                                             "(a W&B run directory) or wandb:ENTITY/PROJECT/RUN_ID"),
         metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV (step, loss, ...)"),
         forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json from `ladder forecast`"),
+        calibration: Optional[str] = typer.Option(
+            None, "--calibration", help="calibration.json from bench/faults.py (healthy replicates): the band and the "
+            "sequential test's spread per stretch of training"),
+        quiet: bool = typer.Option(False, "--quiet", "-q", help="print only warnings and criticals (for CI and cron); "
+                                   "the exit status says the worst severity"),
         spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec (default: the run's own spec.yaml)"),
         follow: bool = typer.Option(False, "--follow", help="re-read as the run grows until it finishes"),
         interval: float = typer.Option(10.0, "--interval", help="seconds between reads with --follow"),
@@ -118,6 +149,9 @@ def register(app: typer.Typer) -> None:
 
         settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
         fc = load_forecast(forecast) if forecast else None
+        cal = load_calibration(calibration) if calibration else None
+        if cal is not None:
+            cal.check_forecast(fc, where=str(calibration))
         if tokens_per_s is not None and tokens_per_s <= 0:
             raise ValueError(f"--tokens-per-s must be positive (got {tokens_per_s})")
         if interval <= 0:
@@ -135,19 +169,20 @@ def register(app: typer.Typer) -> None:
                                                                "no run-<id>.wandb here"))
                 if not waiting or (max_wait is not None and time.monotonic() - start >= max_wait):
                     raise
-                console.print(f"[dim]waiting for the run's first metrics ({e})[/]", highlight=False)
+                if not quiet:
+                    console.print(f"[dim]waiting for the run's first metrics ({e})[/]", highlight=False)
                 time.sleep(interval)
-        seen: set[tuple[str, int]] = set()
+        announce = Announcer(console, quiet)
+        last_step = None
         while True:
-            report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=src.status())
+            report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=src.status(),
+                             calibration=cal)
             if follow:
-                for f in report.flags:
-                    if (f.kind, f.first_step) not in seen:
-                        seen.add((f.kind, f.first_step))
-                        console.print(f"[{SEVERITY_STYLE[f.severity]}]{f.severity}[/] {f.kind} @ {f.first_step}: "
-                                      f"{f.evidence.get('text', '')}", highlight=False)
+                announce(report)
                 state = src.status().get("state")
-                console.print(f"[dim]step {report.summary.get('step')} ({state or 'no status'})[/]", highlight=False)
+                if not quiet and report.summary.get("step") != last_step:
+                    console.print(f"[dim]step {report.summary.get('step')} ({state or 'no status'})[/]", highlight=False)
+                last_step = report.summary.get("step")
                 done = state in TERMINAL_STATES
                 timed_out = max_wait is not None and time.monotonic() - start >= max_wait
                 if not (done or timed_out):
@@ -168,11 +203,15 @@ def register(app: typer.Typer) -> None:
             print(json.dumps({"run": src.label, **({"metrics": described["metrics"]} if "metrics" in described else {}),
                               "source": described, **report.to_dict(),
                               **({"png": str(Path(png))} if png else {})}, indent=2, default=str))
+        elif quiet:
+            if not follow:
+                Announcer(console, quiet)(report)
         else:
             render(report, console, f"compare: {src.label}")
             if png:
                 console.print(f"plot: {png}", soft_wrap=True, highlight=False)
-        if report.critical:
+        code = EXIT_BY_SEVERITY[report.worst]
+        if code:
             # SystemExit, not typer.Exit: the CLI runs click with standalone_mode=False, which turns an
             # Exit into a return value and loses its code.
-            raise SystemExit(EXIT_CRITICAL)
+            raise SystemExit(code)

@@ -58,7 +58,8 @@ def render(plan, console: Console) -> None:
                   "-" if r["total_steps"] is None else str(r["total_steps"]), finish,
                   "-" if r["device_hours"] is None else f"{r['device_hours']:.3g}", loss,
                   " ".join(x for x in (r["note"], f"-> {r['spec_path']}" if r["spec_path"] else "") if x), style=style)
-    console.print(t)
+    if plan.options:
+        console.print(t)
     if plan.context_gate:
         console.print(f"context gate: {plan.context_gate.get('note')}", highlight=False)
     for n in plan.notes:

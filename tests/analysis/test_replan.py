@@ -333,3 +333,43 @@ def test_early_in_a_run_the_forecast_of_its_own_plan_anchors_the_level(tmp_path)
     short = forecast(state, shorten_spec(spec, 200, 600, True, "shorten", "test"), 200)
     assert short["model"].startswith("forecast+") and short["schedule_correction"] < 0
     assert short["anchor"] == pytest.approx(plan_curve[595:600].mean())
+
+
+def test_a_finished_run_gets_no_options_and_says_so():
+    spec = proxy_spec(steps=200)
+    plan = make_replan(state_of(spec, upto=199), deadline=1.9e9 + 10.0, forecaster=None)
+    assert plan.options == [] and plan.recommended is None
+    assert "finished" in plan.recommendation and "no options" in plan.recommendation
+
+
+def test_options_of_one_schedule_shape_forecast_no_higher_loss_for_more_tokens():
+    """A forecaster that (wrongly) puts a shorter horizon lower than the plan: the replan pools the
+    two so that more tokens never end higher, and says so."""
+    spec = proxy_spec(steps=1000)
+    st = state_of(spec, upto=99)
+
+    def forecaster(state, option, resume_step):
+        mean = 2.0 if option.total_steps < spec.total_steps else 3.0
+        return {"mean": mean, "lo": mean - 0.1, "hi": mean + 0.1, "level": 0.9}
+
+    plan = make_replan(st, st.now + 300.0, forecaster=forecaster)
+    by = {o.kind: o for o in plan.options}
+    assert by["shorten"].spec.data.total_tokens < by["keep"].spec.data.total_tokens
+    assert by["keep"].forecast["mean"] <= by["shorten"].forecast["mean"]
+    assert any("monotone in tokens" in n for n in plan.notes)
+
+
+def test_every_option_keeps_the_checkpoint_cadence_and_all_but_redraw_the_data_seed():
+    spec = proxy_spec(steps=1000, **{"seed": 3, "model.dispatch": "capacity"})
+    loss = 2.5 + 3 * np.exp(-np.arange(100) / 30.0)
+    loss[90:] = np.nan  # a divergence: the rewind options too
+    st = state_of(spec, upto=99, drop_frac_send=np.full(100, 0.05), drop_frac_recv=np.full(100, 0.05))
+    st = RunState.build(st.df.assign(loss=loss), spec, None, tokens_per_s=512.0, now=1.9e9)
+    plan = make_replan(st, st.now + 300.0, forecaster=None)
+    kinds = {o.kind for o in plan.options if o.spec is not None}
+    assert {"shorten", "capacity", "rewind_zloss", "rewind_redraw"} <= kinds
+    for o in plan.options:
+        if o.spec is None:
+            continue
+        assert o.spec.run.checkpoint_every == spec.run.checkpoint_every
+        assert o.spec.seed == (spec.seed + 1 if o.kind == "rewind_redraw" else spec.seed)

@@ -121,7 +121,7 @@ def test_compare_flags_an_olmo_core_runs_planted_spike_and_grad_norm_rise_and_fo
     log_steps(tmp_path, server.uri, FIRST_END + 1, LAST_STEP, run_id)
     stdout, _ = proc.communicate(timeout=240)
     reader.join(10)
-    assert proc.returncode == 0, "".join(lines) + stdout
+    assert proc.returncode == 1, "".join(lines) + stdout  # exit by the worst severity: the planted warnings
 
     report = json.loads(stdout)
     flags = {f["kind"]: f for f in report["flags"]}
@@ -172,7 +172,7 @@ def test_follow_outlives_a_tracking_server_restart_and_reads_every_point_once(se
     server.start()
     log_steps(tmp_path, server.uri, 101, LAST_STEP, run_id)
     stdout, _ = proc.communicate(timeout=240)
-    assert proc.returncode == 0, "".join(lines) + stdout
+    assert proc.returncode == 1, "".join(lines) + stdout  # the planted spike and grad-norm rise: warnings
     report = json.loads(stdout)
     assert report["summary"]["step"] == LAST_STEP
     assert report["source"]["points_fetched"] == 2 * LAST_STEP
