@@ -18,7 +18,7 @@ INTRO = (
     "Generated from the `ladder` command itself (`ladder/cli.py`, one module a concern under "
     "`ladder/commands/`) when the site is built; `ladder COMMAND --help` prints the same.\n\n"
     "Bad input to any command is one line naming the problem and exit status 2; a bug is one line "
-    "and exit status 1 (`LADDER_DEBUG=1` shows its traceback).\n\n"
+    "and exit status 1 (`MOE_LADDER_DEBUG=1` shows its traceback).\n\n"
 )
 
 

@@ -110,9 +110,11 @@ def test_a_field_added_later_keeps_earlier_ids_at_its_default():
     before = s.model_dump(mode="json", include={"model", "data", "optim", "schedule", "engine", "seed"})
     del before["optim"]["moments"]
     del before["data"]["max_epochs"]
+    del before["data"]["eval_tokens"], before["data"]["eval_seq_len"]
     assert s.identity() == before
     assert micro_spec(**{"optim.moments": "bf16"}).identity()["optim"]["moments"] == "bf16"
     assert micro_spec(**{"data.max_epochs": 2.0}).identity()["data"]["max_epochs"] == 2.0
+    assert micro_spec(**{"data.eval_tokens": 4096}).identity()["data"]["eval_tokens"] == 4096
 
 
 def test_bf16_moments_with_a_beta2_whose_updates_round_away_are_refused():
