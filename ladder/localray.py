@@ -104,7 +104,7 @@ def check_ray_answers(address: str, timeout_s: float) -> None:
             why = "no answer" if code == grpc.StatusCode.DEADLINE_EXCEEDED else f"{code.name}: {err.details()}"
     raise LadderError(f"{address} accepts connections but does not answer as Ray within {timeout_s:g} s "
                       f"({' '.join(why.split())[:160]}); is it the head node's GCS port (default 6379)? "
-                      f"(--ray-timeout or ${RAY_TIMEOUT_ENV} sets the wait)")
+                      f"(--ray-timeout or $MOE_LADDER_LIMITS ray_timeout_s sets the wait)")
 
 
 def join(address: str, timeout_s: float, **kwargs) -> None:
