@@ -189,8 +189,8 @@ class JaxStep:
 
     def eval_losses(self, batches) -> list[float]:
         st = self.state
-        losses = [self.eval_step(st.params, st.buffers, put_batch(b, self.mesh)) for b in batches]
-        return [float(v) for v in jax.device_get(losses)]
+        # one batch at a time: on the CPU, many collectives in flight can starve XLA's in-process rendezvous
+        return [float(self.eval_step(st.params, st.buffers, put_batch(b, self.mesh))) for b in batches]
 
     def agree(self, value):
         return value

@@ -118,8 +118,8 @@ class MeshJaxStep(JaxStep):
 
     def eval_losses(self, batches) -> list[float]:
         st = self.state
-        losses = [self.eval_step(st.params, st.buffers, put_batch_2d(b, self.mesh)) for b in batches]
-        return [float(v) for v in jax.device_get(losses)]
+        # one batch at a time: on the CPU, many collectives in flight can starve XLA's in-process rendezvous
+        return [float(self.eval_step(st.params, st.buffers, put_batch_2d(b, self.mesh))) for b in batches]
 
     def extra(self) -> dict:
         return {"mesh": [self.mesh.shape[DATA_AXIS], self.mesh.shape[EP_AXIS]]}

@@ -26,7 +26,7 @@ SCRIPT = textwrap.dedent(
     import json, sys
     import jax
     from engines.trainer import Trainer
-    from tests.engines.test_dist_mesh import SPEC
+    from tests.engines.test_parallel_mesh import SPEC
 
     spec = SPEC.replace(engine="jax")
     mode, run = sys.argv[1], sys.argv[2]
