@@ -20,20 +20,9 @@ def file_mode() -> int:
 
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, file_mode())  # mkstemp's own 0600 would differ from the other run files
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return path
+    with atomic_writer(path) as f:
+        f.write(data)
+    return Path(path)
 
 
 @contextlib.contextmanager
@@ -44,7 +33,7 @@ def atomic_writer(path: str | Path) -> Iterator[IO[bytes]]:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
-        os.fchmod(fd, file_mode())
+        os.fchmod(fd, file_mode())  # mkstemp's own 0600 would differ from the other run files
         with os.fdopen(fd, "wb") as f:
             yield f
             f.flush()

@@ -332,15 +332,16 @@ def verify_checkpoint(path: str | Path) -> dict:
     return state
 
 
-def newest_intact_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest checkpoint that verifies. Each damaged one met on the way is moved aside
-    (checkpoints/damaged-step_X-<time>, never resumed from or counted again) and reported through
-    `warn`, naming the checkpoint resumed from instead."""
+def newest_intact(candidates: list[Path], verify: Callable[[Path], object], what: str,
+                  warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest of `candidates` (oldest first) that `verify` passes. Each damaged one met on the
+    way is moved aside (damaged-step_X-<time> beside it, never resumed from or counted again) and
+    reported through `warn`, naming the one resumed from instead."""
     damaged: list[tuple[Path, str]] = []
     found = None
-    for ckpt in reversed(list_checkpoints(run_dir)):
+    for ckpt in reversed(candidates):
         try:
-            verify_checkpoint(ckpt)
+            verify(ckpt)
         except CheckpointError as err:
             damaged.append((ckpt, str(err).split("; ")[0]))
             continue
@@ -348,11 +349,16 @@ def newest_intact_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | 
         break
     for ckpt, why in damaged:
         aside = ckpt.with_name(f"damaged-{ckpt.name}-{time.strftime('%Y%m%dT%H%M%S')}")
-        os.rename(ckpt, aside)
+        shutil.move(ckpt, aside)
         if warn is not None:
-            instead = f"resuming from the newest intact one, {found}" if found else "no intact checkpoint is left"
+            instead = f"resuming from the newest intact one, {found}" if found else f"no intact {what} is left"
             warn(f"{why}: moved aside to {aside}; {instead}")
     return found
+
+
+def newest_intact_checkpoint(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
+    """The newest checkpoint that verifies (newest_intact: damaged ones are moved aside)."""
+    return newest_intact(list_checkpoints(run_dir), verify_checkpoint, "checkpoint", warn)
 
 
 def resume_step(run_dir: str | Path) -> int:

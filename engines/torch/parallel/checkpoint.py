@@ -48,7 +48,6 @@ import pickle
 import re
 import shutil
 import sys
-import time
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -66,6 +65,7 @@ from engines.checkpoint import (
     _fsync_dir,
     _fsync_file,
     check_sealed,
+    newest_intact,
     publish_dir,
     save_checkpoint,
     sha256_file,
@@ -122,25 +122,9 @@ def verify_sharded(path: Path) -> dict:
 
 
 def newest_intact_sharded(run_dir: str | Path, warn: Callable[[str], None] | None = None) -> Path | None:
-    """The newest sharded checkpoint that verifies. Each damaged one met on the way is moved aside
-    (sharded/damaged-step_X-<time>) and reported through `warn`, naming the one resumed from instead."""
-    damaged: list[tuple[Path, str]] = []
-    found = None
-    for ckpt in reversed(list_sharded(run_dir)):
-        try:
-            verify_sharded(ckpt)
-        except CheckpointError as err:
-            damaged.append((ckpt, str(err).split("; ")[0]))
-            continue
-        found = ckpt
-        break
-    for ckpt, why in damaged:
-        aside = ckpt.with_name(f"damaged-{ckpt.name}-{time.strftime('%Y%m%dT%H%M%S')}")
-        shutil.move(ckpt, aside)
-        if warn is not None:
-            instead = f"resuming from the newest intact one, {found}" if found else "no intact sharded checkpoint is left"
-            warn(f"{why}: moved aside to {aside}; {instead}")
-    return found
+    """The newest sharded checkpoint that verifies (engines.checkpoint.newest_intact: damaged ones
+    are moved aside to sharded/damaged-step_X-<time>)."""
+    return newest_intact(list_sharded(run_dir), verify_sharded, "sharded checkpoint", warn)
 
 
 # what a sharded checkpoint's .metadata may name: torch's descriptions of tensor storage and nothing else
