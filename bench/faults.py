@@ -2,7 +2,7 @@
 monitor as `ladder compare --follow` would have judged them live.
 
     .venv/bin/python bench/faults.py EXPERIMENT.py [--forecast forecast.json] [--seeds 1,2,3,4] \
-        [--stop 0.4] [--onset 0.2] [--only NAME ...] [--out DIR]
+        [--stop 0.4] [--onset 0.2] [--only NAME ...] [--out DIR] [--healthy-runs RUN_DIR ...] [--jobs N]
     .venv/bin/python bench/faults.py --tiny --out DIR     (the CI scale: tests/bench/test_faults.py)
 
 What it runs (every run really trains, with the hero's engine, up to `--stop` of its steps: a
@@ -29,6 +29,13 @@ monitor has to decide early):
   | replayed_tokens      | the hook: from onset the batches of 10% of training back again        |
   | throughput_drop      | the hook: each step from onset waits 9x the median step time          |
 
+Healthy replicates trained elsewhere (full runs of the hero at other seeds, e.g. `ladder submit`'s run
+directories) are given with `--healthy-runs`: they are judged over their whole run and calibrate the
+monitor as they are, nothing is trained for them. `--jobs N` trains the faults N at a time in
+subprocesses sharing the device; their step rate then depends on their neighbours, so their
+throughput flags are not counted (the row says so), and the faults whose flag is the rate
+(throughput_drop) train alone afterwards.
+
 The hook is engines.trainer.FaultHook (`fault=` of the Trainer, never set in a real run); the spec
 changes are ordinary specs, run under their own ids.
 
@@ -45,6 +52,7 @@ import argparse
 import json
 import math
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -312,11 +320,56 @@ def _row(name: str, role: str, fault: Fault | None, spec: Spec, onset: int | Non
     return row
 
 
+REPO = Path(__file__).resolve().parents[1]
+SOLO = ("throughput_drop",)  # its flag is the step rate: never trained beside other runs
+RATE_FLAGS = ("throughput_drop", "throughput_low")
+
+
+def train_parallel(hero_args: list[str], out: Path, names: list[str], stop_frac: float, onset_frac: float, jobs: int,
+                   log=print) -> None:
+    """Train the faults `names` `jobs` at a time, each in its own `bench/faults.py --train-only`
+    subprocess (their output under OUT/logs)."""
+    logs = Path(out) / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    queue, running = list(names), []
+    while queue or running:
+        while queue and len(running) < jobs:
+            name = queue.pop(0)
+            cmd = [sys.executable, "-m", "bench.faults", *hero_args, "--train-only", "--only", name, "--stop", str(stop_frac),
+                   "--onset", str(onset_frac), "--out", str(out), "--reuse"]
+            with open(logs / f"{name}.log", "wb") as log_file:
+                proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, cwd=REPO)
+            running.append((name, proc, time.time()))
+        time.sleep(1.0)
+        for item in [r for r in running if r[1].poll() is not None]:
+            running.remove(item)
+            log(f"{item[0]}: trained (exit {item[1].returncode}) in {time.time() - item[2]:.0f} s, {jobs} at a time")
+
+
+def train_faults_only(hero: Spec, out: Path, only: tuple[str, ...], stop_frac: float, onset_frac: float,
+                      reuse: bool) -> None:
+    """Train the faults `only` under OUT/runs without judging them (a --jobs subprocess)."""
+    total = hero.total_steps
+    stop = max(2, min(total, round(stop_frac * total)))
+    onset = max(1, round(onset_frac * total))
+    for f in [f for f in FAULTS if f.name in only]:
+        at = 0 if f.from_start else onset
+        spec = hero.replace(**f.spec_change(hero, at)) if f.spec_change else hero
+        hook = f.hook(spec, at) if f.hook else None
+        t0 = time.time()
+        state = train_run(spec, Path(out) / "runs" / f.name, stop, hook, what=f"{f.name} from step {at}", reuse=reuse)
+        print(f"{f.name}: {state} in {time.time() - t0:.0f} s", flush=True)
+
+
 def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds: tuple[int, ...] = (1, 2, 3, 4),
               stop_frac: float = 0.4, onset_frac: float = 0.2, only: tuple[str, ...] = (),
               settings: MonitorSettings | None = None, n_blocks: int = 100, log=print, faults: bool = True,
-              reuse: bool = False) -> dict[str, Any]:
-    """Train the replicates and the faults under `out`, calibrate, judge, write the table."""
+              reuse: bool = False, healthy_runs: tuple[Path, ...] = (), jobs: int = 1,
+              hero_args: list[str] | None = None) -> dict[str, Any]:
+    """Train the replicates and the faults under `out`, calibrate, judge, write the table.
+    healthy_runs: run directories of healthy replicates trained elsewhere (used instead of `seeds`);
+    jobs > 1: the faults trained that many at a time in subprocesses (`hero_args`: how their command
+    line names the hero, [experiment file] or ["--tiny"]), their throughput flags not counted."""
     settings = settings or MonitorSettings()
     out = Path(out)
     runs_dir = out / "runs"
@@ -330,7 +383,16 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
     if unknown:
         raise ValueError(f"unknown fault(s) {sorted(unknown)}; the suite has {[f.name for f in FAULTS]}")
     healthy: list[tuple[str, pd.DataFrame, Spec, str]] = []
-    for seed in seeds:
+    for d in healthy_runs:
+        d = Path(d)
+        spec = load_spec(d / "spec.yaml")
+        if spec.replace(seed=hero.seed, name=hero.name).id != hero.id:
+            raise ValueError(f"{d}: not a replicate of {hero.name} ({hero.id}): its spec differs beyond the seed")
+        state = RunDir(d).read_status().get("state", "unknown")
+        log(f"healthy replicate {d.name}: {state}, seed {spec.seed}")
+        healthy.append((f"healthy_seed{spec.seed}", read_metrics_frame(d), spec, state))
+    status_dirs = {f"healthy_seed{load_spec(Path(d) / 'spec.yaml').seed}": Path(d) for d in healthy_runs}
+    for seed in () if healthy_runs else seeds:
         spec = hero.replace(seed=seed)
         name = f"healthy_seed{seed}"
         t0 = time.time()
@@ -351,9 +413,16 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
         others = [(n, d, s) for j, (n, d, s, _) in enumerate(healthy) if j != i]
         cal = cal_from(others) \
             if len(others) >= 2 else None
-        rep = replay(df, spec, forecast, cal, settings, RunDir(runs_dir / name).read_status(), every)
+        rep = replay(df, spec, forecast, cal, settings, RunDir(status_dirs.get(name, runs_dir / name)).read_status(), every)
         rows.append(_row(name, "healthy", None, spec, None, state, rep))
-    for f in [f for f in FAULTS if faults and (not only or f.name in only)]:
+    chosen = [f for f in FAULTS if faults and (not only or f.name in only)]
+    shared = [f.name for f in chosen if f.name not in SOLO] if jobs > 1 else []
+    if shared:
+        if not hero_args:
+            raise ValueError("--jobs needs the hero's experiment file (its faults train in subprocesses)")
+        train_parallel(hero_args, out, shared, stop_frac, onset_frac, jobs, log)
+        reuse = True
+    for f in chosen:
         at = 0 if f.from_start else onset
         spec = hero.replace(**f.spec_change(hero, at)) if f.spec_change else hero
         hook = f.hook(spec, at) if f.hook else None
@@ -370,8 +439,13 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
                          "total_steps": total, "first_flag_step": None, "pass": False, "flags": []})
             continue
         rep = replay(df, spec, forecast, cal_all, settings, RunDir(runs_dir / f.name).read_status(), every)
+        if f.name in shared:
+            rep["seen"] = {k: v for k, v in rep["seen"].items() if k not in RATE_FLAGS}
         rows.append(_row(f.name, "fault", f, spec, at, state, rep))
+        if f.name in shared:
+            rows[-1]["shared_device"] = True
     result = {"hero": hero.name, "spec_id": hero.id, "total_steps": total, "stop_step": stop, "onset_step": onset,
+              "shared_device": shared, "healthy_runs": [str(d) for d in healthy_runs],
               "seeds": list(seeds), "forecast": forecast.path if forecast else None,
               "calibration": str(out / "calibration.json"), "false_alarm_rate": settings.false_alarm_rate,
               "rows": rows, "command": " ".join(sys.argv)}
@@ -397,6 +471,10 @@ def markdown(result: dict[str, Any]) -> str:
                      f"| {f'{d:.1%}' if d is not None else 'missed'} "
                      f"| {r.get('first_critical_step') if r.get('first_critical_step') is not None else '-'} "
                      f"| {'yes' if r['pass'] else 'NO'} |")
+    if result.get("shared_device"):
+        lines += ["", f"Trained {len(result['shared_device'])} faults a few at a time on one device "
+                  f"({', '.join(result['shared_device'])}): their throughput flags are not counted; "
+                  f"{', '.join(SOLO)} trained alone."]
     lines += ["", "| healthy replicate | warnings or criticals | info flags |", "|---|---|---|"]
     for r in result["rows"]:
         if r["role"] != "healthy":
@@ -429,14 +507,25 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--reuse", action="store_true", help="judge the runs already under OUT/runs (same spec, fault "
                    "and stop) again instead of training them: a changed monitor measured on the same runs")
     p.add_argument("--out", default="faults")
+    p.add_argument("--healthy-runs", nargs="*", default=[], help="run directories of healthy replicates trained "
+                   "elsewhere (full runs at other seeds): judged and used for the calibration, nothing trained for them")
+    p.add_argument("--jobs", type=int, default=1, help="train the faults N at a time in subprocesses (their "
+                   "throughput flags then do not count; throughput_drop trains alone)")
+    p.add_argument("--train-only", action="store_true", help="train the --only faults under OUT/runs and stop")
     a = p.parse_args(argv)
     if a.tiny == bool(a.experiment):
         p.error("give an experiment file or --tiny (one of them)")
     hero = tiny_hero() if a.tiny else load_experiment(a.experiment).hero
     fc = load_forecast(a.forecast) if a.forecast else None
     seeds = tuple(int(s) for s in a.seeds.split(",") if s.strip())
+    if a.jobs < 1:
+        p.error(f"--jobs must be at least 1 (got {a.jobs})")
+    if a.train_only:
+        train_faults_only(hero, Path(a.out), tuple(a.only), a.stop, a.onset, a.reuse)
+        return 0
     res = run_suite(hero, Path(a.out), forecast=fc, seeds=seeds, stop_frac=a.stop, onset_frac=a.onset, only=tuple(a.only),
-                    faults=not a.no_faults, reuse=a.reuse)
+                    faults=not a.no_faults, reuse=a.reuse, healthy_runs=tuple(Path(d) for d in a.healthy_runs),
+                    jobs=a.jobs, hero_args=["--tiny"] if a.tiny else [a.experiment])
     print(markdown(res))
     return 0 if all(r["pass"] for r in res["rows"]) else 1
 

@@ -335,23 +335,49 @@ class FastLoss:
         # accumulate) took 3.4 ms of a 119 ms H200 step
         return F.embedding(inputs_BS, model.embed.weight)
 
-    def forward(self, model: MoETransformer, tokens_BS1: torch.Tensor):
-        """(mean CE, mean squared log-partition, per-layer statistics stacked over layers)."""
-        inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+    def _trunk(self, model: MoETransformer, inputs_BS: torch.Tensor):
+        """(the last block's output, per-layer statistics, the lm head as the head reads it);
+        autocast off and the SDPA backend chosen around the caller's block."""
         S = inputs_BS.shape[1]
-        cos, sin, mask_SS = self.tables(S, model.m, tokens_BS1.device)
+        cos, sin, mask_SS = self.tables(S, model.m, inputs_BS.device)
         per_block, lm_head = self._weights(model)
         if self._cudagraphs:
             torch.compiler.cudagraph_mark_step_begin()  # the previous step's graph outputs are done with
-        ctx = sdpa_backend(self.options.attn_backend if tokens_BS1.is_cuda else None)
-        with torch.autocast(tokens_BS1.device.type, enabled=False), ctx:
-            x_BSD = self.embed(model, inputs_BS)
-            stats = []
-            for block, w in zip(model.blocks, per_block):
-                x_BSD, st = self._run_block(block, w, x_BSD, cos, sin, mask_SS)
-                stats.append(st)
+        x_BSD = self.embed(model, inputs_BS)
+        stats = []
+        for block, w in zip(model.blocks, per_block):
+            x_BSD, st = self._run_block(block, w, x_BSD, cos, sin, mask_SS)
+            stats.append(st)
+        return x_BSD, stats, lm_head
+
+    def _context(self, tokens: torch.Tensor):
+        ctx = contextlib.ExitStack()
+        ctx.enter_context(torch.autocast(tokens.device.type, enabled=False))
+        ctx.enter_context(sdpa_backend(self.options.attn_backend if tokens.is_cuda else None))
+        return ctx
+
+    def forward(self, model: MoETransformer, tokens_BS1: torch.Tensor):
+        """(mean CE, mean squared log-partition, per-layer statistics stacked over layers)."""
+        inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+        with self._context(tokens_BS1):
+            x_BSD, stats, lm_head = self._trunk(model, inputs_BS)
             ce, z = self._head(x_BSD, model.final_norm, lm_head, targets_BS, self.cdt, self.options)
         return ce, z, {k: torch.stack([s[k] for s in stats]) for k in stats[0]}
+
+    @torch.no_grad()
+    def row_ce(self, model: MoETransformer, tokens_BS1: torch.Tensor, rows: int = 8) -> torch.Tensor:
+        """Each row's mean CE (fp32, [B]), forward only, on this path's blocks: what the eval
+        scores. The logits are made `rows` rows at a time (a [rows, S, V] fp32 block at most)."""
+        inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
+        with self._context(tokens_BS1):
+            x_BSD, _, lm_head = self._trunk(model, inputs_BS)
+            out = []
+            for x_bSD, t_bS in zip(x_BSD.split(rows), targets_BS.split(rows)):
+                h = _rms(x_bSD, model.final_norm.weight, model.final_norm.eps).to(self.cdt)
+                logits_bSV = (h @ lm_head.to(self.cdt)).float()
+                lse_bS = torch.logsumexp(logits_bSV, -1)
+                out.append((lse_bS - logits_bSV.gather(-1, t_bS.unsqueeze(-1)).squeeze(-1)).mean(-1))
+        return torch.cat(out)
 
     def __call__(self, model: MoETransformer, tokens_BS1: torch.Tensor, optim):
         ce, z, st = self.forward(model, tokens_BS1)

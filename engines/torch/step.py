@@ -238,6 +238,43 @@ def _stacks(batches, n: int):
         yield chunk
 
 
+def fast_eval_losses(loss: FastLoss, model: MoETransformer, batches, rows: int, device: torch.device) -> list[float]:
+    """Each eval batch's mean CE on the fast path: the rows of all batches of one shape run
+    `rows` at a time (the training batch's row count, so the compiled blocks see one shape; the
+    last forward is filled up with copies of its first row, whose results are dropped). Rows do
+    not depend on each other under dropless dispatch, so the grouping changes no value."""
+    means: list[torch.Tensor] = []
+    for chunk in _stacks(batches, len(batches) or 1):
+        x_NS1 = torch.from_numpy(np.concatenate(chunk)).to(device, dtype=torch.long)
+        n = x_NS1.shape[0]
+        ce_N = []
+        for lo in range(0, n, rows):
+            part = x_NS1[lo:lo + rows]
+            if part.shape[0] < rows:
+                part = torch.cat([part, part[:1].expand(rows - part.shape[0], -1)])
+            ce_N.append(loss.row_ce(model, part)[:min(rows, n - lo)])
+        means += [ce.mean() for ce in torch.split(torch.cat(ce_N), [len(b) for b in chunk])]
+    return torch.stack(means).cpu().tolist() if means else []
+
+
+def reference_eval_losses(model: MoETransformer, batches, device: torch.device, stack: int) -> list[float]:
+    """Each eval batch's mean CE through the reference forward (autocast bf16 on a GPU), up to
+    `stack` batches of one shape in one forward (each mean taken over its own rows: under dropless
+    dispatch a row's tokens do not depend on the others'; capacity dispatch drops by the tokens
+    of a forward, so there each group runs alone, stack 1, as on every layout)."""
+    model.eval()
+    means = []
+    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        for chunk in _stacks(batches, stack):
+            x_NS1 = torch.from_numpy(np.concatenate(chunk)).to(device, dtype=torch.long)
+            logits_NSV, _ = model(x_NS1[:, :-1])
+            lse_NS = torch.logsumexp(logits_NSV.float(), -1)
+            ce_NS = lse_NS - logits_NSV.float().gather(-1, x_NS1[:, 1:].unsqueeze(-1)).squeeze(-1)
+            means += [ce.mean() for ce in torch.split(ce_NS, [len(b) for b in chunk])]
+    model.train()
+    return torch.stack(means).cpu().tolist() if means else []
+
+
 class TorchStep:
     """The torch engine's step module (engines/trainer.py) on one device."""
 
@@ -281,23 +318,12 @@ class TorchStep:
         return read_step(self.opt, pending)
 
     def eval_losses(self, batches) -> list[float]:
-        """Each eval batch's mean CE; with dropless dispatch up to EVAL_STACK batches of one shape
-        run as one forward (each mean taken over its own rows: a row's tokens do not depend on the
-        others'), with capacity dispatch one batch a forward."""
-        model, device = self.model, self.device
-        model.eval()
-        means = []
-        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            # capacity dispatch drops by the tokens of a forward: there each group runs alone, as on every layout
-            stack = EVAL_STACK if self.spec.model.dispatch == "dropless" else 1
-            for chunk in _stacks(batches, stack):
-                x_NS1 = torch.from_numpy(np.concatenate(chunk)).to(device, dtype=torch.long)
-                logits_NSV, _ = model(x_NS1[:, :-1])
-                lse_NS = torch.logsumexp(logits_NSV.float(), -1)
-                ce_NS = lse_NS - logits_NSV.float().gather(-1, x_NS1[:, 1:].unsqueeze(-1)).squeeze(-1)
-                means += [ce.mean() for ce in torch.split(ce_NS, [len(b) for b in chunk])]
-        model.train()
-        return torch.stack(means).cpu().tolist() if means else []
+        """Each eval batch's mean CE: on the fast path with dropless dispatch (fast_eval_losses),
+        else through the reference forward (reference_eval_losses)."""
+        if isinstance(self.loss_fn, FastLoss) and self.spec.model.dispatch == "dropless":
+            return fast_eval_losses(self.loss_fn, self.model, batches, self.spec.data.batch_size, self.device)
+        stack = EVAL_STACK if self.spec.model.dispatch == "dropless" else 1
+        return reference_eval_losses(self.model, batches, self.device, stack)
 
     def agree(self, value):
         return value

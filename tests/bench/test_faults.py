@@ -8,6 +8,7 @@ import json
 import pytest
 
 from bench.faults import FAULTS, run_suite, tiny_hero
+from core.spec import save_spec
 
 # what a 300-step run of a tiny model can show within 10% of its steps (the data faults, a
 # mixture switch, a looped source and replayed tokens, move its loss too slowly: docs/results/faults_cpu)
@@ -49,3 +50,32 @@ def test_the_suite_names_an_unknown_fault(tmp_path):
 def test_every_fault_is_a_spec_change_or_a_hook():
     assert all(f.spec_change or f.hook for f in FAULTS)
     assert len({f.name for f in FAULTS}) == len(FAULTS)
+
+
+@pytest.mark.slow
+def test_faults_train_in_parallel_beside_healthy_runs_trained_elsewhere(tmp_path):
+    """--healthy-runs: full runs trained elsewhere calibrate and are judged, nothing is trained for
+    them; --jobs: the faults train in subprocesses, their rate flags not counted."""
+    first = run_suite(tiny_hero(), tmp_path / "a", seeds=(1, 2, 3), stop_frac=1.0, onset_frac=0.2, faults=False,
+                      log=lambda *_: None)
+    dirs = tuple(tmp_path / "a" / "runs" / f"healthy_seed{s}" for s in (1, 2, 3))
+    assert [r["state"] for r in first["rows"]] == ["finished"] * 3
+    res = run_suite(tiny_hero(), tmp_path / "b", stop_frac=0.4, onset_frac=0.2, only=("nan", "lr_x4"),
+                    healthy_runs=dirs, jobs=2, hero_args=["--tiny"], log=lambda *_: None)
+    assert not (tmp_path / "b" / "runs" / "healthy_seed1").exists()
+    rows = {r["run"]: r for r in res["rows"]}
+    assert {r["run"] for r in res["rows"] if r["role"] == "healthy"} == {"healthy_seed1", "healthy_seed2",
+                                                                         "healthy_seed3"}
+    for name in ("nan", "lr_x4"):
+        assert rows[name]["shared_device"] and rows[name]["pass"], rows[name]
+        assert (tmp_path / "b" / "logs" / f"{name}.log").exists()
+    assert res["shared_device"] == ["lr_x4", "nan"]
+
+
+def test_healthy_runs_of_another_spec_are_refused(tmp_path):
+    other = tiny_hero().replace(**{"optim.peak_lr": 0.5})
+    d = tmp_path / "other"
+    d.mkdir()
+    save_spec(other, d / "spec.yaml")
+    with pytest.raises(ValueError, match="not a replicate"):
+        run_suite(tiny_hero(), tmp_path / "b", healthy_runs=(d,), log=lambda *_: None)

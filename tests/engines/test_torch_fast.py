@@ -11,6 +11,7 @@ from engines.options import TorchKernels
 from engines.torch.experts import kernels_here
 from engines.torch.fast import FastLoss
 from engines.torch.model import MoETransformer, init_params, loss_terms
+from engines.torch.step import TorchStep, fast_eval_losses
 from ladder.presets import micro_spec
 
 VARIANTS = {
@@ -99,3 +100,21 @@ def test_the_cpu_fast_path_keeps_the_dense_window_mask():
     model = MoETransformer(spec.model)
     _, _, mask = FastLoss(model, torch.device("cpu")).tables(spec.data.seq_len, spec.model, "cpu")
     assert isinstance(mask, torch.Tensor) and mask.dtype == torch.bool
+
+
+def test_eval_on_the_fast_path_scores_each_batch_as_the_reference_forward():
+    """TorchStep.eval_losses on the fast path (rows in training-batch forwards, the last filled up
+    with copies) gives each eval batch the mean CE the reference forward gives it."""
+    spec = micro_spec()
+    step = TorchStep(spec, torch.device("cpu"))
+    step.init_fresh()
+    stream = TokenStream.from_spec(spec)
+    plan = stream.eval_plan(None)[:5]
+    batches = [stream.eval_batch(src, lo, hi, spec.data.seq_len) for src, lo, hi in plan]
+    batches[-1] = batches[-1][:3]  # a short batch: the last forward is filled up
+    reference = step.eval_losses(batches)
+    fast = fast_eval_losses(FastLoss(step.model, torch.device("cpu")), step.model, batches,
+                            spec.data.batch_size, torch.device("cpu"))
+    assert len(fast) == len(batches)
+    assert fast == pytest.approx(reference, rel=1e-5)
+    assert len(set(round(v, 6) for v in fast)) > 1  # the batches differ, so a mix-up would show
