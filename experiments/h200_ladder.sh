@@ -1,13 +1,16 @@
 #!/usr/bin/env bash
 # The H200 ladder end to end on one GPU machine (`make h200-ladder`), or one phase of it:
 #
-#   bash experiments/h200_ladder.sh [all|data|rungs|forecast|hero|report|pack OUT_DIR]
+#   bash experiments/h200_ladder.sh [all|data|rungs|forecast|hero|report|replicates|faults OUT|pack OUT_DIR]
 #
 #   data      the offline package corpus (engines.corpus) and its token shards, unless present
 #   rungs     the four rungs, one after another (ladder submit --local), finished ones skipped
 #   forecast  the laws and curves fitted on the rungs, the hero's forecast (before the hero trains)
 #   hero      the hero, after the rungs
 #   report    the hero against the forecast (ladder compare) and the HTML report under ./report-h200
+#   replicates  the hero at seeds 1-3 (healthy replicates: the monitor's calibration), one at a time
+#   faults OUT [HEALTHY_DIR ...]  the fault suite on the hero (bench/faults.py): healthy replicates =
+#          the hero's finished runs (or HEALTHY_DIRs), faults 3 at a time, judged against the forecast
 #   pack   metrics.jsonl, status.json and spec.yaml of every run (no checkpoints) into
 #          OUT_DIR/h200_ladder.tar.gz, with the corpus manifest and the plan
 #
@@ -47,6 +50,16 @@ report() {
   $LADDER report "$EXP" --out report-h200 "${TRACK[@]}"
 }
 
+replicates() { stamp "hero replicates"; $LADDER submit "$EXP" --local --only '^hero-d512-seed[123]$' "${TRACK[@]}"; }
+faults() {
+  local out="$1" root="${MOE_LADDER_ROOT:-.ladder}"; shift
+  local healthy=("$@")
+  [ ${#healthy[@]} -gt 0 ] || healthy=("$root"/runs/proxy_h200/hero-d512-*)
+  stamp "fault suite into $out"
+  $PY bench/faults.py "$EXP" --forecast "${FORECAST:-$root/analysis/proxy_h200/forecast.json}" \
+    --healthy-runs "${healthy[@]}" --stop "${STOP:-0.17}" --onset "${ONSET:-0.05}" --jobs "${JOBS:-3}" --out "$out"
+}
+
 pack() {
   local out="$1" root="${MOE_LADDER_ROOT:-.ladder}"
   mkdir -p "$out"
@@ -63,6 +76,8 @@ case "${1:-all}" in
   forecast) forecast ;;
   hero) hero ;;
   report) report ;;
+  replicates) replicates ;;
+  faults) shift; faults "${@:?faults needs an output directory}" ;;
   pack) pack "${2:?pack needs an output directory}" ;;
-  *) echo "usage: $0 [all|data|rungs|forecast|hero|report|pack OUT_DIR]" >&2; exit 2 ;;
+  *) echo "usage: $0 [all|data|rungs|forecast|hero|report|replicates|faults OUT [RUN_DIR ...]|pack OUT_DIR]" >&2; exit 2 ;;
 esac

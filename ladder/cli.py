@@ -22,7 +22,7 @@ app = typer.Typer(
     add_completion=True,  # --install-completion / --show-completion for bash, zsh, fish, PowerShell
 )
 
-_value_type = TyperOption.display_type_rich
+_value_type = getattr(TyperOption, "display_type_rich", None)  # typer versions without it show types as they do
 
 
 def _flag_has_no_type(self: TyperOption, ctx) -> str | None:
@@ -30,7 +30,8 @@ def _flag_has_no_type(self: TyperOption, ctx) -> str | None:
     return None if self.is_flag else _value_type(self, ctx)
 
 
-TyperOption.display_type_rich = _flag_has_no_type
+if _value_type is not None:
+    TyperOption.display_type_rich = _flag_has_no_type
 
 
 def package_version() -> str:
