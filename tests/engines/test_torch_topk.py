@@ -38,6 +38,14 @@ assert torch.equal(vals, torch.topk(x, 8, dim=-1).values)
 same = vals[:, 1:] == vals[:, :-1]
 assert bool((got[:, 1:][same] > got[:, :-1][same]).all())
 assert all(len(set(r)) == 8 for r in got.tolist())  # no expert twice
+# NaN scores (a diverged router): every index stays in [0, E), rows without NaN are untouched
+x = torch.rand(4096, 64, device="cuda")
+x[::3] = float("nan")
+x[1::3, 5] = float("nan")
+got = K.topk_indices(x, 8)
+assert bool(((got >= 0) & (got < 64)).all())
+assert torch.equal(x[2::3].gather(1, got[2::3]), torch.topk(x[2::3], 8, dim=-1).values)
+assert not bool((got[1::3] == 5).any())  # a NaN score ranks last
 try:
     K.launch_topk(x, torch.empty(4096, 65, device="cuda", dtype=torch.int64))
     raise SystemExit("K > E was accepted")

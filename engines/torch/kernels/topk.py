@@ -9,7 +9,9 @@ scores, K writes of the indices.
 
 It selects what torch.topk selects, in the same order (highest score first). Only ties differ:
 torch.topk leaves their order unspecified, the kernel takes the lowest expert first. Scores are
-finite (softmax or sigmoid, plus a finite balancing bias). On the CPU, or without Triton, it is
+finite in a healthy run (softmax or sigmoid, plus a finite balancing bias); a NaN score (weights a
+non-finite update reached) ranks below every number, so the indices stay in [0, E) and the step
+ends in a non-finite loss the trainer reports, not in a device-side index assert. On the CPU, or without Triton, it is
 torch.topk.
 
 Shape legend: T tokens, E experts, K top-k.
@@ -33,6 +35,7 @@ if triton is not None:
         col_ok = (cols < E)[None, :]
         x = tl.load(x_ptr + rows[:, None] * E + cols[None, :], mask=row_ok[:, None] & col_ok,
                     other=float("-inf")).to(tl.float32)
+        x = tl.where(x == x, x, float("-inf"))  # NaN scores (a diverged router) rank last: indices stay in [0, E)
         for j in tl.static_range(K):
             best = tl.max(x, axis=1)
             at = tl.min(tl.where((x == best[:, None]) & col_ok, cols[None, :], BLOCK_E), axis=1)
