@@ -346,6 +346,23 @@ def train_parallel(hero_args: list[str], out: Path, names: list[str], stop_frac:
             log(f"{item[0]}: trained (exit {item[1].returncode}) in {time.time() - item[2]:.0f} s, {jobs} at a time")
 
 
+def _shared_log(out: Path, name: str) -> bool:
+    """Whether the fault `name` was trained by a --jobs subprocess (its log under OUT/logs)."""
+    return (Path(out) / "logs" / f"{name}.log").exists()
+
+
+def _recorded_state(run_dir: Path) -> str:
+    """A fault run's state as its status.json recorded it (judge-only)."""
+    try:
+        st = RunDir(run_dir).read_status()
+    except (OSError, ValueError):
+        return "missing"
+    state = str(st.get("state", "unknown"))
+    if st.get("error"):
+        state += ": " + str(st["error"]).splitlines()[0][:120]
+    return state
+
+
 def train_faults_only(hero: Spec, out: Path, only: tuple[str, ...], stop_frac: float, onset_frac: float,
                       reuse: bool) -> None:
     """Train the faults `only` under OUT/runs without judging them (a --jobs subprocess)."""
@@ -365,11 +382,13 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
               stop_frac: float = 0.4, onset_frac: float = 0.2, only: tuple[str, ...] = (),
               settings: MonitorSettings | None = None, n_blocks: int = 100, log=print, faults: bool = True,
               reuse: bool = False, healthy_runs: tuple[Path, ...] = (), jobs: int = 1,
-              hero_args: list[str] | None = None) -> dict[str, Any]:
+              hero_args: list[str] | None = None, judge_only: bool = False) -> dict[str, Any]:
     """Train the replicates and the faults under `out`, calibrate, judge, write the table.
     healthy_runs: run directories of healthy replicates trained elsewhere (used instead of `seeds`);
     jobs > 1: the faults trained that many at a time in subprocesses (`hero_args`: how their command
-    line names the hero, [experiment file] or ["--tiny"]), their throughput flags not counted."""
+    line names the hero, [experiment file] or ["--tiny"]), their throughput flags not counted.
+    judge_only: train nothing; judge the fault runs under OUT/runs as they are (runs trained on
+    another machine), each run's state read from its status.json."""
     settings = settings or MonitorSettings()
     out = Path(out)
     runs_dir = out / "runs"
@@ -417,7 +436,10 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
         rows.append(_row(name, "healthy", None, spec, None, state, rep))
     chosen = [f for f in FAULTS if faults and (not only or f.name in only)]
     shared = [f.name for f in chosen if f.name not in SOLO] if jobs > 1 else []
-    if shared:
+    if judge_only:
+        shared = [n for n in (shared or [f.name for f in chosen if f.name not in SOLO])
+                  if (runs_dir / n / "fault.txt").exists() and _shared_log(out, n)]
+    elif shared:
         if not hero_args:
             raise ValueError("--jobs needs the hero's experiment file (its faults train in subprocesses)")
         train_parallel(hero_args, out, shared, stop_frac, onset_frac, jobs, log)
@@ -428,7 +450,10 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
         hook = f.hook(spec, at) if f.hook else None
         t0 = time.time()
         try:
-            state = train_run(spec, runs_dir / f.name, stop, hook, what=f"{f.name} from step {at}", reuse=reuse)
+            if judge_only:
+                state = _recorded_state(runs_dir / f.name)
+            else:
+                state = train_run(spec, runs_dir / f.name, stop, hook, what=f"{f.name} from step {at}", reuse=reuse)
         except Exception as err:  # a fault that breaks the engine outright is also a detection
             state = f"failed: {type(err).__name__}: {err}"
         log(f"{f.name}: {state} in {time.time() - t0:.0f} s")
@@ -512,6 +537,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="train the faults N at a time in subprocesses (their "
                    "throughput flags then do not count; throughput_drop trains alone)")
     p.add_argument("--train-only", action="store_true", help="train the --only faults under OUT/runs and stop")
+    p.add_argument("--judge-only", action="store_true", help="train nothing: judge the fault runs already under "
+                   "OUT/runs (trained elsewhere) against the healthy runs")
     a = p.parse_args(argv)
     if a.tiny == bool(a.experiment):
         p.error("give an experiment file or --tiny (one of them)")
@@ -525,7 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = run_suite(hero, Path(a.out), forecast=fc, seeds=seeds, stop_frac=a.stop, onset_frac=a.onset, only=tuple(a.only),
                     faults=not a.no_faults, reuse=a.reuse, healthy_runs=tuple(Path(d) for d in a.healthy_runs),
-                    jobs=a.jobs, hero_args=["--tiny"] if a.tiny else [a.experiment])
+                    jobs=a.jobs, hero_args=["--tiny"] if a.tiny else [a.experiment], judge_only=a.judge_only)
     print(markdown(res))
     return 0 if all(r["pass"] for r in res["rows"]) else 1
 
