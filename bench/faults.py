@@ -450,7 +450,7 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
         hook = f.hook(spec, at) if f.hook else None
         t0 = time.time()
         try:
-            if judge_only:
+            if judge_only or f.name in shared:  # trained already (a subprocess that crashed is not retrained here)
                 state = _recorded_state(runs_dir / f.name)
             else:
                 state = train_run(spec, runs_dir / f.name, stop, hook, what=f"{f.name} from step {at}", reuse=reuse)
