@@ -49,6 +49,9 @@ The kinds, with their severities:
 - `grad_norm_growth` (warning; info with a calibration): over a trailing window log(grad norm)
   grows by more than `grad_trend_ratio` x what the forecast envelope grows, the slope
   `grad_trend_min_t` standard errors above zero.
+- `repeated_batch` (critical; info when the spec allows more than one epoch): a step read the very
+  same tokens as an earlier step (the recorded extra.batch_hash): a replay, a loop, a data loader
+  restarted at its start.
 - `token_drops` (warning; critical past `drop_crit`): drop_frac_send + drop_frac_recv above
   `drop_budget` (7%, Marin's alert) for `drop_k` consecutive points past the transient.
 - `router_entropy_collapse` (warning): the rolling median of router entropy below
@@ -83,8 +86,8 @@ import pandas as pd
 from analysis.forecast_file import Forecast, load_forecast
 from analysis.monitor_calib import Calibration, load_calibration
 from analysis.monitor_checks import (RunCurves, check_band, check_grad_norm, check_loss_jump, check_non_finite,
-                                     check_router_entropy, check_run_status, check_spikes, check_throughput,
-                                     check_token_drops)
+                                     check_repeated_batches, check_router_entropy, check_run_status, check_spikes,
+                                     check_throughput, check_token_drops)
 from analysis.monitor_seq import check_sequential, check_throughput_drop, check_train_eval
 from analysis.monitor_stats import (column, json_num, measured_tokens_per_s, olmo_spike_score, planned_tokens_per_s,
                                     spec_warmup_steps)
@@ -96,8 +99,8 @@ __all__ = ["CHECKS", "Calibration", "Flag", "Forecast", "MonitorReport", "Monito
            "planned_tokens_per_s", "spec_warmup_steps", "transient_end"]
 
 # One function per flag family, in the order their flags and summaries are gathered.
-CHECKS = (check_non_finite, check_run_status, check_band, check_sequential, check_train_eval, check_loss_jump,
-          check_spikes, check_grad_norm, check_token_drops, check_router_entropy, check_throughput, check_throughput_drop)
+CHECKS = (check_non_finite, check_run_status, check_repeated_batches, check_band, check_sequential, check_train_eval,
+          check_loss_jump, check_spikes, check_grad_norm, check_token_drops, check_router_entropy, check_throughput, check_throughput_drop)
 
 
 def transient_end(spec: Spec | None, forecast: Forecast | None, calibration: Calibration | None,

@@ -262,6 +262,34 @@ def check_grad_norm(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     return flags, gn_summary
 
 
+def check_repeated_batches(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
+    """`repeated_batch`: a step read the very same tokens as an earlier one (the runs' recorded
+    extra.batch_hash, engines/trainer.batch_hash): a replay, a loop, a data loader restarted at its
+    start. Critical, unless the spec lets the data run past one epoch (then info: a planned repeat
+    can read a batch again)."""
+    df, steps = c.df, c.steps
+    name = next((n for n in ("extra.batch_hash", "batch_hash") if n in df.columns), None)
+    if name is None:
+        return [], {}
+    h = pd.to_numeric(df[name], errors="coerce").to_numpy(dtype=np.float64)
+    ok = np.isfinite(h)
+    if not ok.any():
+        return [], {}
+    hv, sv = h[ok], steps[ok]
+    _, first_idx, inverse = np.unique(hv, return_index=True, return_inverse=True)
+    repeat = first_idx[inverse] != np.arange(len(hv))
+    summary = {"repeated_batches": int(repeat.sum())}
+    if not repeat.any():
+        return [], summary
+    i = int(np.flatnonzero(repeat)[0])
+    earlier = int(sv[first_idx[inverse[i]]])
+    planned = c.spec is not None and c.spec.data.max_epochs > 1
+    return [Flag("repeated_batch", "info" if planned else "critical", int(sv[i]), {
+        "text": f"step {sv[i]} read the very same batch as step {earlier}; {int(repeat.sum())} of {len(hv)} logged "
+                f"steps repeat an earlier batch" + (" (the spec allows more than one epoch)" if planned else ""),
+        "repeats_step": earlier, "repeated": int(repeat.sum())})], summary
+
+
 def check_token_drops(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     """`token_drops`: send + recv drop fraction over the budget after warmup."""
     df, steps, after_warm, cfg = c.df, c.steps, c.after_warm, c.cfg

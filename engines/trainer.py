@@ -33,6 +33,7 @@ dir, and `agree` hands every process the lead's decisions (the checkpoint to res
 
 from __future__ import annotations
 
+import hashlib
 import time
 import warnings
 from pathlib import Path
@@ -208,6 +209,17 @@ class FaultHook(Protocol):
 
     def __call__(self, step: int, batch_BS1: np.ndarray, lr: float, trainer: "Trainer") -> tuple[np.ndarray, float]:
         ...
+
+
+BATCH_HASH_BITS = 52  # a float64 holds it exactly, so trackers that keep floats only keep it too
+
+
+def batch_hash(batch_BS1: np.ndarray) -> int:
+    """The identity of the tokens a step read (blake2b of the array, 52 bits): two steps that read
+    the very same batch have the same hash; recorded as extra.batch_hash, so the monitor can tell
+    a run that reads data twice (a replay, a loop, a loader restarted at its start)."""
+    digest = hashlib.blake2b(np.ascontiguousarray(batch_BS1).tobytes(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << BATCH_HASH_BITS) - 1)
 
 
 def inject(fault: FaultHook | None, step: int, batch_BS1: np.ndarray, lr: float, trainer: "Trainer"):
@@ -391,18 +403,18 @@ class Trainer:
                 batch = self.stream.batch(step, *batch_part(B))
             batch, lr = inject(self.fault, step, batch, lrs(step), self)
             handle = module.launch(step, batch, lr)
-            return handle, lr, B * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0
+            return handle, lr, B * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0, batch_hash(batch)
 
         def read(step: int, launched) -> StepMetrics:
             nonlocal t_prev
-            handle, lr, n_tok, seq, launch_s = launched
+            handle, lr, n_tok, seq, launch_s, hashed = launched
             t_read = time.perf_counter()
             m, finite = module.read(handle)
             self.tokens += n_tok
             now = time.perf_counter()
             tps = n_tok / max(launch_s + now - t_read if module.synchronous else now - t_prev, 1e-9)
             mfu = float(flops_per_token(spec, seq)) * tps / (spec.hardware.peak_flops * module.devices)
-            rec = record(step, self.tokens, lr, m, tps, mfu, **module.extra())
+            rec = record(step, self.tokens, lr, m, tps, mfu, **module.extra(), batch_hash=hashed)
             self._close_step(rec, finite, writer)
             t_prev = time.perf_counter()
             return rec

@@ -114,6 +114,21 @@ def test_a_healthy_synthetic_run_raises_no_flag():
     assert monitor(synthetic()).flags == []
 
 
+def test_a_batch_read_twice_is_critical_at_the_step_that_reads_it_again():
+    hashes = np.arange(300, dtype=np.float64) * 7919 + 11
+    assert "repeated_batch" not in kinds(monitor(synthetic(**{"extra.batch_hash": hashes})))
+    hashes[250:260] = hashes[100:110]  # batches of 150 steps earlier read again
+    f = flag(monitor(synthetic(**{"extra.batch_hash": hashes}), micro_spec()), "repeated_batch")
+    assert (f.severity, f.first_step, f.evidence["repeats_step"], f.evidence["repeated"]) == ("critical", 250, 100, 10)
+
+
+def test_a_repeated_batch_is_info_where_the_spec_allows_more_than_one_epoch():
+    hashes = np.zeros(300)
+    f = flag(monitor(synthetic(**{"extra.batch_hash": hashes}), micro_spec(**{"data.max_epochs": 2.0})),
+             "repeated_batch")
+    assert (f.severity, f.first_step) == ("info", 1)
+
+
 def test_nan_loss_is_critical_at_its_step():
     df = synthetic()
     df.loc[200:, "loss"] = np.nan

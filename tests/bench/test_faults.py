@@ -10,10 +10,10 @@ import pytest
 from bench.faults import FAULTS, run_suite, tiny_hero
 from core.spec import save_spec
 
-# what a 300-step run of a tiny model can show within 10% of its steps (the data faults, a
-# mixture switch, a looped source and replayed tokens, move its loss too slowly: docs/results/faults_cpu)
+# what a 300-step run of a tiny model can show within 10% of its steps (a mixture switch moves its
+# loss too slowly: docs/results/faults_cpu; a looped source and replayed tokens show as batches read twice)
 SHOWN = ("lr_x4", "lr_x0.25", "no_warmup", "clip_off_lr_spike", "corrupted_batch", "router_collapse", "nan",
-         "resume_wrong_step")
+         "resume_wrong_step", "small_source_looped", "replayed_tokens")
 
 
 @pytest.mark.slow
@@ -29,6 +29,7 @@ def test_healthy_replicates_stay_quiet_and_the_faults_a_tiny_run_shows_are_caugh
         r = rows[name]
         assert r["pass"], (name, r["first_flag_step"], r.get("first_flag"), r.get("first_critical_step"))
     assert rows["nan"]["first_critical"] == "non_finite"
+    assert rows["replayed_tokens"]["first_critical"] == "repeated_batch"
     written = json.loads((tmp_path / "faults.json").read_text())
     assert [r["run"] for r in written["rows"]] == [r["run"] for r in res["rows"]]
     assert "| nan |" in (tmp_path / "faults.md").read_text()
