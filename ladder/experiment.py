@@ -54,7 +54,7 @@ class Experiment:
 
 def replicate(spec: Spec, seed: int) -> Spec:
     """The same run at another seed, named <name>-seed<seed>: replicates measure the ladder's own
-    noise (analysis.replicates groups runs that differ only in their seed)."""
+    noise (analysis.runs.replicates groups runs that differ only in their seed)."""
     return spec.replace(seed=seed, name=f"{spec.name}-seed{seed}")
 
 

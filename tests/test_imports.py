@@ -22,6 +22,18 @@ ALLOWED = {
     "experiments": {"core", "engines", "ladder"},
 }
 TOP_LEVEL_ONLY = ("core", "engines", "ladder", "analysis")
+# inside analysis/, the same rule by concern: the readers of runs and the fits' warnings at the bottom,
+# laws and curves on them, the forecast on those, the monitor reads a forecast, a replan reads the
+# monitor; report and fitplots (modules at the top of analysis/) may import any of them
+ANALYSIS_ALLOWED = {
+    "fitwarn": set(),
+    "runs": set(),
+    "laws": {"fitwarn"},
+    "curves": {"fitwarn"},
+    "forecast": {"fitwarn", "runs", "laws", "curves"},
+    "monitor": {"runs", "forecast"},
+    "replan": {"fitwarn", "runs", "laws", "curves", "forecast", "monitor"},
+}
 # third-party libraries whose import costs a process real time (scipy ~0.6 s, torch ~1 s on the
 # test machine): a project module that pulls one in may be imported inside a function, where the
 # CLI (ladder.cli and every ladder.commands module) does not pull it in already
@@ -98,6 +110,28 @@ def test_each_package_imports_only_the_floors_it_may():
     g = _graph()
     wrong = [f"{pkg} -> {dep}: {g[pkg][dep][0]}" for pkg in PACKAGES for dep in g[pkg] if dep not in ALLOWED[pkg]]
     assert not wrong, "imports up the floors:\n" + "\n".join(wrong)
+
+
+def _analysis_graph(root: Path = ROOT) -> dict[str, dict[str, list[str]]]:
+    """concern of analysis/ (a subpackage, or a module at its top) -> concern it imports -> sites."""
+    g: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for path, line, name, _ in _imports("analysis", root):
+        parts = name.split(".")
+        if parts[0] != "analysis" or len(parts) < 2 or len(path.parts) < 2:
+            continue
+        src = path.parts[1].removesuffix(".py")
+        if src != parts[1]:
+            g[src][parts[1]].append(f"{path}:{line} {name}")
+    return g
+
+
+def test_analysis_concerns_import_only_the_floors_they_may():
+    g = _analysis_graph()
+    assert set(ANALYSIS_ALLOWED) >= {p.name for p in (ROOT / "analysis").iterdir() if (p / "__init__.py").is_file()}
+    wrong = [f"analysis.{src} -> analysis.{dst}: {sites[0]}" for src, deps in g.items() if src in ANALYSIS_ALLOWED
+             for dst, sites in deps.items() if dst not in ANALYSIS_ALLOWED[src]]
+    assert not wrong, "imports up the floors of analysis/:\n" + "\n".join(wrong)
+    assert not _find_cycles(g, sorted(g)), _find_cycles(g, sorted(g))
 
 
 def test_every_pending_edge_still_exists():
@@ -177,7 +211,7 @@ def test_the_cli_alone_imports_no_heavy_library():
 
 
 def test_the_closure_walk_sees_heavy_libraries_behind_project_modules():
-    assert "torch" in _closure(["engines.torch.model"]) and "scipy" in _closure(["analysis.laws"])
+    assert "torch" in _closure(["engines.torch.model"]) and "scipy" in _closure(["analysis.laws.fit"])
     assert "torch" not in _closure(["core.spec"])
 
 

@@ -5,7 +5,7 @@ with intervals) and `ladder law isoflop` (Chinchilla's approach 2) over a user's
 Rows can be filtered with `--where COL=VALUE` (also `!=`, `<`, `<=`, `>`, `>=`, and `COL=V1,V2` for a list;
 repeatable, all must hold); several `--loss-col`
 fit one law each. Every fit's JSON and table carry its `warnings` and, unless `--no-backtest`, the
-coverage and width of its intervals on points it never saw (analysis.law_backtest).
+coverage and width of its intervals on points it never saw (analysis.laws.backtest).
 """
 
 from __future__ import annotations
@@ -25,8 +25,8 @@ from rich.table import Table
 
 from core.fsutil import json_safe
 from ladder.errors import LadderError
-from analysis.csvio import TableError, read_table
-from analysis.isoflop import IsoflopError, fit_isoflop, group_budgets
+from analysis.runs.csvio import TableError, read_table
+from analysis.laws.isoflop import IsoflopError, fit_isoflop, group_budgets
 
 # The analysis modules (scipy, matplotlib) load when a law command runs, not with every `ladder` command.
 _KINDS = ("law", "envelope", "moe")
@@ -148,7 +148,7 @@ def _validate(df: pd.DataFrame, file: Path, cols: list[str]) -> pd.DataFrame:
 
 
 def _fit_or_explain(fn, file: Path, *args, **kwargs):
-    from analysis.laws import FitError
+    from analysis.laws.fit import FitError
 
     try:
         return fn(*args, **kwargs)
@@ -204,7 +204,7 @@ def _render_warnings(console: Console, warnings: list[str] | None) -> None:
 
 def _backtest(fit_fn, cols, loss, level, seed, start=None) -> dict:
     """start: the fit of all the points, which warm-starts the backtests' refits."""
-    from analysis import law_backtest
+    from analysis.laws import backtest as law_backtest
 
     return {
         "cross_validation": law_backtest.cross_validate(fit_fn, cols, loss, level=level, seed=seed, start=start),
@@ -311,8 +311,8 @@ def register(app: typer.Typer) -> None:
         png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
     ) -> None:
         """Fit L(N, D) = E + A/N^alpha + B/D^beta (Huber on log loss, L-BFGS, bootstrap intervals)."""
-        from analysis import law_backtest
-        from analysis.laws import fit_law, fit_moe_law
+        from analysis.laws import backtest as law_backtest
+        from analysis.laws.fit import fit_law, fit_moe_law
         if (tokens_col is None) == (flops_col is None):
             raise LadderError("give exactly one of --tokens-col (D) or --flops-col (C, with D = C / 6N)")
         _check_common(level, bootstrap)
@@ -384,8 +384,8 @@ def register(app: typer.Typer) -> None:
         png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
     ) -> None:
         """Fit the compute envelope L(C) = E + A*C^-alpha."""
-        from analysis import law_backtest
-        from analysis.laws import fit_envelope
+        from analysis.laws import backtest as law_backtest
+        from analysis.laws.fit import fit_envelope
         _check_common(level, bootstrap)
         conds = _parse_where(where)
         docs = []
@@ -427,7 +427,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Predict a saved fit at held-out points, with prediction intervals; with --csv and --actual-col,
         score it on measured losses (error per row, mean and worst relative error, interval coverage)."""
-        from analysis.laws import EnvelopeFit, FitError, LawFit, MoELawFit
+        from analysis.laws.fit import EnvelopeFit, FitError, LawFit, MoELawFit
 
         if csv is not None and any(v for v in (params, total_params, tokens, flops)):
             raise LadderError("give either --csv FILE with its columns or --params/--tokens/--flops values, not both")

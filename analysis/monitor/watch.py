@@ -2,7 +2,7 @@
 
     report = monitor(df, spec=None, forecast=None, settings=MonitorSettings(), ..., calibration=None)
 
-`df` is a metrics frame (analysis.metrics_io.read_metrics_frame): step, loss and whatever else the
+`df` is a metrics frame (analysis.runs.metrics.read_metrics_frame): step, loss and whatever else the
 run logged. Each flag is {kind, severity, first_step, evidence}; the evidence holds a sentence
 ("text") and the numbers behind it. first_step is the step at which the monitor, reading the run
 as it grew, would have raised the flag (its onset, where it differs, is in the evidence).
@@ -10,7 +10,7 @@ as it grew, would have raised the flag (its onset, where it differs, is in the e
 A severity is a promise. info: for the record (nothing to do). warning: look (a healthy run of
 this spec does not do this). critical: act now (the run is broken or is wasting its compute).
 Warnings can keep that promise only where healthy runs of the spec have been seen: `calibration`
-(analysis.monitor_calib; bench/faults.py writes one from healthy replicates) gives the band's width
+(analysis.monitor.calib; bench/faults.py writes one from healthy replicates) gives the band's width
 per stretch of training, the sequential tests, the early transient and the spike thresholds.
 Without one, the forecast band is the forecast's own interval: departures from it are info unless
 gross.
@@ -25,7 +25,7 @@ The kinds, with their severities:
   points: a data fault (a mixture switch, repeated data).
 - with a calibration, `<series>_above_band` / `<series>_below_band` for the train loss, grad norm,
   eval loss (and each source's), router entropy and the eval/train gap (warning; critical once the
-  departure reaches `crit_sd` healthy sds): the level or change test of analysis.monitor_calib
+  departure reaches `crit_sd` healthy sds): the level or change test of analysis.monitor.calib
   alarmed, at the stated `false_alarm_rate` a run (split over series and directions).
 - without a calibration, `loss_above_band` / `loss_below_band` (info; warning beyond the band by
   `band_gross_widths` band widths): the (optionally smoothed) loss outside the forecast band for
@@ -65,11 +65,11 @@ The early transient (where grad-norm, spike, drop and entropy tests wait): the s
 stretches in a row end it); else the later of the spec's
 warmup and the forecast trajectory's first step (the forecaster's own cut of the early curve).
 
-Where things are: the settings, flags and report in analysis.monitor_types; one check function per
-flag family in analysis.monitor_checks (CHECKS below runs them in order); the statistics they share
-in analysis.monitor_stats; the forecast file's reader in analysis.forecast_file; the picture in
-analysis.monitor_plot; the calibrated checks in analysis.monitor_seq, the calibration and the
-sequential tests in analysis.monitor_calib.
+Where things are: the settings, flags and report in analysis.monitor.flags; one check function per
+flag family in analysis.monitor.checks (CHECKS below runs them in order); the statistics they share
+in analysis.monitor.stats; the forecast file's reader in analysis.forecast.file; the picture in
+analysis.monitor.plot; the calibrated checks in analysis.monitor.seq, the calibration and the
+sequential tests in analysis.monitor.calib.
 """
 
 from __future__ import annotations
@@ -80,15 +80,15 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.forecast_file import Forecast, load_forecast
-from analysis.monitor_calib import Calibration, load_calibration
-from analysis.monitor_checks import (RunCurves, check_band, check_grad_norm, check_loss_jump, check_non_finite,
+from analysis.forecast.file import Forecast, load_forecast
+from analysis.monitor.calib import Calibration, load_calibration
+from analysis.monitor.checks import (RunCurves, check_band, check_grad_norm, check_loss_jump, check_non_finite,
                                      check_router_entropy, check_run_status, check_spikes, check_throughput,
                                      check_token_drops)
-from analysis.monitor_seq import check_sequential, check_throughput_drop, check_train_eval
-from analysis.monitor_stats import (column, json_num, measured_tokens_per_s, olmo_spike_score, planned_tokens_per_s,
+from analysis.monitor.seq import check_sequential, check_throughput_drop, check_train_eval
+from analysis.monitor.stats import (column, json_num, measured_tokens_per_s, olmo_spike_score, planned_tokens_per_s,
                                     spec_warmup_steps)
-from analysis.monitor_types import SEVERITY_RANK, Flag, MonitorReport, MonitorSettings, Severity
+from analysis.monitor.flags import SEVERITY_RANK, Flag, MonitorReport, MonitorSettings, Severity
 from core.spec import Spec
 
 __all__ = ["CHECKS", "Calibration", "Flag", "Forecast", "MonitorReport", "MonitorSettings", "SEVERITY_RANK", "Severity",

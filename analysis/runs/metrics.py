@@ -27,7 +27,7 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from analysis.metric_names import MetricNames
+from analysis.runs.names import MetricNames
 from core import env
 from core.rundir import iter_run_dirs, parse_metrics_lines
 from core.schedule import lr_at

@@ -82,7 +82,7 @@ Warnings (`CurveFit.warnings`): parameters on a bound of their search range (`co
 False), a fit of fewer than three sizes that predicts another size, an uncalibrated band, bootstrap
 refits that disagree wildly.
 
-Learning rates: see analysis.curve_data (one value per logged step, or a dense per-step array).
+Learning rates: see analysis.curves.data (one value per logged step, or a dense per-step array).
 
 Modules: curve_data (curves and schedules), curve_design (schedule features and the models'
 predictions), curve_sizelaw (size law and one-size priors), curve_optim (objective, starts, L-BFGS),
@@ -103,11 +103,11 @@ import numpy as np
 from scipy.stats import norm
 
 from analysis import fitwarn
-from analysis.curve_data import Curve, CurveError, CurveFitError, lr_per_step_from_samples
-from analysis.curve_design import GAMMA_MAX, LOG_BOUNDS, MODELS, Design
-from analysis.curve_fit import CurveFit
-from analysis.curve_optim import bounds_for, clip_to, fit_one_size, fix_bound, lbfgs, linearised_start, sized_start
-from analysis.curve_sizelaw import KAPLAN_ALPHA_N, SIZE_LAWS, SIZE_PRIOR_SD, SIZE_PRIORS, SizeLaw
+from analysis.curves.data import Curve, CurveError, CurveFitError, lr_per_step_from_samples
+from analysis.curves.design import GAMMA_MAX, LOG_BOUNDS, MODELS, Design
+from analysis.curves.fitted import CurveFit
+from analysis.curves.optim import bounds_for, clip_to, fit_one_size, fix_bound, lbfgs, linearised_start, sized_start
+from analysis.curves.sizelaw import KAPLAN_ALPHA_N, SIZE_LAWS, SIZE_PRIOR_SD, SIZE_PRIORS, SizeLaw
 
 try:  # a transitive dependency (scikit-learn via mlflow); without it the fit is only slower
     from threadpoolctl import threadpool_limits
@@ -164,7 +164,7 @@ def fit_curves(
     log B linear in log N too). size_prior: "kaplan-floor", "kaplan" or "chinchilla", how a one-size fit predicts another size. calibrate (default:
     with n_boot > 0) measures the band's calibration factor leave-one-curve-out at `level`.
     floor_law: (E, p), the floor's size law L0(N) = E + a (N/N_ref)^-p held there instead of fitted
-    (curves of three or more sizes), e.g. from a ladder's compute law (analysis.forecast.floor_law).
+    (curves of three or more sizes), e.g. from a ladder's compute law (analysis.forecast.hero.floor_law).
     Raises CurveError for unusable input, CurveFitError when the fit does not converge."""
     if size_law not in SIZE_LAWS:
         raise CurveError(f"unknown size law {size_law!r}; choose one of {', '.join(SIZE_LAWS)}")
@@ -189,7 +189,7 @@ def _finish(fit: CurveFit, curves, model, joint, size_prior, calibrate, level) -
     fit.sizes = list(fit.info.get("sizes") or [])
     if fit.law_kind == "none":
         fit.warnings.append("one training size: a prediction at another size rests on the "
-                            f"{size_prior} prior (analysis.curves), not on this data")
+                            f"{size_prior} prior (analysis.curves.fit), not on this data")
     elif fit.law_kind == "two":
         fit.warnings += fitwarn.too_few_sizes(2, "sizes for the size law")
     if fit.law_kind != "none" and len(set(fit.sizes)) >= 2:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from analysis.monitor import MonitorReport
+from analysis.monitor.watch import MonitorReport
 
 __all__ = ["TRIGGER_KINDS", "PRECURSOR_KINDS", "divergence_onset"]
 

@@ -1,5 +1,5 @@
 """How the curve models' parameters depend on model size: the size law mapping a fit's coordinates
-to each curve's parameters (several sizes), and the one-size priors (analysis.curves states them).
+to each curve's parameters (several sizes), and the one-size priors (analysis.curves.fit states them).
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from analysis.curve_design import MODEL_PARAMS, SCALED
+from analysis.curves.design import MODEL_PARAMS, SCALED
 
 SIZE_LAWS = {"slopes": SCALED, "additive": ()}  # additive: only L0 moves with N (Chinchilla's additive form)
 

@@ -52,7 +52,7 @@ class MonitorSettings(BaseModel):
     throughput_drop_frac: float = Field(1 / 3, gt=0, lt=1, description="recent tokens/s below this share of the "
                                         "run's own earlier rate: a throughput drop")
     false_alarm_rate: float = Field(0.01, gt=0, lt=0.5, description="chance a healthy run trips one direction of "
-                                    "one series' sequential test (analysis.monitor_calib)")
+                                    "one series' sequential test (analysis.monitor.calib)")
     min_sd: float = Field(0.01, ge=0, description="floor on a series' healthy sd in log units (1%): smaller "
                           "departures are not worth a flag however steady the healthy runs are")
     crit_sd: float = Field(8.0, gt=0, description="healthy sds a departure must reach, past the alarm, to be critical")

@@ -8,7 +8,7 @@ An option's spec has a new id and records its lineage: parent_id (the run's spec
 resume_step (the parent checkpoint it continues from: the engine loads
 <parent run dir>/checkpoints/step_<resume_step> and goes on from there). Its row has the finish
 date at the run's throughput, the device-hours still to spend, and the forecast final loss with an
-interval from the curve model under the option's own schedule (analysis.run_forecaster).
+interval from the curve model under the option's own schedule (analysis.replan.run_forecaster).
 
 Options (Marin's contingency plan):
 
@@ -56,11 +56,11 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.divergence import divergence_onset
-from analysis.metrics_io import RunRef
-from analysis.monitor import Forecast, MonitorReport, MonitorSettings, measured_tokens_per_s, monitor, planned_tokens_per_s
-from analysis.replan_specs import derive, shorten_spec
-from analysis.run_forecaster import Forecaster, curve_forecaster
+from analysis.monitor.divergence import divergence_onset
+from analysis.runs.metrics import RunRef
+from analysis.monitor.watch import Forecast, MonitorReport, MonitorSettings, measured_tokens_per_s, monitor, planned_tokens_per_s
+from analysis.replan.specs import derive, shorten_spec
+from analysis.replan.run_forecaster import Forecaster, curve_forecaster
 from core.spec import Spec, save_spec
 from core import costs
 from core.fsutil import atomic_write_text

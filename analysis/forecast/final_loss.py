@@ -37,8 +37,8 @@ from typing import Any, Sequence
 import numpy as np
 from scipy.stats import t as student_t
 
-from analysis import law_backtest
-from analysis.laws import EnvelopeFit, FitError, fit_envelope, refit_envelope
+from analysis.laws import backtest as law_backtest
+from analysis.laws.fit import EnvelopeFit, FitError, fit_envelope, refit_envelope
 
 LEVEL = 0.9
 MIN_FIT = 3  # the envelope's parameters: a fit needs this many families

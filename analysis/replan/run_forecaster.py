@@ -1,5 +1,5 @@
 """The final-loss forecast of a live run under any replan option's schedule: the curve model
-(analysis.curves) fitted to the run's own healthy points, or the ladder's curve model matched to the
+(analysis.curves.fit) fitted to the run's own healthy points, or the ladder's curve model matched to the
 run's level, whichever predicts the run's last quarter best; anchored on forecast.json's trajectory
 of this very plan when there is one (see _make_curve_forecaster for the interval's parts).
 """
@@ -13,9 +13,9 @@ from typing import Any, Callable
 import numpy as np
 from scipy.stats import norm
 
-from analysis import curves
-from analysis.divergence import divergence_onset
-from analysis.monitor import spec_warmup_steps
+from analysis.curves import fit as curves
+from analysis.monitor.divergence import divergence_onset
+from analysis.monitor.watch import spec_warmup_steps
 from core.schedule import lr_at
 from core.spec import Spec
 
@@ -27,7 +27,7 @@ Forecaster = Callable[[Any, Spec, int], "dict | None"]
 
 
 def curve_forecaster(state) -> Forecaster | None:
-    """Fits the curve model (analysis.curves) to the run's own curve so far and predicts the final
+    """Fits the curve model (analysis.curves.fit) to the run's own curve so far and predicts the final
     loss under any option's schedule; None when too few healthy points. `state` is the replanner's
     RunState (its spec, metrics frame df, monitor report and forecast are read)."""
     return _make_curve_forecaster(curves, state)

@@ -1,6 +1,6 @@
 """The curve models' optimiser: a Huber loss on log(loss) - log(pred) summed over every point of
 every curve, its gradient, the search bounds, starts (the 'instant' linearised model and a few
-shapes of the LR response) and L-BFGS-B (analysis.curves describes the two-stage fit).
+shapes of the LR response) and L-BFGS-B (analysis.curves.fit describes the two-stage fit).
 """
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ import math
 import numpy as np
 from scipy.optimize import minimize
 
-from analysis.curve_design import LOG_BOUNDS, LRA_MOMENTUM, MODEL_PARAMS
-from analysis.curve_sizelaw import CHINCHILLA_ALPHA, SizeLaw
+from analysis.curves.design import LOG_BOUNDS, LRA_MOMENTUM, MODEL_PARAMS
+from analysis.curves.sizelaw import CHINCHILLA_ALPHA, SizeLaw
 
-HUBER_DELTA = 1e-2  # on log loss; analysis.curves says why not the published 1e-3
+HUBER_DELTA = 1e-2  # on log loss; analysis.curves.fit says why not the published 1e-3
 
 
 def huber(r: np.ndarray, delta: float):

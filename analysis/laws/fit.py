@@ -20,14 +20,14 @@ Uncertainty: a nonparametric bootstrap (points resampled with replacement, each 
 the full-data optimum); parameter intervals are percentiles of the refits. A prediction's interval
 is for a held-out point, not only for the mean law: the spread of the refits' log predictions and the
 scatter of the points about the law (robust sd of the log residuals, inflated by n/(n - Q)) added in
-quadrature, on log loss. analysis.law_backtest measures the coverage that interval reaches on points
+quadrature, on log loss. analysis.laws.backtest measures the coverage that interval reaches on points
 the fit never saw.
 
 Honesty: every fit carries `warnings` (analysis.fitwarn): the floor E at its bound 0, an exponent at
 a bound, no more points than parameters, fewer than three distinct sizes, bootstrap refits that
 disagree wildly. `converged` is False when the optimum sits on a bound.
 
-The optimiser (objective, start grid, L-BFGS, degeneracy test) lives in analysis.law_optim.
+The optimiser (objective, start grid, L-BFGS, degeneracy test) lives in analysis.laws.optim.
 
 Shape legend: S starts, Q parameters (2K+1), K power terms, R data rows, B bootstrap draws.
 """
@@ -43,7 +43,7 @@ import numpy as np
 from scipy.special import ndtri  # the normal quantile (scipy.stats costs a CLI run ~0.4 s to import)
 
 from analysis import fitwarn
-from analysis.law_optim import MAX_EXPONENT, degeneracy, fit_terms
+from analysis.laws.optim import MAX_EXPONENT, degeneracy, fit_terms
 
 try:  # a transitive dependency (scikit-learn via mlflow); without it the fit is only slower
     from threadpoolctl import threadpool_limits

@@ -3,24 +3,24 @@ the hero's own schedule, and a grad-norm envelope; a typed value (HeroForecast) 
 forecast.json.
 
 - Final loss: the compute envelope L(C) = E + A*C^-alpha fitted on one point per rung family (runs
-  that differ only in their seed, at their mean final eval loss: analysis.replicates), with the
-  interval of analysis.final_loss: parametric-bootstrap fit variance + the hero's measurement
+  that differ only in their seed, at their mean final eval loss: analysis.runs.replicates), with the
+  interval of analysis.forecast.final_loss: parametric-bootstrap fit variance + the hero's measurement
   variance (the replicates' seed spread and the eval standard error) + the ladder's leave-one-out
   backtest term scaled by the e-folds of compute beyond the largest rung, t-calibrated. Runs scored
   on different eval sets are refused (replicates.check_yardstick). Backtests hold a whole family out.
-- Trajectory: the schedule-aware curve model (analysis.curves) fitted on all rung trajectories with
+- Trajectory: the schedule-aware curve model (analysis.curves.fit) fitted on all rung trajectories with
   their sizes (each from FIT_FROM of its steps on, its clock in steps of the smallest batch's tokens so
   that rungs of different batch sizes share the LR area per token), evaluated at the hero's size under
   lr_at(hero, step); it is then shifted to end on the law's final loss so the two forecasts agree
   (the compute law anchors the size dependence), and its band grows to the law's interval there
   (without one run's eval measurement noise, which a train loss does not carry). Where the
   rungs read the hero's tokens (the same data stream, at any batch size) the trajectory carries the
-  rungs' per-step deviations from their own trend there (analysis.stream_residual: the batch
+  rungs' per-step deviations from their own trend there (analysis.forecast.stream_residual: the batch
   content's share of the step-to-step noise), and the band's noise term there is the scatter they
   leave (leave-one-rung-out). Its half-widths are then scaled by the factor that would have held
   LEVEL of the largest rung's curve forecast the same way from the smaller rungs, measured
   separately on the steps that carry stream deviations and on the rest (calibrate_trajectory).
-- Grad norm: analysis.gradnorm (log grad norm per bin of the fraction of training, linear in log
+- Grad norm: analysis.forecast.gradnorm (log grad norm per bin of the fraction of training, linear in log
   active params with one slope; band from nested leave-largest-out backtests).
 
 Every interval reports, under `coverage`, the coverage and width its method reached on the ladder's
@@ -43,12 +43,15 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from analysis import fitwarn, gradnorm, law_backtest, replicates
-from analysis.curves import Curve, fit_curves
-from analysis.final_loss import MIN_FIT, FinalLaw, Point, fit_final_law
-from analysis.final_loss import coverage as final_coverage
-from analysis.stream_residual import TREND_STEPS, StreamRun, loo_residual_sd, same_stream
-from analysis.stream_residual import transfer as stream_transfer
+from analysis import fitwarn
+from analysis.forecast import gradnorm
+from analysis.laws import backtest as law_backtest
+from analysis.runs import replicates
+from analysis.curves.fit import Curve, fit_curves
+from analysis.forecast.final_loss import MIN_FIT, FinalLaw, Point, fit_final_law
+from analysis.forecast.final_loss import coverage as final_coverage
+from analysis.forecast.stream_residual import TREND_STEPS, StreamRun, loo_residual_sd, same_stream
+from analysis.forecast.stream_residual import transfer as stream_transfer
 from core import costs
 from core.schedule import lr_at
 from core.spec import Spec
@@ -60,7 +63,7 @@ Z90 = 1.6448536269514722
 # leave-largest-out backtests of both ladders; the multipower curves start 9% in, after their warmup)
 FIT_FROM = 0.1
 # carry the rungs' batch-content deviations to the hero's steps at the tokens they read (chosen by the
-# backtests of both ladders; analysis.stream_residual)
+# backtests of both ladders; analysis.forecast.stream_residual)
 STREAM_DEVIATIONS = True
 CALIB_MIN, CALIB_MAX = 0.5, 10.0  # the trajectory band's calibration factor is kept in this range
 FINAL_FLAG, FINAL_SE = "extra.eval_final", "extra.eval_loss_se"  # the final eval's record (engines/trainer.py)
@@ -175,7 +178,7 @@ def backtest(rungs: list[RungRun]) -> dict | None:
 
 
 def final_interval(rungs: Sequence[Any], C: float) -> tuple[float, float, float, FinalLaw]:
-    """(mean, lo, hi, law) of one run's final loss at compute C (analysis.final_loss)."""
+    """(mean, lo, hi, law) of one run's final loss at compute C (analysis.forecast.final_loss)."""
     law = final_law(rungs)
     iv = law.interval(C)
     return iv["mean"], iv["lo"], iv["hi"], law
@@ -245,7 +248,7 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
     """Hero train loss per step from the curve model, aligned to the final-loss forecast; the band
     holds the final interval (opening with progress) and the step-to-step noise of the rungs. With
     stream_deviations, the steps whose tokens the rungs read carry the rungs' per-step deviations there
-    (analysis.stream_residual) and their noise term is the scatter those leave."""
+    (analysis.forecast.stream_residual) and their noise term is the scatter those leave."""
     ref = min([r.spec.data.tokens_per_step for r in rungs] + [hero.data.tokens_per_step])
     fit = fit_curves(rung_curves(rungs, ref))
     steps_T = np.arange(hero.total_steps)
@@ -266,7 +269,7 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
     sigma = float(np.median(noise))
     frac_T = (steps_T + 1) / hero.total_steps
     early = 0.02 * pred_T * (1 - frac_T)
-    # the batch-content deviations the rungs measured at the hero's tokens (analysis.stream_residual):
+    # the batch-content deviations the rungs measured at the hero's tokens (analysis.forecast.stream_residual):
     # where they cover a step, the forecast carries them and the step noise is what they leave
     noise_T, cov_T = np.full(hero.total_steps, sigma), np.zeros(hero.total_steps, dtype=bool)
     stream = {"method": "none: no rung reads the hero's data stream" if stream_deviations else "off", "covered_steps": 0}
@@ -278,7 +281,7 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
             pred_T = pred_T * np.exp(dev_T)
             noise_T = np.where(cov_T, loo["residual_sd"] * pred_T, sigma)
             stream = {"method": "per-step deviations of the rungs that read the hero's data stream, at its tokens "
-                      f"(analysis.stream_residual, trend {TREND_STEPS} steps)", "runs": [r.name for r in srs],
+                      f"(analysis.forecast.stream_residual, trend {TREND_STEPS} steps)", "runs": [r.name for r in srs],
                       "covered_steps": int(cov_T.sum()),
                       "first_uncovered_step": int(np.argmin(cov_T)) if not cov_T.all() else None,
                       "residual_sd": loo["residual_sd"], "deviation_sd": loo["deviation_sd"]}
@@ -504,7 +507,7 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
            for i, k in enumerate(("E", "A", "alpha"))} if len(law_fit.draws) > 1 else None)
     law = {"kind": "compute", "label": "L(C) = E + A C^-alpha", **{k: fl[k] for k in ("E", "A", "alpha") if k in fl},
            "ci": ci, "ci_level": LEVEL, "converged": fl.get("converged", True), "warnings": fl.get("warnings", []),
-           "interval": "one run's final loss at C (analysis.final_loss; hero.final_loss.method)",
+           "interval": "one run's final loss at C (analysis.forecast.final_loss; hero.final_loss.method)",
            "points": final["method"]["points"], "curve": curve}
     fc = HeroForecast(
         experiment=experiment,

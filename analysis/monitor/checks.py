@@ -1,5 +1,5 @@
 """The monitor's checks, one function per flag family. Each takes the run's curves and returns its
-flags and what it adds to the report's summary; analysis.monitor documents every flag and threshold."""
+flags and what it adds to the report's summary; analysis.monitor.watch documents every flag and threshold."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.forecast_file import Forecast
-from analysis.monitor_calib import Calibration
-from analysis.metrics_io import frame_tokens_per_step
-from analysis.monitor_stats import (column, first_run, interp_inside, iso_utc, json_num, local_spike_z,
+from analysis.forecast.file import Forecast
+from analysis.monitor.calib import Calibration
+from analysis.runs.metrics import frame_tokens_per_step
+from analysis.monitor.stats import (column, first_run, interp_inside, iso_utc, json_num, local_spike_z,
                                     measured_tokens_per_s, olmo_spike_score, planned_tokens_per_s, rolling_median)
-from analysis.monitor_types import Flag, MonitorSettings
+from analysis.monitor.flags import Flag, MonitorSettings
 from core.spec import Spec
 
 
@@ -102,7 +102,7 @@ def check_band(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
         ("loss_below_band", inside & (sm < lo), inside & (sm < gross_lo), "below"),
     ):
         if c.calibration is not None and "loss" in c.calibration.series:
-            break  # the calibrated sequential test (analysis.monitor_seq) judges the loss
+            break  # the calibrated sequential test (analysis.monitor.seq) judges the loss
         r = first_run(mask, cfg.band_k)
         if r:
             a, b = r

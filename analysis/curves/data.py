@@ -1,4 +1,4 @@
-"""Loss curves as the curve models (analysis.curves) take them: logged steps, the learning-rate
+"""Loss curves as the curve models (analysis.curves.fit) take them: logged steps, the learning-rate
 schedule (one value per logged step, or a dense per-step array) and the loss, validated at the
 boundary with errors that name the curve and the problem.
 

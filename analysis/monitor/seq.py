@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.monitor_calib import eval_series, sequential_test, series_values, throughput_ratio
-from analysis.monitor_checks import RunCurves
-from analysis.monitor_stats import column, json_num
-from analysis.monitor_types import Flag
+from analysis.monitor.calib import eval_series, sequential_test, series_values, throughput_ratio
+from analysis.monitor.checks import RunCurves
+from analysis.monitor.stats import column, json_num
+from analysis.monitor.flags import Flag
 
 # what each series' departure means; a data fault shows first in the train/eval gap
 _WHAT = {"loss": "train loss", "grad_norm": "grad norm", "eval_loss": "held-out eval loss",

@@ -89,8 +89,8 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.forecast_file import Forecast
-from analysis.monitor_stats import column, local_spike_z
+from analysis.forecast.file import Forecast
+from analysis.monitor.stats import column, local_spike_z
 from core.fsutil import atomic_write_text
 
 __all__ = ["eval_series", "source_eval_names", "Calibration", "SeriesCalibration", "SequentialResult", "calibrate", "cusum_threshold", "load_calibration",

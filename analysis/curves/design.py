@@ -4,7 +4,7 @@ models' parameters, and each model's prediction (with its Jacobian) from them.
 The Multi-Power Law's loss drop LD over all logged steps is O(T x n) exactly; here the LR changes far
 behind an evaluated step are lumped: changes within DENSE_STEPS steps of t enter one by one, older
 ones in blocks whose width grows geometrically with the distance (ratio BLOCK_RATIO), each block a
-single change at its |change|-weighted mean log-LR and position (analysis.curves explains why the
+single change at its |change|-weighted mean log-LR and position (analysis.curves.fit explains why the
 error stays near 1e-5 of the loss).
 
 Shape legend: n evaluated steps, T steps of a dense schedule, b lumped LR-change blocks per step,
@@ -18,7 +18,7 @@ import math
 import numpy as np
 from scipy.signal import lfilter
 
-from analysis.curve_data import CurveError
+from analysis.curves.data import CurveError
 
 __all__ = ["MODELS", "MODEL_PARAMS", "LOG_BOUNDS", "SCALED", "GAMMA_MAX", "Design", "block_distances", "lumped_changes"]
 

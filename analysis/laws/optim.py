@@ -1,4 +1,4 @@
-"""The scaling-law optimiser (analysis.laws describes the method): the summed Huber objective on
+"""The scaling-law optimiser (analysis.laws.fit describes the method): the summed Huber objective on
 log loss and its analytic gradient, vectorised over starts; the start grid; L-BFGS from the best
 starts and a polish; and the test that an optimum is a usable power law.
 

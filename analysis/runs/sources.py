@@ -1,5 +1,5 @@
 """Where a run's metrics come from: a file (run dir, metrics.jsonl, CSV), any MLflow run, or a W&B run
-(analysis/wandb_runs.py).
+(analysis/runs/wandb_runs.py).
 
     src = open_source("mlflow:RUN_ID", tracking_uri="http://127.0.0.1:5000", names=load_metric_names("olmo-core"))
     df = src.read()          # the whole history, paged
@@ -32,9 +32,9 @@ from mlflow import MlflowClient  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.utils.search_utils import SearchUtils  # noqa: E402
 
-from analysis.metric_names import MetricNames, matches  # noqa: E402
-from analysis.metrics_io import ALIASES, MetricsError, RunRef, finish_frame, read_metrics_frame, resolve_run  # noqa: E402
-from analysis.wandb_runs import WANDB_PREFIX, WandbApiSource, WandbDirSource, open_wandb  # noqa: E402
+from analysis.runs.names import MetricNames, matches  # noqa: E402
+from analysis.runs.metrics import ALIASES, MetricsError, RunRef, finish_frame, read_metrics_frame, resolve_run  # noqa: E402
+from analysis.runs.wandb_runs import WANDB_PREFIX, WandbApiSource, WandbDirSource, open_wandb  # noqa: E402
 from core.spec import load_spec  # noqa: E402
 
 __all__ = ["MLFLOW_PREFIX", "FileSource", "MlflowSource", "open_source"]

@@ -49,7 +49,7 @@ class StreamRun:
 
     @classmethod
     def from_run(cls, run) -> "StreamRun":
-        """From an analysis.forecast.RungRun (spec + metrics frame)."""
+        """From an analysis.forecast.hero.RungRun (spec + metrics frame)."""
         df = run.metrics.dropna(subset=["loss"]) if "loss" in run.metrics else run.metrics.iloc[:0]
         return cls(run.spec.name, df["step"].to_numpy(), pd.to_numeric(df["loss"], errors="coerce").to_numpy(),
                    run.spec.data.tokens_per_step, stream_key(run.spec))

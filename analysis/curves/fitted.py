@@ -1,4 +1,4 @@
-"""A fitted loss-curve model (analysis.curves fits it): its prediction of a curve under any schedule
+"""A fitted loss-curve model (analysis.curves.fit fits it): its prediction of a curve under any schedule
 and at any model size (the size law, or a one-size prior), its band, its warnings and its JSON.
 
 Shape legend: n evaluated steps, P model parameters, Z fitted coordinates, K bootstrap draws.
@@ -14,9 +14,9 @@ import numpy as np
 from scipy.stats import norm
 from scipy.stats import t as student_t
 
-from analysis.curve_data import Curve, CurveError, check_steps, dense_lr
-from analysis.curve_design import EVAL_CHUNK, LOG_BOUNDS, MODEL_PARAMS, Design, block_distances
-from analysis.curve_sizelaw import (CHINCHILLA_A, CHINCHILLA_ALPHA, CHINCHILLA_E, KAPLAN_ALPHA_N, SIZE_LAWS,
+from analysis.curves.data import Curve, CurveError, check_steps, dense_lr
+from analysis.curves.design import EVAL_CHUNK, LOG_BOUNDS, MODEL_PARAMS, Design, block_distances
+from analysis.curves.sizelaw import (CHINCHILLA_A, CHINCHILLA_ALPHA, CHINCHILLA_E, KAPLAN_ALPHA_N, SIZE_LAWS,
                                     SIZE_PRIOR_SD, SizeLaw, prior_l0)
 
 __all__ = ["CurveFit"]
@@ -45,7 +45,7 @@ class CurveFit:
     sizes: list = field(default_factory=list)  # the training curves' sizes (params), when given
     calib: float = 1.0  # leave-one-curve-out calibration factor of the band's non-bootstrap parts
     # relative loss sd per e-fold of N beyond the fitted sizes, measured by the fit's own size backtest
-    # (analysis.curves: each size beyond the smallest predicted from the smaller ones); None: the prior
+    # (analysis.curves.fit: each size beyond the smallest predicted from the smaller ones); None: the prior
     size_sd: float | None = None
     size_backtest: dict = field(default_factory=dict)
     calibration: dict = field(default_factory=dict)  # how calib was measured

@@ -2,7 +2,7 @@
 a prediction lands on points the fit never saw.
 
 - `cross_validate`: leave-one-out (up to 40 points) or K-fold (K = 10, seeded) refits; each held-out
-  point is predicted with the refit's prediction interval (analysis.laws: bootstrap spread and
+  point is predicted with the refit's prediction interval (analysis.laws.fit: bootstrap spread and
   residual scatter in quadrature).
 - `extrapolate`: refit on the points whose first variable (N, or C) is at most 1/`factor` of its
   largest value and predict the rest: the 'size 4x beyond the largest fitted' a ladder is for.
@@ -17,7 +17,7 @@ from typing import Any, Callable, Sequence
 
 import numpy as np
 
-from analysis.laws import FitError, fit_envelope, fit_law
+from analysis.laws.fit import FitError, fit_envelope, fit_law
 
 LOO_MAX = 40
 K_FOLDS = 10

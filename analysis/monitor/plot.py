@@ -10,9 +10,9 @@ import matplotlib
 import numpy as np
 import pandas as pd
 
-from analysis.forecast_file import Forecast
-from analysis.monitor_stats import column, rolling_median
-from analysis.monitor_types import MonitorReport
+from analysis.forecast.file import Forecast
+from analysis.monitor.stats import column, rolling_median
+from analysis.monitor.flags import MonitorReport
 from core.fsutil import atomic_write_bytes
 
 __all__ = ["plot_report"]
