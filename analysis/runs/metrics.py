@@ -27,32 +27,15 @@ from typing import Any, Mapping
 import numpy as np
 import pandas as pd
 
-from analysis.runs.names import MetricNames
+from analysis.runs.names import ALIASES, MetricNames
 from core import env
-from core.rundir import iter_run_dirs, parse_metrics_lines
+from core.rundir import METRICS_FILE, iter_run_dirs, parse_metrics_lines
 from core.schedule import lr_at
 from core.spec import load_spec
 from engines.checkpoint import list_checkpoints
 
 __all__ = ["MetricsError", "RunRef", "read_metrics_frame", "finish_frame", "tokens_from_spec", "resolve_metrics_path",
-           "resolve_run", "check_spec_matches", "ALIASES"]
-
-METRICS_FILE = "metrics.jsonl"
-
-# Canonical column -> names other tools export it under (compared lower-case, stripped).
-ALIASES: dict[str, tuple[str, ...]] = {
-    "step": ("step", "_step", "global_step", "iteration", "iter", "trainer/global_step", "steps"),
-    "tokens": ("tokens", "tokens_seen", "num_tokens", "train/tokens", "consumed_tokens"),
-    "loss": ("loss", "train_loss", "train/loss", "loss/train", "train/ce_loss", "ce_loss", "lm_loss"),
-    "grad_norm": ("grad_norm", "gradnorm", "grad/norm", "train/grad_norm", "optim/total_grad_norm", "total_grad_norm"),
-    "lr": ("lr", "learning_rate", "train/lr", "optim/lr"),
-    "eval_loss": ("eval_loss", "eval/loss", "val_loss", "validation_loss"),
-    "tokens_per_s": ("tokens_per_s", "tokens_per_sec", "throughput/tokens_per_s", "tok/s"),
-    "router_entropy": ("router_entropy",),
-    "drop_frac_send": ("drop_frac_send",),
-    "drop_frac_recv": ("drop_frac_recv",),
-    "time": ("time", "timestamp", "_timestamp", "unix_time"),
-}
+           "resolve_run", "check_spec_matches"]
 
 
 class MetricsError(ValueError):

@@ -36,10 +36,25 @@ import numpy as np
 import pandas as pd
 import yaml
 
-__all__ = ["CANONICAL", "PRESETS", "MetricNames", "MetricNamesError", "load_metric_names", "matches", "mlflow_legal"]
+__all__ = ["ALIASES", "CANONICAL", "PRESETS", "MetricNames", "MetricNamesError", "load_metric_names", "matches", "mlflow_legal"]
 
-CANONICAL = ("step", "tokens", "loss", "eval_loss", "grad_norm", "lr", "drop_frac_send", "drop_frac_recv",
-             "router_entropy", "tokens_per_s", "time", "z_loss")
+# The one alias table: this project's metric -> the names other tools commonly export it under (a CSV's
+# columns are compared lower-case, stripped); a stack's own names (PRESETS below) come first where given.
+ALIASES: dict[str, tuple[str, ...]] = {
+    "step": ("step", "_step", "global_step", "iteration", "iter", "trainer/global_step", "steps"),
+    "tokens": ("tokens", "tokens_seen", "num_tokens", "train/tokens", "consumed_tokens"),
+    "loss": ("loss", "train_loss", "train/loss", "loss/train", "train/ce_loss", "ce_loss", "lm_loss"),
+    "grad_norm": ("grad_norm", "gradnorm", "grad/norm", "train/grad_norm", "optim/total_grad_norm", "total_grad_norm"),
+    "lr": ("lr", "learning_rate", "train/lr", "optim/lr"),
+    "eval_loss": ("eval_loss", "eval/loss", "val_loss", "validation_loss"),
+    "tokens_per_s": ("tokens_per_s", "tokens_per_sec", "throughput/tokens_per_s", "tok/s"),
+    "router_entropy": ("router_entropy",),
+    "drop_frac_send": ("drop_frac_send",),
+    "drop_frac_recv": ("drop_frac_recv",),
+    "time": ("time", "timestamp", "_timestamp", "unix_time"),
+    "z_loss": ("z_loss",),
+}
+CANONICAL = tuple(ALIASES)
 
 Reduce = Literal["mean", "first"]
 

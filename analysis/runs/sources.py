@@ -32,8 +32,8 @@ from mlflow import MlflowClient  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.utils.search_utils import SearchUtils  # noqa: E402
 
-from analysis.runs.names import MetricNames, matches  # noqa: E402
-from analysis.runs.metrics import ALIASES, MetricsError, RunRef, finish_frame, read_metrics_frame, resolve_run  # noqa: E402
+from analysis.runs.names import ALIASES, MetricNames, matches  # noqa: E402
+from analysis.runs.metrics import MetricsError, RunRef, finish_frame, read_metrics_frame, resolve_run  # noqa: E402
 from analysis.runs.wandb_runs import WANDB_PREFIX, WandbApiSource, WandbDirSource, open_wandb  # noqa: E402
 from core.spec import load_spec  # noqa: E402
 

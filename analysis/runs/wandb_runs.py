@@ -36,8 +36,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.runs.names import MetricNames, matches
-from analysis.runs.metrics import ALIASES, MetricsError, finish_frame
+from analysis.runs.names import ALIASES, MetricNames, matches
+from analysis.runs.metrics import MetricsError, finish_frame
 
 __all__ = ["WANDB_PREFIX", "WandbApiSource", "WandbDirSource", "open_wandb", "read_log_records", "resolve_wandb_log"]
 

@@ -17,6 +17,7 @@ from analysis.runs.metrics import read_metrics_frame
 from core.spec import load_spec
 from core import costs
 from core.fsutil import atomic_write_json
+from core.rundir import METRICS_FILE
 from ladder.experiment import load_experiment
 from analysis.runs.replicates import YardstickError, family_key
 from ladder.tracking import log_artifact_to_parent, log_forecast
@@ -80,7 +81,7 @@ def finished_rungs(root: Path, exp, holdout: str | None = None):
         if not is_finished(d, spec):
             missing.append(spec.name)
             continue
-        rungs.append(RungRun(spec, d, read_metrics_frame(d / "metrics.jsonl")))
+        rungs.append(RungRun(spec, d, read_metrics_frame(d / METRICS_FILE)))
     if holdout:
         by_flops = sorted(rungs, key=lambda r: r.flops)
         target = by_flops[-1].spec.name if holdout.upper() == "LAST" and by_flops else holdout
@@ -241,7 +242,7 @@ def register(app: typer.Typer) -> None:
         plan = costs.plan(specs, exp.hero)
         runs = {}
         for s in specs:
-            m = run_dir_for(r, exp.name, s) / "metrics.jsonl"
+            m = run_dir_for(r, exp.name, s) / METRICS_FILE
             if m.exists() and m.stat().st_size:
                 runs[s.name] = read_metrics_frame(m)
         adir = analysis_dir(r, exp.name)
