@@ -22,10 +22,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engines.data import TokenStream  # noqa: E402
+from engines.shards import ShardSet  # noqa: E402
+from ladder.experiment import load_experiment  # noqa: E402
+
 
 def in_memory(stream):
-    from engines.shards import ShardSet
-
     mem = copy.copy(stream)
     mem.sources = {n: dataclasses.replace(st, shards=ShardSet(st.shards.name, st.shards.dir, st.shards.index,
                                                               [copy.deepcopy(p.__array__()) for p in st.shards.parts]))
@@ -44,10 +46,8 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from engines.data import TokenStream
     from engines.torch.step import build_optimizer
     from engines.torch.model import MoETransformer, init_params, loss_terms
-    from ladder.experiment import load_experiment
 
     torch.set_num_threads(1)
     spec = load_experiment(a.experiment).by_name(a.rung)

@@ -64,6 +64,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import numpy as np  # noqa: E402
 
+from core.costs import flops_per_token  # noqa: E402
+from core.rules import moe_model  # noqa: E402
+from core.spec import Spec  # noqa: E402
+from engines.data import TokenStream  # noqa: E402
+from engines.lookahead import lookahead_steps  # noqa: E402
+from engines.options import EngineOptions, JaxKernels  # noqa: E402
+
 T_START = time.perf_counter()
 
 BASE_MODEL = {
@@ -83,8 +90,6 @@ PEERS = ("olmo-core", "torchtitan")  # and olmo-core_v1, counted as OLMo-core
 def d768_model(tiny: bool = False) -> dict:
     """Marin's d768 rung on one GPU (core.rules.moe_model(768, 8), one expert shard); --tiny: the
     same rules at d 64 (latent, 2 shared experts, 1 KV head, a window)."""
-    from core.rules import moe_model
-
     if tiny:
         m = moe_model(64, 2, head_dim=16, vocab_size=512, n_routed_experts=16, top_k=2, window=64, ep_size=1,
                       dispatch="dropless")
@@ -117,8 +122,6 @@ def log(*a):
 
 def make_spec(n_steps: int, seq: int = 4096, batch: int = 4, engine: str = "torch", optim: dict | None = None,
               **model):
-    from core.spec import Spec
-
     return Spec.model_validate({
         "name": "olmoe-like", "engine": engine, "seed": 0,
         "model": {**BASE_MODEL, **model},
@@ -173,8 +176,6 @@ def run_steps(launch, read, batches, lookahead: bool = True, settle_at: int = -1
     with lookahead, batch i + 1 is launched before step i is read; without, each step is read
     before the next is launched. Step settle_at is read with nothing launched behind it, and
     on_settle() is called right after."""
-    from engines.lookahead import lookahead_steps
-
     out = []
     for i, r in enumerate(lookahead_steps(0, len(batches), lambda i: launch(batches[i]), lambda i, h: read(h),
                                           lambda i: not lookahead or i == settle_at)):
@@ -266,8 +267,6 @@ def torch_options(options: dict | None = None, engine: dict | None = None):
     (engines/options.TorchKernels fields)."""
     import dataclasses
 
-    from engines.options import EngineOptions
-
     base = EngineOptions.from_env().replace(**(engine or {}))
     return base.replace(torch_kernels=dataclasses.replace(base.torch_kernels, **(options or {})))
 
@@ -318,7 +317,6 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None, kernels
     from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
     from engines.jax.model import ModelConfig, init_params
     from engines.jax.train import init_state
-    from engines.options import JaxKernels
 
     configure_jax()
     cfg = dataclasses.replace(ModelConfig.from_spec(spec.model), kernels=JaxKernels(**(kernels or {})))
@@ -624,8 +622,6 @@ def main(argv=None) -> int:
     log("env", env)
     ceiling = matmul_ceiling() if DEVICE == "cuda" else matmul_ceiling(512, 3)
     log(f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
-    from engines.data import TokenStream
-    from core.costs import flops_per_token
 
     rows: list[dict] = []
     ref_tps: dict[tuple, float] = {}

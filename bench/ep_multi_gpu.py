@@ -43,6 +43,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from core.schedule import lr_at  # noqa: E402
+from core.rundir import METRICS_FILE  # noqa: E402
+from core.spec import Spec, load_spec, save_spec  # noqa: E402
+from engines.data import TokenStream  # noqa: E402
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 for _k, _v in NO_MULTICAST.items():
     os.environ.setdefault(_k, _v)
@@ -70,8 +75,6 @@ def log(*a):
 
 def make_spec(ep: int, steps: int, gpu: bool, capacity_factor: float | None = None, batch: int | None = None,
               peak_lr: float = 2e-3, warmup_frac: float = 0.1):
-    from core.spec import Spec
-
     model, data = (GPU_MODEL, GPU_DATA) if gpu else (CPU_MODEL, CPU_DATA)
     if capacity_factor is not None:
         model = {**model, "capacity_factor_send": capacity_factor, "capacity_factor_recv": capacity_factor}
@@ -99,9 +102,6 @@ def _timed_rows(spec, run_step) -> list[dict]:
     the first step that is not finite is the last."""
     import numpy as np
 
-    from engines.data import TokenStream
-    from core.schedule import lr_at
-
     stream = TokenStream.from_spec(spec)
     lrs = lr_at(spec, np.arange(spec.total_steps))
     rows = []
@@ -126,7 +126,6 @@ def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
 
     from engines.torch.step import build_optimizer, cpu_threads, finish_step, launch_step, make_loss_fn
     from engines.torch.model import MoETransformer, init_params
-    from core.spec import load_spec
 
     spec = load_spec(spec_path)
     device = torch.device(device_name)
@@ -162,7 +161,6 @@ def jax_run(spec_path: Path, out_path: Path) -> None:
     from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
     from engines.jax.model import ModelConfig, init_params
     from engines.jax.train import init_state
-    from core.spec import load_spec
 
     spec = load_spec(spec_path)
     configure_jax()
@@ -238,7 +236,7 @@ def run_ep(ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, time
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise RuntimeError(f"EP {ep} exited {proc.returncode}: {proc.stderr[-3000:]}")
-    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(l) for l in (run_dir / METRICS_FILE).read_text().splitlines()]
     rows = [{"step": r["step"], "loss": r["loss"], "drop_frac_send": r["drop_frac_send"],
              "drop_frac_recv": r["drop_frac_recv"], "tokens": 0, "seconds": 0.0} for r in recs]
     prev = 0
@@ -414,8 +412,6 @@ def main() -> int:
         return 0
 
     import torch
-
-    from core.spec import save_spec
 
     n_gpus = 0 if args.cpu else torch.cuda.device_count()
     gpu = n_gpus > 0

@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engines.data import TokenStream  # noqa: E402
+
 CATEGORIES = (  # first match wins; patterns are searched in lower-cased kernel names
     ("attention", r"flash|fmha|cudnn|sdpa|attn"),
     ("optimizer", r"fused_adam|multi_tensor|adamw|foreach|l2norm|norm_kernel"),
@@ -110,8 +112,6 @@ def main(argv=None) -> int:
     seq, batch = (128, 2) if args.tiny else (4096, 4)
     n = args.warmup + args.steps
     spec = eb.make_spec(n, seq=seq, batch=batch)
-
-    from engines.data import TokenStream
 
     stream = TokenStream.from_spec(spec)
     batches = [stream.batch(i) for i in range(n)]
@@ -223,8 +223,6 @@ def profile_jax(args) -> int:
 
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     import jax
-
-    from engines.data import TokenStream
 
     if args.tiny:
         eb.BASE_MODEL = {**eb.BASE_MODEL, **eb.TINY_MODEL}
