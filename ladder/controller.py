@@ -37,7 +37,7 @@ from ladder.train_launch import infeasible as workers_infeasible
 from core.spec import Spec
 from engines.checkpoint import resume_step
 from engines.base import DivergedError, read_status, write_status
-from engines.options import EngineOptions
+from engines.options import EngineOptions, Options
 from engines.registry import engine_names, get_engine
 from ladder.local import dispatch_local, infeasible, local_gpus
 from ladder.progress import Reporter, SweepDisplay, progress_sink
@@ -168,7 +168,8 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
         _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time(), "step": start})
         report({**base, "step": start}, force=True)
         t0 = time.perf_counter()
-        options = EngineOptions.from_dict(ctx["options"]) if "options" in ctx else None
+        # the spec's options section with the environment's (read where the submission started) on top
+        options = EngineOptions.for_spec(spec, Options.model_validate(ctx.get("options", {})))
         steps = (train_on_workers(spec, rd, options=options) if is_multi_worker(spec)  # a Ray Train job
                  else get_engine(spec.engine, options).train(spec, rd, resume=True))
         for m in steps:
@@ -377,8 +378,9 @@ def _sweep(exp: Experiment, planned: list[Planned], todo: list[Planned], result:
     for p in todo:
         ledger.write_spec_file(p.run_dir, p.spec)
     owner = uuid.uuid4().hex
-    # the engine options are read once, where the submission starts: workers on other nodes get them here
-    ctx: dict[str, Any] = {"root": str(root), "owner": owner, "options": EngineOptions.from_env().to_dict(), **ctx_extra}
+    # the environment's engine options are read once, where the submission starts: workers on other
+    # nodes get them here, and lay them over each spec's own options section
+    ctx: dict[str, Any] = {"root": str(root), "owner": owner, "options": Options.from_env().set_fields(), **ctx_extra}
     mirror = _Mirror(console, root, tracking_uri, exp, [p.spec for p in todo], owner) if tracking else None
     if mirror is not None:
         result.tracking_uri, result.parent_run_id = mirror.uri, mirror.parent_run_id
