@@ -213,7 +213,7 @@ def step_module(spec: Spec):
     make = getattr(engine, "step_module", None)
     if make is not None:
         return make(spec)
-    device, options = default_device(), EngineOptions.from_env()
+    device, options = default_device(), EngineOptions.for_spec(spec)
     threads = cpu_threads(spec, options)
     if device.type != "cuda" and threads:
         torch.set_num_threads(threads)
