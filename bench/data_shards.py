@@ -23,6 +23,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from engines.data import TokenStream  # noqa: E402
+from engines.options import EngineOptions  # noqa: E402
 from engines.shards import ShardSet  # noqa: E402
 from ladder.experiment import load_experiment  # noqa: E402
 
@@ -46,7 +47,6 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from engines.options import EngineOptions
     from engines.torch.step import TorchStep
 
     torch.set_num_threads(1)
