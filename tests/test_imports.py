@@ -28,7 +28,6 @@ PRODUCT = ("core", "engines", "ladder", "analysis", "experiments")
 MAX_LINES = 500  # a product module longer than this is split by concern
 # product modules still over MAX_LINES (lines when listed); the ratchet test fails once one is not
 OVERSIZE: dict[str, int] = {
-    "ladder/tracking.py": 681,
     "analysis/monitor/calib.py": 603,
 }
 # inside analysis/, the same rule by concern: the readers of runs and the fits' warnings at the bottom,
