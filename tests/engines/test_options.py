@@ -1,5 +1,6 @@
-"""Engine options: built once from $MOE_LADDER_OPTIONS (or by a caller), refused by name when a
-value is bad, and recorded in status.json and every checkpoint (never in the spec's id)."""
+"""Engine options: the spec's options section with $MOE_LADDER_OPTIONS on top (or built by a caller),
+refused by name when a value is bad, and recorded in status.json and every checkpoint (never in the
+spec's id)."""
 
 import json
 
@@ -66,7 +67,7 @@ def test_the_registry_hands_an_engine_its_options():
     options = EngineOptions(cpu_threads=2)
     assert get_engine("torch", options).options is options
     assert get_engine("jax", options).options is options
-    assert get_engine("torch").options is None  # built from the environment when it starts
+    assert get_engine("torch").options is None  # built from the spec's options when it starts
 
 
 def test_a_bad_jax_tile_file_is_named_before_any_work(tmp_path):
