@@ -4,7 +4,7 @@ router entropy, flags and replan options. Plots are PNG files beside index.html.
 
 Inputs are plain files, so the report can be rebuilt at any time:
   runs       {name: DataFrame of metrics.jsonl} and {name: plan row}
-  forecast   forecast.json (see analysis/forecast.py)
+  forecast   forecast.json (see analysis/forecast/hero.py)
   flags      list of monitor flags (kind, severity, first_step, evidence)
   replan     list of replan option rows
 """
@@ -320,7 +320,7 @@ def live_verdict(forecast: dict, df) -> tuple[str, bool] | None:
     if not len(steps) or step < steps[0] or step > steps[-1]:
         return f"{head}, train loss {loss:.4f} (mean of the last {min(LIVE_WINDOW, len(d))} steps); no forecast at that step", False
     # the forecast's mean over the same steps as the loss's: a trajectory that carries the rungs' stream
-    # deviations (analysis.forecast) moves step by step as the loss does
+    # deviations (analysis.forecast.hero) moves step by step as the loss does
     win = d["step"].to_numpy()[-LIVE_WINDOW:].astype(float)
     win = win[(win >= steps[0]) & (win <= steps[-1])]
     f_mid, f_lo, f_hi = (float(np.mean(np.interp(win, steps, a))) for a in (mid, lo, hi))

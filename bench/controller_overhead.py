@@ -20,6 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from ladder.controller import submit
+
 TINY = {"data.seq_len": 32, "data.batch_size": 4, "run.eval_every": 10**6, "run.eval_batches": 1}
 
 
@@ -35,8 +37,6 @@ def write_experiment(path: Path, name: str, n: int, steps: int) -> Path:
 
 def sweep(tmp: Path, name: str, n: int, steps: int):
     from rich.console import Console
-
-    from ladder.controller import submit
 
     path = write_experiment(tmp / f"{name}.py", name, n, steps)
     t0 = time.perf_counter()
@@ -95,8 +95,6 @@ def main() -> None:
         # the same, untracked: does tracking slow the training process down?
         from rich.console import Console
 
-        from ladder.controller import submit
-
         bare = submit(write_experiment(tmp / "bare.py", "bare", 1, args.long_steps), root=tmp / ".ladder",
                       tracking=False, console=Console(file=io.StringIO()))
         ob = next(iter(bare.outcomes.values()))
@@ -115,7 +113,6 @@ def main() -> None:
         resub = time.perf_counter() - t0
         assert out.returncode == 0 and "nothing to train" in out.stderr, out.stderr
         print(f"resubmitting the finished {args.resubmit_specs}-spec sweep (`ladder submit`, a new process): {resub:.2f}s")
-        from ladder.controller import submit
         from rich.console import Console
 
         t0 = time.perf_counter()

@@ -20,9 +20,9 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import curve_optim
-from analysis.curve_design import Design
-from analysis.curves import SIZE_PRIORS, Curve, fit_curves
+from analysis.curves import optim as curve_optim
+from analysis.curves.design import Design
+from analysis.curves.fit import SIZE_PRIORS, Curve, fit_curves
 
 TRAIN = ["cosine_24000", "constant_24000", "wsdcon_9"]
 TEST = ["constant_72000", "cosine_72000", "wsd_20000_24000", "wsdld_20000_24000", "wsdcon_3", "wsdcon_18"]

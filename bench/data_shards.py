@@ -22,10 +22,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from engines.data import TokenStream  # noqa: E402
+from engines.options import EngineOptions  # noqa: E402
+from engines.shards import ShardSet  # noqa: E402
+from ladder.experiment import load_experiment  # noqa: E402
+
 
 def in_memory(stream):
-    from engines.shards import ShardSet
-
     mem = copy.copy(stream)
     mem.sources = {n: dataclasses.replace(st, shards=ShardSet(st.shards.name, st.shards.dir, st.shards.index,
                                                               [copy.deepcopy(p.__array__()) for p in st.shards.parts]))
@@ -44,27 +47,21 @@ def main(argv=None) -> int:
     import numpy as np
     import torch
 
-    from engines.data import TokenStream
-    from engines.torch.step import build_optimizer
-    from engines.torch.model import MoETransformer, init_params, loss_terms
-    from ladder.experiment import load_experiment
+    from engines.torch.step import TorchStep
 
     torch.set_num_threads(1)
     spec = load_experiment(a.experiment).by_name(a.rung)
     shards = TokenStream.from_spec(spec)
     arms = {"shards": shards, "memory": in_memory(shards)}
     assert np.array_equal(arms["shards"].batch(3), arms["memory"].batch(3))
-    model = MoETransformer(spec.model)
-    model.load_numpy(init_params(spec.model, spec.seed))
-    opt = build_optimizer(model, spec)
+    engine_step = TorchStep(spec, torch.device("cpu"), EngineOptions.for_spec(spec).replace(cpu_threads=1))
+    engine_step.init_fresh()  # the torch engine's own step module
 
     def step(stream, s):
         t0 = time.perf_counter()
-        x = torch.from_numpy(stream.batch(s)).long()
+        batch = stream.batch(s)
         t1 = time.perf_counter()
-        loss_terms(model, x, spec.optim)[0].backward()
-        opt.step()
-        opt.zero_grad()
+        engine_step.read(engine_step.launch(s, batch, spec.optim.peak_lr))
         return time.perf_counter() - t0, t1 - t0
 
     times = {k: ([], []) for k in arms}

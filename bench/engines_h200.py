@@ -6,6 +6,7 @@ one process on one GPU.
     PYTHONPATH=. python3 bench/engines_h200.py --shape d768 --only torch,torch_cap --profile torch,torch_cap
     PYTHONPATH=. python3 bench/engines_h200.py --scaling            # + 8/128 experts, seq 8192
     PYTHONPATH=. python3 bench/engines_h200.py --only torch,jax --steps 5
+    PYTHONPATH=. python3 bench/engines_h200.py --cpu-smoke --only torch,jax --steps 1 --warmup 1
 
 Peers (bench/peers.py; `ai2-olmo-core` 3.0.0 and `torchtitan` 0.3.0 must be importable; CUDA only):
 `olmo-core` is OLMo-core 3's MoE (OLMoDDPModel) with its train module and optimizer; it needs
@@ -39,6 +40,10 @@ tokens/s to the Hugging Face reference; the losses over the timed steps; the eng
 over the same timed batches again with each step read before the next is launched (their loop
 reads a step after launching the next, engines/lookahead.py; the reference's loop here too).
 
+The engines train through their own step modules (engines/torch/step.TorchStep, the JAX engine's
+step_module) and loop (engines/lookahead.py), under EngineOptions built here for each variant (the
+engine's defaults with the variant's choices; the environment does not reach them).
+
 Results are appended to <out>/results.jsonl as each variant finishes (so a run cut short keeps what
 it measured) and the tables are written to <out>/table.md after every variant. The column "vs
 faster peer" is the row's tokens/s over the faster of OLMo-core and torchtitan at the same shape
@@ -48,7 +53,7 @@ in the same process.
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import gc
 import json
 import os
@@ -63,6 +68,13 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # JAX shares th
 os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
 
 import numpy as np  # noqa: E402
+
+from core.costs import flops_per_token  # noqa: E402
+from core.rules import moe_model  # noqa: E402
+from core.spec import Spec  # noqa: E402
+from engines.data import TokenStream  # noqa: E402
+from engines.lookahead import lookahead_steps  # noqa: E402
+from engines.options import EngineOptions, JaxKernels  # noqa: E402
 
 T_START = time.perf_counter()
 
@@ -83,8 +95,6 @@ PEERS = ("olmo-core", "torchtitan")  # and olmo-core_v1, counted as OLMo-core
 def d768_model(tiny: bool = False) -> dict:
     """Marin's d768 rung on one GPU (core.rules.moe_model(768, 8), one expert shard); --tiny: the
     same rules at d 64 (latent, 2 shared experts, 1 KV head, a window)."""
-    from core.rules import moe_model
-
     if tiny:
         m = moe_model(64, 2, head_dim=16, vocab_size=512, n_routed_experts=16, top_k=2, window=64, ep_size=1,
                       dispatch="dropless")
@@ -117,8 +127,6 @@ def log(*a):
 
 def make_spec(n_steps: int, seq: int = 4096, batch: int = 4, engine: str = "torch", optim: dict | None = None,
               **model):
-    from core.spec import Spec
-
     return Spec.model_validate({
         "name": "olmoe-like", "engine": engine, "seed": 0,
         "model": {**BASE_MODEL, **model},
@@ -168,36 +176,24 @@ def matmul_ceiling(n: int = 8192, reps: int = 20) -> float:
 # ---- variants ----------------------------------------------------------------------------------------
 
 
-def run_steps(launch, read, batches, lookahead: bool = True, settle_at: int = -1, on_settle=None):
-    """read(launch(batch)) for every batch, through the engines' own loop (engines/lookahead.py):
-    with lookahead, batch i + 1 is launched before step i is read; without, each step is read
-    before the next is launched. Step settle_at is read with nothing launched behind it, and
-    on_settle() is called right after."""
-    from engines.lookahead import lookahead_steps
-
+def timed_loop(launch, read, batches, warmup: int, sync, lookahead: bool = True):
+    """(results, timed seconds, warm-up seconds) of warmup + timed steps, read(launch(batch)) for
+    every batch through the engines' own loop (engines/lookahead.py: with lookahead, batch i + 1 is
+    launched before step i is read; without, each step is read before the next is launched). The
+    last warm-up step is read with nothing launched behind it, and the timed steps run between two
+    device synchronisations."""
+    t_w = time.perf_counter()
+    t0 = t_w
     out = []
     for i, r in enumerate(lookahead_steps(0, len(batches), lambda i: launch(batches[i]), lambda i, h: read(h),
-                                          lambda i: not lookahead or i == settle_at)):
+                                          lambda i: not lookahead or i == warmup - 1)):
         out.append(r)
-        if i == settle_at and on_settle is not None:
-            on_settle()
-    return out
-
-
-def timed_loop(launch, read, batches, warmup: int, sync, lookahead: bool = True):
-    """(results, timed seconds, warm-up seconds) of warmup + timed steps; the timed steps run
-    between two device synchronisations."""
-    t_w = time.perf_counter()
-    t0 = [t_w]
-
-    def start_clock():
-        sync()
-        t0[0] = time.perf_counter()
-
-    out = run_steps(launch, read, batches, lookahead, warmup - 1, start_clock)
+        if i == warmup - 1:
+            sync()
+            t0 = time.perf_counter()
     sync()
     t1 = time.perf_counter()
-    return out, t1 - t0[0], t0[0] - t_w
+    return out, t1 - t0, t0 - t_w
 
 
 def read_at_once_tps(launch, read, batches, sync) -> float:
@@ -245,58 +241,32 @@ def run_hf(spec, batches, warmup):
     return losses, dt, t_warm, info
 
 
-@contextlib.contextmanager
-def env_vars(env: dict | None):
-    """The engine switches of one variant set in the environment, and restored after it."""
-    saved = {k: os.environ.get(k) for k in env or {}}
-    os.environ.update(env or {})
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-def torch_options(options: dict | None = None, engine: dict | None = None):
-    """The torch engine's EngineOptions for a variant: the environment's ($MOE_LADDER_OPTIONS) with
-    the variant's engine fields on top (torch_master, ...), then its kernel choices
-    (engines/options.TorchKernels fields)."""
-    import dataclasses
-
-    from engines.options import EngineOptions
-
-    base = EngineOptions.from_env().replace(**(engine or {}))
+def torch_options(options: dict | None = None, engine: dict | None = None) -> EngineOptions:
+    """The EngineOptions of a torch variant, built here: the engine's defaults with the variant's
+    engine fields on top (torch_master, ...), then its kernel choices (engines/options.TorchKernels
+    fields)."""
+    base = EngineOptions().replace(**(engine or {}))
     return base.replace(torch_kernels=dataclasses.replace(base.torch_kernels, **(options or {})))
 
 
-def torch_trainer(spec, options=None):
-    """The torch engine's own step on a fresh model at the peak LR: (launch(batch) -> handle,
-    read(handle) -> (loss, send drop share, receive drop share)); launch queues the forward,
-    backward and update (engine.launch_step + queue_update), read is the step's host sync.
-    options: an engines.options.EngineOptions (default: the environment's switches)."""
-    import torch
+def jax_options(kernels: dict | None = None, engine: dict | None = None) -> EngineOptions:
+    """The EngineOptions of a JAX variant: the defaults with its engine fields (jax_mgpu, ...) and
+    its choices (engines/options.JaxKernels fields)."""
+    return EngineOptions().replace(**(engine or {}), jax_kernels=JaxKernels(**(kernels or {})))
 
-    from engines.torch.step import build_optimizer, launch_step, make_loss_fn, queue_update, read_step, to_device
-    from engines.torch.model import MoETransformer, init_params
 
-    options = options or torch_options()
-    device = torch.device(DEVICE)
-    model = MoETransformer(spec.model).to(device)
-    model.load_numpy(init_params(spec.model, spec.seed))
-    opt = build_optimizer(model, spec, options=options)
-    loss_fn = make_loss_fn(model, device, opt, options)
-    for g in opt.param_groups:
-        g["lr"] = spec.optim.peak_lr
+def peak_lr_steps(step_module, spec):
+    """(launch(batch) -> handle, read(handle) -> (loss, send drop share, receive drop share)) of
+    an engine's own step module (engines/trainer.py's: TorchStep, JaxStep) on a fresh state, every
+    step at the peak LR; a step that is not finite stops the variant."""
+    step_module.init_fresh()
+    lr = spec.optim.peak_lr
 
     def launch(b):
-        vals, out = launch_step(model, loss_fn, to_device(b, device), spec, opt)
-        return queue_update(model, opt, vals, out, spec)
+        return step_module.launch(0, b, lr)
 
-    def read(pending):
-        m, finite = read_step(opt, pending)
+    def read(handle):
+        m, finite = step_module.read(handle)
         if not finite:
             raise FloatingPointError(f"loss {m['loss']}, grad norm {m['grad_norm']}")
         return m["loss"], m["drop_frac_send"], m["drop_frac_recv"]
@@ -304,31 +274,28 @@ def torch_trainer(spec, options=None):
     return launch, read
 
 
-def jax_trainer(spec, first_batch, compiler_options: dict | None = None, kernels: dict | None = None,
-                keep_hlo: bool = False):
-    """The JAX engine's jitted train step, compiled once ahead of the loop (jit would compile
-    again), on a fresh state at the peak LR: (launch(batch) -> device metrics, read(metrics) ->
-    (loss, send drop share, receive drop share), sync(), close(), info); info["hlo"] holds the
-    compiled step's HLO text with keep_hlo."""
-    import dataclasses
+def torch_steps(spec, options: EngineOptions):
+    """The torch engine's step module (engines/torch/step.TorchStep) on the bench's device."""
+    import torch
 
+    from engines.torch.step import TorchStep
+
+    return peak_lr_steps(TorchStep(spec, torch.device(DEVICE), options), spec)
+
+
+def jax_steps(spec, first_batch, options: EngineOptions, compiler_options: dict | None = None,
+              keep_hlo: bool = False):
+    """The JAX engine's step module (JaxEngine.step_module: its mesh, dtypes and kernels), its
+    train step compiled once ahead of the loop (jit would compile again) with `compiler_options`:
+    (launch, read, sync(), close(), info); info["hlo"] holds the compiled step's HLO text with
+    keep_hlo."""
     import jax
     import jax.numpy as jnp
 
-    from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
-    from engines.jax.model import ModelConfig, init_params
-    from engines.jax.train import init_state
-    from engines.options import JaxKernels
+    from engines.jax.engine import JaxEngine, put_batch
 
-    configure_jax()
-    cfg = dataclasses.replace(ModelConfig.from_spec(spec.model), kernels=JaxKernels(**(kernels or {})))
-    if jax.default_backend() == "gpu":
-        cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # as JaxEngine.train does on a GPU
-    mesh = make_mesh(cfg)
-    train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
-    params, buffers = init_params(cfg, spec.seed)
-    box = {"state": place(init_state(cfg, params, buffers, tx), mesh)}
-    lr = jnp.float32(spec.optim.peak_lr)
+    step = JaxEngine(options).step_module(spec)
+    launch, read = peak_lr_steps(step, spec)
     info = {}
     hits = []  # the persistent compilation cache's hits while the step compiles (--jax-cache)
 
@@ -339,33 +306,26 @@ def jax_trainer(spec, first_batch, compiler_options: dict | None = None, kernels
     jax.monitoring.register_event_listener(on_event)
     t_c = time.perf_counter()
     try:
-        step_fn = train_step.lower(box["state"], put_batch(first_batch, mesh), lr).compile(compiler_options)
+        step.train_step = step.train_step.lower(step.state, put_batch(first_batch, step.mesh),
+                                                jnp.float32(spec.optim.peak_lr)).compile(compiler_options)
     finally:
         jax.monitoring.unregister_event_listener(on_event)
     info["compile_s"] = time.perf_counter() - t_c
     info["step_from_cache"] = bool(hits)
     if keep_hlo:
-        info["hlo"] = step_fn.as_text()
+        info["hlo"] = step.train_step.as_text()
     try:
-        mem = step_fn.memory_analysis()
+        mem = step.train_step.memory_analysis()
         info["planned_bytes"] = int(mem.argument_size_in_bytes + mem.temp_size_in_bytes
                                     + mem.output_size_in_bytes - mem.alias_size_in_bytes)
     except Exception as err:  # memory_analysis is best effort across versions
         info["planned_bytes_error"] = repr(err)[:200]
 
-    def launch(b):
-        box["state"], m = step_fn(box["state"], put_batch(b, mesh), lr)
-        return m
-
-    def read(m):
-        m = jax.device_get(m)  # the engine's one host sync per step
-        return float(m["loss"]), float(m["drop_frac_send"]), float(m["drop_frac_recv"])
-
     def sync():
-        jax.block_until_ready(box["state"])
+        jax.block_until_ready(step.state)
 
     def close():
-        box.clear()
+        step.state = None
         jax.clear_caches()
 
     return launch, read, sync, close, info
@@ -383,7 +343,7 @@ def run_torch(spec, batches, warmup, options: dict | None = None, engine: dict |
     opts = torch_options(options, engine)
     try:
         torch._dynamo.reset()
-        launch, read = torch_trainer(spec, opts)
+        launch, read = torch_steps(spec, opts)
         out, dt, t_warm = timed_loop(launch, read, batches, warmup, sync)
         info = {"options": opts.to_dict(), "engine": dict(engine or {}),
                 "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
@@ -402,12 +362,11 @@ def run_torch(spec, batches, warmup, options: dict | None = None, engine: dict |
             torch.cuda.empty_cache()
 
 
-def run_jax(spec, batches, warmup, env: dict | None = None, compiler_options: dict | None = None,
+def run_jax(spec, batches, warmup, engine: dict | None = None, compiler_options: dict | None = None,
             kernels: dict | None = None):
     import jax
 
-    with env_vars(env):  # switches read when the state is built
-        launch, read, jax_sync, close, info = jax_trainer(spec, batches[0], compiler_options, kernels)
+    launch, read, jax_sync, close, info = jax_steps(spec, batches[0], jax_options(kernels, engine), compiler_options)
     info["kernels"] = dict(kernels or {})
     try:
         out, dt, t_warm = timed_loop(launch, read, batches, warmup, jax_sync)
@@ -502,8 +461,7 @@ def step_breakdown(launch, read, batches, m: dict, steps: int) -> dict:
     sync()
     with profile(activities=acts, record_shapes=True) as prof:
         t0 = time.perf_counter()
-        run_steps(launch, read, batches[:steps])
-        sync()
+        timed_loop(launch, read, batches[:steps], 0, sync)
         wall = time.perf_counter() - t0
     cats: dict[str, float] = {}
     kern: dict[str, float] = {}
@@ -578,6 +536,9 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=560.0, help="skip what would start after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "bench_out"))
     ap.add_argument("--tiny", action="store_true", help="a tiny model (a smoke run; the CPU if no GPU)")
+    ap.add_argument("--cpu-smoke", action="store_true",
+                    help="--tiny on the CPU even where there is a GPU (JAX on its CPU backend too): the command "
+                         "line, every variant's step and the rows it writes, at no device time")
     ap.add_argument("--shape", default="olmoe", choices=("olmoe", "d768"), help="the shape of the --only list")
     ap.add_argument("--d768", default="", help="variants to run at the d768 shape after the --only list")
     ap.add_argument("--then", default="", help="variants at the --shape shape run last, after the --d768 list")
@@ -588,11 +549,14 @@ def main(argv=None) -> int:
                          "this process, or an earlier one on the same machine) loads instead of compiling again, "
                          "so --repeat costs one compile a variant; the row's info.step_from_cache says which it was")
     args = ap.parse_args(argv)
+    if args.cpu_smoke:
+        args.tiny = True
+        os.environ["JAX_PLATFORMS"] = "cpu"  # before JAX is first imported, below
 
     import torch
 
     global DEVICE, BASE_MODEL
-    if not torch.cuda.is_available():
+    if args.cpu_smoke or not torch.cuda.is_available():
         if not args.tiny:
             print("bench/engines_h200.py needs a CUDA GPU (or --tiny for a smoke run)", file=sys.stderr)
             return 2
@@ -624,8 +588,6 @@ def main(argv=None) -> int:
     log("env", env)
     ceiling = matmul_ceiling() if DEVICE == "cuda" else matmul_ceiling(512, 3)
     log(f"bf16 matmul ceiling {ceiling / 1e12:.0f} TFLOP/s")
-    from engines.data import TokenStream
-    from core.costs import flops_per_token
 
     rows: list[dict] = []
     ref_tps: dict[tuple, float] = {}
@@ -777,7 +739,7 @@ def main(argv=None) -> int:
         "jax_bf16moments": (run_jax, {"optim": {"moments": "bf16"}}),
         # the expert matmuls with one Mosaic-GPU tile configuration (fast.MGPU) instead of the
         # per-matmul ones tuned by bench/tune_mgpu.py
-        "jax_defaulttiles": (run_jax, {"env": {"MOE_LADDER_OPTIONS": "jax_mgpu=default"}}),
+        "jax_defaulttiles": (run_jax, {"engine": {"jax_mgpu": "default"}}),
         # XLA's own GEMM choice without its Triton GEMM fusions (cuBLAS for every matmul)
         "jax_cublas": (run_jax, {"compiler_options": {"xla_gpu_enable_triton_gemm": False}}),
         # the head's losses by autodiff over fp32 logits instead of engines/jax/loss.py's custom VJP

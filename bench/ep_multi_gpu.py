@@ -43,6 +43,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from core.schedule import lr_at  # noqa: E402
+from core.rundir import METRICS_FILE  # noqa: E402
+from core.spec import Spec, load_spec, save_spec  # noqa: E402
+from engines.data import TokenStream  # noqa: E402
+from engines.options import EngineOptions  # noqa: E402
+
 NO_MULTICAST = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 for _k, _v in NO_MULTICAST.items():
     os.environ.setdefault(_k, _v)
@@ -70,8 +76,6 @@ def log(*a):
 
 def make_spec(ep: int, steps: int, gpu: bool, capacity_factor: float | None = None, batch: int | None = None,
               peak_lr: float = 2e-3, warmup_frac: float = 0.1):
-    from core.spec import Spec
-
     model, data = (GPU_MODEL, GPU_DATA) if gpu else (CPU_MODEL, CPU_DATA)
     if capacity_factor is not None:
         model = {**model, "capacity_factor_send": capacity_factor, "capacity_factor_recv": capacity_factor}
@@ -87,6 +91,7 @@ def make_spec(ep: int, steps: int, gpu: bool, capacity_factor: float | None = No
         "schedule": {"warmup_frac": warmup_frac, "decay": "linear", "min_lr_ratio": 0.05},
         "hardware": {"system": "h200" if gpu else "cpu", "n_gpus": ep if gpu else 0, "peak_flops": 989e12 if gpu else 1e12},
         "run": {"checkpoint_every": 10**9, "eval_every": 10**9, "eval_batches": 1},
+        "options": {} if gpu else {"cpu_threads": 1},  # the engines' options, set here (no environment)
     })
 
 
@@ -98,9 +103,6 @@ def _timed_rows(spec, run_step) -> list[dict]:
     metrics, finite) returns once the step is done. Per step loss, drops, tokens and seconds;
     the first step that is not finite is the last."""
     import numpy as np
-
-    from engines.data import TokenStream
-    from core.schedule import lr_at
 
     stream = TokenStream.from_spec(spec)
     lrs = lr_at(spec, np.arange(spec.total_steps))
@@ -120,28 +122,22 @@ def _timed_rows(spec, run_step) -> list[dict]:
 
 
 def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
-    """The engine's own step on one device for every step of the spec (no checkpoints): per
-    step loss, drops, seconds; peak memory."""
+    """The torch engine's step module (engines/torch/step.TorchStep) on one device for every step
+    of the spec (no checkpoints): per step loss, drops, seconds; peak memory."""
     import torch
 
-    from engines.torch.step import build_optimizer, cpu_threads, finish_step, launch_step, make_loss_fn
-    from engines.torch.model import MoETransformer, init_params
-    from core.spec import load_spec
+    from engines.torch.step import TorchStep, cpu_threads
 
     spec = load_spec(spec_path)
     device = torch.device(device_name)
+    options = EngineOptions.for_spec(spec)
     if device.type == "cpu":
-        torch.set_num_threads(cpu_threads(spec) or 1)
-    model = MoETransformer(spec.model).to(device)
-    model.load_numpy(init_params(spec.model, spec.seed))
-    opt = build_optimizer(model, spec)
-    loss_fn = make_loss_fn(model, device, opt)
+        torch.set_num_threads(cpu_threads(spec, options) or 1)
+    step = TorchStep(spec, device, options)
+    step.init_fresh()
 
     def run_step(batch, lr):
-        for g in opt.param_groups:
-            g["lr"] = lr
-        vals, out = launch_step(model, loss_fn, torch.from_numpy(batch).to(device, dtype=torch.long), spec, opt)
-        return finish_step(model, opt, vals, out, spec)  # its host read waits for the step
+        return step.read(step.launch(0, batch, lr))  # its host read waits for the step
 
     rows = _timed_rows(spec, run_step)
     peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else _rss_peak()
@@ -150,38 +146,23 @@ def single_run(spec_path: Path, out_path: Path, device_name: str) -> None:
 
 
 def jax_run(spec_path: Path, out_path: Path) -> None:
-    """The JAX engine's jitted step (engines/jax/engine.py: the mesh when this process sees
+    """The JAX engine's step module (JaxEngine.step_module: the mesh when this process sees
     ep_size devices, else the shards emulated on one) for every step of the spec at its LR
     schedule, each step read before the next: per step loss, drops, seconds; peak memory."""
-    import dataclasses
-
     import jax
-    import jax.numpy as jnp
-    import numpy as np
 
-    from engines.jax.engine import compiled_steps, configure_jax, make_mesh, place, put_batch
-    from engines.jax.model import ModelConfig, init_params
-    from engines.jax.train import init_state
-    from core.spec import load_spec
+    from engines.jax.engine import JaxEngine
 
     spec = load_spec(spec_path)
-    configure_jax()
-    cfg = ModelConfig.from_spec(spec.model)
-    gpu = jax.default_backend() == "gpu"
-    if gpu:
-        cfg = dataclasses.replace(cfg, compute_dtype="bfloat16")  # as JaxEngine.train does on a GPU
-    mesh = make_mesh(cfg)
+    step = JaxEngine(EngineOptions.for_spec(spec)).step_module(spec)
+    gpu, mesh = jax.default_backend() == "gpu", step.mesh
     if spec.model.ep_size > 1 and (mesh is None) != (len(jax.devices()) == 1):
         raise SystemExit(f"{len(jax.devices())} devices visible for ep_size {spec.model.ep_size}: "
                          "want ep_size (a mesh) or 1 (shards emulated)")
-    train_step, _, tx = compiled_steps(cfg, spec.optim, spec.model.router_bias_rate, mesh)
-    params, buffers = init_params(cfg, spec.seed)
-    box = {"state": place(init_state(cfg, params, buffers, tx), mesh)}
+    step.init_fresh()
 
     def run_step(batch, lr):
-        box["state"], m = train_step(box["state"], put_batch(batch, mesh), jnp.float32(lr))
-        m = {k: float(v) for k, v in jax.device_get(m).items()}  # waits for the step
-        return m, bool(np.isfinite(m["loss"]))
+        return step.read(step.launch(0, batch, lr))  # waits for the step
 
     rows = _timed_rows(spec, run_step)
     devices = mesh.devices.ravel().tolist() if mesh is not None else jax.devices()[:1]
@@ -203,7 +184,7 @@ def _env(gpu: bool) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1", **NO_MULTICAST)
     if not gpu:
-        env.update(OMP_NUM_THREADS="1", MOE_LADDER_OPTIONS="cpu_threads=1")
+        env.update(OMP_NUM_THREADS="1")
     return env
 
 
@@ -238,7 +219,7 @@ def run_ep(ep: int, spec_path: Path, run_dir: Path, gpu: bool, warmup: int, time
     wall = time.perf_counter() - t
     if proc.returncode != 0:
         raise RuntimeError(f"EP {ep} exited {proc.returncode}: {proc.stderr[-3000:]}")
-    recs = [json.loads(l) for l in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    recs = [json.loads(l) for l in (run_dir / METRICS_FILE).read_text().splitlines()]
     rows = [{"step": r["step"], "loss": r["loss"], "drop_frac_send": r["drop_frac_send"],
              "drop_frac_recv": r["drop_frac_recv"], "tokens": 0, "seconds": 0.0} for r in recs]
     prev = 0
@@ -414,8 +395,6 @@ def main() -> int:
         return 0
 
     import torch
-
-    from core.spec import save_spec
 
     n_gpus = 0 if args.cpu else torch.cuda.device_count()
     gpu = n_gpus > 0

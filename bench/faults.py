@@ -9,7 +9,7 @@ What it runs (every run really trains, with the hero's engine, up to `--stop` of
 monitor has to decide early):
 
 - healthy replicates: the hero with other seeds (`--seeds`; seed 0 is the hero itself). They
-  calibrate the monitor (analysis.monitor_calib), written to OUT/calibration.json; each replicate
+  calibrate the monitor (analysis.monitor.calib), written to OUT/calibration.json; each replicate
   is then judged against a calibration from the others (leave one out), so its flags are false
   alarms on a run the calibration never saw.
 - faults, on the hero's own seed, each from `--onset` of training (or from step 0 where the fault
@@ -62,10 +62,10 @@ from typing import Any, Callable
 import numpy as np
 import pandas as pd
 
-from analysis.forecast_file import Forecast, load_forecast
-from analysis.metrics_io import read_metrics_frame
-from analysis.monitor import SEVERITY_RANK, MonitorSettings, monitor
-from analysis.monitor_calib import Calibration, calibrate
+from analysis.forecast.file import Forecast, load_forecast
+from analysis.runs.metrics import read_metrics_frame
+from analysis.monitor.watch import SEVERITY_RANK, MonitorSettings, monitor
+from analysis.monitor.calib import Calibration, calibrate
 from core.fsutil import atomic_write_text
 from core.rundir import RunDir
 from core.spec import Spec, load_spec, save_spec
@@ -221,7 +221,7 @@ def step_module(spec: Spec):
     make = getattr(engine, "step_module", None)
     if make is not None:
         return make(spec)
-    device, options = default_device(), EngineOptions.from_env()
+    device, options = default_device(), EngineOptions.for_spec(spec)
     threads = cpu_threads(spec, options)
     if device.type != "cuda" and threads:
         torch.set_num_threads(threads)

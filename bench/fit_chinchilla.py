@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pandas as pd
 
-from analysis import law_backtest
-from analysis.laws import fit_law
+from analysis.laws import backtest as law_backtest
+from analysis.laws.fit import fit_law
 
 DEFAULT_CSV = Path(__file__).resolve().parents[1] / "tests" / "data" / "chinchilla" / "svg_extracted_data.csv"
 EPOCH = {"E": 1.817, "A": 482.0, "B": 2085.4, "alpha": 0.348, "beta": 0.366}

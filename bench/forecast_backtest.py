@@ -17,7 +17,7 @@ Datasets:
   present, docs/results/h200_ladder (its h200_ladder.tar.gz, unpacked into a temporary directory;
   whatever runs it holds): nested leave-largest-out of the final-loss law, the curve model
   predicting the largest rung's curve from the others (with and without the smaller runs' stream
-  deviations, analysis.stream_residual), each one-size prior predicting every rung's curve from the
+  deviations, analysis.forecast.stream_residual), each one-size prior predicting every rung's curve from the
   next smaller rung's alone, the grad-norm envelope's nested backtest, and the hero forecast against
   the hero's own run when it has finished (its trajectory with and without stream deviations).
 
@@ -37,16 +37,17 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis import law_backtest, replicates
-from analysis.final_loss import TAU_PRIOR, Point
-from analysis.curves import SIZE_PRIORS, Curve, CurveError, fit_curves
-from analysis.forecast import (FIT_FROM, RungRun, final_interval, final_loss_coverage, floor_law, forecast,
+from analysis.laws import backtest as law_backtest
+from analysis.runs import replicates
+from analysis.forecast.final_loss import TAU_PRIOR, Point
+from analysis.curves.fit import SIZE_PRIORS, Curve, CurveError, fit_curves
+from analysis.forecast.hero import (FIT_FROM, RungRun, final_interval, final_loss_coverage, floor_law, forecast,
                                largest_family_out, on_run_steps, rung_curves, trajectory_forecast)
-from analysis.gradnorm import RungGrad, backtest as gn_backtest
-from analysis.laws import fit_envelope
-from analysis.metrics_io import read_metrics_frame
-from analysis.stream_residual import StreamRun, deviations, same_stream
-from analysis.stream_residual import transfer as stream_transfer
+from analysis.forecast.gradnorm import RungGrad, backtest as gn_backtest
+from analysis.laws.fit import fit_envelope
+from analysis.runs.metrics import read_metrics_frame
+from analysis.forecast.stream_residual import StreamRun, deviations, same_stream
+from analysis.forecast.stream_residual import transfer as stream_transfer
 from core.rundir import iter_run_dirs
 from core.spec import load_spec
 from ladder.ledger import ladder_root
@@ -107,7 +108,7 @@ def _envelopes(C: np.ndarray, L: np.ndarray) -> list[list[Point]]:
 
 
 def chinchilla_envelope() -> None:
-    """The hero final-loss interval's method (analysis.final_loss) on ladders cut from the Chinchilla
+    """The hero final-loss interval's method (analysis.forecast.final_loss) on ladders cut from the Chinchilla
     points' compute envelopes: every window of 4 and of 6 consecutive envelope points predicting the
     next 2 (2-17x beyond). Also the extrapolation error per e-fold of compute that the method's prior
     TAU_PRIOR states: sqrt(sum e^2 / sum rho^2) of the point fits of 4 points on the next 2."""
@@ -133,7 +134,7 @@ def chinchilla_envelope() -> None:
                 e2 += math.log(t.loss / fit.predict(t.flops)["loss"]) ** 2
                 r2 += math.log(t.flops / env[s + 3].flops) ** 2
     print(f"chinchilla envelopes: extrapolation error per e-fold of compute sqrt(sum e^2 / sum rho^2) = "
-          f"{math.sqrt(e2 / r2):.4f} (analysis.final_loss.TAU_PRIOR = {TAU_PRIOR})")
+          f"{math.sqrt(e2 / r2):.4f} (analysis.forecast.final_loss.TAU_PRIOR = {TAU_PRIOR})")
 
 
 # ---- multipower ----------------------------------------------------------------------------------
@@ -229,7 +230,7 @@ def ladder(name: str, path: Path, boot: int) -> None:
         print(f"{name}: {len(rungs)} finished rungs in {path}; skipped")
         return
     # final loss: each rung family with >= 3 smaller ones from those, the hero interval's whole method
-    # (analysis.final_loss: fit + measurement + nested backtest, t-calibrated), and the bare law's interval
+    # (analysis.forecast.final_loss: fit + measurement + nested backtest, t-calibrated), and the bare law's interval
     cov = final_loss_coverage(rungs)
     if cov:
         row(name, "final loss: each rung family from the smaller ones", "hero final-loss interval's method", cov["n"],
@@ -240,7 +241,7 @@ def ladder(name: str, path: Path, boot: int) -> None:
         print(f"{name}: seed spread {100 * (nz.seed_var or 0) ** 0.5:.2f}% of final eval loss ({nz.seed_dof} dof), "
               f"eval standard error {100 * nz.eval_var ** 0.5:.2f}%")
     # the curve model: the largest rung's curve (and the hero's) from the smaller runs, told only its
-    # size and schedule; curves as the forecast fits them (analysis.forecast.rung_curves); one run (the
+    # size and schedule; curves as the forecast fits them (analysis.forecast.hero.rung_curves); one run (the
     # first seed) per rung family, so that no replicate of a held-out rung is among the fitted
     faces = sorted((f.runs[0] for f in fams), key=lambda r: r.flops)
     runs = faces + ([hero] if hero is not None and _finished(hero) else [])
@@ -289,7 +290,7 @@ def ladder(name: str, path: Path, boot: int) -> None:
         row(name, f"hero {h.spec.name} final eval loss", "hero final-loss interval", 1, abs(fl["mean"] / act - 1),
             float(fl["lo"] <= act <= fl["hi"]), (fl["hi"] - fl["lo"]) / fl["mean"],
             f"sd: fit {fl['sd']['fit']:.4f}, measurement {fl['sd']['measurement']:.4f}, backtest {fl['sd']['backtest']:.4f}")
-    for stream in (False, True):  # the default forecast carries stream deviations (analysis.forecast.STREAM_DEVIATIONS)
+    for stream in (False, True):  # the default forecast carries stream deviations (analysis.forecast.hero.STREAM_DEVIATIONS)
         tr = fc["trajectory"] if stream else forecast(name, rungs, hero.spec, stream_deviations=False).to_dict()["trajectory"]
         _trajectory_row(name, f"hero {hero.spec.name} train-loss trajectory",
                         f"trajectory band ({tr.get('method', '')}, {_factors(tr)})", tr, hero)
@@ -332,7 +333,7 @@ def _covered_note(tr: dict) -> str:
 
 def _stream_row(name: str, fit, base: list[RungRun], target: RungRun, c: Curve) -> None:
     """The curve model's forecast times the stream deviations that the smaller runs measured at the
-    target's tokens (analysis.stream_residual), scored per step (no band: errors only)."""
+    target's tokens (analysis.forecast.stream_residual), scored per step (no band: errors only)."""
     srs = [StreamRun.from_run(r) for r in same_stream(target.spec, base)]
     df = target.metrics.dropna(subset=["loss"])
     st = df["step"].to_numpy()[df["step"].to_numpy() >= FIT_FROM * target.spec.total_steps]

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from engines.torch.step import to_device
+from core.costs import param_counts
 
 PEERS = ("olmo-core", "torchtitan")
 
@@ -589,8 +590,6 @@ def titan3_trainer(spec, device: str, cuda_graphs: bool = True, compile_: bool =
 
 def ours_params(m) -> int:
     """Parameters of the bench's model by the shape's own count (core.costs)."""
-    from core.costs import param_counts
-
     return int(param_counts(m)["total"])
 
 

@@ -24,6 +24,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engines.data import TokenStream  # noqa: E402
+
 CATEGORIES = (  # first match wins; patterns are searched in lower-cased kernel names
     ("attention", r"flash|fmha|cudnn|sdpa|attn"),
     ("optimizer", r"fused_adam|multi_tensor|adamw|foreach|l2norm|norm_kernel"),
@@ -111,19 +113,15 @@ def main(argv=None) -> int:
     n = args.warmup + args.steps
     spec = eb.make_spec(n, seq=seq, batch=batch)
 
-    from engines.data import TokenStream
-
     stream = TokenStream.from_spec(spec)
     batches = [stream.batch(i) for i in range(n)]
-    launch, read = eb.torch_trainer(spec, eb.torch_options(engine={"torch_master": True}))  # as long runs train
+    launch, read = eb.torch_steps(spec, eb.torch_options(engine={"torch_master": True}))  # as long runs train
 
-    eb.run_steps(launch, read, batches[: args.warmup])
-    eb.sync()
+    eb.timed_loop(launch, read, batches[: args.warmup], 0, eb.sync)
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     with profile(activities=acts) as prof:
         t0 = time.perf_counter()
-        eb.run_steps(launch, read, batches[args.warmup:])
-        eb.sync()
+        eb.timed_loop(launch, read, batches[args.warmup:], 0, eb.sync)
         wall = time.perf_counter() - t0
 
     kern: dict[str, float] = defaultdict(float)
@@ -224,18 +222,16 @@ def profile_jax(args) -> int:
     os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.92")
     import jax
 
-    from engines.data import TokenStream
-
     if args.tiny:
         eb.BASE_MODEL = {**eb.BASE_MODEL, **eb.TINY_MODEL}
     seq, batch = (128, 2) if args.tiny else (4096, 4)
     n = args.warmup + args.steps
     spec = eb.make_spec(n, seq=seq, batch=batch, engine="jax")
     stream = TokenStream.from_spec(spec)
-    launch, read, sync, close, info = eb.jax_trainer(spec, stream.batch(0), keep_hlo=True)
+    launch, read, sync, close, info = eb.jax_steps(spec, stream.batch(0), eb.jax_options(), keep_hlo=True)
     what = hlo_sources(info["hlo"])
     batches = [stream.batch(i) for i in range(n)]
-    eb.run_steps(launch, read, batches[: args.warmup])
+    eb.timed_loop(launch, read, batches[: args.warmup], 0, sync)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     with gzip.open(out / "jax_step.hlo.txt.gz", "wt") as f:  # the compiled step, to look the fusions up in
@@ -243,8 +239,7 @@ def profile_jax(args) -> int:
     trace_dir = out / "jax_trace"
     with jax.profiler.trace(str(trace_dir), create_perfetto_trace=True):
         t0 = time.perf_counter()
-        eb.run_steps(launch, read, batches[args.warmup:])
-        sync()
+        eb.timed_loop(launch, read, batches[args.warmup:], 0, sync)
         wall = time.perf_counter() - t0
     close()
     files = glob.glob(str(trace_dir / "**" / "perfetto_trace.json.gz"), recursive=True)

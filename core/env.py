@@ -8,7 +8,7 @@ flag, or a list of settings `key=value[,key=value...]` that a typed reader valid
     MOE_LADDER_CACHE         path     token shards and tokenizers (default ~/.cache/moe-ladder)
     MOE_LADDER_CORPUS        path     the built-in corpus (default $MOE_LADDER_CACHE/corpus)
     MOE_LADDER_TOKENIZERS    path     where a named tokenizer is looked for first
-    MOE_LADDER_OPTIONS       settings the engine options (engines/options.EngineOptions.from_env):
+    MOE_LADDER_OPTIONS       settings the engine options over a spec's own (core/options.Options.from_env):
                                       torch_fast, torch_master, torch_compile, torch_ep, jax_mgpu,
                                       jax_mgpu_tiles, cpu_threads
     MOE_LADDER_LIMITS        settings Limits below: ray_timeout_s, claim_stale_s, shard_chunk_bytes

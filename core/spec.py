@@ -1,8 +1,9 @@
 """Typed experiment specs.
 
 A spec says everything that changes a training result (model, data, optim, schedule, engine,
-seed) plus the run arguments that do not (hardware, run settings, name, lineage). Its id hashes
-only the former, so the same spec is the same run on any cluster.
+seed) plus the run arguments that do not (hardware, run settings, name, lineage, and the engine
+options of core/options.py: how an engine computes it). Its id hashes only the former, so the same
+spec is the same run on any cluster and under any kernels.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from pathlib import Path
 from typing import Any, Literal, get_args
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, ValidationInfo,
+                      field_validator, model_serializer, model_validator)
 
 from core.fsutil import atomic_write_text
+from core.options import Options
 
 # Sections that change the training result; everything else is a run argument.
 IDENTITY_FIELDS = ("model", "data", "optim", "schedule", "engine", "seed")
@@ -302,6 +305,7 @@ class Spec(_Frozen):
     hardware: HardwareSpec = HardwareSpec()
     run: RunSettings = RunSettings()
     lineage: Lineage = Lineage()
+    options: Options = Options()  # how an engine computes it (core/options.py); not in the id
 
     @field_validator("name")
     @classmethod
@@ -313,6 +317,19 @@ class Spec(_Frozen):
         if self.data.tokenizer == "bytes" and self.model.vocab_size < 256:
             raise ValueError(f"byte-level tokens need vocab_size >= 256 (got {self.model.vocab_size})")
         return self
+
+    @model_serializer(mode="wrap")
+    def _dump(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        """Only the options a spec sets, and no `options` key where it sets none (a spec file
+        without options reads as it did before the section was there)."""
+        out = handler(self)
+        if isinstance(out, dict) and "options" in out:
+            given = self.options.set_fields()
+            if given:
+                out["options"] = given
+            else:
+                del out["options"]
+        return out
 
     # ---- identity -------------------------------------------------------------------------
     def identity(self) -> dict[str, Any]:
@@ -345,7 +362,7 @@ class Spec(_Frozen):
             node = data
             *parents, leaf = dotted.split(".")
             for p in parents:
-                node = node[p]
+                node = node.setdefault(p, {}) if p == "options" else node[p]
             node[leaf] = value
         return Spec.model_validate(data)
 

@@ -1,12 +1,11 @@
 """Engine options: how an engine computes a spec, never what it computes.
 
-An EngineOptions value is built once (EngineOptions.from_env, or by a caller such as a bench),
-passed to the engine, and written into status.json and every checkpoint's state.json, so a run
-says which kernels it used. It never enters a spec's identity: the same spec under other options
-is the same run (the results agree to the kernels' rounding).
-
-The environment sets them through one variable (core/env.py), MOE_LADDER_OPTIONS, a list of
-key=value settings, e.g. MOE_LADDER_OPTIONS="torch_ep=processes,cpu_threads=1":
+An EngineOptions value is what an engine runs under: the engine's defaults with a spec's `options`
+section on top (core/options.py: validated literals that an experiment file or a spec's YAML sets,
+outside the spec's id), and, where a run starts from the CLI, $MOE_LADDER_OPTIONS on top of that
+(read there, once: EngineOptions.resolve(spec.options, Options.from_env())). A bench builds one
+directly. It is written into status.json and every checkpoint's state.json, so a run says which
+kernels it used.
 
     torch_fast      1 | 0                                  the CUDA fast path, or the reference forward
     torch_master    1 | 0 (unset: per run)                 bf16 working copies written by the optimizer
@@ -17,27 +16,23 @@ key=value settings, e.g. MOE_LADDER_OPTIONS="torch_ep=processes,cpu_threads=1":
     cpu_threads     a count                                torch threads of a CPU run
 
 The torch and JAX kernel choices whose alternatives measured slower (TorchKernels and JaxKernels
-below; docs/results/engines-h200.md has the measurements) are fields only: a bench builds EngineOptions
-with them to compare, nothing reads them from the environment. Where Triton is missing, every
-Triton choice falls back to its compiled form (TorchKernels.without_triton).
+below; docs/results/engines-h200.md has the measurements) are set by a spec's options section or a
+bench, not by the environment. Where Triton is missing, every Triton choice falls back to its
+compiled form (TorchKernels.without_triton).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Literal, Mapping, get_args
+from typing import Mapping, get_args
 
-from core import env as environment
+from pydantic import ValidationError
 
-CompileMode = Literal["block-cudagraphs", "block", "dense", "none"]
-EPLayout = Literal["auto", "emulate", "processes"]
-MGPUMode = Literal["1", "default", "0"]
+from core.options import (CompileMode, EPLayout, MGPUMode, Options, OptionsError, TorchKernelChoices,  # noqa: F401
+                          choices_message)
+
 COMPILE_MODES, EP_LAYOUTS, MGPU_MODES = get_args(CompileMode), get_args(EPLayout), get_args(MGPUMode)
-
-
-class OptionsError(ValueError):
-    """A switch with a value it does not take; the message names the switch."""
 
 
 @dataclass(frozen=True)
@@ -78,6 +73,14 @@ class TorchKernels:
     combine_grad: str = "triton"
     # MasterAdamW's update: "triton" (engines/torch/kernels/adamw_kernel.py) or "compile" (Inductor)
     adamw: str = "triton"
+
+    def __post_init__(self):
+        try:
+            TorchKernelChoices.model_validate(dataclasses.asdict(self))
+        except ValidationError as err:
+            e = err.errors()[0]
+            raise OptionsError(f"TorchKernels.{e['loc'][0]}={getattr(self, str(e['loc'][0]))!r}: "
+                               f"{choices_message(e)}") from None
 
     def without_triton(self) -> "TorchKernels":
         """The same choices with every Triton kernel replaced by its compiled form."""
@@ -132,37 +135,23 @@ class EngineOptions:
             raise OptionsError(f"cpu_threads={self.cpu_threads}: must be a count >= 1")
 
     @classmethod
+    def resolve(cls, section: Options, over: Options | None = None) -> "EngineOptions":
+        """The defaults with a spec's options section on top, and `over` (the environment's, where
+        the CLI read it) on top of that, key by key."""
+        given = (section.over(over) if over is not None else section).set_fields()
+        torch_kernels = TorchKernels(**given.pop("torch_kernels", {}))
+        jax_kernels = JaxKernels(**given.pop("jax_kernels", {}))
+        return cls(**given, torch_kernels=torch_kernels, jax_kernels=jax_kernels)
+
+    @classmethod
+    def for_spec(cls, spec, over: Options | None = None) -> "EngineOptions":
+        """What a spec runs under: its options section (and `over`) on the defaults."""
+        return cls.resolve(spec.options, over)
+
+    @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None) -> "EngineOptions":
-        """The options $MOE_LADDER_OPTIONS sets (unset ones keep their defaults); a bad key or
-        value is an OptionsError naming the variable and the key."""
-        given = environment.settings("OPTIONS", env)
-        name = environment.var("OPTIONS")
-
-        def flag(key: str) -> bool:
-            if given[key] not in ("0", "1"):
-                raise OptionsError(f"{name} {key}={given[key]!r}: choose 1 or 0")
-            return given[key] == "1"
-
-        values: dict = {}
-        for key, raw in given.items():
-            if key in ("torch_fast", "torch_master"):
-                values[key] = flag(key)
-            elif key == "cpu_threads":
-                try:
-                    values[key] = int(raw)
-                except ValueError:
-                    raise OptionsError(f"{name} cpu_threads={raw!r}: not a count") from None
-            elif key == "torch_compile":
-                values["torch_kernels"] = TorchKernels(compile=raw)
-            elif key in ("torch_ep", "jax_mgpu", "jax_mgpu_tiles"):
-                values[key] = raw
-            else:
-                raise OptionsError(f"{name} {key}={raw!r}: not an option (choose torch_fast, torch_master, "
-                                   "torch_compile, torch_ep, jax_mgpu, jax_mgpu_tiles or cpu_threads)")
-        try:
-            return cls(**values)
-        except OptionsError as err:
-            raise OptionsError(f"{name} {err}") from None
+        """The defaults with $MOE_LADDER_OPTIONS on top (Options.from_env says how a bad value is named)."""
+        return cls.resolve(Options(), Options.from_env(env))
 
     def replace(self, **changes) -> "EngineOptions":
         return dataclasses.replace(self, **changes)

@@ -5,7 +5,9 @@
     dispatch  submit, stream progress, defer specs another submission holds, collect outcomes
     train_task  the worker: claim the spec, train it (resuming), mirror metrics to MLflow
 
-What is done lives in ladder.ledger, the display in ladder.progress, MLflow in ladder.tracking.
+The plan and the feasibility check live in ladder.planning, the submission's MLflow side in
+ladder.mirror; what is done lives in ladder.ledger, the display in ladder.progress, MLflow in
+ladder.tracking.
 A worker or node lost mid-run is retried by Ray (max_retries) and resumes from its checkpoint;
 a submission killed outright is finished by running it again.
 """
@@ -16,7 +18,6 @@ import logging
 import os
 import shlex
 import socket
-import sys
 import time
 import traceback
 import uuid
@@ -27,113 +28,24 @@ from typing import Any, Callable
 from rich.console import Console
 from rich.table import Table
 
-from ladder import ledger, localray, tracking
+from ladder import ledger, localray
 from ladder.errors import LadderError
 from ladder.experiment import Experiment, load_experiment
 from ladder.preflight import check_memory
-from ladder.train_launch import LaunchError, is_multi_worker, train_on_workers
-from ladder.train_launch import check_layout as check_workers_layout
-from ladder.train_launch import infeasible as workers_infeasible
+from ladder.train_launch import is_multi_worker, train_on_workers
 from core.spec import Spec
 from engines.checkpoint import resume_step
 from engines.base import DivergedError, read_status, write_status
-from engines.options import EngineOptions
-from engines.registry import engine_names, get_engine
+from engines.options import EngineOptions, Options
+from engines.registry import get_engine
 from ladder.local import dispatch_local, infeasible, local_gpus
 from ladder.progress import Reporter, SweepDisplay, progress_sink
-from ladder.tracking import resolve_tracking_uri
+from ladder.mirror import Mirror, catch_up, untracked
+from ladder.planning import (Planned, check_feasible, plan, plan_table, resources_of,  # noqa: F401 (the controller's names)
+                            select_specs)
 
 DEFER_POLL_S = 2.0
 STOP_GRACE_S = 10.0  # how long a Ctrl-C waits for workers to stop at a step before ray.cancel
-
-
-# ---- plan ----------------------------------------------------------------------------------------
-def select_specs(exp: Experiment, only: str | None, include_hero: bool, engine: str | None) -> list[Spec]:
-    import re
-
-    if only:
-        try:
-            re.compile(only)
-        except re.error as err:
-            raise LadderError(f"--only {only!r} is not a valid regular expression: {err}") from err
-    specs = exp.select(only=only, include_hero=include_hero)
-    if not specs:
-        names = ", ".join(s.name for s in exp.all_specs())
-        raise LadderError(f"--only {only!r} matches no spec of experiment {exp.name!r} (specs: {names})")
-    if engine:
-        if engine not in engine_names():
-            raise LadderError(f"unknown engine {engine!r}; registered engines: {', '.join(sorted(engine_names()))}")
-        specs = [s.replace(engine=engine) for s in specs]
-    return specs
-
-
-@dataclass
-class Planned:
-    spec: Spec
-    run_dir: Path
-    action: str  # run | skip-finished | skip-diverged
-
-
-def plan(root: Path, exp: Experiment, specs: list[Spec], rerun_diverged: bool = False) -> list[Planned]:
-    out = []
-    for s in specs:
-        d = ledger.run_dir_for(root, exp.name, s)
-        if ledger.is_finished(d, s):
-            action = "skip-finished"
-        elif ledger.read_status(d).get("state") == "diverged" and not rerun_diverged:
-            action = "skip-diverged"
-        else:
-            action = "run"
-        out.append(Planned(s, d, action))
-    return out
-
-
-# ---- feasibility -----------------------------------------------------------------------------------
-def resources_of(spec: Spec) -> dict[str, float]:
-    if is_multi_worker(spec):  # the task only launches its Ray Train job, whose workers hold the resources
-        return {}
-    need = {"CPU": float(spec.hardware.task_cpus), "GPU": float(spec.hardware.task_gpus)}
-    return {k: v for k, v in need.items() if v > 0}
-
-
-def check_feasible(specs: list[Spec], nodes: list[dict]) -> None:
-    """Raise LadderError naming every spec whose per-run resources no single alive node has
-    (Ray would leave such a task pending forever)."""
-    alive = [n.get("Resources", {}) for n in nodes if n.get("Alive", n.get("alive", True))]
-    problems = []
-    for s in specs:
-        if is_multi_worker(s):
-            try:
-                check_workers_layout(s)  # a worker count no mesh of the spec can use: refused as well
-            except LaunchError as err:
-                problems.append(str(err))
-                continue
-            why = workers_infeasible(s, alive)
-            if why:
-                problems.append(why)
-            continue
-        need = resources_of(s)
-        if any(all(res.get(k, 0.0) >= v for k, v in need.items()) for res in alive):
-            continue
-        wants = ", ".join(f"{v:g} {k}" for k, v in need.items())
-        missing = []
-        for k, v in need.items():
-            best = max((res.get(k, 0.0) for res in alive), default=0.0)
-            if best < v:
-                missing.append(f"no node has {v:g} {k} (largest: {best:g})" if best else f"the cluster has no {k}")
-        missing = missing or ["no single node has all of it at once"]
-        problems.append(f"spec {s.name} ({s.id}) asks for {wants} per run: {'; '.join(missing)}")
-    if problems:
-        totals: dict[str, float] = {}
-        for res in alive:
-            for k in ("CPU", "GPU"):
-                totals[k] = totals.get(k, 0.0) + res.get(k, 0.0)
-        have = ", ".join(f"{v:g} {k}" for k, v in totals.items())
-        raise LadderError(
-            "refused before submitting anything, the Ray cluster can never run these: "
-            + " | ".join(problems)
-            + f" (cluster: {len(alive)} node(s), {have}; change spec.hardware.task_cpus/task_gpus or use another cluster)"
-        )
 
 
 # ---- the worker ------------------------------------------------------------------------------------
@@ -168,7 +80,8 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
         _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time(), "step": start})
         report({**base, "step": start}, force=True)
         t0 = time.perf_counter()
-        options = EngineOptions.from_dict(ctx["options"]) if "options" in ctx else None
+        # the spec's options section with the environment's (read where the submission started) on top
+        options = EngineOptions.for_spec(spec, Options.model_validate(ctx.get("options", {})))
         steps = (train_on_workers(spec, rd, options=options) if is_multi_worker(spec)  # a Ray Train job
                  else get_engine(spec.engine, options).train(spec, rd, resume=True))
         for m in steps:
@@ -332,12 +245,12 @@ def submit(
         if p.action == "skip-diverged":
             console.print(f"{p.spec.name}: diverged earlier, not rerun (--rerun-diverged trains it again from its "
                           "newest intact checkpoint)", highlight=False)
-    backlog = _untracked(root, tracking_uri, planned) if tracking else []
+    backlog = untracked(root, tracking_uri, planned) if tracking else []
     if not todo:
         n_done = sum(p.action == "skip-finished" for p in planned)
         console.print(f"{exp.name}: all {n_done} selected specs already finished; nothing to train.", highlight=False)
         if backlog:
-            _catch_up(console, root, tracking_uri, exp, backlog)
+            catch_up(console, root, tracking_uri, exp, backlog)
         result.wall_s = time.perf_counter() - t_start
         return result
 
@@ -377,9 +290,10 @@ def _sweep(exp: Experiment, planned: list[Planned], todo: list[Planned], result:
     for p in todo:
         ledger.write_spec_file(p.run_dir, p.spec)
     owner = uuid.uuid4().hex
-    # the engine options are read once, where the submission starts: workers on other nodes get them here
-    ctx: dict[str, Any] = {"root": str(root), "owner": owner, "options": EngineOptions.from_env().to_dict(), **ctx_extra}
-    mirror = _Mirror(console, root, tracking_uri, exp, [p.spec for p in todo], owner) if tracking else None
+    # the environment's engine options are read once, where the submission starts: workers on other
+    # nodes get them here, and lay them over each spec's own options section
+    ctx: dict[str, Any] = {"root": str(root), "owner": owner, "options": Options.from_env().set_fields(), **ctx_extra}
+    mirror = Mirror(console, root, tracking_uri, exp, [p.spec for p in todo], owner) if tracking else None
     if mirror is not None:
         result.tracking_uri, result.parent_run_id = mirror.uri, mirror.parent_run_id
         for p in backlog:  # finished while MLflow was away, or its controller died first
@@ -409,91 +323,6 @@ def _sweep(exp: Experiment, planned: list[Planned], todo: list[Planned], result:
             highlight=False,
         )
     return result
-
-
-def _untracked(root: Path, tracking_uri: str | None, planned: list[Planned]) -> list[Planned]:
-    """Finished runs the tracking store is not known to hold in full (cheap: tracking.json)."""
-    uri = resolve_tracking_uri(tracking_uri, root)
-    return [p for p in planned if p.action == "skip-finished" and not ledger.tracking_complete(p.run_dir, uri, p.spec)]
-
-
-def _catch_up(console: Console, root: Path, tracking_uri: str | None, exp: Experiment, backlog: list[Planned]) -> None:
-    uri = tracking.resolve_tracking_uri(tracking_uri, root)
-    tracking.bounded_http_retries()
-    try:
-        tracking.prepare_store(uri)
-        # a submission killed on this host leaves its parent RUNNING; with nothing to train no
-        # parent of this one's start_submission would close it
-        tracking.close_dead_submissions(uri, tracking.experiment_id(uri, exp.name))
-        parent = tracking.latest_parent_run(uri, exp.name)
-        sent = 0
-        for p in backlog:
-            t = tracking.RunTracker(uri, exp.name, p.spec, p.run_dir, parent, exp.path)
-            sent += t.upload()
-            t.set_final("finished")
-        console.print(f"uploaded {sent} missing metric values of {len(backlog)} finished run(s) to MLflow", highlight=False)
-    except Exception as err:
-        console.print(
-            f"warning: {len(backlog)} finished run(s) are not fully in MLflow at {uri} ({type(err).__name__}); "
-            f"`ladder sync {exp.name}` uploads them when it is reachable",
-            highlight=False,
-        )
-
-
-class _Mirror:
-    """The submission's MLflow side: its parent run, and a pump that mirrors each run dir into
-    the run's child run from the moment a worker starts training it."""
-
-    def __init__(self, console: Console, root: Path, uri: str | None, exp: Experiment, specs: list[Spec], owner: str):
-        self.uri = tracking.resolve_tracking_uri(uri, root)
-        self.exp = exp
-        self.sub = None
-        tracking.bounded_http_retries()  # the controller must not hang for minutes on a dead server
-        try:
-            tracking.prepare_store(self.uri)
-            self.sub = tracking.start_submission(
-                self.uri, exp, specs, {"owner": owner, "host": socket.gethostname(), "pid": str(os.getpid()),
-                 "pid_start": ledger._proc_start(os.getpid()) or "", "argv": shlex.join(sys.argv)[:490]}
-            )
-        except Exception as err:
-            console.print(
-                f"warning: MLflow at {self.uri} is unreachable ({type(err).__name__}); training goes on, metrics.jsonl "
-                "keeps everything, and `ladder sync` uploads it later",
-                highlight=False,
-            )
-        self.parent_run_id = None if self.sub is None else self.sub.run_id
-        self.pump = tracking.TrackingPump()
-
-    def started(self, p: Planned) -> None:
-        if not self.pump.watching(p.spec.id):
-            self.pump.watch(
-                p.spec.id,
-                tracking.RunTracker(self.uri, self.exp.name, p.spec, p.run_dir, self.parent_run_id, self.exp.path, reopen=True),
-            )
-
-    def ended(self, p: Planned, state: str) -> None:
-        self.started(p)
-        self.pump.finish(p.spec.id, state)
-
-    def adopt(self, p: Planned) -> None:
-        """A run another submission finished: upload what MLflow lacks if that submission's
-        controller died before it could (a second uploader is harmless: re-sent points are exact
-        duplicates, which the store drops)."""
-        if not ledger.tracking_complete(p.run_dir, self.uri, p.spec):
-            self.ended(p, "finished")
-
-    def close(self, result: SubmitResult, status: str, timeout_s: float = 60.0) -> None:
-        synced = self.pump.close(timeout_s)
-        result.tracking_s, result.tracking_open_s = self.pump.busy_s, self.pump.open_s
-        for sid, out in result.outcomes.items():
-            if sid in synced:
-                out["tracking_synced"] = synced[sid]
-                out["tracking_error"] = self.pump.trackers[sid].error
-        if self.sub is not None:
-            try:
-                tracking.end_submission(self.sub, status)
-            except Exception:
-                pass  # the parent run's status is cosmetic; the runs themselves are in the run dirs
 
 
 _REMOTE = None
@@ -645,16 +474,6 @@ def _cancel(inflight: dict, root: str, owner: str) -> None:
 
 
 # ---- tables ----------------------------------------------------------------------------------------
-def plan_table(exp: Experiment, planned: list[Planned]) -> Table:
-    t = Table(title=f"{exp.name}: plan ({sum(p.action == 'run' for p in planned)} to run)")
-    for col in ("spec", "id", "role", "engine", "steps", "resources", "action"):
-        t.add_column(col)
-    for p in planned:
-        res = ", ".join(f"{v:g} {k}" for k, v in resources_of(p.spec).items()) or "-"
-        t.add_row(p.spec.name, p.spec.id, p.spec.role, p.spec.engine, str(p.spec.total_steps), res, p.action)
-    return t
-
-
 def summary_table(exp: Experiment, result: SubmitResult) -> Table:
     t = Table(title=f"{exp.name}: {len(result.outcomes)} run(s) in {result.wall_s:.1f}s")
     for col in ("spec", "outcome", "loss", "engine s", "note"):

@@ -1,5 +1,7 @@
 """An experiment file is a small Python module that defines `EXPERIMENT = Experiment(...)`:
-the ladder's rungs and the hero they forecast."""
+the ladder's rungs and the hero they forecast, and optionally the engine options every spec of it
+runs under (`options={"torch_ep": "processes", "torch_kernels": {"compile": "none"}}`: core/options.py;
+a spec's own options section wins key by key; outside every spec's id)."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from pathlib import Path
 
 from pydantic import ValidationError
 
+from core.options import Options
 from core.spec import Spec, SpecError, check_name, format_validation_error
 from engines.registry import engine_names
 from engines.tokenizer import check_vocab
@@ -25,12 +28,27 @@ class Experiment:
     path: str = ""
     notes: str = ""
     extras: tuple[Spec, ...] = field(default=())  # e.g. cooldown branches
+    options: Options | dict | None = None  # engine options of every spec (its own section wins)
 
     def __post_init__(self):
         try:
             check_name(self.name, "experiment name")
         except ValueError as err:
             raise SpecError(str(err)) from None
+        if self.options is not None:
+            try:
+                opts = Options.model_validate(self.options)
+            except ValidationError as err:
+                raise SpecError(f"experiment {self.name!r}: invalid options: "
+                                + format_validation_error(err).replace("; ", "; options.").join(["options.", ""])) from None
+
+            def under(s: Spec | None) -> Spec | None:
+                return None if s is None else s.model_copy(update={"options": opts.over(s.options)})
+
+            object.__setattr__(self, "options", opts)
+            object.__setattr__(self, "rungs", tuple(under(s) for s in self.rungs))
+            object.__setattr__(self, "hero", under(self.hero))
+            object.__setattr__(self, "extras", tuple(under(s) for s in self.extras))
         names = [s.name for s in self.all_specs()]
         if len(set(names)) != len(names):
             raise SpecError(f"experiment {self.name!r}: spec names must be unique (got {names})")
@@ -54,7 +72,7 @@ class Experiment:
 
 def replicate(spec: Spec, seed: int) -> Spec:
     """The same run at another seed, named <name>-seed<seed>: replicates measure the ladder's own
-    noise (analysis.replicates groups runs that differ only in their seed)."""
+    noise (analysis.runs.replicates groups runs that differ only in their seed)."""
     return spec.replace(seed=seed, name=f"{spec.name}-seed{seed}")
 
 

@@ -20,10 +20,10 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 
-from analysis.forecast import RungRun
-from analysis.metric_names import MetricNames
-from analysis.metrics_io import MetricsError, tokens_from_spec
-from analysis.sources import open_source
+from analysis.forecast.hero import RungRun
+from analysis.runs.names import MetricNames
+from analysis.runs.metrics import MetricsError, tokens_from_spec
+from analysis.runs.sources import open_source
 from core.spec import load_spec
 from ladder.errors import LadderError
 

@@ -52,7 +52,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover
     import tomli as tomllib
 
-from analysis.wandb_runs import WandbDirSource, open_wandb
+from analysis.runs.wandb_runs import WandbDirSource, open_wandb
 from core.spec import Spec
 from ladder.stack_common import StackConfigError, get as _get, validated as _validated
 from ladder.stack_levanter import spec_from_levanter

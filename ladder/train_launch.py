@@ -131,7 +131,7 @@ def _worker_loop(config: dict) -> None:
 
 def trainer_for(spec: Spec, run_dir: Path, max_failures: int = MAX_FAILURES, options: EngineOptions | None = None):
     """The TorchTrainer of a multi-worker spec (not started); options: the engine options its
-    workers train under (default: the environment's, read here)."""
+    workers train under (default: the spec's options section)."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -142,7 +142,7 @@ def trainer_for(spec: Spec, run_dir: Path, max_failures: int = MAX_FAILURES, opt
     run = RunConfig(name=f"{spec.name}-{spec.id}", storage_path=str((run_dir / "ray_train").resolve()),
                     failure_config=FailureConfig(max_failures=max_failures))
     config = {"spec": spec.model_dump_json(), "run_dir": str(run_dir.resolve()), "gpu": gpu,
-              "options": (options or EngineOptions.from_env()).to_dict()}
+              "options": (options or EngineOptions.for_spec(spec)).to_dict()}
     return TorchTrainer(_worker_loop, train_loop_config=config, torch_config=TorchConfig(backend="nccl" if gpu else "gloo"),
                         scaling_config=scaling, run_config=run)
 

@@ -12,16 +12,36 @@ from functools import lru_cache
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("core", "engines", "ladder", "analysis", "experiments")
-# what each package may import; the CLI (ladder) is the top floor of commands and may call analysis
+PACKAGES = ("core", "engines", "ladder", "analysis", "experiments", "bench")
+# what each package may import; the CLI (ladder) is the top floor of commands and may call analysis;
+# bench (benchmarks and the fault suite) stands on all of them and nothing stands on it
 ALLOWED = {
     "core": set(),
     "engines": {"core"},
     "analysis": {"core", "engines"},
     "ladder": {"core", "engines", "analysis"},
     "experiments": {"core", "engines", "ladder"},
+    "bench": {"core", "engines", "analysis", "ladder", "experiments"},
 }
 TOP_LEVEL_ONLY = ("core", "engines", "ladder", "analysis")
+PRODUCT = ("core", "engines", "ladder", "analysis", "experiments")
+MAX_LINES = 500  # a product module longer than this is split by concern
+# product modules still over MAX_LINES (lines when listed); the ratchet test fails once one is not
+OVERSIZE: dict[str, int] = {
+    "analysis/monitor/calib.py": 603,
+}
+# inside analysis/, the same rule by concern: the readers of runs and the fits' warnings at the bottom,
+# laws and curves on them, the forecast on those, the monitor reads a forecast, a replan reads the
+# monitor; report and fitplots (modules at the top of analysis/) may import any of them
+ANALYSIS_ALLOWED = {
+    "fitwarn": set(),
+    "runs": set(),
+    "laws": {"fitwarn"},
+    "curves": {"fitwarn"},
+    "forecast": {"fitwarn", "runs", "laws", "curves"},
+    "monitor": {"runs", "forecast"},
+    "replan": {"fitwarn", "runs", "laws", "curves", "forecast", "monitor"},
+}
 # third-party libraries whose import costs a process real time (scipy ~0.6 s, torch ~1 s on the
 # test machine): a project module that pulls one in may be imported inside a function, where the
 # CLI (ladder.cli and every ladder.commands module) does not pull it in already
@@ -100,6 +120,28 @@ def test_each_package_imports_only_the_floors_it_may():
     assert not wrong, "imports up the floors:\n" + "\n".join(wrong)
 
 
+def _analysis_graph(root: Path = ROOT) -> dict[str, dict[str, list[str]]]:
+    """concern of analysis/ (a subpackage, or a module at its top) -> concern it imports -> sites."""
+    g: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for path, line, name, _ in _imports("analysis", root):
+        parts = name.split(".")
+        if parts[0] != "analysis" or len(parts) < 2 or len(path.parts) < 2:
+            continue
+        src = path.parts[1].removesuffix(".py")
+        if src != parts[1]:
+            g[src][parts[1]].append(f"{path}:{line} {name}")
+    return g
+
+
+def test_analysis_concerns_import_only_the_floors_they_may():
+    g = _analysis_graph()
+    assert set(ANALYSIS_ALLOWED) >= {p.name for p in (ROOT / "analysis").iterdir() if (p / "__init__.py").is_file()}
+    wrong = [f"analysis.{src} -> analysis.{dst}: {sites[0]}" for src, deps in g.items() if src in ANALYSIS_ALLOWED
+             for dst, sites in deps.items() if dst not in ANALYSIS_ALLOWED[src]]
+    assert not wrong, "imports up the floors of analysis/:\n" + "\n".join(wrong)
+    assert not _find_cycles(g, sorted(g)), _find_cycles(g, sorted(g))
+
+
 def test_every_pending_edge_still_exists():
     """A pending exception whose import is gone must leave PENDING (the ratchet only tightens)."""
     present = {(pkg, name.split(".")[0]) for pkg in PACKAGES for _, _, name, _ in _imports(pkg)}
@@ -171,13 +213,54 @@ def test_project_imports_sit_at_module_level_unless_they_keep_a_heavy_library_ou
     assert not hidden, "project imports inside functions that spare no heavy library:\n" + "\n".join(hidden)
 
 
+def _own_closure(path: Path) -> set[str]:
+    """Every third-party package a script's own module-level imports reach (a bench script is run
+    as a file, so its module-level imports are the ones every run of it pays for)."""
+    tree = ast.parse(path.read_text(), str(path))
+    project, libs = set(), set()
+    for node in tree.body:
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names
+                                     if _module_file(f"{node.module}.{a.name}") is not None]
+        else:
+            continue
+        for name in names:
+            (project if name.split(".")[0] in PACKAGES else libs).add(name if name.split(".")[0] in PACKAGES
+                                                                     else name.split(".")[0])
+    return libs | _closure(project)
+
+
+def test_bench_imports_sit_at_module_level_unless_they_keep_a_heavy_library_out():
+    """A benchmark imports a heavy library inside the function that needs it (a JAX row need not
+    pay for torch); every other project import sits at the top of the script."""
+    hidden = []
+    for path, line, name, inside in _imports("bench"):
+        if inside and not (_closure([name]) & HEAVY) - _own_closure(ROOT / path):
+            hidden.append(f"{path}:{line} {name}")
+    assert not hidden, "bench imports inside functions that spare no heavy library:\n" + "\n".join(hidden)
+
+
+def _lines(path: Path) -> int:
+    return len(path.read_text().splitlines())
+
+
+def test_no_product_module_is_longer_than_the_limit():
+    long = {str(p.relative_to(ROOT)): _lines(p) for pkg in PRODUCT for p in sorted((ROOT / pkg).rglob("*.py"))
+            if _lines(p) > MAX_LINES}
+    new = {k: v for k, v in long.items() if k not in OVERSIZE}
+    assert not new, f"modules over {MAX_LINES} lines (split them by concern): {new}"
+    assert set(OVERSIZE) <= set(long), f"now within {MAX_LINES} lines, drop from OVERSIZE: {sorted(set(OVERSIZE) - set(long))}"
+
+
 def test_the_cli_alone_imports_no_heavy_library():
     """The lazy imports above are worth keeping only while the CLI's own imports stay light."""
     assert not _cli_closure() & HEAVY, sorted(_cli_closure() & HEAVY)
 
 
 def test_the_closure_walk_sees_heavy_libraries_behind_project_modules():
-    assert "torch" in _closure(["engines.torch.model"]) and "scipy" in _closure(["analysis.laws"])
+    assert "torch" in _closure(["engines.torch.model"]) and "scipy" in _closure(["analysis.laws.fit"])
     assert "torch" not in _closure(["core.spec"])
 
 

@@ -1,7 +1,7 @@
 """mkdocs hook: the pages that are generated from the code when the site is built, so they say what
 the code does: the CLI reference (cli.md, by typer's own Markdown generator from the app in
 ladder/cli.py) and the monitor's thresholds with their defaults (the MONITOR_SETTINGS marker in a
-page, from analysis.monitor.MonitorSettings)."""
+page, from analysis.monitor.watch.MonitorSettings)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import typer
 import typer.cli
 from mkdocs.structure.files import File, Files
 
-from analysis.monitor import MonitorSettings
+from analysis.monitor.watch import MonitorSettings
 from ladder.cli import app
 
 MONITOR_SETTINGS = "<!-- generated: monitor settings -->"

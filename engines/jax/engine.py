@@ -216,9 +216,9 @@ class JaxEngine:
 
     def step_module(self, spec: Spec, options: EngineOptions | None = None) -> JaxStep:
         """The step module of this spec on the devices JAX sees (a mesh where the pooled-wave
-        transport can run between them), under `options` (default: the engine's, else the
-        environment's)."""
-        options = options or self.options or EngineOptions.from_env()
+        transport can run between them), under `options` (default: the engine's, else the spec's
+        options section)."""
+        options = options or self.options or EngineOptions.for_spec(spec)
         if options.jax_mgpu_tiles:
             load_tiles(options.jax_mgpu_tiles)  # a bad tile file is named before any work
         configure_jax()

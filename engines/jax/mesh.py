@@ -127,7 +127,7 @@ class MeshJaxStep(JaxStep):
 
 def mesh_step_module(spec: Spec, dp: int, options: EngineOptions | None = None) -> MeshJaxStep:
     """The JAX engine's step module for `spec` on a dp x model.ep_size mesh of the visible devices."""
-    options = options or EngineOptions.from_env()
+    options = options or EngineOptions.for_spec(spec)
     configure_jax()
     cfg = dataclasses.replace(ModelConfig.from_spec(spec.model), kernels=options.jax_kernels)
     if jax.default_backend() == "gpu":

@@ -48,7 +48,7 @@ class TorchEngine:
 
     def train(self, spec: Spec, run_dir: str | Path, resume: bool = True) -> Iterator[StepMetrics]:
         device = self.device or default_device()
-        options = self.options or EngineOptions.from_env()  # built once, when the run starts
+        options = self.options or EngineOptions.for_spec(spec)  # built once, when the run starts
 
         if use_processes(spec, device, options):  # real expert parallel: model.ep_size processes
             yield from train_processes(spec, Path(run_dir), resume, device, options)

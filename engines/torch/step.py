@@ -42,7 +42,7 @@ def _flops_per_token(spec: Spec, seq_len: int) -> float:
 
 
 def cpu_threads(spec: Spec, options: EngineOptions | None = None) -> int | None:
-    """Threads for a CPU run: options.cpu_threads ($MOE_LADDER_OPTIONS cpu_threads), else one for tiny
+    """Threads for a CPU run: options.cpu_threads (the spec's options, or $MOE_LADDER_OPTIONS cpu_threads), else one for tiny
     steps (thread start-up and spinning cost more than they save there, badly so on a busy
     machine), else torch's own. Fixed per spec, so a resumed run uses the same count as the run
     it continues."""

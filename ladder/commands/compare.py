@@ -17,9 +17,9 @@ from typing import Any, Optional
 import typer
 from rich.console import Console
 from rich.table import Table
-from analysis.metric_names import load_metric_names
-from analysis.metrics_io import check_spec_matches, tokens_from_spec
-from analysis.monitor import SEVERITY_RANK, MonitorSettings, load_calibration, load_forecast, monitor
+from analysis.runs.names import load_metric_names
+from analysis.runs.metrics import check_spec_matches, tokens_from_spec
+from analysis.monitor.watch import SEVERITY_RANK, MonitorSettings, load_calibration, load_forecast, monitor
 from core.spec import load_spec
 
 EXIT_WARNING = 1
@@ -45,7 +45,7 @@ def open_inputs(run: str | None, metrics: str | None, spec_path: str | None, roo
     """(source, frame, spec): the run's metrics through its source (a run dir, a file, MLflow or W&B),
     and its spec (--spec, else the run's own: its run dir's spec.yaml, or the spec artifact of an
     MLflow run this project logged)."""
-    from analysis.sources import FileSource, open_source
+    from analysis.runs.sources import FileSource, open_source
 
     names = load_metric_names(metric_names)
     src = open_source(run, metrics, root=root, tracking_uri=tracking_uri, names=names,
@@ -61,7 +61,7 @@ def open_inputs(run: str | None, metrics: str | None, spec_path: str | None, roo
 def load_inputs(run: str | None, metrics: str | None, spec_path: str | None, root: str | None,
                 loss_col: str | None, tracking_uri: str | None = None, metric_names: str | None = None):
     """(ref, frame, spec) for a run dir or metrics file; (source, frame, spec) for an MLflow run."""
-    from analysis.sources import FileSource
+    from analysis.runs.sources import FileSource
 
     src, df, spec = open_inputs(run, metrics, spec_path, root, loss_col, tracking_uri, metric_names)
     return (src.ref if isinstance(src, FileSource) else src), df, spec
@@ -145,7 +145,7 @@ def register(app: typer.Typer) -> None:
         root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
     ) -> None:
         """Flag where a run leaves its forecast: band, spikes, grad norm, drops, router entropy, NaN, throughput."""
-        from analysis.monitor_plot import plot_report
+        from analysis.monitor.plot import plot_report
 
         settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
         fc = load_forecast(forecast) if forecast else None

@@ -1,4 +1,4 @@
-"""`ladder curve fit`: fit a schedule-aware loss-curve model (analysis.curves) to CSV curves and
+"""`ladder curve fit`: fit a schedule-aware loss-curve model (analysis.curves.fit) to CSV curves and
 predict others.
 
     ladder curve fit --train A.csv [B.csv ...] --predict X.csv [Y.csv ...] --out DIR [--json]
@@ -29,7 +29,7 @@ from rich.table import Table
 
 from ladder.errors import LadderError
 from core.fsutil import atomic_write_text, json_safe
-from analysis.csvio import TableError, read_table
+from analysis.runs.csvio import TableError, read_table
 from core.schedule import lr_at
 from core.spec import load_spec
 
@@ -142,7 +142,7 @@ def _read_curve(path: Path, need_loss: bool, params: float | None = None, schedu
     """A validated Curve from a CSV; every problem is a LadderError naming the file."""
     import pandas as pd
 
-    from analysis.curves import Curve, CurveError
+    from analysis.curves.fit import Curve, CurveError
 
     try:
         header = pd.read_csv(path, nrows=0).columns if path.is_file() else []
@@ -229,7 +229,7 @@ def register(app: typer.Typer) -> None:
         Curves of several sizes fit a size law; a predicted file's params says which size to predict.
         """
         from analysis import fitplots
-        from analysis.curves import MODELS, SIZE_PRIORS, CurveError, fit_curves, relative_errors
+        from analysis.curves.fit import MODELS, SIZE_PRIORS, CurveError, fit_curves, relative_errors
 
         values = {o: not p.is_flag for p in ctx.command.params if p.param_type_name == "option"
                   for o in p.opts if o not in _LIST_OPTIONS}

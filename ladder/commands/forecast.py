@@ -12,13 +12,14 @@ from rich.console import Console
 
 from ladder.errors import LadderError
 from ladder.ledger import inside, is_finished, ladder_root, run_dir_for
-from analysis.metric_names import load_metric_names
-from analysis.metrics_io import read_metrics_frame
+from analysis.runs.names import load_metric_names
+from analysis.runs.metrics import read_metrics_frame
 from core.spec import load_spec
 from core import costs
 from core.fsutil import atomic_write_json
+from core.rundir import METRICS_FILE
 from ladder.experiment import load_experiment
-from analysis.replicates import YardstickError, family_key
+from analysis.runs.replicates import YardstickError, family_key
 from ladder.tracking import log_artifact_to_parent, log_forecast
 
 
@@ -72,7 +73,7 @@ def check_losses_fall(rungs) -> None:
 
 
 def finished_rungs(root: Path, exp, holdout: str | None = None):
-    from analysis.forecast import RungRun
+    from analysis.forecast.hero import RungRun
 
     rungs, missing = [], []
     for spec in exp.rungs:
@@ -80,7 +81,7 @@ def finished_rungs(root: Path, exp, holdout: str | None = None):
         if not is_finished(d, spec):
             missing.append(spec.name)
             continue
-        rungs.append(RungRun(spec, d, read_metrics_frame(d / "metrics.jsonl")))
+        rungs.append(RungRun(spec, d, read_metrics_frame(d / METRICS_FILE)))
     if holdout:
         by_flops = sorted(rungs, key=lambda r: r.flops)
         target = by_flops[-1].spec.name if holdout.upper() == "LAST" and by_flops else holdout
@@ -157,7 +158,7 @@ def register(app: typer.Typer) -> None:
 
         A ladder whose rungs ran elsewhere: --from-csv LADDER.csv --hero HERO.yaml (specs from
         `ladder spec from-run`, curves as CSV exports, metrics.jsonl, or wandb:DIR)."""
-        from analysis.forecast import forecast
+        from analysis.forecast.hero import forecast
         from analysis.report import plot_law
 
         if from_csv is not None:
@@ -218,7 +219,7 @@ def register(app: typer.Typer) -> None:
         if holdout:
             held = [s for s in exp.rungs if s.name in fc["holdout"]]
             for s in held:
-                from analysis.forecast import final_interval
+                from analysis.forecast.hero import final_interval
 
                 pred = final_interval(rungs, costs.total_flops(s))
                 c.print(f"holdout {s.name}: predicted {pred[0]:.4f} ({pred[1]:.4f} to {pred[2]:.4f})")
@@ -241,7 +242,7 @@ def register(app: typer.Typer) -> None:
         plan = costs.plan(specs, exp.hero)
         runs = {}
         for s in specs:
-            m = run_dir_for(r, exp.name, s) / "metrics.jsonl"
+            m = run_dir_for(r, exp.name, s) / METRICS_FILE
             if m.exists() and m.stat().st_size:
                 runs[s.name] = read_metrics_frame(m)
         adir = analysis_dir(r, exp.name)

@@ -5,150 +5,32 @@ with intervals) and `ladder law isoflop` (Chinchilla's approach 2) over a user's
 Rows can be filtered with `--where COL=VALUE` (also `!=`, `<`, `<=`, `>`, `>=`, and `COL=V1,V2` for a list;
 repeatable, all must hold); several `--loss-col`
 fit one law each. Every fit's JSON and table carry its `warnings` and, unless `--no-backtest`, the
-coverage and width of its intervals on points it never saw (analysis.law_backtest).
+coverage and width of its intervals on points it never saw (analysis.laws.backtest).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import re
-from dataclasses import dataclass
 from pathlib import Path
 from typing import List, Optional
 
 import numpy as np
-import pandas as pd
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from core.fsutil import json_safe
 from ladder.errors import LadderError
-from analysis.csvio import TableError, read_table
-from analysis.isoflop import IsoflopError, fit_isoflop, group_budgets
+from analysis.runs.csvio import TableError, read_table
+from analysis.laws.isoflop import IsoflopError, fit_isoflop, group_budgets
+from ladder.law_table import WHERE_HELP, Where, apply_where, load_table, parse_where, validate_table, where_json
 
 # The analysis modules (scipy, matplotlib) load when a law command runs, not with every `ladder` command.
 _KINDS = ("law", "envelope", "moe")
-WHERE_HELP = "keep only these rows: COL=V, COL!=V, COL<V, COL<=V, COL>V, COL>=V, COL=V1,V2 (repeatable, all hold)"
-
-
-_WHERE = re.compile(r"^\s*([^<>!=]+?)\s*(<=|>=|!=|==|=|<|>)\s*(.*?)\s*$")
-
-
-@dataclass(frozen=True)
-class Where:
-    """One --where condition: COL=V, COL!=V, COL<V, COL<=V, COL>V, COL>=V; V1,V2,... after = or != is a list."""
-
-    col: str
-    op: str
-    values: tuple[str, ...]
-
-    @property
-    def text(self) -> str:
-        joined = ",".join(self.values)
-        return joined if self.op == "=" else f"{self.op}{joined}"
-
-
-def _parse_where(where: list[str] | None) -> list[Where]:
-    out = []
-    for w in where or []:
-        m = _WHERE.match(w)
-        if not m or not m.group(3):
-            raise LadderError(f"--where {w!r}: expected COL=VALUE, COL!=VALUE, COL<VALUE, COL<=VALUE, COL>VALUE, "
-                              "COL>=VALUE or COL=V1,V2,...")
-        col, op, value = m.group(1).strip(), m.group(2), m.group(3)
-        op = "=" if op == "==" else op
-        values = tuple(v.strip() for v in value.split(",")) if op in ("=", "!=") else (value,)
-        if op in ("<", "<=", ">", ">="):
-            try:
-                float(value)
-            except ValueError:
-                raise LadderError(f"--where {w!r}: {op} compares numbers; {value!r} is not one") from None
-        out.append(Where(col, op, values))
-    return out
-
-
-def _where_json(conds: list[Where]) -> dict[str, str]:
-    return {c.col: c.text for c in conds}
-
-
-def _apply_where(df: pd.DataFrame, file: Path, where: list[Where]) -> pd.DataFrame:
-    for c in where:
-        if c.col not in df.columns:
-            raise LadderError(f"{file}: --where names column {c.col!r}, which is not in the file "
-                              f"(columns: {', '.join(map(repr, df.columns))})")
-        num = pd.to_numeric(df[c.col], errors="coerce").to_numpy(dtype=np.float64)
-        if c.op in ("<", "<=", ">", ">="):
-            v = float(c.values[0])
-            if np.isnan(num).any():
-                r = int(np.flatnonzero(np.isnan(num))[0])
-                raise LadderError(f"{file}: --where {c.col}{c.op}{c.values[0]}: row {r + 1} of {c.col!r} is not a number")
-            keep = {"<": num < v, "<=": num <= v, ">": num > v, ">=": num >= v}[c.op]
-        else:
-            keep = np.zeros(len(df), dtype=bool)
-            text = df[c.col].astype(str).str.strip().to_numpy()
-            for value in c.values:
-                try:
-                    v = float(value)
-                except ValueError:
-                    v = None
-                if v is not None and not np.isnan(num).any():
-                    keep |= np.isclose(num, v, rtol=1e-9, atol=0.0)
-                else:
-                    keep |= text == value
-            if c.op == "!=":
-                keep = ~keep
-        df = df[keep]
-        if not len(df):
-            raise LadderError(f"{file}: no row has {c.col} {'= ' if c.op == '=' else c.op}{c.text.lstrip('<>=!')}")
-    return df
-
-
-def _load(file: Path, cols: dict[str, str], loss_col: str, drop_highest: int, min_rows: int,
-          where: list[tuple[str, str]] = ()):
-    """Read the CSV, keep the rows --where selects, validate the named columns (numeric, finite,
-    positive), then drop the `drop_highest` highest-loss rows."""
-    if drop_highest < 0:
-        raise LadderError(f"--drop-highest must be >= 0, got {drop_highest}")
-    needed = [*cols.values(), loss_col]
-    try:
-        if not where:
-            df = read_table(file, needed, positive=needed)
-        else:
-            df = _apply_where(read_table(file, []), file, where).reset_index(drop=True)
-            missing = [c for c in needed if c not in df.columns]
-            if missing:
-                raise TableError(f"{file}: missing column(s) {', '.join(map(repr, missing))} "
-                                 f"(columns present: {', '.join(map(repr, df.columns))})")
-            df = _validate(df, file, needed)
-    except TableError as e:
-        raise LadderError(str(e)) from None
-    if drop_highest >= len(df):
-        raise LadderError(f"{file}: --drop-highest {drop_highest} would drop all {len(df)} rows")
-    if drop_highest:
-        df = df.sort_values(loss_col, kind="stable").iloc[: len(df) - drop_highest]
-    if len(df) < min_rows:
-        dropped = f" after dropping {drop_highest}" if drop_highest else ""
-        raise LadderError(
-            f"{file}: {len(df)} row(s){dropped}, but the law has {min_rows} parameters: need at least {min_rows} rows"
-        )
-    return df
-
-
-def _validate(df: pd.DataFrame, file: Path, cols: list[str]) -> pd.DataFrame:
-    for c in cols:
-        v = pd.to_numeric(df[c], errors="coerce").to_numpy(dtype=np.float64)
-        bad = ~np.isfinite(v) | (v <= 0)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise TableError(f"{file}: column {c!r} must be positive and finite, selected row {i + 1} has {df[c].iloc[i]!r}")
-        df[c] = v
-    return df
-
 
 def _fit_or_explain(fn, file: Path, *args, **kwargs):
-    from analysis.laws import FitError
+    from analysis.laws.fit import FitError
 
     try:
         return fn(*args, **kwargs)
@@ -204,7 +86,7 @@ def _render_warnings(console: Console, warnings: list[str] | None) -> None:
 
 def _backtest(fit_fn, cols, loss, level, seed, start=None) -> dict:
     """start: the fit of all the points, which warm-starts the backtests' refits."""
-    from analysis import law_backtest
+    from analysis.laws import backtest as law_backtest
 
     return {
         "cross_validation": law_backtest.cross_validate(fit_fn, cols, loss, level=level, seed=seed, start=start),
@@ -254,12 +136,12 @@ def _csv_points(file: Path, params_col, total_col, tokens_col, flops_col, actual
         raise LadderError("--csv needs its columns: --params-col with --tokens-col or --flops-col, or --flops-col "
                           "alone for an envelope fit")
     try:
-        df = _apply_where(read_table(file, []), file, where).reset_index(drop=True)
+        df = apply_where(read_table(file, []), file, where).reset_index(drop=True)
         missing = [c for c in named.values() if c not in df.columns]
         if missing:
             raise TableError(f"{file}: missing column(s) {', '.join(map(repr, missing))} "
                              f"(columns present: {', '.join(map(repr, df.columns))})")
-        df = _validate(df, file, list(named.values()))
+        df = validate_table(df, file, list(named.values()))
     except TableError as e:
         raise LadderError(str(e)) from None
     col = {k: df[v].to_numpy(dtype=np.float64) for k, v in named.items()}
@@ -311,8 +193,8 @@ def register(app: typer.Typer) -> None:
         png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
     ) -> None:
         """Fit L(N, D) = E + A/N^alpha + B/D^beta (Huber on log loss, L-BFGS, bootstrap intervals)."""
-        from analysis import law_backtest
-        from analysis.laws import fit_law, fit_moe_law
+        from analysis.laws import backtest as law_backtest
+        from analysis.laws.fit import fit_law, fit_moe_law
         if (tokens_col is None) == (flops_col is None):
             raise LadderError("give exactly one of --tokens-col (D) or --flops-col (C, with D = C / 6N)")
         _check_common(level, bootstrap)
@@ -320,12 +202,12 @@ def register(app: typer.Typer) -> None:
             raise LadderError("--budget must be a positive number of FLOPs")
         if budget and total_col:
             raise LadderError("--budget needs a fixed sparsity: it is not defined for the --total-params-col law")
-        conds = _parse_where(where)
+        conds = parse_where(where)
         second = tokens_col if tokens_col is not None else flops_col
         cols = {"N": params_col, "D": second, **({"N_total": total_col} if total_col else {})}
         docs = []
         for lc in loss_col:
-            df = _load(file, cols, lc, drop_highest, min_rows=7 if total_col else 5, where=conds)
+            df = load_table(file, cols, lc, drop_highest, min_rows=7 if total_col else 5, where=conds)
             N = df[params_col].to_numpy()
             D = df[tokens_col].to_numpy() if tokens_col is not None else df[flops_col].to_numpy() / (6.0 * N)
             L = df[lc].to_numpy()
@@ -340,7 +222,7 @@ def register(app: typer.Typer) -> None:
             d = fit.to_dict()
             d["data"] = {
                 "file": str(file), "params_col": params_col, "total_params_col": total_col,
-                "tokens_col": tokens_col, "flops_col": flops_col, "where": _where_json(conds),
+                "tokens_col": tokens_col, "flops_col": flops_col, "where": where_json(conds),
                 "loss_col": lc, "dropped_highest": drop_highest,
             }
             if budget:
@@ -384,17 +266,17 @@ def register(app: typer.Typer) -> None:
         png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
     ) -> None:
         """Fit the compute envelope L(C) = E + A*C^-alpha."""
-        from analysis import law_backtest
-        from analysis.laws import fit_envelope
+        from analysis.laws import backtest as law_backtest
+        from analysis.laws.fit import fit_envelope
         _check_common(level, bootstrap)
-        conds = _parse_where(where)
+        conds = parse_where(where)
         docs = []
         for lc in loss_col:
-            df = _load(file, {"C": flops_col}, lc, drop_highest, min_rows=3, where=conds)
+            df = load_table(file, {"C": flops_col}, lc, drop_highest, min_rows=3, where=conds)
             C, L = df[flops_col].to_numpy(), df[lc].to_numpy()
             fit = _fit_or_explain(fit_envelope, file, C, L, n_bootstrap=bootstrap, level=level, seed=seed)
             d = fit.to_dict()
-            d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": lc, "where": _where_json(conds),
+            d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": lc, "where": where_json(conds),
                          "dropped_highest": drop_highest}
             if backtest and fit.converged:
                 d["backtest"] = _backtest(law_backtest.fit_c, [C], L, level, seed, start=fit)
@@ -427,7 +309,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Predict a saved fit at held-out points, with prediction intervals; with --csv and --actual-col,
         score it on measured losses (error per row, mean and worst relative error, interval coverage)."""
-        from analysis.laws import EnvelopeFit, FitError, LawFit, MoELawFit
+        from analysis.laws.fit import EnvelopeFit, FitError, LawFit, MoELawFit
 
         if csv is not None and any(v for v in (params, total_params, tokens, flops)):
             raise LadderError("give either --csv FILE with its columns or --params/--tokens/--flops values, not both")
@@ -454,7 +336,7 @@ def register(app: typer.Typer) -> None:
         actual = None
         if csv is not None:
             N, Nt, D, C, actual = _csv_points(csv, params_col, total_col, tokens_col, flops_col, actual_col,
-                                              _parse_where(where))
+                                              parse_where(where))
         else:
             N, Nt, D, C = (_positive_list(n, v) for n, v in
                            (("--params", params), ("--total-params", total_params), ("--tokens", tokens),
@@ -491,7 +373,7 @@ def register(app: typer.Typer) -> None:
                                 "hi": float(np.atleast_1d(p["hi"])[i])} for i in range(n)]}
         if actual is not None:
             out["score"] = _score(out["predictions"], actual)
-            out["data"] = {"file": str(csv), "actual_col": actual_col, "where": _where_json(_parse_where(where))}
+            out["data"] = {"file": str(csv), "actual_col": actual_col, "where": where_json(parse_where(where))}
         out = json_safe(out)
         if as_json:
             print(json.dumps(out, indent=2))
@@ -529,7 +411,7 @@ def register(app: typer.Typer) -> None:
         from analysis import fitplots
         if not tol > 0:
             raise LadderError(f"--group-tol must be positive, got {tol}")
-        df = _load(file, {"N": params_col, "C": flops_col}, loss_col, 0, min_rows=3, where=_parse_where(where))
+        df = load_table(file, {"N": params_col, "C": flops_col}, loss_col, 0, min_rows=3, where=parse_where(where))
         N, C, L = df[params_col].to_numpy(), df[flops_col].to_numpy(), df[loss_col].to_numpy()
         try:
             fit = fit_isoflop(N, C, L, tol=tol)

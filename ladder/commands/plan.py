@@ -14,7 +14,7 @@ from core.spec import Spec, load_spec
 from engines.epochs import spec_epochs
 from engines.tokenizer import check_vocab
 from ladder.experiment import check_engine, load_experiment
-from analysis.replicates import family_key
+from analysis.runs.replicates import family_key
 from ladder.preflight import memory_problem
 
 

@@ -18,7 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from ladder.errors import LadderError
-from analysis.monitor import MonitorSettings, load_forecast
+from analysis.monitor.watch import MonitorSettings, load_forecast
 from engines.checkpoint import init_from_checkpoint, step_dir_name
 from ladder import ledger
 from ladder.commands.compare import load_inputs, parse_overrides
@@ -38,7 +38,7 @@ def render(plan, console: Console) -> None:
         highlight=False,
     )
     if plan.deadline:
-        from analysis.replan import _iso
+        from analysis.replan.contingency import _iso
 
         console.print(f"deadline {_iso(plan.deadline)}", highlight=False)
     for f in st.report.flags:
@@ -155,7 +155,7 @@ def register(app: typer.Typer) -> None:
         """Options for a live run: keep, shorten the horizon, re-time the mix, fix drops, rewind a divergence."""
         import time
 
-        from analysis.replan import ReplanError, RunState, make_replan, parse_deadline, write_replan
+        from analysis.replan.contingency import ReplanError, RunState, make_replan, parse_deadline, write_replan
 
         if not 0 < lr_factor < 1:
             raise LadderError(f"--lr-factor must be between 0 and 1 (got {lr_factor})")

@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 from core.spec import load_spec
 from engines.base import DivergedError, read_status
-from engines.options import EngineOptions
+from engines.options import EngineOptions, Options
 from engines.registry import engine_names, get_engine
 from ladder import ledger
 from ladder.errors import LadderError
@@ -50,7 +50,8 @@ def register(app: typer.Typer) -> None:
         if status.get("state") == "diverged" and not (rerun_diverged or no_resume):
             raise LadderError(f"{run_dir} diverged at step {status.get('step')}; train it again on purpose with "
                               "--rerun-diverged (from its newest intact checkpoint) or --no-resume (from scratch)")
-        eng = get_engine(spec.engine, EngineOptions.from_env())  # the environment read once, here
+        # the spec's options with the environment's on top, read once, here
+        eng = get_engine(spec.engine, EngineOptions.for_spec(spec, Options.from_env()))
         console = Console(stderr=True)
         last = None
         claim = ledger.Claim.acquire(run_dir, spec.id, f"train-{os.getpid()}", run_dir=str(run_dir))

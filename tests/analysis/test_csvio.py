@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from analysis.csvio import TableError, read_table
+from analysis.runs.csvio import TableError, read_table
 
 
 def _csv(tmp_path, text, name="t.csv"):

@@ -1,4 +1,4 @@
-"""The loss-curve models (analysis.curves) and `ladder curve fit`: the lumped loss-drop sum against
+"""The loss-curve models (analysis.curves.fit) and `ladder curve fit`: the lumped loss-drop sum against
 the exact one, parameter recovery on curves the model generated, the published Multi-Power Law
 protocol on the real multipower curves (25M through the CLI, 100M through the API), model size,
 bands, JSON round trips and bad input."""
@@ -15,10 +15,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis import curve_design as cd
-from analysis import curve_sizelaw as cs
-from analysis import curves as cv
-from analysis.curves import Curve, CurveError, CurveFit, CurveFitError, fit_curves, lr_per_step_from_samples
+from analysis.curves import design as cd
+from analysis.curves import sizelaw as cs
+from analysis.curves import fit as cv
+from analysis.curves.fit import Curve, CurveError, CurveFit, CurveFitError, fit_curves, lr_per_step_from_samples
 
 from tests.refdata import MULTIPOWER as DATA
 TRAIN = ["cosine_24000", "constant_24000", "wsdcon_9"]

@@ -1,4 +1,4 @@
-"""The final-loss interval (analysis.final_loss) on compute envelopes cut from Epoch's Chinchilla points:
+"""The final-loss interval (analysis.forecast.final_loss) on compute envelopes cut from Epoch's Chinchilla points:
 its parts, the backtest term that never silently drops to 0, the t calibration and its coverage."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.final_loss import PRIOR_DOF, TAU_PRIOR, Point, coverage, fit_final_law
+from analysis.forecast.final_loss import PRIOR_DOF, TAU_PRIOR, Point, coverage, fit_final_law
 from tests.refdata import CHINCHILLA
 
 

@@ -76,8 +76,8 @@ def test_forecast_cli_writes_hero_interval_and_backtest(trained_ladder):
 
 
 def test_larger_hero_is_forecast_below_every_rung(trained_ladder):
-    from analysis.forecast import RungRun, forecast
-    from analysis.metrics_io import read_metrics_frame
+    from analysis.forecast.hero import RungRun, forecast
+    from analysis.runs.metrics import read_metrics_frame
     from ladder.ledger import run_dir_for
 
     _, root, exp = trained_ladder
@@ -88,8 +88,8 @@ def test_larger_hero_is_forecast_below_every_rung(trained_ladder):
 
 
 def test_grad_norm_envelope_brackets_its_median(trained_ladder):
-    from analysis.forecast import RungRun, grad_norm_envelope
-    from analysis.metrics_io import read_metrics_frame
+    from analysis.forecast.hero import RungRun, grad_norm_envelope
+    from analysis.runs.metrics import read_metrics_frame
     from ladder.ledger import run_dir_for
 
     _, root, exp = trained_ladder
@@ -120,8 +120,8 @@ def test_holdout_last_reports_the_largest_rung(trained_ladder):
 
 
 def test_forecast_reports_warnings_and_the_coverage_of_every_interval(trained_ladder):
-    from analysis.forecast import RungRun, forecast
-    from analysis.metrics_io import read_metrics_frame
+    from analysis.forecast.hero import RungRun, forecast
+    from analysis.runs.metrics import read_metrics_frame
     from ladder.ledger import run_dir_for
 
     _, root, exp = trained_ladder
@@ -144,8 +144,8 @@ def h200_forecast(tmp_path_factory):
     """The committed H200 ladder's runs (docs/results) and the hero's forecast from its four rungs."""
     import tarfile
 
-    from analysis.forecast import RungRun, forecast
-    from analysis.metrics_io import read_metrics_frame
+    from analysis.forecast.hero import RungRun, forecast
+    from analysis.runs.metrics import read_metrics_frame
     from core.rundir import iter_run_dirs
     from core.spec import load_spec
 
@@ -185,7 +185,7 @@ def test_the_h200_heros_trajectory_from_rungs_of_different_batches_follows_its_r
 
 def test_the_h200_heros_trajectory_carries_the_rungs_stream_deviations(h200_forecast):
     """The rungs read the hero's data stream: at the tokens they read, the forecast rises and falls
-    with the hero's per-step loss (analysis.stream_residual), and the band there is narrower than
+    with the hero's per-step loss (analysis.forecast.stream_residual), and the band there is narrower than
     the step noise alone would make it."""
     import numpy as np
     import pandas as pd

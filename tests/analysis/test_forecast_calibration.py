@@ -3,7 +3,7 @@ at its clip bound is named in the forecast's warnings."""
 
 from __future__ import annotations
 
-from analysis.forecast import CALIB_MAX, CALIB_MIN, calibrate_trajectory, calibration_warnings
+from analysis.forecast.hero import CALIB_MAX, CALIB_MIN, calibrate_trajectory, calibration_warnings
 
 
 def test_a_factor_on_its_lower_bound_is_named_for_the_steps_it_covers():

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from analysis.gradnorm import RungGrad, backtest, envelope
+from analysis.forecast.gradnorm import RungGrad, backtest, envelope
 
 
 def _rung(name: str, size: float, slope: float, noise: float, seed: int, n: int = 400) -> RungGrad:

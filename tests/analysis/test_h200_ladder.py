@@ -16,7 +16,7 @@ import pytest
 
 from core.rundir import RunDir
 from core.spec import load_spec
-from analysis.replicates import family_key
+from analysis.runs.replicates import family_key
 from ladder.experiment import load_experiment
 
 pytestmark = pytest.mark.slow

@@ -14,7 +14,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from analysis.laws import FitError, compute_optimal, fit_envelope, fit_law, fit_moe_law
+from analysis.laws.fit import FitError, compute_optimal, fit_envelope, fit_law, fit_moe_law
 from tests.refdata import CHINCHILLA
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -271,7 +271,7 @@ def test_two_sizes_are_a_warning():
 def test_chinchilla_prediction_intervals_hold_about_their_level_on_held_out_points():
     """10-fold cross-validation and a fit on N <= max/4 predicting the larger models: the measured
     coverage of the 90% prediction interval (docs/results/forecast-backtests.md: 85% and 83%)."""
-    from analysis.law_backtest import cross_validate, extrapolate, fit_n_d
+    from analysis.laws.backtest import cross_validate, extrapolate, fit_n_d
 
     N, D, L = _chinchilla()
     cv = cross_validate(fit_n_d, [N, D], L, level=0.9)
@@ -282,7 +282,7 @@ def test_chinchilla_prediction_intervals_hold_about_their_level_on_held_out_poin
 
 
 def test_a_fit_round_trips_through_json_with_its_intervals():
-    from analysis.laws import LawFit
+    from analysis.laws.fit import LawFit
 
     fit = fit_law(*_synthetic(1.8, 480.0, 2100.0, 0.35, 0.37, noise=0.005), n_bootstrap=20)
     back = LawFit.from_dict(json.loads(json.dumps(fit.to_dict())))
@@ -291,7 +291,7 @@ def test_a_fit_round_trips_through_json_with_its_intervals():
 
 def test_isoflop_minima_recover_the_compute_optimal_exponent():
     """Chinchilla approach 2 on IsoFLOP profiles of a known law: N* ~ C^(beta/(alpha+beta))."""
-    from analysis.isoflop import fit_isoflop
+    from analysis.laws.isoflop import fit_isoflop
 
     E, A, B, a, b = 1.8, 480.0, 2100.0, 0.35, 0.37
     rows = []

@@ -12,8 +12,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.metric_names import MetricNamesError, load_metric_names
-from analysis.metrics_io import MetricsError, read_metrics_frame, tokens_from_spec
+from analysis.runs.names import MetricNamesError, load_metric_names
+from analysis.runs.metrics import MetricsError, read_metrics_frame, tokens_from_spec
 from ladder.presets import micro_spec
 
 REPO = Path(__file__).resolve().parents[2]

@@ -13,8 +13,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.metrics_io import MetricsError, read_metrics_frame
-from analysis.monitor import MonitorSettings, load_forecast, monitor, olmo_spike_score
+from analysis.runs.metrics import MetricsError, read_metrics_frame
+from analysis.monitor.watch import MonitorSettings, load_forecast, monitor, olmo_spike_score
 from ladder.presets import micro_spec
 
 from tests.refdata import MULTIPOWER

@@ -10,10 +10,10 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.monitor import MonitorSettings, monitor
-from analysis.monitor_calib import (Calibration, calibrate, cusum_threshold, eval_series, load_calibration,
+from analysis.monitor.watch import MonitorSettings, monitor
+from analysis.monitor.calib import (Calibration, calibrate, cusum_threshold, eval_series, load_calibration,
                                     sequential_test, series_values, source_eval_names)
-from analysis.forecast_file import load_forecast
+from analysis.forecast.file import load_forecast
 from tests.analysis.test_monitor import forecast_file
 
 TOTAL = 1000

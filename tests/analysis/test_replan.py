@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.metrics_io import read_metrics_frame
-from analysis.monitor import monitor
-from analysis.replan import RunState, make_replan, shorten_spec
+from analysis.runs.metrics import read_metrics_frame
+from analysis.monitor.watch import monitor
+from analysis.replan.contingency import RunState, make_replan, shorten_spec
 from engines.base import read_metrics
 from engines.checkpoint import init_from_checkpoint, step_dir_name
 from engines.registry import get_engine
@@ -287,9 +287,9 @@ def test_a_forecast_files_ladder_curve_model_is_matched_to_the_run_and_used_when
     """The ladder's curve model (forecast.json's curve_model) knows the curve's shape; matched to the
     run's level it forecasts the final loss of a shortened horizon that the run's own 200 noisy
     points could only extrapolate."""
-    from analysis import curves
-    from analysis.monitor import load_forecast
-    from analysis.run_forecaster import curve_forecaster
+    from analysis.curves import fit as curves
+    from analysis.monitor.watch import load_forecast
+    from analysis.replan.run_forecaster import curve_forecaster
 
     spec = proxy_spec(steps=1000)
     lr_T = lr_at(spec, np.arange(1000))
@@ -315,8 +315,8 @@ def test_early_in_a_run_the_forecast_of_its_own_plan_anchors_the_level(tmp_path)
     """20% into a run, forecast.json's trajectory of this very plan (a narrow band) gives the
     level; the run's curve model only says how a shorter horizon moves it: down, by its earlier
     decay."""
-    from analysis.monitor import load_forecast
-    from analysis.run_forecaster import curve_forecaster
+    from analysis.monitor.watch import load_forecast
+    from analysis.replan.run_forecaster import curve_forecaster
 
     spec = proxy_spec(steps=1000)
     steps = np.arange(1000)

@@ -14,9 +14,9 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from analysis.forecast import RungRun, backtest, final_law, ladder_points
-from analysis.metrics_io import read_metrics_frame
-from analysis.replicates import YardstickError, check_yardstick, family_key, group, noise
+from analysis.forecast.hero import RungRun, backtest, final_law, ladder_points
+from analysis.runs.metrics import read_metrics_frame
+from analysis.runs.replicates import YardstickError, check_yardstick, family_key, group, noise
 from core.rundir import iter_run_dirs
 from core.spec import load_spec
 from ladder.experiment import replicate

@@ -8,9 +8,9 @@ import pytest
 from mlflow import MlflowClient
 from mlflow.entities import Metric
 
-from analysis.metric_names import load_metric_names
-from analysis.metrics_io import MetricsError
-from analysis.sources import MlflowSource, open_source
+from analysis.runs.names import load_metric_names
+from analysis.runs.metrics import MetricsError
+from analysis.runs.sources import MlflowSource, open_source
 
 
 def log(c: MlflowClient, run_id: str, first: int, last: int, t0: int = 1_700_000_000_000) -> None:

@@ -7,8 +7,8 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric
 from mlflow.utils.validation import validate_param_and_metric_name
 
-from analysis.metric_names import PRESETS, load_metric_names, mlflow_legal
-from analysis.sources import open_source
+from analysis.runs.names import PRESETS, load_metric_names, mlflow_legal
+from analysis.runs.sources import open_source
 
 
 @pytest.mark.parametrize("preset", sorted(PRESETS))

@@ -1,5 +1,5 @@
 """The data stream's per-batch loss deviations, carried from runs of other sizes and batches to a
-run of the same stream (analysis.stream_residual): on synthetic streams with a known content
+run of the same stream (analysis.forecast.stream_residual): on synthetic streams with a known content
 difficulty, and on the committed H200 ladder."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from analysis.stream_residual import StreamRun, deviations, loo_residual_sd, stream_key, transfer
+from analysis.forecast.stream_residual import StreamRun, deviations, loo_residual_sd, stream_key, transfer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -81,8 +81,8 @@ def test_runs_of_another_stream_are_not_used():
 def test_the_h200_rungs_deviations_forecast_each_others(tmp_path):
     """On the committed H200 ladder (batches of 8 to 32 sequences), each rung's per-step deviations
     forecast from the others leave less than half of their scatter (measured: 2.7% of 7.6%)."""
-    from analysis.forecast import RungRun
-    from analysis.metrics_io import read_metrics_frame
+    from analysis.forecast.hero import RungRun
+    from analysis.runs.metrics import read_metrics_frame
     from core.rundir import iter_run_dirs
     from core.spec import load_spec
 

@@ -13,10 +13,10 @@ import pytest
 
 pytest.importorskip("wandb")
 
-from analysis.metric_names import load_metric_names  # noqa: E402
-from analysis.metrics_io import MetricsError, check_spec_matches, tokens_from_spec  # noqa: E402
-from analysis.wandb_runs import read_log_records, resolve_wandb_log  # noqa: E402
-from analysis.sources import open_source  # noqa: E402
+from analysis.runs.names import load_metric_names  # noqa: E402
+from analysis.runs.metrics import MetricsError, check_spec_matches, tokens_from_spec  # noqa: E402
+from analysis.runs.wandb_runs import read_log_records, resolve_wandb_log  # noqa: E402
+from analysis.runs.sources import open_source  # noqa: E402
 from ladder.presets import micro_spec  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

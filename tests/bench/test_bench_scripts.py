@@ -121,3 +121,21 @@ def test_ep_bench_runs_both_engines_and_matches_one_device(tmp_path):
         assert ep["losses"] == pytest.approx(one["losses"], rel=1e-5)
     table = (tmp_path / "table.md").read_text()
     assert "| 2 | 2 |" in table and "JAX engine, emulated CPU devices" in table
+
+
+def test_cpu_smoke_runs_the_command_line_on_the_engines_step_modules(tmp_path):
+    """--cpu-smoke: the H200 command line at the tiny shape on the CPU (whatever GPU is there), each
+    engine through its own step module, writing the rows and table an H200 run writes; the
+    variant that once set an environment switch now sets its option and trains the same curve."""
+    _run(str(ROOT / "bench/engines_h200.py"), "--cpu-smoke", "--only", "torch,jax,jax_defaulttiles", "--steps", "1",
+         "--warmup", "1", "--out", str(tmp_path), cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["torch", "jax", "jax_defaulttiles"]
+    for r in rows:
+        assert "error" not in r and r["key"] == ["E16", 128] and r["tokens_per_s"] > 0
+        assert set(r) >= {"tflops", "mfu", "peak_gib", "warmup_s", "timed_s", "flops_per_token", "vs_ref", "info"}
+    assert rows[0]["info"]["options"]["torch_kernels"]["compile"] == "block-cudagraphs"  # built by the bench
+    assert rows[1]["losses"] == pytest.approx(rows[0]["losses"], rel=2e-3)
+    assert rows[2]["losses"] == rows[1]["losses"]  # one tile or tuned tiles: the GPU's concern only
+    table = (tmp_path / "table.md").read_text()
+    assert table.startswith("GPU cpu;") and "| E16 seq 128 | jax_defaulttiles |" in table

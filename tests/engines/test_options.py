@@ -1,5 +1,6 @@
-"""Engine options: built once from $MOE_LADDER_OPTIONS (or by a caller), refused by name when a
-value is bad, and recorded in status.json and every checkpoint (never in the spec's id)."""
+"""Engine options: the spec's options section with $MOE_LADDER_OPTIONS on top (or built by a caller),
+refused by name when a value is bad, and recorded in status.json and every checkpoint (never in the
+spec's id)."""
 
 import json
 
@@ -66,7 +67,7 @@ def test_the_registry_hands_an_engine_its_options():
     options = EngineOptions(cpu_threads=2)
     assert get_engine("torch", options).options is options
     assert get_engine("jax", options).options is options
-    assert get_engine("torch").options is None  # built from the environment when it starts
+    assert get_engine("torch").options is None  # built from the spec's options when it starts
 
 
 def test_a_bad_jax_tile_file_is_named_before_any_work(tmp_path):
@@ -79,3 +80,13 @@ def test_a_bad_jax_tile_file_is_named_before_any_work(tmp_path):
     with pytest.raises(ValueError, match=r"MOE_LADDER_OPTIONS jax_mgpu_tiles=.*tiles.json: not a tile file"):
         next(JaxEngine(EngineOptions(jax_mgpu_tiles=str(bad))).train(spec, tmp_path / "run"))
     assert not (tmp_path / "run").exists()
+
+
+def test_a_run_records_the_options_its_spec_sets(tmp_path):
+    from engines.base import read_status
+    from engines.torch.engine import TorchEngine
+    from tests.conftest import tiny_spec
+
+    spec = tiny_spec(steps=1, **{"model.ep_size": 1}).replace(**{"options.cpu_threads": 1})
+    list(TorchEngine("cpu").train(spec, tmp_path))  # no options given: the spec's section
+    assert read_status(tmp_path)["options"]["cpu_threads"] == 1

@@ -68,7 +68,8 @@ def test_closing_the_generator_ends_every_rank(tmp_path, monkeypatch):
     import time
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
-    long = SPEC.model_copy(update={"data": SPEC.data.model_copy(update={"total_tokens": 2000 * 64 * 8})})
+    long = SPEC.replace(**{"data.total_tokens": 2000 * 64 * 8, "options.torch_ep": "processes",
+                           "options.cpu_threads": 1})
     gen = TorchEngine("cpu", PROCESSES).train(long, tmp_path / "run")
     assert [next(gen).step for _ in range(2)] == [0, 1]
     gen.close()
@@ -93,11 +94,24 @@ def test_auto_emulates_where_there_are_not_enough_gpus(monkeypatch):
     assert not use_processes(micro_spec("one", **{"model.ep_size": 1}), torch.device("cpu"), PROCESSES)
 
 
-def test_a_bad_layout_switch_is_refused_by_name(tmp_path, monkeypatch):
-    monkeypatch.setenv("MOE_LADDER_OPTIONS", "torch_ep=sometimes")
+def test_a_bad_layout_switch_is_refused_by_name():
+    from pydantic import ValidationError
+
+    from engines.options import Options
+
     with pytest.raises(OptionsError, match="MOE_LADDER_OPTIONS torch_ep='sometimes'"):
-        next(TorchEngine("cpu").train(SPEC, tmp_path / "run"))
-    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+        Options.from_env({"MOE_LADDER_OPTIONS": "torch_ep=sometimes"})
+    with pytest.raises(ValidationError, match="options.torch_ep"):
+        SPEC.replace(**{"options.torch_ep": "sometimes"})
+
+
+def test_the_spec_options_pick_the_layout_where_the_engine_is_given_none(tmp_path):
+    """TorchEngine without options runs under the spec's options section (the environment is the CLI's)."""
+    spec = SPEC.replace(**{"options.torch_ep": "processes", "options.cpu_threads": 1,
+                           "data.total_tokens": SPEC.data.tokens_per_step * 2})
+    list(TorchEngine("cpu").train(spec, tmp_path / "run"))
+    assert (tmp_path / "run" / "mesh.json").exists()  # its ranks trained it
+    assert read_status(tmp_path / "run")["options"]["torch_ep"] == "processes"
 
 
 def test_ladder_train_runs_the_ranks(tmp_path):
@@ -136,9 +150,10 @@ def test_a_sigkilled_launcher_takes_every_rank_with_it(tmp_path):
 
     from core.spec import save_spec
 
-    long = SPEC.model_copy(update={"data": SPEC.data.model_copy(update={"total_tokens": 2000 * 64 * 8})})
+    long = SPEC.replace(**{"data.total_tokens": 2000 * 64 * 8, "options.torch_ep": "processes",
+                           "options.cpu_threads": 1})
     path = save_spec(long, tmp_path / "spec.yaml")
-    env = dict(os.environ, **CPU_ENV, MOE_LADDER_OPTIONS="torch_ep=processes,cpu_threads=1")
+    env = dict(os.environ, **CPU_ENV)  # the spec sets the layout: the engine reads no environment
     run = tmp_path / "run"
     driver = subprocess.Popen([sys.executable, "-c", KILLED_DRIVER, str(path), str(run)], stdout=subprocess.PIPE,
                               text=True, env=env)

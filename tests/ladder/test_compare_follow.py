@@ -11,7 +11,7 @@ from pathlib import Path
 
 from rich.console import Console
 
-from analysis.monitor import Flag, MonitorReport
+from analysis.monitor.watch import Flag, MonitorReport
 from ladder.commands.compare import Announcer
 
 ROOT = Path(__file__).resolve().parents[2]

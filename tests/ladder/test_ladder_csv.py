@@ -13,7 +13,7 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
-from analysis.metrics_io import read_metrics_frame
+from analysis.runs.metrics import read_metrics_frame
 from core.rundir import iter_run_dirs
 from ladder.errors import LadderError
 from ladder.ladder_csv import read_ladder_csv
@@ -54,7 +54,7 @@ def forecast_cli(*args) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_ladder_csv_of_exported_curves_forecasts_the_hero_as_the_ledger_does(exported):
-    from analysis.forecast import RungRun, forecast
+    from analysis.forecast.hero import RungRun, forecast
     from core.spec import load_spec
 
     root, hero, runs = exported

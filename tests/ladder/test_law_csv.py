@@ -12,7 +12,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from ladder.commands.law import _apply_where, _parse_where
+from ladder.law_table import apply_where, parse_where
 from ladder.errors import LadderError
 
 REPO = Path(__file__).resolve().parents[2]
@@ -32,13 +32,13 @@ FRAME = pd.DataFrame({"n": [1, 2, 3, 4, 5], "set": ["a", "b", "a", "c", "b"]})
     ("set=a,c", [1, 3, 4]), ("set!=a,b", [4]), ("n=2,5", [2, 5]), ("set==b", [2, 5]),
 ])
 def test_where_selects_rows_by_comparison_and_by_list(cond, kept):
-    assert list(_apply_where(FRAME, Path("f.csv"), _parse_where([cond]))["n"]) == kept
+    assert list(apply_where(FRAME, Path("f.csv"), parse_where([cond]))["n"]) == kept
 
 
 @pytest.mark.parametrize("cond", ["n<abc", "<3", "n"])
 def test_a_where_that_cannot_be_read_is_one_clear_error(cond):
     with pytest.raises(LadderError, match="--where"):
-        _parse_where([cond])
+        parse_where([cond])
 
 
 def test_law_predict_scores_a_chinchilla_fit_on_the_larger_models_it_never_saw(tmp_path):

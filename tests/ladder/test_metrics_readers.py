@@ -43,7 +43,7 @@ def _one_warning(capsys, m) -> None:
 
 
 def test_the_ledgers_reader_and_the_analysis_frame_skip_it_with_one_warning(damaged, capsys):
-    from analysis.metrics_io import read_metrics_frame
+    from analysis.runs.metrics import read_metrics_frame
     from core import rundir
 
     spec, d, m = damaged

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("wandb")
 
-from analysis.metrics_io import read_metrics_frame  # noqa: E402
-from analysis.sources import open_source  # noqa: E402
+from analysis.runs.metrics import read_metrics_frame  # noqa: E402
+from analysis.runs.sources import open_source  # noqa: E402
 from core.rundir import iter_run_dirs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]

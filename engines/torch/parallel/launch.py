@@ -6,7 +6,7 @@ workers / ep). The JAX engine does the same in one process over a device mesh.
 
 `ladder train` and the controller's Ray workers get the torchrun launch through
 TorchEngine.train, which yields the StepMetrics that rank 0 appends to metrics.jsonl as they land.
-EngineOptions.torch_ep ($MOE_LADDER_OPTIONS torch_ep) picks the layout on one host: "auto" (processes
+EngineOptions.torch_ep (a spec's options.torch_ep, or $MOE_LADDER_OPTIONS torch_ep) picks the layout on one host: "auto" (processes
 where the GPUs are there, else emulated), "emulate" (always one device) or "processes" (always;
 gloo CPU processes where there is no GPU).
 
@@ -69,7 +69,7 @@ def emulation_warning(spec: Spec, device: torch.device, options: EngineOptions) 
     if ep <= 1 or device.type != "cuda" or use_processes(spec, device, options):
         return None
     n = torch.cuda.device_count()
-    why = "MOE_LADDER_OPTIONS torch_ep=emulate" if options.torch_ep == "emulate" else f"{n} GPU(s) visible"
+    why = "options torch_ep=emulate" if options.torch_ep == "emulate" else f"{n} GPU(s) visible"
     return emulated_ep_note(spec.name, ep, why)
 
 

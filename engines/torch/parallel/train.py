@@ -29,7 +29,7 @@ from core.spec import Spec, SpecError, format_validation_error, load_spec
 from engines.base import DivergedError, StepMetrics
 from engines.checkpoint import CheckpointError
 from engines.data import DataError
-from engines.options import EngineOptions
+from engines.options import EngineOptions, Options
 from engines.torch.parallel.launch import die_with_parent
 from engines.torch.parallel.layout import Layout, LayoutError, check_layout, setup_layout
 from engines.torch.parallel.step import train_layout
@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-resume", action="store_true", help="start over, discarding this run dir's checkpoints")
     p.add_argument("--no-checkpoints", action="store_true", help="write no checkpoints (benchmarks)")
     p.add_argument("--options", type=Path, default=None, metavar="FILE",
-                   help="engine options as JSON (EngineOptions.to_dict); default: from the environment")
+                   help="engine options as JSON (EngineOptions.to_dict); default: the spec's, $MOE_LADDER_OPTIONS on top")
     p.add_argument("--device", choices=("cuda", "cpu"), default=None, help="default: cuda if present")
     p.add_argument("--log-every", type=int, default=10, help="rank 0 prints a line every this many steps")
     p.add_argument("--profile", type=Path, default=None, metavar="PREFIX",
@@ -149,8 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     if spec is None:
         return 2
     try:
+        # a command line of its own: the spec's options with the environment's on top, as `ladder train`
         options = (EngineOptions.from_dict(json.loads(args.options.read_text())) if args.options
-                   else EngineOptions.from_env())
+                   else EngineOptions.for_spec(spec, Options.from_env()))
     except (OSError, ValueError, TypeError) as err:
         print(f"error: --options {args.options}: {err}" if args.options else f"error: {err}", file=sys.stderr)
         return 2

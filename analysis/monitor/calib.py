@@ -1,0 +1,603 @@
+"""The monitor's calibration on healthy runs, and the sequential test it feeds.
+
+    cal = calibrate(healthy_frames, total_steps, forecast=None)   # Calibration
+    cal.save("calibration.json"); cal = load_calibration("calibration.json")
+    seq = sequential_test(steps, values, "loss", cal, forecast, alpha)     # SequentialResult
+
+A flag is worth reading only if healthy runs do not raise it. So the width the monitor allows at
+each stretch of training is measured on healthy runs of the same spec (replicates with other
+seeds; the fault suite, bench/faults.py, makes them), not set by one global factor, and a departure
+is judged by a sequential test whose false-alarm rate is stated.
+
+Shape legend: B blocks (stretches of training), R healthy runs, N logged points of one run.
+
+The residual. For a series x (train loss, grad norm, held-out eval loss and each source's when every healthy
+run logs it, router entropy, and the train/eval gap: eval loss over the median train loss of the
+10 points before it) a run's residual at step t is
+r_t = log x_t - log ref(t), ref the forecast's trajectory (loss: trajectory.loss; grad norm:
+grad_norm.mean) where the forecast covers t, or 1 when the calibration was made without a
+forecast (then the healthy mean below is the reference itself). Log, so a residual is relative.
+
+Blocks. Training is cut into B equal stretches of steps (edges from 0 to the calibrating spec's
+total steps; default B = 100, 1% each). A run's block mean m_b is the mean of its finite
+residuals in block b; only complete blocks are tested (a live run's last, partial block waits).
+
+What the healthy runs give, per block b (R runs, block means m_rb):
+    mu_b    = mean_r m_rb                      the healthy offset from the reference
+    v_b     = var_r m_rb (ddof 1), averaged over the 2 w + 1 neighbouring blocks (w = 2) and
+              floored at the within-block scatter over the block's points (the noise of one
+              run's block mean cannot be smaller than that)
+    sd_b    = sqrt(v_b (1 + 1/R)) x c          the spread of a new healthy run's block mean
+              (predictive: mu_b itself is a mean of R runs), where c = t_{dof}(0.975) / z(0.975)
+              with dof = (R - 1)(2 w + 1) widens it for the few runs it was estimated from.
+The early transient (the loss falling fast and differently from seed to seed) needs no step cut:
+its blocks have a large sd_b, so the same standardised residual means the same there as later.
+
+The standardised residual of a monitored run is u_b = (m_b - mu_b) / sd_b. On a healthy run it
+is about N(0, 1) but not independent from block to block: a seed that runs a little high stays
+high for a while. The runs left out one at a time (each standardised by the others' mu and sd, as
+a new run is) measure that: the band's width is scaled up by their root-mean-square u when it
+exceeds 1 (never narrowed), and rho, their pooled autocorrelation at lags 2-8 (clipped to
+[0, 0.9]), is the share of u's variance that is the run's own persistent level (u = L + noise,
+var L = rho; 0.5 when fewer than 3 runs can measure it). Two sequential tests, each one-sided in
+both directions (Page's CUSUM: S_b = max(0, S_{b-1} + x_b - k), alarm when S_b > h):
+
+- the level test, on x_b = +-u_b / sqrt(1 - rho) (the noise part in its own units) with the
+  reference value k = 0.5 + z_tol sqrt(rho / (1 - rho)), z_tol the (1 - alpha/4) normal
+  quantile: a healthy run may hold any level its seed gives it, up to z_tol of its spread,
+  without accumulating; beyond it, its excess adds up block after block;
+- the change test, on x_b = +-(u_b - l_{b-1}) / c_b with k = 0.5: the run against its own recent
+  level l (exponentially smoothed, l_b = l_{b-1} + lam (u_b - l_{b-1}), l = 0 before the first
+  block), where lam is the smoothing that predicts the left-out healthy runs' next block best
+  and c_b those prediction errors' spread per stretch (pooled over 5 blocks each side). A step
+  change shows here at once, whatever level the run held before it.
+
+The threshold h comes from the stated false-alarm rate: a healthy run of B_run tested blocks
+should raise one test's alarm in one direction with probability a, so its in-control run length
+must be ARL0 = -B_run / ln(1 - a) (alarms as a Poisson process), and Siegmund's approximation for
+N(0, 1) increments against the reference value 0.5 (the level test at its tolerance's edge too),
+    ARL0(h) = (exp(2 k b) - 2 k b - 1) / (2 k^2),   k = 0.5, b = h + 1.166,
+is solved for h. The monitor's false_alarm_rate (default 0.01 a run) is split evenly over the
+series it tests and their two directions; within one direction a quarter goes to the level
+tolerance, a quarter to the level test's h and half to the change test's h. Measured on simulated
+healthy runs whose levels wander (tests/analysis/test_monitor_calib.py) the rate comes out within
+about 2x of the stated one: the healthy runs' spread is itself estimated from a few runs. The fault
+suite reports the flags of real replicates the calibration never saw.
+
+The block where a test alarms is the step it is reported at (the first step flagged); the block
+after the last zero of its sum before it is the change's estimated onset. Critical: the departure
+reaches crit_sd healthy sds at or after the alarm.
+
+Without healthy runs the monitor can still read the forecast band (analysis.monitor_checks), but
+that band is the forecast's own interval for the level, not calibrated on this spec's runs: it
+keeps its flags at info, and warns only on a departure beyond a whole band width.
+
+A calibration file records what it was made from (the runs, their spec ids, the forecast's path,
+creation time and hero spec id); the monitor refuses one made against another forecast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+from statistics import NormalDist
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Sequence
+
+import numpy as np
+import pandas as pd
+
+from analysis.forecast.file import Forecast
+from analysis.monitor.stats import column, local_spike_z
+from core.fsutil import atomic_write_text
+
+__all__ = ["eval_series", "source_eval_names", "Calibration", "SeriesCalibration", "SequentialResult", "calibrate", "cusum_threshold", "load_calibration",
+           "reference", "sequential_test", "block_means", "SERIES"]
+
+SERIES = ("loss", "grad_norm", "eval_loss", "router_entropy", "train_eval_gap")
+SPIKE_SERIES = ("loss", "grad_norm")
+LAMBDAS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)  # smoothing of the run's own level tried
+LAMBDA_DEFAULT = 0.2
+CHANGE_POOL = 5
+TRANSIENT_CLEAN = 5  # clean blocks in a row that end the early transient
+RHO_DEFAULT = 0.5  # the persistent share of a healthy run's variance when fewer than 3 runs measure it
+K_REF = 0.5  # CUSUM reference value, in sds of the innovation
+NEIGHBOURS = 2  # blocks each side whose healthy variance is pooled with a block's own
+SIEGMUND = 1.166
+
+
+def cusum_threshold(blocks: int, alpha: float, k: float = K_REF) -> float:
+    """h such that a healthy run of `blocks` tested blocks alarms with probability alpha (one side)."""
+    arl0 = -max(blocks, 1) / math.log1p(-alpha)
+
+    def arl(h: float) -> float:
+        b = 2 * k * (h + SIEGMUND)
+        return math.log(max(math.expm1(b) - b, 1e-300) / (2 * k * k)) - math.log(arl0)
+
+    if arl(0.0) >= 0:
+        return 0.0
+    lo, hi = 0.0, 1.0
+    while arl(hi) < 0:
+        lo, hi = hi, hi * 2
+    for _ in range(60):  # bisection: arl is increasing in h
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if arl(mid) < 0 else (lo, mid)
+    return (lo + hi) / 2
+
+
+def _col(df: pd.DataFrame, name: str) -> np.ndarray | None:
+    """A column by its name, or as the trainer's extras carry it (extra.<name>)."""
+    v = column(df, name)
+    return v if v is not None else column(df, f"extra.{name}")
+
+
+def eval_series(df: pd.DataFrame) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(eval loss (N,), its standard error (N,) or None): the periodic subset's value where the
+    records carry it (eval_loss_periodic: the same windows at every eval, the final one included,
+    so one continuous series), else eval_loss. At a final eval (every window) the standard error
+    logged is the whole set's, not the periodic subset's: it is dropped there."""
+    ev = _col(df, "eval_loss_periodic")
+    periodic = ev is not None
+    if ev is None:
+        ev = column(df, "eval_loss")
+    se = _col(df, "eval_loss_se")
+    final = _col(df, "eval_final")
+    if se is not None and periodic and final is not None:
+        se = np.where(np.nan_to_num(final) > 0, np.nan, se)
+    return ev, se
+
+
+def source_eval_names(df: pd.DataFrame) -> list[str]:
+    """eval_loss/<source> series the frame carries (as columns or extras)."""
+    out = set()
+    for c in df.columns:
+        c = str(c)
+        c = c[len("extra."):] if c.startswith("extra.") else c
+        if c.startswith("eval_loss/"):
+            out.add(c)
+    return sorted(out)
+
+
+def series_values(df: pd.DataFrame, series: str) -> tuple[np.ndarray, np.ndarray] | None:
+    """(steps, values) of a series in a metrics frame, finite points only; None when absent.
+    train_eval_gap is the eval loss (eval_series) over the median train loss of the (up to 10)
+    points before it; a source's eval loss leaves out the final eval (scored on every window, not
+    the periodic subset)."""
+    steps = df["step"].to_numpy(dtype=np.int64)
+    if series.startswith("eval_loss/"):
+        v, final = _col(df, series), _col(df, "eval_final")
+        if v is None:
+            return None
+        ok = np.isfinite(v) & ~(np.nan_to_num(final) > 0 if final is not None else False)
+        return (steps[ok], v[ok]) if ok.any() else None
+    if series == "eval_loss":
+        v = eval_series(df)[0]
+        if v is None:
+            return None
+        ok = np.isfinite(v)
+        return (steps[ok], v[ok]) if ok.any() else None
+    if series == "train_eval_gap":
+        ev, loss = eval_series(df)[0], column(df, "loss")
+        if ev is None or loss is None:
+            return None
+        idx = np.flatnonzero(np.isfinite(ev))
+        med = pd.Series(np.where(np.isfinite(loss), loss, np.nan)).rolling(10, min_periods=3).median().to_numpy()
+        v = ev[idx] / med[idx]
+        ok = np.isfinite(v) & (v > 0)
+        return (steps[idx][ok], v[ok]) if ok.any() else None
+    v = column(df, series)
+    if v is None:
+        return None
+    ok = np.isfinite(v)
+    return (steps[ok], v[ok]) if ok.any() else None
+
+
+def throughput_ratio(df: pd.DataFrame, k: int) -> np.ndarray | None:
+    """Per point: the median logged tokens/s of the last k points over the median of all points
+    before them (NaN until there are 2 k points); None without tokens/s."""
+    tps = column(df, "tokens_per_s")
+    if tps is None:
+        return None
+    v = pd.Series(tps[np.isfinite(tps) & (tps > 0)])
+    if len(v) < 2 * k:
+        return None
+    ratio = np.array((v.rolling(k).median() / v.expanding().median().shift(k)).to_numpy(), dtype=np.float64)
+    ratio[: 2 * k - 1] = np.nan
+    return ratio
+
+
+def reference(series: str, steps: np.ndarray, forecast: Forecast | None) -> np.ndarray:
+    """log ref(t) per step: the forecast's trajectory (NaN outside it), or 0 without a forecast."""
+    s = np.asarray(steps, dtype=np.float64)
+    if forecast is None:
+        return np.zeros(len(s))
+    if series == "loss":
+        xp, fp = forecast.traj_step, forecast.traj_loss
+    elif series == "grad_norm" and forecast.gn_step is not None and forecast.gn_mean is not None:
+        xp, fp = forecast.gn_step, forecast.gn_mean
+    else:
+        return np.zeros(len(s))
+    ok = np.isfinite(fp) & (fp > 0)
+    out = np.interp(s, xp[ok], np.log(fp[ok]))
+    out[(s < xp[ok][0]) | (s > xp[ok][-1])] = np.nan
+    return out
+
+
+def residual(series: str, steps: np.ndarray, values: np.ndarray, forecast: Forecast | None) -> np.ndarray:
+    v = np.asarray(values, dtype=np.float64)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        lv = np.where(np.isfinite(v) & (v > 0), np.log(np.where(v > 0, v, 1.0)), np.nan)
+    return lv - reference(series, steps, forecast)
+
+
+def block_means(steps: np.ndarray, r: np.ndarray, edges: np.ndarray, complete_to: int | None = None
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(mean (B,), within-block robust scatter of one point (B,), points (B,)) of residuals r by
+    block; a block past `complete_to` (the last step logged) is NaN: it is not complete yet."""
+    B = len(edges) - 1
+    idx = np.searchsorted(edges, steps, side="right") - 1
+    ok = np.isfinite(r) & (idx >= 0) & (idx < B)
+    df = pd.DataFrame({"b": idx[ok], "r": r[ok]})
+    g = df.groupby("b")["r"]
+    mean, n = np.full(B, np.nan), np.zeros(B, dtype=np.int64)
+    scat = np.full(B, np.nan)
+    if len(df):
+        m = g.mean()
+        mean[m.index.to_numpy()] = m.to_numpy()
+        c = g.count()
+        n[c.index.to_numpy()] = c.to_numpy()
+        dev = (df["r"] - g.transform("median")).abs()
+        mad = 1.4826 * dev.groupby(df["b"]).median()
+        mad[c.reindex(mad.index) < 3] = np.nan
+        scat[mad.index.to_numpy()] = mad.to_numpy()
+    if complete_to is not None:
+        mean[edges[1:] - 1 > complete_to] = np.nan
+    return mean, scat, n
+
+
+@dataclass
+class SeriesCalibration:
+    """What the healthy runs say about one series, per block (see the module docstring)."""
+
+    mu: list[float]
+    sd: list[float]
+    scatter: list[float]  # one point's robust scatter within a block (pooled over the runs)
+    spike_z: list[float]  # the largest local-trend spike z any healthy run showed in the block
+    rho: float  # the persistent (run-level) share of a healthy run's standardised variance
+    change_sd: list[float]  # per block: sd of a healthy run's one-step prediction error of its own level
+    change_lambda: float  # the smoothing of that level
+    runs: int
+    dof: int
+    widen: float  # c above
+
+    def arrays(self) -> tuple[np.ndarray, np.ndarray]:
+        return (np.asarray(self.mu, dtype=np.float64), np.asarray(self.sd, dtype=np.float64))
+
+
+@dataclass
+class Calibration:
+    """The healthy runs' spread per block for every series, and what it was made from."""
+
+    edges: list[int]
+    total_steps: int
+    series: dict[str, SeriesCalibration]
+    reference: str  # "forecast" or "healthy mean"
+    forecast: dict[str, Any] | None  # path, created, hero spec id of the forecast it was made against
+    runs: list[dict[str, Any]]  # name, spec id, seed, last step of each healthy run
+    transient_end_step: int  # where the healthy runs' early spikes and grad-norm excursions end
+    tokens_per_s: float | None  # the healthy runs' median throughput
+    throughput_min_ratio: float | None = None  # the lowest (recent median / earlier median) tokens/s a healthy run showed
+    drop_frac_max: float | None = None  # the largest token-drop fraction (send + recv) a healthy run showed past the transient
+    method: str = "healthy replicates: per-block mean and spread of the log residual; AR(1)-whitened CUSUM"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def edges_array(self) -> np.ndarray:
+        return np.asarray(self.edges, dtype=np.int64)
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        return d
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(path, json.dumps(_json_safe(self.to_dict()), indent=1) + "\n")
+        return path
+
+    def check_forecast(self, forecast: Forecast | None, where: str = "calibration") -> None:
+        """ValueError when the calibration was made against another forecast (or none was given)."""
+        if self.reference != "forecast":
+            return
+        want = self.forecast or {}
+        if forecast is None:
+            raise ValueError(f"{where} was made against the forecast {want.get('path')} (hero spec "
+                             f"{want.get('hero_spec_id')}); pass it with --forecast")
+        got = _forecast_id(forecast)
+        if (want.get("created"), want.get("hero_spec_id")) != (got["created"], got["hero_spec_id"]):
+            raise ValueError(f"{where} was made against the forecast created {want.get('created')} for spec "
+                             f"{want.get('hero_spec_id')}, not {forecast.path} (created {got['created']}, "
+                             f"spec {got['hero_spec_id']}); calibrate again against this forecast")
+
+
+def _json_safe(x):
+    if isinstance(x, dict):
+        return {k: _json_safe(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_json_safe(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        return None if not math.isfinite(float(x)) else float(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def _forecast_id(forecast: Forecast) -> dict[str, Any]:
+    return {"path": forecast.path, "created": forecast.raw.get("created"),
+            "hero_spec_id": (forecast.hero or {}).get("spec_id")}
+
+
+def load_calibration(path: str | Path) -> Calibration:
+    path = Path(path)
+    if not path.exists():
+        raise ValueError(f"{path}: no such calibration file")
+    try:
+        d = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    try:
+        series = {k: SeriesCalibration(**{f: (np.nan if v is None else v) if not isinstance(v, list) else
+                                          [np.nan if x is None else x for x in v] for f, v in s.items()})
+                  for k, s in d["series"].items()}
+        cal = Calibration(**{**{k: v for k, v in d.items() if k != "series"}, "series": series})
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a monitor calibration ({e})") from None
+    B = len(cal.edges) - 1
+    if B < 1 or any(len(s.mu) != B or len(s.sd) != B for s in cal.series.values()):
+        raise ValueError(f"{path}: calibration blocks do not match its edges")
+    return cal
+
+
+def _smooth_mean(v: np.ndarray, w: int) -> np.ndarray:
+    return pd.Series(v).rolling(2 * w + 1, center=True, min_periods=1).mean().to_numpy()
+
+
+def _spread(M_RB: np.ndarray, S_RB: np.ndarray, per_block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float]:
+    """(mu (B,), sd (B,), scatter (B,), dof, widen) from the block means of R healthy runs."""
+    R = M_RB.shape[0]
+    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN block is NaN, as meant
+        mu = np.nanmean(M_RB, 0)
+        cnt = np.isfinite(M_RB).sum(0)
+        var = np.where(cnt >= 2, np.nanvar(M_RB, 0, ddof=1), np.nan) if R >= 2 else np.full(M_RB.shape[1], np.nan)
+        scat = np.sqrt(np.nanmean(S_RB ** 2, 0))
+    floor = (np.nan_to_num(scat, nan=0.0) ** 2) / per_block
+    pooled = _smooth_mean(np.where(np.isfinite(var), var, np.nan), NEIGHBOURS)
+    v = np.where(cnt >= 1, np.maximum(np.nan_to_num(pooled, nan=0.0), floor), np.nan)
+    dof = max((R - 1) * (2 * NEIGHBOURS + 1), 1)
+    from scipy import stats  # calibration only: the CLI's import of the monitor stays light
+
+    widen = float(stats.t.ppf(0.975, dof) / NormalDist().inv_cdf(0.975))
+    sd = np.sqrt(v * (1 + 1 / max(R, 1))) * widen
+    return mu, np.where(sd > 0, sd, np.nan), scat, dof, widen
+
+
+def _lagged(U: np.ndarray, lags: range) -> float:
+    num = den = 0.0
+    for lag in lags:
+        a, b = U[:, lag:].ravel(), U[:, :-lag].ravel()
+        ok = np.isfinite(a) & np.isfinite(b)
+        num += float(np.sum(a[ok] * b[ok]))
+        den += float(np.sum(b[ok] ** 2))
+    return num / den if den > 0 else float("nan")
+
+
+def _series_calibration(runs: Sequence[tuple[np.ndarray, np.ndarray]], series: str, edges: np.ndarray,
+                        forecast: Forecast | None, spike_window: int, spike_min_history: int) -> SeriesCalibration:
+    B = len(edges) - 1
+    M, S, Z = [], [], []
+    for steps, values in runs:
+        r = residual(series, steps, values, forecast)
+        m, sc, _ = block_means(steps, r, edges, complete_to=int(steps[-1]))
+        M.append(m)
+        S.append(sc)
+        zb = np.full(B, np.nan)
+        if series in SPIKE_SERIES:
+            z, _ = local_spike_z(steps, np.asarray(values, dtype=np.float64), spike_window, spike_min_history)
+            idx = np.searchsorted(edges, steps, side="right") - 1
+            ok = np.isfinite(z) & (idx >= 0) & (idx < B)
+            if ok.any():
+                zz = pd.Series(z[ok]).groupby(idx[ok]).max()
+                zb[zz.index.to_numpy()] = zz.to_numpy()
+        Z.append(zb)
+    M_RB, S_RB, Z_RB = np.array(M), np.array(S), np.array(Z)
+    R = len(runs)
+    per_block = np.maximum(np.diff(edges), 1)
+    mu, sd, scat, dof, widen = _spread(M_RB, S_RB, per_block)
+    with np.errstate(invalid="ignore"):
+        spike = np.max(np.where(np.isfinite(Z_RB), Z_RB, -np.inf), 0)
+    spike = np.where(np.isfinite(spike), spike, np.nan)
+    # leave one run out: each run standardised by the others' mu and sd, as a new run would be
+    scale, rho, change_sd, change_lambda = 1.0, RHO_DEFAULT, None, LAMBDA_DEFAULT
+    if R >= 3:
+        U = []
+        for i in range(R):
+            keep = np.arange(R) != i
+            mu_i, sd_i, _, _, _ = _spread(M_RB[keep], S_RB[keep], per_block)
+            U.append((M_RB[i] - mu_i) / sd_i)
+        U_RB = np.array(U)
+        fin = np.isfinite(U_RB)
+        if fin.sum() >= 10:
+            # the band's width as the runs it never saw need it (never narrowed)
+            scale = max(1.0, float(np.sqrt(np.mean(U_RB[fin] ** 2))))
+            U_RB = U_RB / scale
+            r_long = _lagged(U_RB, range(2, 9))
+            if np.isfinite(r_long):
+                rho = float(np.clip(r_long, 0.0, 0.9))
+            # the local-level model's smoothing that predicts the healthy runs' next block best, and
+            # the spread of its prediction errors per stretch (pooled over CHANGE_POOL blocks each side)
+            best = None
+            for lam in LAMBDAS:
+                D_RB = np.array([own_change(u, lam) for u in U_RB])
+                fin_d = np.isfinite(D_RB)
+                if fin_d.sum() >= 10 and (best is None or np.mean(D_RB[fin_d] ** 2) < best[1]):
+                    best = (lam, float(np.mean(D_RB[fin_d] ** 2)), D_RB)
+            if best is not None:
+                change_lambda = best[0]
+                D_RB = best[2]
+                sq = np.where(np.isfinite(D_RB), D_RB ** 2, 0.0).sum(0)
+                n = np.isfinite(D_RB).sum(0).astype(np.float64)
+                win = 2 * CHANGE_POOL + 1
+                pooled = (pd.Series(sq).rolling(win, center=True, min_periods=1).sum()
+                          / pd.Series(n).rolling(win, center=True, min_periods=1).sum()).to_numpy()
+                change_sd = np.sqrt(np.where(np.isfinite(pooled) & (pooled > 0), pooled, best[1])).tolist()
+    if change_sd is None:  # u = level + independent noise: the noise part, and the level's
+        change_sd = [math.sqrt((1 - rho) * (1 + change_lambda))] * B
+    return SeriesCalibration(mu=mu.tolist(), sd=(sd * scale).tolist(), scatter=scat.tolist(), spike_z=spike.tolist(),
+                             rho=rho, change_sd=change_sd, change_lambda=change_lambda, runs=R, dof=dof, widen=widen * scale)
+
+
+def own_change(u: np.ndarray, lam: float) -> np.ndarray:
+    """Per block: the one-step prediction error of the run's own level, u_b - l_{b-1}, with the
+    level l exponentially smoothed (l_b = l_{b-1} + lam (u_b - l_{b-1}), l = 0 before the first
+    block: the healthy mean); NaN where u is."""
+    out = np.full(len(u), np.nan)
+    level = 0.0
+    for b in range(len(u)):
+        if np.isfinite(u[b]):
+            out[b] = u[b] - level
+            level += lam * out[b]
+    return out
+
+
+def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int, forecast: Forecast | None = None,
+              n_blocks: int = 100, spike_window: int = 50, spike_min_history: int = 10,
+              spike_sigma: float = 7.0, throughput_points: int = 20) -> Calibration:
+    """A calibration from healthy runs [(name, metrics frame, spec or None)] of one spec."""
+    if len(healthy) < 2:
+        raise ValueError(f"a calibration needs at least 2 healthy runs (got {len(healthy)}): their spread is the band")
+    B = max(1, min(n_blocks, total_steps))
+    edges = np.unique(np.round(np.linspace(0, total_steps, B + 1)).astype(np.int64))
+    series: dict[str, SeriesCalibration] = {}
+    # the fixed series, and the held-out eval loss of each source when every healthy run logs it
+    per_source = sorted(set.intersection(*[set(source_eval_names(df)) for _, df, _ in healthy]))
+    for name in (*SERIES, *per_source):
+        runs = [sv for _, df, _ in healthy if (sv := series_values(df, name)) is not None]
+        if len(runs) >= 2:
+            series[name] = _series_calibration(runs, name, edges, forecast, spike_window, spike_min_history)
+    # the transient: from step 0 to the first run of TRANSIENT_CLEAN blocks in which no healthy run
+    # spiked past spike_sigma (a spike later on is the per-stretch spike threshold's business; a
+    # grad norm over a fixed threshold says nothing here: healthy runs of some specs stay over it)
+    hot_B = np.zeros(len(edges) - 1, dtype=bool)
+    for cal in series.values():
+        hot_B |= np.nan_to_num(np.asarray(cal.spike_z, dtype=np.float64), nan=0.0) > spike_sigma
+    transient, clean = 0, 0
+    for b, hot in enumerate(hot_B):
+        clean = 0 if hot else clean + 1
+        if hot:
+            transient = int(edges[b + 1])
+        if clean >= TRANSIENT_CLEAN:
+            break
+    tps = [float(np.nanmedian(v)) for _, df, _ in healthy if (v := column(df, "tokens_per_s")) is not None]
+    ratios = [r for _, df, _ in healthy if (r := throughput_ratio(df, throughput_points)) is not None]
+    drops = []
+    for _, df, _ in healthy:
+        ds, dr = column(df, "drop_frac_send"), column(df, "drop_frac_recv")
+        if ds is not None or dr is not None:
+            d = np.nan_to_num(ds if ds is not None else 0.0) + np.nan_to_num(dr if dr is not None else 0.0)
+            d = np.broadcast_to(d, (len(df),))[df["step"].to_numpy() >= transient]
+            if len(d):
+                drops.append(float(np.max(d)))
+    runs_meta = []
+    for name, df, spec in healthy:
+        runs_meta.append({"name": name, "spec_id": getattr(spec, "id", None), "seed": getattr(spec, "seed", None),
+                          "last_step": int(df["step"].iloc[-1])})
+    return Calibration(edges=edges.tolist(), total_steps=int(total_steps), series=series,
+                       reference="forecast" if forecast is not None else "healthy mean",
+                       forecast=_forecast_id(forecast) if forecast is not None else None, runs=runs_meta,
+                       transient_end_step=int(transient), tokens_per_s=float(np.median(tps)) if tps else None,
+                       throughput_min_ratio=float(np.nanmin(np.concatenate(ratios))) if ratios else None,
+                       drop_frac_max=max(drops) if drops else None)
+
+
+@dataclass
+class SequentialResult:
+    """One series' test: per block u, e, S+ and S- (the larger of the two tests' sums over their
+    thresholds: an alarm is S > h = 1), and the first alarm each way."""
+
+    u: np.ndarray
+    e: np.ndarray
+    s_up: np.ndarray
+    s_down: np.ndarray
+    h: float
+    k: float
+    tested: int
+    alarm_up: int | None  # block index
+    alarm_down: int | None
+    onset_up: int | None
+    onset_down: int | None
+    m: np.ndarray  # the run's block means
+    mu: np.ndarray
+    sd: np.ndarray
+    test_up: str | None = None  # which test alarmed: "level" or "change"
+    test_down: str | None = None
+
+
+def tolerance(rho: float, alpha: float) -> tuple[float, float]:
+    """(z_tol, k'): the level a healthy run may hold and the CUSUM reference value in units of
+    the block noise (module docstring)."""
+    z_tol = NormalDist().inv_cdf(1 - alpha)
+    return z_tol, K_REF + z_tol * math.sqrt(rho / (1 - rho))
+
+
+def sequential_test(steps: np.ndarray, values: np.ndarray, series: str, cal: Calibration,
+                    forecast: Forecast | None, alpha: float, min_sd: float = 0.0) -> SequentialResult | None:
+    """The test of one series; alpha is this series' share of the false-alarm rate for one
+    direction (split evenly between the level tolerance and the CUSUM threshold)."""
+    sc = cal.series.get(series)
+    if sc is None or not len(steps):
+        return None
+    edges = cal.edges_array
+    r = residual(series, steps, values, forecast)
+    m, _, _ = block_means(steps, r, edges, complete_to=int(steps[-1]))
+    mu, sd = sc.arrays()
+    sd = np.maximum(sd, min_sd)
+    u = (m - mu) / sd
+    B = len(u)
+    rho = float(sc.rho)
+    _, k = tolerance(rho, alpha / 4)
+    # h for the worst level the tolerance allows: there the increments e - k have the mean -K_REF
+    h = cusum_threshold(max(int(np.sum(np.isfinite(mu) & np.isfinite(sd))), 1), alpha / 4, K_REF)
+    noise = math.sqrt(1 - rho)
+    e = u / noise
+    # the change test: u against the run's own recent level, in healthy sds of that difference
+    c = own_change(u, float(sc.change_lambda)) / np.maximum(np.asarray(sc.change_sd, dtype=np.float64), 1e-12)
+    h_change = cusum_threshold(max(int(np.sum(np.isfinite(mu) & np.isfinite(sd))), 1), alpha / 2, K_REF)
+    s_up, s_dn = np.zeros(B), np.zeros(B)
+    alarm = {"up": None, "down": None}
+    onset = {"up": None, "down": None}
+    test = {"up": None, "down": None}
+    state = {("level", "up"): 0.0, ("level", "down"): 0.0, ("change", "up"): 0.0, ("change", "down"): 0.0}
+    zero = {key: 0 for key in state}
+    tested = 0
+    for b in range(B):
+        if np.isfinite(e[b]):
+            tested += 1
+        for name, x, kk, hh in (("level", e[b], k, h), ("change", c[b], K_REF, h_change)):
+            if not np.isfinite(x):
+                continue
+            for side, sign in (("up", 1.0), ("down", -1.0)):
+                key = (name, side)
+                state[key] = max(0.0, state[key] + sign * x - kk)
+                if state[key] == 0.0:
+                    zero[key] = b + 1
+                if alarm[side] is None and state[key] > hh:
+                    alarm[side], onset[side], test[side] = b, min(zero[key], b), name
+        s_up[b] = max(state[("level", "up")] / max(h, 1e-12), state[("change", "up")] / max(h_change, 1e-12))
+        s_dn[b] = max(state[("level", "down")] / max(h, 1e-12), state[("change", "down")] / max(h_change, 1e-12))
+    alarm_up, alarm_dn, onset_up, onset_dn = alarm["up"], alarm["down"], onset["up"], onset["down"]
+    return SequentialResult(u=u, e=e, s_up=s_up, s_down=s_dn, h=1.0, k=k, tested=tested, alarm_up=alarm_up,
+                            alarm_down=alarm_dn, onset_up=onset_up, onset_down=onset_dn, m=m, mu=mu, sd=sd,
+                            test_up=test["up"], test_down=test["down"])

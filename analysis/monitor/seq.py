@@ -1,0 +1,145 @@
+"""The monitor's calibrated checks: the sequential test of each series against its healthy band,
+train falling while held-out eval rises, and a throughput drop against the run's own rate.
+analysis.monitor documents every flag; analysis.monitor_calib the calibration and the test."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from analysis.monitor.calib import eval_series, sequential_test, series_values, throughput_ratio
+from analysis.monitor.checks import RunCurves
+from analysis.monitor.stats import column, json_num
+from analysis.monitor.flags import Flag
+
+# what each series' departure means; a data fault shows first in the train/eval gap
+_WHAT = {"loss": "train loss", "grad_norm": "grad norm", "eval_loss": "held-out eval loss",
+         "router_entropy": "router entropy", "train_eval_gap": "eval loss / train loss"}
+
+
+def _block_step(edges: np.ndarray, b: int) -> int:
+    return int(edges[b + 1] - 1)
+
+
+def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
+    """`<series>_above_band` / `<series>_below_band`: the CUSUM on the standardised block residual
+    alarms (warning); critical when the departure reaches crit_sd healthy sds after the alarm."""
+    cal, cfg = c.calibration, c.cfg
+    if cal is None:
+        return [], {}
+    flags: list[Flag] = []
+    summary: dict[str, Any] = {}
+    edges = cal.edges_array
+    present = {name: sv for name in cal.series if (sv := series_values(c.df, name)) is not None}
+    # the run's false-alarm rate, split evenly over the series tested and their two directions
+    alpha = cfg.false_alarm_rate / max(2 * len(present), 1)
+    for series, (steps, v) in present.items():
+        col = stem = series
+        res = sequential_test(steps, v, series, cal, c.forecast, alpha, cfg.min_sd)
+        if res is None or not res.tested:
+            continue
+        last = np.flatnonzero(np.isfinite(res.u))
+        summary[f"{stem}_sd_from_healthy"] = json_num(res.u[last[-1]]) if len(last) else None
+        for word, alarm, onset, sign, S, test in (("above", res.alarm_up, res.onset_up, 1.0, res.s_up, res.test_up),
+                                                  ("below", res.alarm_down, res.onset_down, -1.0, res.s_down, res.test_down)):
+            if alarm is None:
+                continue
+            after = sign * res.u[alarm:]
+            gross = np.flatnonzero(np.nan_to_num(after, nan=-np.inf) >= cfg.crit_sd)
+            sev = "critical" if len(gross) else "warning"
+            step = _block_step(edges, alarm)
+            rel = math.expm1(res.m[alarm] - res.mu[alarm]) if np.isfinite(res.m[alarm]) else float("nan")
+            how = ("its level against the healthy runs'" if test == "level" else "a change against its own recent level")
+            what = _WHAT.get(col) or (f"held-out eval loss of {col.split('/', 1)[1]}" if col.startswith("eval_loss/") else col)
+            text = (f"{what} {word} its healthy band: the sequential test ({how}) alarmed at step {step}, the change "
+                    f"beginning near step {int(edges[onset])}; {rel:+.1%} from the healthy runs, "
+                    f"{res.u[alarm]:+.1f} healthy sds")
+            if len(gross):
+                g = alarm + int(gross[0])
+                text += f"; {res.u[g]:+.1f} sds at step {_block_step(edges, g)}"
+            flags.append(Flag(f"{stem}_{word}_band", sev, step, {
+                "text": text, "test": test, "cusum_over_threshold": json_num(S[alarm]),
+                "onset_step": int(edges[onset]), "sd_from_healthy": json_num(res.u[alarm]),
+                "rel_from_healthy": json_num(rel), "critical_step": _block_step(edges, alarm + int(gross[0])) if len(gross) else None,
+                "false_alarm_rate": alpha, "axis": "step"}))
+    return flags, summary
+
+
+def check_train_eval(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
+    """`train_eval_divergence` (critical): held-out eval loss (the periodic subset's series where
+    the records carry it: analysis.monitor_calib.eval_series) risen over its running minimum (by
+    eval_rise_sigma standard errors when eval_loss_se is logged, else by eval_rise_rel) while the
+    train loss near it fell below what it was at that minimum, at eval_rise_points consecutive
+    eval points."""
+    cfg = c.cfg
+    ev, se = eval_series(c.df)
+    if ev is None:
+        return [], {}
+    idx = np.flatnonzero(np.isfinite(ev))
+    if len(idx) < cfg.eval_rise_points + 1:
+        return [], {}
+    loss = np.where(np.isfinite(c.loss), c.loss, np.nan)
+
+    def train_near(i: int) -> float:
+        # the train loss's median over the points since the eval before (at least 5)
+        j = int(np.searchsorted(idx, i))
+        lo = idx[j - 1] + 1 if j > 0 else 0
+        lo = min(lo, max(i - 4, 0))
+        w = loss[lo:i + 1]
+        return float(np.nanmedian(w)) if np.isfinite(w).any() else float("nan")
+
+    run, imin, first = 0, idx[0], None
+    for i in idx[1:]:
+        e_min, e = ev[imin], ev[i]
+        if se is not None and np.isfinite(se[i]) and np.isfinite(se[imin]):
+            thr, how = cfg.eval_rise_sigma * math.hypot(se[i], se[imin]), f"{cfg.eval_rise_sigma:g} standard errors"
+        else:
+            thr, how = cfg.eval_rise_rel * abs(e_min), f"{cfg.eval_rise_rel:.0%}"
+        risen = e - e_min > thr
+        falling = train_near(i) < train_near(imin)
+        run = run + 1 if (risen and falling) else 0
+        if run == 1:
+            first = i
+        if run >= cfg.eval_rise_points:
+            tr0, tr1 = train_near(imin), train_near(i)
+            return [Flag("train_eval_divergence", "critical", int(c.steps[i]), {
+                "text": f"held-out eval loss rose {e_min:.4f} -> {e:.4f} (step {c.steps[imin]} -> {c.steps[i]}, more than "
+                        f"{how}) while train loss fell {tr0:.4f} -> {tr1:.4f}: the model fits what it trains on and "
+                        f"loses what it is scored on (a data fault: a mixture switch, repeated data)",
+                "eval_min": json_num(e_min), "eval_min_step": int(c.steps[imin]), "eval": json_num(e),
+                "train_at_min": json_num(tr0), "train": json_num(tr1), "first_rise_step": int(c.steps[first]),
+                "threshold": json_num(thr)})], {}
+        if e < e_min:
+            imin = i
+    return [], {}
+
+
+def check_throughput_drop(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
+    """`throughput_drop` (warning): the median logged tokens/s of the last throughput_points points
+    below a share of the median of all the points before them: throughput_drop_frac, or with a
+    calibration the lowest such ratio a healthy run showed / spike_healthy_margin when lower (a
+    shared machine's own swings are not a fault of the run)."""
+    cfg = c.cfg
+    k = cfg.throughput_points
+    ratio = throughput_ratio(c.df, k)
+    if ratio is None:
+        return [], {}
+    frac, why = cfg.throughput_drop_frac, "the setting"
+    cal = c.calibration
+    if cal is not None and cal.throughput_min_ratio is not None and \
+            cal.throughput_min_ratio / cfg.spike_healthy_margin < frac:
+        frac, why = cal.throughput_min_ratio / cfg.spike_healthy_margin, "the healthy runs' lowest / margin"
+    tps = column(c.df, "tokens_per_s")
+    ok = np.flatnonzero(np.isfinite(tps) & (tps > 0))
+    hit = np.flatnonzero(np.nan_to_num(ratio, nan=np.inf) < frac)
+    if not len(hit):
+        return [], {}
+    j = int(hit[0])
+    i = ok[j]
+    return [Flag("throughput_drop", "warning", int(c.steps[i]), {
+        "text": f"tokens/s fell to {ratio[j]:.0%} of the run's own earlier rate (median of the last {k} points "
+                f"against the median before them; threshold {frac:.0%} from {why})",
+        "ratio": json_num(ratio[j]), "threshold": json_num(frac)})], {}
