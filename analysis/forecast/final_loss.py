@@ -1,5 +1,5 @@
 """The final-loss interval of a run beyond the ladder (the hero): the compute law L(C) = E + A*C^-alpha
-fitted on one point per rung family (its mean final eval loss, analysis.replicates), and an interval
+fitted on one point per rung family (its mean final eval loss, analysis.runs.replicates), and an interval
 built from what is known, in log loss:
 
     V(C) = v_fit(C) + v_meas + tau^2 * rho(C)^2
@@ -117,7 +117,7 @@ class FinalLaw:
         return {"method": ("log-loss variance = parametric-bootstrap fit variance + measurement variance + "
                            "tau^2 x (e-folds of compute beyond the largest rung)^2, tau from the ladder's leave-one-out "
                            "backtest (each rung family from the smaller ones, less what noise explains); half-width "
-                           "t_nu x sd, nu the Welch-Satterthwaite degrees of freedom (analysis.final_loss)"),
+                           "t_nu x sd, nu the Welch-Satterthwaite degrees of freedom (analysis.forecast.final_loss)"),
                 "n_draws": int(len(self.draws)), "tau": self.tau, "tau_dof": self.tau_dof,
                 "run_sd": math.sqrt(self.run_var), "run_dof": self.run_dof,
                 "point_sd": {p.name: float(s) for p, s in zip(self.points, self.point_sd)},

@@ -68,7 +68,7 @@ The block where a test alarms is the step it is reported at (the first step flag
 after the last zero of its sum before it is the change's estimated onset. Critical: the departure
 reaches crit_sd healthy sds at or after the alarm.
 
-Without healthy runs the monitor can still read the forecast band (analysis.monitor_checks), but
+Without healthy runs the monitor can still read the forecast band (analysis.monitor.checks), but
 that band is the forecast's own interval for the level, not calibrated on this spec's runs: it
 keeps its flags at info, and warns only on a departure beyond a whole band width.
 

@@ -1,6 +1,6 @@
 """The monitor's calibrated checks: the sequential test of each series against its healthy band,
 train falling while held-out eval rises, and a throughput drop against the run's own rate.
-analysis.monitor documents every flag; analysis.monitor_calib the calibration and the test."""
+analysis.monitor.watch documents every flag; analysis.monitor.calib the calibration and the test."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
 
 def check_train_eval(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     """`train_eval_divergence` (critical): held-out eval loss (the periodic subset's series where
-    the records carry it: analysis.monitor_calib.eval_series) risen over its running minimum (by
+    the records carry it: analysis.monitor.calib.eval_series) risen over its running minimum (by
     eval_rise_sigma standard errors when eval_loss_se is logged, else by eval_rise_rel) while the
     train loss near it fell below what it was at that minimum, at eval_rise_points consecutive
     eval points."""
