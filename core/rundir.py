@@ -17,6 +17,7 @@ import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
@@ -160,6 +161,18 @@ class RunDir:
             return
         kept = [r for r in self.read_metrics() if _step(r) < keep_below_step]
         atomic_write_text(self.metrics_path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
+
+    def check_writable(self) -> None:
+        """OSError naming the path unless a run can write here: the directory (made if missing)
+        takes a new file, and metrics.jsonl, if there, can be appended to. Writes nothing that stays."""
+        self.path.mkdir(parents=True, exist_ok=True)
+        try:
+            with tempfile.TemporaryFile(dir=self.path):
+                pass
+        except OSError as e:  # (its filename is the probe's, not the directory's)
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
+        if self.metrics_path.exists():
+            open(self.metrics_path, "ab").close()
 
     def metrics_writer(self, resume_step: int) -> "MetricsWriter":
         return MetricsWriter(self, resume_step)

@@ -28,12 +28,13 @@ from rich.console import Console
 from rich.table import Table
 
 from ladder import ledger, localray, tracking
-from ladder.errors import LadderError
+from ladder.errors import LadderError, describe
 from ladder.experiment import Experiment, load_experiment
 from ladder.preflight import check_memory
 from ladder.train_launch import LaunchError, is_multi_worker, train_on_workers
 from ladder.train_launch import check_layout as check_workers_layout
 from ladder.train_launch import infeasible as workers_infeasible
+from core.rundir import RunDir
 from core.spec import Spec
 from engines.checkpoint import resume_step
 from engines.base import DivergedError, read_status, write_status
@@ -41,7 +42,7 @@ from engines.options import EngineOptions
 from engines.registry import engine_names, get_engine
 from ladder.local import dispatch_local, infeasible, local_gpus
 from ladder.progress import Reporter, SweepDisplay, progress_sink
-from ladder.tracking import resolve_tracking_uri
+from ladder.tracking import check_store_writable, resolve_tracking_uri
 
 DEFER_POLL_S = 2.0
 STOP_GRACE_S = 10.0  # how long a Ctrl-C waits for workers to stop at a step before ray.cancel
@@ -328,6 +329,10 @@ def submit(
     if dry_run:
         console.print(plan_table(exp, planned))
         return result
+    for p in todo:  # refused before anything trains (and before Ray starts), naming the path
+        RunDir(p.run_dir).check_writable()
+    if tracking and todo:
+        check_store_writable(resolve_tracking_uri(tracking_uri, root))
     for p in planned:
         if p.action == "skip-diverged":
             console.print(f"{p.spec.name}: diverged earlier, not rerun (--rerun-diverged trains it again from its "
@@ -599,7 +604,12 @@ def _outcome(ref, p: Planned) -> dict:
         return ray.get(ref)
     except ray.exceptions.TaskCancelledError:
         return {"spec_id": p.spec.id, "name": p.spec.name, "outcome": "interrupted", "note": "cancelled"}
-    except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.RayTaskError, ray.exceptions.RayError) as err:
+    except ray.exceptions.RayTaskError as err:  # the task raised (not a lost worker): say what
+        cause = getattr(err, "cause", None)
+        what = f"{type(cause).__name__}: {describe(cause)}" if isinstance(cause, BaseException) else \
+            (str(err).strip().splitlines() or [type(err).__name__])[-1]
+        return {"spec_id": p.spec.id, "name": p.spec.name, "outcome": "failed", "note": what}
+    except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.RayError) as err:
         return {
             "spec_id": p.spec.id,
             "name": p.spec.name,

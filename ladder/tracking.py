@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -64,6 +65,28 @@ def resolve_tracking_uri(uri: str | None, root: str | Path) -> str:
 def _quiet() -> None:
     for name in ("mlflow", "alembic", "sqlalchemy", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # logs each SQL error with its traceback before raising it as an MlflowException, which the
+    # callers here report in one line
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
+
+def check_store_writable(uri: str) -> None:
+    """OSError naming the file unless an embedded SQLite store can be written (its file, and its
+    directory, where SQLite keeps its journal). A server's store is its own business: an outage
+    there is caught up later (`ladder sync`), a read-only local file never would be."""
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    if not db.parent.exists():
+        return  # prepare_store makes it (an error there names the path)
+    try:
+        with tempfile.TemporaryFile(dir=db.parent):
+            pass
+        if db.exists():
+            open(db, "r+b").close()
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror}: the MLflow store cannot be written (give a writable --tracking-uri, "
+                      "or --no-tracking)", str(db)) from None
 
 
 def bounded_http_retries() -> None:
