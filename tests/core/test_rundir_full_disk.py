@@ -41,6 +41,7 @@ def _unshare() -> list[str] | None:
     return None
 
 
+@pytest.mark.slow
 def test_a_disk_full_while_appending_metrics_names_the_file_and_marks_the_run_failed(tmp_path):
     unshare = _unshare()
     if unshare is None:
