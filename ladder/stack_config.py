@@ -215,9 +215,11 @@ def spec_from_olmo_core(cfg: dict, name: str, overrides: dict[str, Any] | None =
     overrides = dict(overrides or {})
     if total is None and "data.total_tokens" not in overrides:
         raise StackConfigError(f"{origin}: trainer.max_duration is not in tokens or steps; give --set data.total_tokens=N")
-    if not isinstance(tm.get("optim", {}), dict):
+    if tm.get("optim") is not None and not isinstance(tm["optim"], dict):
         raise StackConfigError(f"{origin}: train_module.optim is {tm['optim']!r}, expected a section")
     peak = float(_get(cfg, "train_module.optim.lr", origin))
+    if peak <= 0:
+        raise StackConfigError(f"{origin}: train_module.optim.lr is {peak:g}, expected a positive number")
     beta1, beta2 = _pair(cfg, "train_module.optim.betas", origin, (0.9, 0.999))
     moe = (_block(cfg["model"], origin) if isinstance(cfg.get("model"), dict) else {}).get("feed_forward_moe") or {}
     data_cfg = cfg.get("dataset") or {}

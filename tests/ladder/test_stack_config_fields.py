@@ -63,9 +63,15 @@ def _leaves(d: dict, pre: tuple = ()):
 BAD = [5, [0.9], {}, [1, 2], math.inf, math.nan, 0, -1, "x", True, 1.5]
 
 
-@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
-def test_every_field_of_every_stack_config_set_to_a_bad_value_gives_a_spec_or_a_named_refusal(path):
+WSD = {"_CLASS_": "olmo_core.optim.scheduler.WSD", "warmup": 100, "decay_fraction": 0.2, "decay_min_lr": 4e-5}
+
+
+@pytest.mark.parametrize("path,scheduler", [(p, None) for p in CONFIGS] + [(OLMO, WSD)],
+                         ids=[p.name for p in CONFIGS] + ["olmo_core_wsd"])
+def test_every_field_of_every_stack_config_set_to_a_bad_value_gives_a_spec_or_a_named_refusal(path, scheduler):
     base = load_stack_config(path)
+    if scheduler is not None:
+        base = _set(base, "train_module.scheduler", scheduler)
     stack = detect_stack(base, str(path))
     for field in _leaves(base):
         for bad in BAD:
