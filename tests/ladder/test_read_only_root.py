@@ -13,15 +13,19 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from ladder import ledger
 from ladder.experiment import load_experiment
 
 REPO = Path(__file__).resolve().parents[2]
 
 
-def submit_read_only(tmp: Path, exp: Path, root: Path, *flags: str, writable: tuple[Path, ...] = ()) -> subprocess.CompletedProcess:
-    """`ladder submit exp --root root flags` with `root` read-only but for the directories `writable` under it."""
-    argv = [sys.executable, "-m", "ladder.cli", "submit", str(exp), "--root", str(root), *flags]
+def submit_read_only(tmp: Path, exp: Path, root: Path, *flags: str, writable: tuple[Path, ...] = (),
+                     command: str = "submit") -> subprocess.CompletedProcess:
+    """`ladder submit exp --root root flags` (or another command) with `root` read-only but for the
+    directories `writable` under it."""
+    argv = [sys.executable, "-m", "ladder.cli", command, str(exp), "--root", str(root), *flags]
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     if os.geteuid() == 0:
         q = shlex.quote
@@ -67,3 +71,17 @@ def test_a_read_only_run_dir_is_refused_before_ray_starts_in_one_line(tmp_path, 
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:]
     assert lines[0].startswith(f"error: {run_dir}:") and "RayTaskError" not in r.stderr + r.stdout
+
+
+@pytest.mark.slow
+def test_sync_to_a_read_only_mlflow_store_is_refused_in_one_line(tmp_path, seeded_root, write_experiment):
+    exp = write_experiment("ro", [("a", {})], steps=10, checkpoint_every=5)
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    tracked = subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(exp), "--root", str(seeded_root), "--local"],
+                             capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600)
+    assert tracked.returncode == 0, tracked.stderr[-3000:]  # a run MLflow holds
+    r = submit_read_only(tmp_path, exp, seeded_root, command="sync")
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr[-3000:] + r.stdout[-3000:]
+    assert f"{seeded_root / 'mlflow.db'}:" in lines[0] and "cannot be written" in lines[0]
+    assert "Traceback" not in r.stderr + r.stdout
