@@ -181,14 +181,17 @@ class RunDir:
         atomic_write_text(self.metrics_path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
 
     def check_writable(self) -> None:
-        """OSError naming the path unless a run can write here: the directory (made if missing)
-        takes a new file, and metrics.jsonl, if there, can be appended to. Writes nothing that stays."""
-        self.path.mkdir(parents=True, exist_ok=True)
+        """OSError naming the path unless a run can write here: the directory (or, while it is
+        missing, the nearest directory above it, where it would be made) takes a new file, and
+        metrics.jsonl, if there, can be appended to. Leaves nothing behind, not even the directory."""
+        d = self.path
+        while not d.exists() and d.parent != d:
+            d = d.parent
         try:
-            with tempfile.TemporaryFile(dir=self.path):
+            with tempfile.TemporaryFile(dir=d):
                 pass
         except OSError as e:  # (its filename is the probe's, not the directory's)
-            raise OSError(e.errno, e.strerror, str(self.path)) from None
+            raise OSError(e.errno, e.strerror, str(d)) from None
         if self.metrics_path.exists():
             open(self.metrics_path, "ab").close()
 

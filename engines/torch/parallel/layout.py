@@ -130,9 +130,6 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-_LISTENERS: list[socket.socket] = []  # the sockets loopback stores listen on, kept open while the process lives
-
-
 def _loopback(addr: str) -> bool:
     try:
         return ipaddress.ip_address(addr).is_loopback
@@ -152,9 +149,13 @@ def loopback_store(rank: int, world: int) -> dist.TCPStore | None:
     port = int(os.environ["MASTER_PORT"])
     if rank != 0:
         return dist.TCPStore(addr, port, world, False, timeout=default_pg_timeout)
-    sock = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET)
-    _LISTENERS.append(sock)
-    return dist.TCPStore(addr, port, world, True, timeout=default_pg_timeout, master_listen_fd=sock.fileno())
+    # the store's server (libuv) takes the descriptor over and closes it: Python lets go of it
+    fd = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET).detach()
+    try:
+        return dist.TCPStore(addr, port, world, True, timeout=default_pg_timeout, master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        os.close(fd)
+        raise
 
 
 def join_process_group(dev: torch.device, rank: int, world: int) -> None:
