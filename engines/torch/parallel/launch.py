@@ -24,7 +24,6 @@ import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -45,6 +44,7 @@ from core.spec import Spec
 SPEC_FILE = "ep_spec.json"
 OPTIONS_FILE = "ep_options.json"
 LOG_FILE = "ep_launch.log"
+RENDEZVOUS_FILE = "ep_rendezvous"  # torchrun's agent meets here while the ranks run
 POLL_S = 0.2
 # Run before torchrun, in its own process: the parent-death signal survives exec, and setting it
 # here rather than in a preexec_fn keeps Python code out of the window between fork and exec
@@ -149,9 +149,9 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
     spec_path = run_dir / SPEC_FILE
     atomic_write_text(spec_path, spec.model_dump_json(indent=1))
     options_path = atomic_write_json(run_dir / OPTIONS_FILE, options.to_dict())
-    rdzv_fd, rdzv = tempfile.mkstemp(prefix="moe-ladder-rdzv-")  # the agent's rendezvous, a file: no port
-    os.close(rdzv_fd)
-    cmd = ["-m", "torch.distributed.run", *loopback_rendezvous(rdzv), "--nproc_per_node", str(ep),
+    rdzv = run_dir / RENDEZVOUS_FILE  # the agent's rendezvous, a file: no port
+    rdzv.unlink(missing_ok=True)  # a killed launch's
+    cmd = ["-m", "torch.distributed.run", *loopback_rendezvous(str(rdzv)), "--nproc_per_node", str(ep),
            "-m", "engines.torch.parallel.train", str(spec_path), "--run-dir", str(run_dir), "--options", str(options_path),
            "--device", "cuda" if device.type == "cuda" else "cpu", "--log-every", str(10**9)]
     if not resume:
@@ -169,7 +169,7 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
             log_start = log.tell()
             proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
     except BaseException:
-        Path(rdzv).unlink(missing_ok=True)
+        rdzv.unlink(missing_ok=True)
         raise
     try:
         while True:
@@ -182,7 +182,7 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
     finally:
         if proc.poll() is None:
             _stop(proc)
-        Path(rdzv).unlink(missing_ok=True)
+        rdzv.unlink(missing_ok=True)
     if proc.returncode == 0:
         return
     # torchrun reports any failed rank as exit 1: what failed is in the ranks' status and log
