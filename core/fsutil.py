@@ -48,8 +48,13 @@ def atomic_write_text(path: str | Path, text: str) -> Path:
     return atomic_write_bytes(path, text.encode())
 
 
+def json_text(obj: Any) -> str:
+    """The JSON text atomic_write_json writes."""
+    return json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n"
+
+
 def atomic_write_json(path: str | Path, obj: Any) -> Path:
-    return atomic_write_text(path, json.dumps(obj, indent=2, sort_keys=True, default=float) + "\n")
+    return atomic_write_text(path, json_text(obj))
 
 
 def json_safe(x: Any) -> Any:

@@ -13,14 +13,16 @@ with one warning naming the file and the line number.
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Callable, Iterator
 
-from core.fsutil import atomic_write_json, atomic_write_text
+from core.fsutil import atomic_write_json, atomic_write_text, json_text
 
 SPEC_FILE = "spec.yaml"
 METRICS_FILE = "metrics.jsonl"
@@ -28,6 +30,7 @@ STATUS_FILE = "status.json"
 CHECKPOINTS_DIR = "checkpoints"
 
 Warn = Callable[[str], None]
+NO_SPACE = (errno.ENOSPC, errno.EDQUOT)  # a full disk, an exhausted quota
 
 
 _warned: set[str] = set()
@@ -109,8 +112,24 @@ class RunDir:
         return st if isinstance(st, dict) else {"state": "failed", "error": "status.json is not an object"}
 
     def write_status(self, state: str, **info: Any) -> None:
-        """state: running | finished | diverged | failed."""
-        atomic_write_json(self.status_path, {"state": state, **info})
+        """state: running | finished | diverged | failed. Atomic; on a full disk, where the new file
+        finds no room, the old one is rewritten in place (a status that says "running" of a run that
+        stopped would be worse than the small chance of a torn one, which readers treat as failed).
+        An error names status.json."""
+        doc = {"state": state, **info}
+        try:
+            atomic_write_json(self.status_path, doc)
+        except OSError as e:
+            if e.errno not in NO_SPACE or not self.status_path.exists():
+                raise OSError(e.errno, e.strerror, str(self.status_path)) from None
+            try:
+                with open(self.status_path, "r+b") as f:
+                    f.truncate(0)  # its blocks freed first: the same room takes the new text
+                    f.write(json_text(doc).encode())
+                    f.flush()
+                    os.fsync(f.fileno())
+            except OSError as again:
+                raise OSError(again.errno, again.strerror, str(self.status_path)) from None
 
     # ---- metrics.jsonl -------------------------------------------------------------------
     def read_metrics(self, warn: Warn | None = _stderr) -> list[dict]:
@@ -161,6 +180,21 @@ class RunDir:
         kept = [r for r in self.read_metrics() if _step(r) < keep_below_step]
         atomic_write_text(self.metrics_path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
 
+    def check_writable(self) -> None:
+        """OSError naming the path unless a run can write here: the directory (or, while it is
+        missing, the nearest directory above it, where it would be made) takes a new file, and
+        metrics.jsonl, if there, can be appended to. Leaves nothing behind, not even the directory."""
+        d = self.path
+        while not d.exists() and d.parent != d:
+            d = d.parent
+        try:
+            with tempfile.TemporaryFile(dir=d):
+                pass
+        except OSError as e:  # (its filename is the probe's, not the directory's)
+            raise OSError(e.errno, e.strerror, str(d)) from None
+        if self.metrics_path.exists():
+            open(self.metrics_path, "ab").close()
+
     def metrics_writer(self, resume_step: int) -> "MetricsWriter":
         return MetricsWriter(self, resume_step)
 
@@ -171,25 +205,39 @@ def _step(rec: dict) -> float:
 
 
 class MetricsWriter:
-    """Appends records to metrics.jsonl, flushed per record. On resume, records at or past the
-    resume step are dropped first, so the file never holds a step twice."""
+    """Appends records to metrics.jsonl, each in one write of its own (no buffer). On resume,
+    records at or past the resume step are dropped first, so the file never holds a step twice.
+    A record that cannot be written whole (a full disk) is taken back off the file, so it ends
+    with the last whole record, and the OSError names the file."""
 
     def __init__(self, run: RunDir | str | Path, resume_step: int):
         self.run = run if isinstance(run, RunDir) else RunDir(run)
         self.path = self.run.metrics_path
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self.run.truncate_metrics(resume_step)
-        self._f = open(self.path, "a")
+        self._fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)
 
     def write_line(self, line: str) -> None:
-        self._f.write(line + "\n")
-        self._f.flush()
+        data = (line + "\n").encode()
+        end = os.fstat(self._fd).st_size
+        try:
+            done = 0
+            while done < len(data):
+                done += os.write(self._fd, data[done:])
+        except OSError as e:
+            try:
+                os.ftruncate(self._fd, end)  # no torn record left behind
+            except OSError:
+                pass
+            raise OSError(e.errno, e.strerror, str(self.path)) from None
 
     def write(self, record: Any) -> None:
         self.write_line(record.to_json() if hasattr(record, "to_json") else json.dumps(record, allow_nan=True))
 
     def close(self) -> None:
-        self._f.close()
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
 
 
 def iter_run_dirs(root: str | Path) -> Iterator[RunDir]:

@@ -29,10 +29,11 @@ from rich.console import Console
 from rich.table import Table
 
 from ladder import ledger, localray
-from ladder.errors import LadderError
+from ladder.errors import LadderError, describe
 from ladder.experiment import Experiment, load_experiment
 from ladder.preflight import check_memory
 from ladder.train_launch import is_multi_worker, train_on_workers
+from core.rundir import RunDir
 from core.spec import Spec
 from engines.checkpoint import resume_step
 from engines.base import DivergedError, read_status, write_status
@@ -40,6 +41,7 @@ from engines.options import EngineOptions, Options
 from engines.registry import get_engine
 from ladder.local import dispatch_local, infeasible, local_gpus
 from ladder.progress import Reporter, SweepDisplay, progress_sink
+from ladder.tracking import check_store_writable, resolve_tracking_uri
 from ladder.mirror import Mirror, catch_up, untracked
 from ladder.planning import (Planned, check_feasible, plan, plan_table, resources_of,  # noqa: F401 (the controller's names)
                             select_specs)
@@ -241,6 +243,10 @@ def submit(
     if dry_run:
         console.print(plan_table(exp, planned))
         return result
+    for p in todo:  # refused before anything trains (and before Ray starts), naming the path
+        RunDir(p.run_dir).check_writable()
+    if tracking and todo:
+        check_store_writable(resolve_tracking_uri(tracking_uri, root))
     for p in planned:
         if p.action == "skip-diverged":
             console.print(f"{p.spec.name}: diverged earlier, not rerun (--rerun-diverged trains it again from its "
@@ -428,7 +434,11 @@ def _outcome(ref, p: Planned) -> dict:
         return ray.get(ref)
     except ray.exceptions.TaskCancelledError:
         return {"spec_id": p.spec.id, "name": p.spec.name, "outcome": "interrupted", "note": "cancelled"}
-    except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.RayTaskError, ray.exceptions.RayError) as err:
+    except ray.exceptions.RayTaskError as err:  # the task raised (not a lost worker): say what
+        cause = getattr(err, "cause", None)
+        what = f"{type(cause).__name__}: {describe(cause)}" if isinstance(cause, BaseException) else type(err).__name__
+        return {"spec_id": p.spec.id, "name": p.spec.name, "outcome": "failed", "note": what}
+    except (ray.exceptions.WorkerCrashedError, ray.exceptions.NodeDiedError, ray.exceptions.RayError) as err:
         return {
             "spec_id": p.spec.id,
             "name": p.spec.name,

@@ -6,9 +6,11 @@ Ray, waits for or skips a spec this one holds), resume from the newest checkpoin
 mirror of each run dir, and the same progress display (read from each run's metrics.jsonl).
 
 Each run is `python -m ladder.local_worker` in its own process, so a crash, a CUDA error or an
-out-of-memory kill ends that run alone; its output goes to run_dir/worker.log. Ctrl-C asks the
-running worker to stop at its next step (the ledger's stop marker), as the Ray controller does; a
-driver killed outright takes its worker with it (ladder/local_worker.py: die_with_driver).
+out-of-memory kill ends that run alone; its output goes to run_dir/worker.log, its outcome record
+comes back through a pipe (never a file: a worker whose driver is gone has no one to hand it to,
+and leaves nothing behind). Ctrl-C asks the running worker to stop at its next step (the ledger's
+stop marker), as the Ray controller does; a driver killed outright takes its worker with it
+(ladder/local_worker.py: die_with_driver).
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ import socket
 import subprocess
 import sys
 import time
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -90,23 +91,39 @@ def _log_tail(path: Path, n: int = 3) -> str:
     return " | ".join(lines[-n:])[-300:]
 
 
+def _drain(fd: int, buf: bytearray) -> None:
+    """Append what the pipe `fd` (non-blocking) holds now to `buf`."""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except BlockingIOError:
+            return
+        if not chunk:
+            return
+        buf += chunk
+
+
 def run_one(p, ctx: dict, display, mirror) -> dict:
     """Train one planned spec in a worker subprocess; returns the worker's outcome record."""
     p.run_dir.mkdir(parents=True, exist_ok=True)
     log_path = p.run_dir / WORKER_LOG
-    out_path = str(p.run_dir / f".outcome.{os.getpid()}.{uuid.uuid4().hex[:8]}.json")  # the worker writes it last
-    job = {"spec": p.spec.model_dump_json(), "run_dir": str(p.run_dir), "ctx": ctx, "out": out_path,
+    out_r, out_w = os.pipe()  # the worker writes its outcome record here as it ends
+    os.set_blocking(out_r, False)
+    job = {"spec": p.spec.model_dump_json(), "run_dir": str(p.run_dir), "ctx": ctx, "out_fd": out_w,
            "driver": os.getpid()}
-    started = False
+    started, got = False, bytearray()
     try:
         with open(log_path, "ab") as log:
             proc = subprocess.Popen([sys.executable, "-m", "ladder.local_worker"], stdin=subprocess.PIPE,
-                                    stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd())
+                                    stdout=log, stderr=subprocess.STDOUT, cwd=os.getcwd(), pass_fds=(out_w,))
+            os.close(out_w)
+            out_w = -1
             proc.stdin.write(json.dumps(job).encode())
             proc.stdin.close()
             try:
                 shown = False
                 while proc.poll() is None:
+                    _drain(out_r, got)
                     if not shown:  # "running ... from step N": the step it resumes from, not the first seen
                         att = _attempt(p.run_dir, proc.pid)
                         if att is not None:
@@ -129,15 +146,18 @@ def run_one(p, ctx: dict, display, mirror) -> dict:
                 finally:
                     ledger.clear_stop(ctx["root"], ctx["owner"])
                 raise
+        _drain(out_r, got)  # the worker wrote it whole before it exited
         try:
-            out = json.loads(Path(out_path).read_text())
-        except (OSError, ValueError):
+            out = json.loads(bytes(got))
+        except ValueError:
             out = None
         if not isinstance(out, dict):
             out = _failed(p, f"worker exited with status {proc.returncode} (see {log_path}): {_log_tail(log_path)}")
         return out
     finally:
-        Path(out_path).unlink(missing_ok=True)
+        os.close(out_r)
+        if out_w >= 0:
+            os.close(out_w)
 
 
 def dispatch_local(todo: list, ctx: dict, result: Any, display, mirror) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from functools import lru_cache
@@ -43,6 +44,28 @@ def resolve_tracking_uri(uri: str | None, root: str | Path) -> str:
 def _quiet() -> None:
     for name in ("mlflow", "alembic", "sqlalchemy", "urllib3"):
         logging.getLogger(name).setLevel(logging.WARNING)
+    # logs each SQL error with its traceback before raising it as an MlflowException, which the
+    # callers here report in one line
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
+
+
+def check_store_writable(uri: str) -> None:
+    """OSError naming the file unless an embedded SQLite store can be written (its file, and its
+    directory, where SQLite keeps its journal). A server's store is its own business: an outage
+    there is caught up later (`ladder sync`), a read-only local file never would be."""
+    if not uri.startswith("sqlite:///"):
+        return
+    db = Path(uri.removeprefix("sqlite:///"))
+    if not db.parent.exists():
+        return  # prepare_store makes it (an error there names the path)
+    try:
+        with tempfile.TemporaryFile(dir=db.parent):
+            pass
+        if db.exists():
+            open(db, "r+b").close()
+    except OSError as e:
+        raise OSError(e.errno, f"{e.strerror}: the MLflow store cannot be written (give a writable --tracking-uri, "
+                      "or --no-tracking)", str(db)) from None
 
 
 def bounded_http_retries() -> None:
@@ -226,8 +249,6 @@ def log_forecast(
 ) -> str:
     """forecast.json (a dict or a file) as an artifact of the latest parent run, plus the hero's
     predicted final loss and interval as metrics when the forecast has them."""
-    import tempfile
-
     uri = resolve_tracking_uri(tracking_uri, ledger.ladder_root(root))
     prepare_store(uri)
     run_id = latest_parent_run(uri, _experiment_name(experiment))

@@ -54,7 +54,7 @@ else:  # pragma: no cover
 
 from analysis.runs.wandb_runs import WandbDirSource, open_wandb
 from core.spec import Spec
-from ladder.stack_common import StackConfigError, get as _get, validated as _validated
+from ladder.stack_common import StackConfigError, get as _get, get_int as _int, get_pair as _pair, validated as _validated
 from ladder.stack_levanter import spec_from_levanter
 from ladder.stack_torchtitan import spec_from_torchtitan
 
@@ -85,10 +85,10 @@ def _model(cfg: dict, origin: str) -> dict:
     model = cfg.get("model")
     if not isinstance(model, dict):
         raise StackConfigError(f"{origin}: no model section (is this an OLMo-core experiment config.json?)")
-    d_model = _get(model, "d_model", origin)
+    d_model = _int(model, "d_model", origin, minimum=1)
     block = _block(model, origin)
     attn = block.get("attention") or block.get("sequence_mixer") or {}
-    n_heads = _get(attn, "n_heads", origin + " model.block.attention", 16)
+    n_heads = _int(attn, "n_heads", origin + " model.block.attention", 16, minimum=1)
     n_kv = _get(attn, "n_kv_heads", origin + " model.block.attention", n_heads)
     out: dict[str, Any] = {
         "n_layers": _get(model, "n_layers", origin),
@@ -134,21 +134,24 @@ def _schedule(tm: dict, peak_lr: float, origin: str) -> dict:
     if not isinstance(sch, dict):
         return {"decay": "constant", "warmup_steps": 0, "min_lr_ratio": 1.0}
     kind = _class(sch)
+    cfg = {"train_module": tm}  # fields are named from the config's top
+
+    def num(key: str, default: float) -> float:
+        return float(_get(cfg, f"train_module.scheduler.{key}", origin, default))
+
     out: dict[str, Any] = {}
-    warm = sch.get("warmup", sch.get("warmup_steps"))
-    if warm is not None:
-        out["warmup_steps"] = int(warm)
+    key = "warmup" if sch.get("warmup") is not None else "warmup_steps"
+    if sch.get(key) is not None:
+        out["warmup_steps"] = _int(cfg, f"train_module.scheduler.{key}", origin, minimum=0)
     elif sch.get("warmup_fraction") is not None:
-        out["warmup_frac"] = float(sch["warmup_fraction"])
+        out["warmup_frac"] = num("warmup_fraction", 0.0)
     else:
         out["warmup_steps"] = 0
-    if kind == "CosWithWarmup":
-        out.update({"decay": "cosine", "min_lr_ratio": float(sch.get("alpha_f", 0.1))})
-    elif kind == "LinearWithWarmup":
-        out.update({"decay": "linear", "min_lr_ratio": float(sch.get("alpha_f", 0.1))})
+    if kind in ("CosWithWarmup", "LinearWithWarmup"):
+        out.update({"decay": "cosine" if kind == "CosWithWarmup" else "linear", "min_lr_ratio": num("alpha_f", 0.1)})
     elif kind == "WSD":
-        out.update({"decay": "wsd", "min_lr_ratio": float(sch.get("decay_min_lr", 0.0)) / peak_lr,
-                    "decay_start_frac": 1.0 - float(sch.get("decay_fraction") or 0.1)})
+        out.update({"decay": "wsd", "min_lr_ratio": num("decay_min_lr", 0.0) / peak_lr,
+                    "decay_start_frac": 1.0 - (num("decay_fraction", 0.1) or 0.1)})
     elif kind in ("ConstantWithWarmup", "ConstantScheduler"):
         out.update({"decay": "constant", "min_lr_ratio": 1.0})
     else:
@@ -192,10 +195,12 @@ def spec_from_olmo_core(cfg: dict, name: str, overrides: dict[str, Any] | None =
     tm = cfg.get("train_module")
     if not isinstance(tm, dict):
         raise StackConfigError(f"{origin}: no train_module section (is this an OLMo-core experiment config.json?)")
-    seq = _get(cfg, "dataset.sequence_length", origin, None) or _get(tm, "max_sequence_length", origin, None)
+    seq = _int(cfg, "dataset.sequence_length", origin, None, minimum=1)
+    if seq is None:
+        seq = _int(cfg, "train_module.max_sequence_length", origin, None, minimum=1)
     if seq is None:
         raise StackConfigError(f"{origin}: no dataset.sequence_length nor train_module.max_sequence_length")
-    batch_tokens = _get(cfg, "data_loader.global_batch_size", origin)
+    batch_tokens = _int(cfg, "data_loader.global_batch_size", origin, minimum=1)
     if batch_tokens % seq:
         raise StackConfigError(f"{origin}: data_loader.global_batch_size {batch_tokens} is not a multiple of the "
                                f"sequence length {seq}")
@@ -204,40 +209,49 @@ def spec_from_olmo_core(cfg: dict, name: str, overrides: dict[str, Any] | None =
     if isinstance(dur, dict) and dur.get("value") is not None:
         unit = str(dur.get("unit", "steps"))
         if unit == "tokens":
-            total = int(dur["value"])
+            total = _int(cfg, "trainer.max_duration.value", origin, minimum=1)
         elif unit == "steps":
-            total = int(dur["value"]) * int(batch_tokens)
+            total = _int(cfg, "trainer.max_duration.value", origin, minimum=1) * batch_tokens
     overrides = dict(overrides or {})
     if total is None and "data.total_tokens" not in overrides:
         raise StackConfigError(f"{origin}: trainer.max_duration is not in tokens or steps; give --set data.total_tokens=N")
-    optim = tm.get("optim") or {}
-    peak = _get(optim, "lr", origin + " train_module.optim")
-    betas = optim.get("betas") or [0.9, 0.999]
+    if tm.get("optim") is not None and not isinstance(tm["optim"], dict):
+        raise StackConfigError(f"{origin}: train_module.optim is {tm['optim']!r}, expected a section")
+    peak = float(_get(cfg, "train_module.optim.lr", origin))
+    if peak <= 0:
+        raise StackConfigError(f"{origin}: train_module.optim.lr is {peak:g}, expected a positive number")
+    beta1, beta2 = _pair(cfg, "train_module.optim.betas", origin, (0.9, 0.999))
     moe = (_block(cfg["model"], origin) if isinstance(cfg.get("model"), dict) else {}).get("feed_forward_moe") or {}
     data_cfg = cfg.get("dataset") or {}
     paths = tuple(str(p) for p in (data_cfg.get("paths") or ()) if isinstance(p, str))
     mix = data_cfg.get("mix")
     tok = str(_get(data_cfg, "tokenizer.identifier", origin, "bytes", types=(str,))).rsplit("/", 1)[-1]
+
+    def num(path: str, default: float) -> float:
+        return float(_get(cfg, path, origin, default))
+
+    ffm = "model.block.feed_forward_moe"  # (the MoE block _block picked, named at OLMo-core's usual place)
+    moe_cfg = {"model": {"block": {"feed_forward_moe": moe}}}
     spec_dict: dict[str, Any] = {
         "name": name,
-        "seed": int(_get(cfg, "init_seed", origin, 0)),
+        "seed": _int(cfg, "init_seed", origin, 0),
         "model": _model(cfg, origin),
         "data": {
             "sources": [{"name": str(mix or "data"), "weight": 1.0, "paths": list(paths or (str(mix or origin),))}],
             "tokenizer": tok,
-            "seq_len": int(seq),
-            "batch_size": int(batch_tokens) // int(seq),
+            "seq_len": seq,
+            "batch_size": batch_tokens // seq,
             "total_tokens": int(total or batch_tokens),
         },
         "optim": {
-            "peak_lr": float(peak), "beta1": float(betas[0]), "beta2": float(betas[1]),
-            "eps": float(optim.get("eps", 1e-8)), "weight_decay": float(optim.get("weight_decay", 0.01)),
-            "grad_clip": float(tm.get("max_grad_norm") or 1e9),
-            "z_loss": float(tm.get("z_loss_multiplier") or 0.0),
-            "aux_loss": float(moe.get("lb_loss_weight") or 0.0),
-            "router_z_loss": float(moe.get("z_loss_weight") or 0.0),
+            "peak_lr": peak, "beta1": beta1, "beta2": beta2,
+            "eps": num("train_module.optim.eps", 1e-8), "weight_decay": num("train_module.optim.weight_decay", 0.01),
+            "grad_clip": num("train_module.max_grad_norm", 0.0) or 1e9,
+            "z_loss": num("train_module.z_loss_multiplier", 0.0),
+            "aux_loss": float(_get(moe_cfg, f"{ffm}.lb_loss_weight", origin, 0.0) or 0.0),
+            "router_z_loss": float(_get(moe_cfg, f"{ffm}.z_loss_weight", origin, 0.0) or 0.0),
         },
-        "schedule": _schedule(tm, float(peak), origin),
+        "schedule": _schedule(tm, peak, origin),
     }
     return _validated(spec_dict, overrides, origin)
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.spec import Spec
-from ladder.stack_common import StackConfigError, get, validated
+from ladder.stack_common import StackConfigError, get, get_int, validated
 
 __all__ = ["LEVANTER_MODELS", "KNOWN_VOCAB", "spec_from_levanter"]
 
@@ -85,7 +85,10 @@ def _sources(data: dict, origin: str) -> tuple[list[dict], str]:
     tok = str(data.get("tokenizer") or TOKENIZER)
 
     def paths(d: dict, name: str) -> list[str]:
-        got = [str(u) for u in (d.get("train_urls") or [])] or \
+        urls = d.get("train_urls") or []
+        if not isinstance(urls, (list, tuple)):
+            raise StackConfigError(f"{origin}: data.train_urls is {urls!r}, expected a list of paths or URLs")
+        got = [str(u) for u in urls] or \
               [str(d[k]) for k in ("id", "cache_dir") if d.get(k)]
         return got or [f"{origin}#{name}"]
 
@@ -117,7 +120,7 @@ def spec_from_levanter(cfg: dict, name: str, overrides: dict[str, Any] | None = 
     def mv(key: str, types: tuple = (int, float)) -> Any:
         return get(m, key, origin + " model", dm.get(key), types=types)
 
-    d_model, n_heads = mv("hidden_dim"), mv("num_heads")
+    d_model, n_heads = mv("hidden_dim"), get_int(m, "num_heads", origin + " model", dm.get("num_heads"), minimum=1)
     moe = dm["moe"]
     sources, tok = _sources(data, origin)
     if "model.vocab_size" not in overrides:

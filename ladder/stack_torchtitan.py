@@ -14,7 +14,7 @@ from __future__ import annotations
 from typing import Any
 
 from core.spec import Spec
-from ladder.stack_common import StackConfigError, get, validated
+from ladder.stack_common import StackConfigError, get, get_int, validated
 
 __all__ = ["FLAVORS", "spec_from_torchtitan"]
 
@@ -101,7 +101,8 @@ def spec_from_torchtitan(cfg: dict, name: str, overrides: dict[str, Any] | None 
     if gbs < 0:
         # torchtitan/train.py:196-200: local_batch_size x the data-parallel degree
         par = cfg.get("parallelism") or {}
-        rep, shard = int(par.get("data_parallel_replicate_degree", 1)), int(par.get("data_parallel_shard_degree", -1))
+        rep = get_int(par, "data_parallel_replicate_degree", origin + " parallelism", 1)
+        shard = get_int(par, "data_parallel_shard_degree", origin + " parallelism", -1)
         local = int(get(tr, "local_batch_size", origin + " training", TRAINING["local_batch_size"]))
         if shard > 0 and rep > 0:
             gbs = local * rep * shard

@@ -35,7 +35,7 @@ from engines.base import METRICS_FILE
 from ladder import ledger
 # the stores, experiments and submissions (parent runs), under tracking's names too
 from ladder.mlflow_store import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG, PARAM_VALUE_LIMIT,  # noqa: F401
-                                 Submission, bounded_http_retries, client, close_dead_submissions,
+                                 Submission, bounded_http_retries, check_store_writable, client, close_dead_submissions,
                                  default_tracking_uri, end_submission, experiment_id, latest_parent_run,
                                  log_artifact_to_parent, log_forecast, prepare_store, resolve_tracking_uri,
                                  start_submission, ui_url, write_experiment_note)

@@ -18,7 +18,9 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import math
 import os
+import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+import requests
 
 os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # stdout is for --json
 from mlflow import MlflowClient  # noqa: E402
@@ -41,6 +44,7 @@ __all__ = ["MLFLOW_PREFIX", "FileSource", "MlflowSource", "open_source"]
 
 MLFLOW_PREFIX = "mlflow:"
 PAGE_SIZE = 5000
+NO_SUCH_RUN = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")  # MLflow's codes for a run id it does not hold
 MLFLOW_STATE = {"RUNNING": "running", "SCHEDULED": "running", "FINISHED": "finished", "FAILED": "failed",
                 "KILLED": "interrupted"}
 
@@ -95,8 +99,14 @@ class MlflowSource:
         try:
             self._run = self.client.get_run(self.run_id)
         except MlflowException as e:
-            raise MetricsError(f"{self.label}: no such run at {self.uri} ({_first_line(e)})") from None
-        except Exception as e:  # a server that does not answer
+            # the client wraps a connection error (refused, timed out) in an MlflowException
+            if isinstance(e.__cause__ or e.__context__, (requests.ConnectionError, requests.Timeout)):
+                raise MetricsError(f"{self.label}: cannot reach the tracking server {self.uri} ({_first_line(e)})") from None
+            if e.error_code in NO_SUCH_RUN:  # the store answered: it has no such run
+                raise MetricsError(f"{self.label}: no such run at {self.uri} ({_first_line(e)})") from None
+            raise MetricsError(f"{self.label}: {self.uri} did not answer as an MLflow tracking server "
+                               f"({_first_line(e)})") from None
+        except Exception as e:  # a store that cannot be opened
             raise MetricsError(f"{self.label}: cannot reach the tracking server {self.uri} ({_first_line(e)})") from None
 
     @property
@@ -136,7 +146,7 @@ class MlflowSource:
                 page, more = self.client.get_metric_history(self.run_id, key)[offset:], False
             self.requests += 1
             for m in page:
-                values[int(m.step)] = float(m.value)
+                values[int(m.step)] = _value(m.value)
                 t = m.timestamp / 1000.0
                 if t > self._times.get(int(m.step), 0.0):
                     self._times[int(m.step)] = t
@@ -211,6 +221,13 @@ class MlflowSource:
         return {"kind": "mlflow", "tracking_uri": self.uri, "run_id": self.run_id,
                 "points_fetched": self.points_fetched, "requests": self.requests,
                 "metric_names": self.names.label if self.names else None}
+
+
+def _value(v: float) -> float:
+    """A logged value as it was logged: MLflow's SQL store keeps an infinite value as the largest
+    finite double (its sign kept), which would read as a huge but finite loss."""
+    v = float(v)
+    return math.copysign(math.inf, v) if abs(v) >= sys.float_info.max else v
 
 
 def _first_line(e: BaseException) -> str:

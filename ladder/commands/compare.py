@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 from typing import Any, Optional
 
+import numpy as np
 import typer
 from rich.console import Console
 from rich.table import Table
@@ -175,8 +176,9 @@ def register(app: typer.Typer) -> None:
         announce = Announcer(console, quiet)
         last_step = None
         while True:
-            report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=src.status(),
-                             calibration=cal)
+            with np.errstate(all="ignore"):  # NaN and inf points are flags, not numpy's warnings on stderr
+                report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=src.status(),
+                                 calibration=cal)
             if follow:
                 announce(report)
                 state = src.status().get("state")
@@ -197,7 +199,8 @@ def register(app: typer.Typer) -> None:
                     continue
             break
         if png:
-            plot_report(df, report, fc, png, title=f"{src.label}: worst flag {report.worst or 'none'}")
+            with np.errstate(all="ignore"):
+                plot_report(df, report, fc, png, title=f"{src.label}: worst flag {report.worst or 'none'}")
         if as_json:
             described = src.describe()
             print(json.dumps({"run": src.label, **({"metrics": described["metrics"]} if "metrics" in described else {}),

@@ -9,7 +9,7 @@ import typer
 from ladder.commands.status import experiment_name
 from ladder.errors import LadderError
 from ladder.ledger import ladder_root
-from ladder.tracking import resolve_tracking_uri, sync_runs
+from ladder.tracking import check_store_writable, resolve_tracking_uri, sync_runs
 from ladder.wandb_tracking import sync_to_wandb
 
 
@@ -44,6 +44,7 @@ def register(app: typer.Typer) -> None:
             if "mlflow" not in trackers:
                 return
         uri = resolve_tracking_uri(tracking_uri, r)
+        check_store_writable(uri)  # a read-only SQLite file: one line, not an SQL error a run
         try:
             results = sync_runs(r, experiment_name(experiment), uri)
         except LadderError:

@@ -21,9 +21,11 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 from typing import Iterator
 
@@ -42,6 +44,7 @@ from core.spec import Spec
 SPEC_FILE = "ep_spec.json"
 OPTIONS_FILE = "ep_options.json"
 LOG_FILE = "ep_launch.log"
+RENDEZVOUS_FILE = "ep_rendezvous"  # torchrun's agent meets here while the ranks run
 POLL_S = 0.2
 # Run before torchrun, in its own process: the parent-death signal survives exec, and setting it
 # here rather than in a preexec_fn keeps Python code out of the window between fork and exec
@@ -50,6 +53,25 @@ POLL_S = 0.2
 EXEC_WITH_PARENT = ("import ctypes, os, signal, sys; ctypes.CDLL('libc.so.6').prctl(1, signal.SIGTERM); "
                     "os.getppid() == int(sys.argv[1]) or sys.exit(1); "
                     "os.execv(sys.executable, [sys.executable] + sys.argv[2:])")
+
+
+# One host: nothing listens beyond 127.0.0.1. torchrun's --standalone rendezvous hosts two TCPStores
+# in its agent, listening on every interface; instead the agent meets in a file, shares no store
+# (TORCH_DISABLE_SHARE_RDZV_TCP_STORE), and hands the ranks 127.0.0.1 (--local-addr), where rank 0
+# hosts the process group's store bound to that address (layout.loopback_store). gloo's own
+# sockets go on the loopback interface too (it would take the address the host name resolves to).
+def loopback_env(device: torch.device) -> dict[str, str]:
+    env = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+    if device.type != "cuda" and "GLOO_SOCKET_IFNAME" not in os.environ and \
+            any(name == "lo" for _, name in socket.if_nameindex()):
+        env["GLOO_SOCKET_IFNAME"] = "lo"
+    return env
+
+
+def loopback_rendezvous(path: str) -> list[str]:
+    """torchrun's rendezvous arguments for one host meeting in the file `path`."""
+    return ["--nnodes", "1", "--rdzv-backend", "c10d", "--rdzv-conf", "store_type=file", "--rdzv-endpoint", path,
+            "--rdzv-id", uuid.uuid4().hex, "--local-addr", "127.0.0.1"]
 
 
 def use_processes(spec: Spec, device: torch.device, options: EngineOptions) -> bool:
@@ -127,7 +149,9 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
     spec_path = run_dir / SPEC_FILE
     atomic_write_text(spec_path, spec.model_dump_json(indent=1))
     options_path = atomic_write_json(run_dir / OPTIONS_FILE, options.to_dict())
-    cmd = ["-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ep),
+    rdzv = run_dir / RENDEZVOUS_FILE  # the agent's rendezvous, a file: no port
+    rdzv.unlink(missing_ok=True)  # a killed launch's
+    cmd = ["-m", "torch.distributed.run", *loopback_rendezvous(str(rdzv)), "--nproc_per_node", str(ep),
            "-m", "engines.torch.parallel.train", str(spec_path), "--run-dir", str(run_dir), "--options", str(options_path),
            "--device", "cuda" if device.type == "cuda" else "cpu", "--log-every", str(10**9)]
     if not resume:
@@ -137,11 +161,16 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
     else:
         cmd = [sys.executable, *cmd]
     root = str(Path(engines.__file__).resolve().parents[1])
-    env = dict(os.environ, **NO_MULTICAST, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
+    env = dict(os.environ, **NO_MULTICAST, **loopback_env(device),
+               PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     log_path = run_dir / LOG_FILE
-    with open(log_path, "ab") as log:
-        log_start = log.tell()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    try:
+        with open(log_path, "ab") as log:
+            log_start = log.tell()
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+    except BaseException:
+        rdzv.unlink(missing_ok=True)
+        raise
     try:
         while True:
             done = proc.poll() is not None
@@ -153,6 +182,7 @@ def train_processes(spec: Spec, run_dir: Path, resume: bool, device: torch.devic
     finally:
         if proc.poll() is None:
             _stop(proc)
+        rdzv.unlink(missing_ok=True)
     if proc.returncode == 0:
         return
     # torchrun reports any failed rank as exit 1: what failed is in the ranks' status and log

@@ -24,6 +24,7 @@ torchrun on one host, Ray Train across hosts (ladder/train_launch.py).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import socket
 from dataclasses import dataclass
@@ -31,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 import torch.distributed as dist
+from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from core.spec import ModelSpec
@@ -128,9 +130,38 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr).is_loopback
+    except ValueError:  # a host name
+        return False
+
+
+def loopback_store(rank: int, world: int) -> dist.TCPStore | None:
+    """The rendezvous store on MASTER_ADDR itself when that is a loopback address (127.0.0.1, ::1).
+    torch's TCPStore server listens on every interface ([::]) whatever host it is given; given a
+    socket already bound (its master_listen_fd), it listens there. None where another process hosts
+    the store (torchrun's agent, TORCHELASTIC_USE_AGENT_STORE) or the address is not a loopback one:
+    then init_process_group's own env:// rendezvous runs."""
+    addr = os.environ.get("MASTER_ADDR", "")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE", "").lower() == "true" or not _loopback(addr):
+        return None
+    port = int(os.environ["MASTER_PORT"])
+    if rank != 0:
+        return dist.TCPStore(addr, port, world, False, timeout=default_pg_timeout)
+    # the store's server (libuv) takes the descriptor over and closes it: Python lets go of it
+    fd = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET).detach()
+    try:
+        return dist.TCPStore(addr, port, world, True, timeout=default_pg_timeout, master_listen_fd=fd, use_libuv=True)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def join_process_group(dev: torch.device, rank: int, world: int) -> None:
     """torch.distributed's default group, unless one exists: NCCL on a GPU, else gloo; the
-    rendezvous from the launcher's environment (127.0.0.1 and a free port for a single process)."""
+    rendezvous from the launcher's environment (127.0.0.1 and a free port for a single process),
+    its store listening on MASTER_ADDR alone when that is a loopback address (loopback_store)."""
     if dist.is_initialized():
         return
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -138,6 +169,9 @@ def join_process_group(dev: torch.device, rank: int, world: int) -> None:
         os.environ.setdefault("MASTER_PORT", str(free_port()))
     backend = "nccl" if dev.type == "cuda" else "gloo"
     kwargs = {"device_id": dev} if dev.type == "cuda" else {}
+    store = loopback_store(rank, world)
+    if store is not None:
+        kwargs["store"] = store
     dist.init_process_group(backend, rank=rank, world_size=world, **kwargs)
 
 
