@@ -34,7 +34,6 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core.spec import OptimSpec, Spec
 from engines.base import StepMetrics, emulated_ep_note
-from engines.data import TokenStream
 from engines.jax.fast import load_tiles
 from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.jax.moe import EP_AXIS, capacities

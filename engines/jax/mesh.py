@@ -34,7 +34,6 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core.spec import Spec
-from engines.data import TokenStream
 from engines.jax.engine import EXPERT_SUFFIXES, JaxStep, configure_jax, state_from_arrays
 from engines.jax.model import ModelConfig, init_params
 from engines.jax.moe import EP_AXIS, capacities
