@@ -150,3 +150,13 @@ def test_curve_fit_on_any_csv_answers_or_says_what_is_wrong_in_one_line(tmp_path
     _one_error_line(rc, err)
     if rc == 2:
         assert not out.exists()  # a refused fit writes nothing
+
+
+def test_a_curve_past_the_step_limit_is_refused_in_one_line_before_any_per_step_array(tmp_path):
+    """Steps in the billions (a token column given as steps) would take gigabytes of per-step
+    arrays: refused at the boundary with one line instead."""
+    a, b = tmp_path / "a.csv", tmp_path / "b.csv"
+    a.write_text("step,lr,loss\n1,0.001,3.0\n2000000000,0.001,2.0\n3000000000,0.0005,1.9\n")
+    b.write_text("step,lr\n3000000001,0.0001\n")
+    rc, err = cli("curve", "fit", "--train", a, "--predict", b, "--out", tmp_path / "out")
+    assert rc == 2 and "past the" in err and len(err.strip().splitlines()) == 1, err

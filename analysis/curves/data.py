@@ -63,6 +63,9 @@ def dense_lr(steps_n: np.ndarray, lr, what: str) -> np.ndarray:
     )
 
 
+MAX_STEPS = 2**26  # 67M optimiser steps, 50x the longest public LLM runs: the models keep per-step arrays
+
+
 def check_steps(step, what: str) -> np.ndarray:
     s = np.asarray(step)
     if s.ndim != 1 or len(s) == 0:
@@ -75,6 +78,9 @@ def check_steps(step, what: str) -> np.ndarray:
     if np.any(np.diff(sf) <= 0):
         i = int(np.flatnonzero(np.diff(sf) <= 0)[0]) + 1
         raise CurveError(f"{what}: steps must be strictly increasing; step {sf[i]:g} follows {sf[i - 1]:g}")
+    if sf[-1] >= MAX_STEPS:
+        raise CurveError(f"{what}: step {sf[-1]:.0f} is past the {MAX_STEPS:,} steps a curve may span (the curve "
+                         "models keep one value per step): is the step column a token count?")
     return sf.astype(np.int64)
 
 
