@@ -95,10 +95,16 @@ def test_no_run_memorised(ladder_root):
         assert abs(final_eval / (sum(tail) / len(tail)) - 1) < 0.10, name
 
 
-def test_the_forecast_reproduces_from_the_committed_runs(ladder_root):
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", str(EXPERIMENT), "--root", str(ladder_root),
-                          "--no-tracking", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-2000:]
+@pytest.fixture(scope="module")
+def forecast_cli(ladder_root) -> subprocess.CompletedProcess:
+    """`ladder forecast` on the committed runs, once for the module (a forecast of this ladder costs
+    about 25 s of CPU): it writes the forecast.json the report below reads."""
+    return subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", str(EXPERIMENT), "--root", str(ladder_root),
+                           "--no-tracking", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+
+
+def test_the_forecast_reproduces_from_the_committed_runs(ladder_root, forecast_cli):
+    assert forecast_cli.returncode == 0, forecast_cli.stderr[-2000:]
     got = json.loads((ladder_root / "analysis" / "proxy_h200" / "forecast.json").read_text())
     want = json.loads(gzip.open(RESULTS / "forecast.json.gz").read())
     for key in ("mean", "lo", "hi"):
@@ -114,9 +120,8 @@ def test_the_forecast_reproduces_from_the_committed_runs(ladder_root):
         assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got["trajectory"][key], want["trajectory"][key]))
 
 
-def test_the_report_states_the_hero_against_the_forecast(ladder_root, tmp_path):
-    subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", str(EXPERIMENT), "--root", str(ladder_root),
-                    "--no-tracking"], cwd=ROOT, capture_output=True, check=True, timeout=600)
+def test_the_report_states_the_hero_against_the_forecast(ladder_root, forecast_cli, tmp_path):
+    assert forecast_cli.returncode == 0, forecast_cli.stderr[-2000:]
     out = subprocess.run([sys.executable, "-m", "ladder.cli", "report", str(EXPERIMENT), "--root", str(ladder_root),
                           "--out", str(tmp_path / "report"), "--no-tracking"], cwd=ROOT, capture_output=True, text=True,
                          timeout=600)
