@@ -6,12 +6,11 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test docs setup clean browser corpus prepare-h200 h200-ladder
 
+# One resolver pass: torch pinned to the CPU build's version (the machine's wheel, +cpu, is the
+# newest of that version), so nothing pulls a multi-GB CUDA wheel; the venv's own pip does it.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --upgrade pip
-	# CPU torch first, from the pinned build, so nothing pulls a multi-GB CUDA wheel.
-	$(BIN)/pip install -q "torch==$${TORCH_VERSION:-2.13.0}"
-	$(BIN)/pip install -q -e ".[test]"
+	$(BIN)/pip install -q "torch==$${TORCH_VERSION:-2.13.0}" -e ".[test]"
 	touch $(STAMP)
 
 setup: $(STAMP)
@@ -48,10 +47,13 @@ browser:
 # own reorder by test count is off). The two-node Ray Train cluster file goes first, so it starts in
 # a worker process of its own: after the rest of the suite in one process, Ray Train's controller
 # actor of its second job was once dropped before it started (ActorDiedError); alone it passes.
-# --durations keeps the slowest tests in CI's output.
-TEST_WORKERS ?= 2
+# Three workers on the two cores: many files wait (Ray and tracking servers starting, runs polled,
+# subprocesses), and a third worker uses those waits. --durations keeps the slowest tests in CI's
+# output. pytest's exit 5 (no tests collected) fails the target like any other failure.
+TEST_WORKERS ?= 3
 test: $(STAMP) browser
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30
+	rc=0; $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 || rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit 5)" >&2; fi; exit $$rc
 
 # The documentation site (mkdocs.yml) into site/; the CLI reference is generated from the typer app.
 # `$(BIN)/mkdocs serve` serves it at http://127.0.0.1:8000 while you edit.

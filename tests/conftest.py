@@ -13,29 +13,51 @@ import pytest
 # The longest test files first. `make test` hands each pytest-xdist worker a file at a time in
 # collection order (--dist loadfile --no-loadscope-reorder; xdist's own reorder puts the files with
 # the most tests first, which left the few-test, long files to the end), so the longest go out
-# first and no worker is left alone with a long file at the end. Ordered by each file's wall time
-# in `make test`'s --durations on the 2-core machine; files not named keep their order after these.
+# first and no worker is left alone with a long file at the end. Ordered by each file's time run
+# alone on the 2-core machine (the larger of its wall and CPU seconds: a file that waits on Ray or
+# a server holds its worker as long as one that computes); files not named keep their order after these.
 LONGEST_FIRST = (
     "tests/ladder/test_train_launch_cluster.py",
     "tests/bench/test_bench_scripts.py",
-    "tests/test_cli_errors.py",
-    "tests/engines/test_dist_jax_mesh.py",
-    "tests/ladder/test_controller_interrupt.py",
-    "tests/analysis/test_h200_ladder.py",
-    "tests/ladder/test_local.py",
-    "tests/engines/test_jax_resume.py",
-    "tests/ladder/test_controller_ep.py",
-    "tests/analysis/test_replan.py",
-    "tests/engines/test_jax_working.py",
-    "tests/engines/test_jax_optimizer.py",
-    "tests/ladder/test_rerun_diverged.py",
-    "tests/analysis/test_sources.py",
-    "tests/engines/test_torch_resume.py",
+    "tests/engines/test_parallel_mesh.py",
     "tests/engines/test_parallel_launch.py",
-    "tests/engines/test_moments.py",
-    "tests/ladder/test_controller.py",
+    "tests/ladder/test_local.py",
+    "tests/analysis/test_sources.py",
+    "tests/ladder/test_ladder_csv.py",
+    "tests/ladder/test_tracking_server.py",
+    "tests/test_cli_errors.py",
+    "tests/engines/test_dist_checkpoint_integrity.py",
+    "tests/analysis/test_forecast.py",
     "tests/engines/test_parallel_ep.py",
+    "tests/ladder/test_controller_interrupt.py",
+    "tests/analysis/test_replan.py",
+    "tests/ladder/test_controller_cluster.py",
+    "tests/analysis/test_h200_ladder.py",
+    "tests/analysis/test_curves.py",
+    "tests/ladder/test_controller.py",
+    "tests/bench/test_faults.py",
+    "tests/ladder/test_controller_ep.py",
+    "tests/ladder/test_tracking.py",
+    "tests/ladder/test_train_lock.py",
+    "tests/ladder/test_data_cli.py",
+    "tests/analysis/test_wandb_runs.py",
+    "tests/engines/test_dist_jax_mesh.py",
+    "tests/engines/test_torch_resume.py",
+    "tests/ladder/test_wandb_tracking.py",
+    "tests/ladder/test_mlflow_ui.py",
+    "tests/ladder/test_forecast_refusal.py",
+    "tests/engines/test_parity.py",
+    "tests/analysis/test_laws.py",
+    "tests/ladder/test_replan_cli.py",
+    "tests/engines/test_jax_fast.py",
+    "tests/ladder/test_rerun_diverged.py",
+    "tests/ladder/test_localray.py",
+    "tests/analysis/test_sources_paging.py",
+    "tests/engines/test_trainer_hardening.py",
+    "tests/ladder/test_tracking_kind.py",
     "tests/engines/test_data_engines.py",
+    "tests/engines/test_moments.py",
+    "tests/engines/test_jax_resume.py",
 )
 
 

@@ -1,6 +1,7 @@
-"""Every command, fed bad input through the real CLI in a subprocess, prints one line and exits 2:
-never a traceback, never a partial write. A small ladder (three trained rungs, a hero stopped
-half-way and its forecast) is the ground the bad inputs stand on."""
+"""Every command, fed bad input through the real CLI in a process of its own, prints one line and
+exits 2: never a traceback, never a partial write. A small ladder (three trained rungs, a hero
+stopped half-way and its forecast) is the ground the bad inputs stand on. The many-case tests fork
+their CLI processes from one driver that imported the CLI once (tests/cli_fork.py)."""
 
 from __future__ import annotations
 
@@ -10,11 +11,11 @@ import shutil
 import subprocess
 import sys
 import textwrap
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
+from tests.cli_fork import ladder_many
 from tests.conftest import tiny_changes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,6 +28,15 @@ def ladder(*args, cwd: Path, env: dict | None = None, timeout: float = 600) -> s
     return subprocess.run([sys.executable, "-m", "ladder.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
                           timeout=timeout)
+
+
+# what the commands below import lazily, imported once by the driver that forks their processes
+PRELOAD = ("analysis.forecast", "analysis.report", "ladder.controller", "ladder.tracking", "engines.torch.engine")
+
+
+def ladder_each(argvs: list[list], cwd: Path) -> list[subprocess.CompletedProcess]:
+    """`python -m ladder.cli ARGV` in cwd for each argv, each a process of its own (forked, three at a time)."""
+    return ladder_many([(a, cwd) for a in argvs], env={"OMP_NUM_THREADS": "1"}, preload=PRELOAD)
 
 
 def experiment_source(name: str, rungs, hero, extra: str = "") -> str:
@@ -186,8 +196,7 @@ def test_every_command_answers_bad_input_with_one_line_and_exit_2_writing_nothin
     _root_with_list_forecast(world)
     cases = _cases(world)
     before = snapshot(world)
-    with ThreadPoolExecutor(4) as pool:
-        results = list(pool.map(lambda c: ladder(*c[1], cwd=world), cases))
+    results = ladder_each([argv for _, argv, _ in cases], world)
     problems = []
     for (label, argv, phrase), r in zip(cases, results):
         lines = [ln for ln in r.stderr.splitlines() if ln.strip() and not ln.startswith("warning:")]
@@ -253,8 +262,9 @@ def test_a_damaged_metrics_file_is_skipped_line_by_line_with_one_warning_naming_
         ["compare", m.parent],
         ["train", m.parent / "spec.yaml", "--run-dir", m.parent, "--quiet"],  # finished: says so
     ]
-    with ThreadPoolExecutor(3) as pool:
-        results = list(pool.map(lambda a: ladder(*a, cwd=w), commands))
+    # train last, alone: on a finished run it rewrites metrics.jsonl without the bad line, which
+    # the readers running beside it would then not see
+    results = ladder_each(commands[:-1], w) + [ladder(*commands[-1], cwd=w)]
     problems = []
     for argv, r in zip(commands, results):
         warnings = [ln for ln in r.stderr.splitlines() if "skipped a bad metrics line" in ln]

@@ -1,0 +1,153 @@
+"""Many `python -m ladder.cli ARGV` processes from one interpreter that imports the CLI once.
+
+    python tests/cli_fork.py REQUEST.json RESULTS.json
+
+REQUEST holds {"preload": [modules], "parallel": n, "timeout": s, "cases": [{"argv": [...],
+"cwd": dir, "env": {...}}]}. The driver imports ladder.cli and the preload modules (what the
+commands import lazily), then forks one child per case, at most `parallel` at a time. A child is
+the process `python -m ladder.cli ARGV` would be, less the start-up: it changes to its cwd (also
+sys.path[0], as -m puts it there), takes its environment, writes fds 1 and 2 to files, and runs the
+CLI's main with sys.argv and __main__ as -m sets them (so click names the program
+`python -m ladder.cli`); an exception that escapes is printed as the interpreter prints it (exit 1),
+and the exit handlers run before the child exits. Whatever the imports printed to stderr comes
+first in every child's stderr, as it would in a process of its own. A child still running after
+`timeout` seconds is killed (exit -9). RESULTS gets [{"rc", "stdout", "stderr"}] in case order.
+Each import of torch, JAX and the analysis modules costs a CLI process about 0.5-3 s of CPU;
+forked, a case costs tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def ladder_many(cases: list[tuple[list, Path]], env: dict | None = None, preload: tuple[str, ...] = (),
+                parallel: int = 3, timeout: float = 600) -> list[subprocess.CompletedProcess]:
+    """Runs each (argv, cwd) as `python -m ladder.cli *argv` in cwd, forked from one driver process
+    whose environment is os.environ with PYTHONPATH at the repo and `env`; one CompletedProcess a case."""
+    with tempfile.TemporaryDirectory(prefix="cli_fork") as tmp:
+        req, res = Path(tmp) / "request.json", Path(tmp) / "results.json"
+        req.write_text(json.dumps({"preload": list(preload), "parallel": parallel, "timeout": timeout,
+                                   "cases": [{"argv": list(map(str, a)), "cwd": str(c)} for a, c in cases]}))
+        driver = subprocess.run([sys.executable, str(Path(__file__)), str(req), str(res)], cwd=ROOT,
+                                env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
+                                capture_output=True, text=True, timeout=timeout * max(1, len(cases)) + 120)
+        assert driver.returncode == 0 and res.exists(), driver.stderr[-4000:]
+        got = json.loads(res.read_text())
+    return [subprocess.CompletedProcess([sys.executable, "-m", "ladder.cli", *map(str, a)], r["rc"], r["stdout"],
+                                        r["stderr"]) for (a, _), r in zip(cases, got)]
+
+
+def _child(case: dict, out: str, err: str, preamble: bytes) -> None:
+    """In the forked child: become `python -m ladder.cli ARGV` and exit with its code."""
+    import atexit
+    import traceback
+
+    code = 1
+    try:
+        os.chdir(case["cwd"])
+        sys.path[0] = os.getcwd()
+        os.environ.update(case.get("env") or {})
+        for fd, path in ((1, out), (2, err)):
+            f = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+            os.dup2(f, fd)
+            os.close(f)
+        os.write(2, preamble)
+        main_mod = sys.modules["__main__"]
+        main_mod.__package__ = "ladder"
+        sys.argv = [str(ROOT / "ladder" / "cli.py"), *case["argv"]]
+        from ladder.cli import main
+
+        try:
+            main()
+            code = 0
+        except SystemExit as e:
+            if e.code is None or isinstance(e.code, int):
+                code = e.code or 0
+            else:
+                print(e.code, file=sys.stderr)
+                code = 1
+        except BaseException:
+            traceback.print_exc()
+            code = 1
+        try:
+            atexit._run_exitfuncs()
+        except BaseException:
+            traceback.print_exc()
+    finally:
+        try:
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def serve(request: dict) -> list[dict]:
+    import threading
+
+    r, w = os.pipe()  # what the imports print to stderr, kept for every child's stderr
+    saved = os.dup(2)
+    os.dup2(w, 2)
+    os.close(w)
+    try:
+        import ladder.cli  # noqa: F401
+        import importlib
+
+        for name in request.get("preload", []):
+            importlib.import_module(name)
+    finally:
+        sys.stderr.flush()
+        os.dup2(saved, 2)
+        os.close(saved)
+    preamble = b""
+    os.set_blocking(r, False)
+    try:
+        while chunk := os.read(r, 65536):
+            preamble += chunk
+    except BlockingIOError:
+        pass
+    os.close(r)
+    # forking is safe only from a process with one thread (no lock held elsewhere at the fork)
+    assert threading.active_count() == 1, [t.name for t in threading.enumerate()]
+    cases, parallel, timeout = request["cases"], int(request.get("parallel", 3)), float(request.get("timeout", 600))
+    tmp = Path(tempfile.mkdtemp(prefix="cli_fork_out"))
+    results: list[dict | None] = [None] * len(cases)
+    running: dict[int, tuple[int, float]] = {}
+    todo = list(range(len(cases)))
+    while todo or running:
+        while todo and len(running) < parallel:
+            i = todo.pop(0)
+            sys.stdout.flush()
+            sys.stderr.flush()
+            pid = os.fork()
+            if pid == 0:
+                _child(cases[i], str(tmp / f"{i}.out"), str(tmp / f"{i}.err"), preamble)
+            running[pid] = (i, time.monotonic() + timeout)
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            now = time.monotonic()
+            for p, (i, deadline) in list(running.items()):
+                if now > deadline:
+                    os.kill(p, 9)
+            time.sleep(0.005)
+            continue
+        i, _ = running.pop(pid)
+        rc = os.waitstatus_to_exitcode(status)
+        read = lambda p: p.read_text(errors="replace") if p.exists() else ""  # noqa: E731
+        results[i] = {"rc": rc, "stdout": read(tmp / f"{i}.out"), "stderr": read(tmp / f"{i}.err")}
+    shutil.rmtree(tmp, ignore_errors=True)
+    return results
+
+
+if __name__ == "__main__":
+    sys.path[0] = str(ROOT)  # not tests/, whose packages would shadow the repo's
+    Path(sys.argv[2]).write_text(json.dumps(serve(json.loads(Path(sys.argv[1]).read_text()))))
