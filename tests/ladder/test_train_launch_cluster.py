@@ -82,7 +82,7 @@ def two_nodes():
                             start_new_session=True)
     procs = [head]
     try:
-        deadline = time.time() + 90
+        deadline = time.time() + 300  # a hang guard: a loaded machine starts a raylet slowly
         while time.time() < deadline:
             try:
                 socket.create_connection(("127.0.0.1", gcs), timeout=1).close()
@@ -91,7 +91,7 @@ def two_nodes():
                 time.sleep(0.5)
         procs.append(subprocess.Popen(_node_args(False, gcs), env=env, stdout=log, stderr=log, start_new_session=True))
         ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
-        deadline = time.time() + 90
+        deadline = time.time() + 300  # a hang guard: a loaded machine starts a raylet slowly
         while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
             time.sleep(0.5)
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2, (Path(temp) / "nodes.log").read_text()[-3000:]
