@@ -25,8 +25,8 @@ width d/2 inside a latent of d/2, 2 shared experts, head dim 64 with KV heads = 
   of C/C++, 1% of the prose, held out by document across each source). Periodic evals, every
   100 steps or 1/20 of the run, whichever is longer, score its first 64 windows of each source;
   the final eval scores every window, and that is what the laws fit.
-- Replicates: d192 and d256 again at seed 1, and the hero at seed 1, measure the ladder's own
-  noise (the forecast's measurement term; the monitor's band).
+- Replicates: every rung again at seed 1, and the hero at seeds 1-3, measure the ladder's own
+  noise (the forecast's measurement term; the monitor's band and its healthy replicates).
 - Peak LR 0.04 / sqrt(d) (2.9e-3 at d192, 1.8e-3 at d512), as the byte-level ladder used.
 - Checkpoints every 1,000 steps (a resumed run loses
   at most a minute; each checkpoint of the hero is about 1.5 GB).
@@ -78,6 +78,6 @@ def rung(d: int, layers: int):
 
 
 BASE_RUNGS = (rung(192, 3), rung(256, 4), rung(320, 5), rung(384, 7))
-RUNGS = BASE_RUNGS + tuple(replicate(r, 1) for r in BASE_RUNGS[:2])
+RUNGS = BASE_RUNGS + tuple(replicate(r, 1) for r in BASE_RUNGS)
 
-EXPERIMENT = Experiment(name="proxy_h200", rungs=RUNGS, hero=HERO, extras=(replicate(HERO, 1),))
+EXPERIMENT = Experiment(name="proxy_h200", rungs=RUNGS, hero=HERO, extras=tuple(replicate(HERO, s) for s in (1, 2, 3)))

@@ -24,12 +24,14 @@ residuals in block b; only complete blocks are tested (a live run's last, partia
 
 What the healthy runs give, per block b (R runs, block means m_rb):
     mu_b    = mean_r m_rb                      the healthy offset from the reference
-    v_b     = var_r m_rb (ddof 1), averaged over the 2 w + 1 neighbouring blocks (w = 2) and
-              floored at the within-block scatter over the block's points (the noise of one
-              run's block mean cannot be smaller than that)
-    sd_b    = sqrt(v_b (1 + 1/R)) x c          the spread of a new healthy run's block mean
-              (predictive: mu_b itself is a mean of R runs), where c = t_{dof}(0.975) / z(0.975)
-              with dof = (R - 1)(2 w + 1) widens it for the few runs it was estimated from.
+    v_b     = var_r m_rb (ddof 1), pooled over the 2 w + 1 nearest blocks where the runs logged
+              the series (w = 2; every block for the train loss, one in several for a periodic
+              eval) and floored at the within-block scatter over the block's points (the noise of
+              one run's block mean cannot be smaller than that)
+    sd_b    = sqrt(v_b (1 + 1/R)) x c_b        the spread of a new healthy run's block mean
+              (predictive: mu_b itself is a mean of R runs), where c_b = t_{dof_b}(0.975) / z(0.975)
+              with dof_b the degrees of freedom pooled there (up to (R - 1)(2 w + 1)) widens it for
+              the few runs and points it was estimated from.
 The early transient (the loss falling fast and differently from seed to seed) needs no step cut:
 its blocks have a large sd_b, so the same standardised residual means the same there as later.
 
@@ -365,22 +367,41 @@ def _smooth_mean(v: np.ndarray, w: int) -> np.ndarray:
 
 
 def _spread(M_RB: np.ndarray, S_RB: np.ndarray, per_block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float]:
-    """(mu (B,), sd (B,), scatter (B,), dof, widen) from the block means of R healthy runs."""
-    R = M_RB.shape[0]
+    """(mu (B,), sd (B,), scatter (B,), dof, widen) from the block means of R healthy runs.
+
+    The variance of a block is pooled over the 2 NEIGHBOURS + 1 nearest blocks where the healthy
+    runs logged the series (every block for the train loss; one in several for a periodic eval),
+    weighted by their degrees of freedom (runs there - 1), and widened by the t quantile of the
+    degrees of freedom it really rests on: a series logged every few blocks rests on fewer. dof and
+    widen are returned for the record as the fewest and the widest."""
+    R, B = M_RB.shape
     with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN block is NaN, as meant
         mu = np.nanmean(M_RB, 0)
         cnt = np.isfinite(M_RB).sum(0)
-        var = np.where(cnt >= 2, np.nanvar(M_RB, 0, ddof=1), np.nan) if R >= 2 else np.full(M_RB.shape[1], np.nan)
+        var = np.where(cnt >= 2, np.nanvar(M_RB, 0, ddof=1), np.nan) if R >= 2 else np.full(B, np.nan)
         scat = np.sqrt(np.nanmean(S_RB ** 2, 0))
     floor = (np.nan_to_num(scat, nan=0.0) ** 2) / per_block
-    pooled = _smooth_mean(np.where(np.isfinite(var), var, np.nan), NEIGHBOURS)
+    pooled, dof_b = np.full(B, np.nan), np.full(B, 1.0)
+    have = np.flatnonzero(np.isfinite(var))
+    if len(have):
+        d = (cnt[have] - 1).astype(np.float64)
+        win = 2 * NEIGHBOURS + 1
+        num = pd.Series(var[have] * d).rolling(win, center=True, min_periods=1).sum().to_numpy()
+        den = pd.Series(d).rolling(win, center=True, min_periods=1).sum().to_numpy()
+        # every block takes the pool of the nearest block that has a variance of its own
+        j = np.clip(np.searchsorted(have, np.arange(B)), 0, len(have) - 1)
+        left = np.clip(j - 1, 0, len(have) - 1)
+        j = np.where(np.abs(have[left] - np.arange(B)) < np.abs(have[j] - np.arange(B)), left, j)
+        pooled, dof_b = num[j] / den[j], np.maximum(den[j], 1.0)
     v = np.where(cnt >= 1, np.maximum(np.nan_to_num(pooled, nan=0.0), floor), np.nan)
-    dof = max((R - 1) * (2 * NEIGHBOURS + 1), 1)
     from scipy import stats  # calibration only: the CLI's import of the monitor stays light
 
-    widen = float(stats.t.ppf(0.975, dof) / NormalDist().inv_cdf(0.975))
-    sd = np.sqrt(v * (1 + 1 / max(R, 1))) * widen
+    widen_b = stats.t.ppf(0.975, dof_b) / NormalDist().inv_cdf(0.975)
+    sd = np.sqrt(v * (1 + 1 / max(R, 1))) * widen_b
+    used = cnt >= 1
+    dof = int(np.min(dof_b[used])) if used.any() else 1
+    widen = float(np.max(widen_b[used])) if used.any() else float(widen_b.max())
     return mu, np.where(sd > 0, sd, np.nan), scat, dof, widen
 
 

@@ -55,6 +55,8 @@ class MonitorSettings(BaseModel):
                                     "one series' sequential test (analysis.monitor.calib)")
     min_sd: float = Field(0.01, ge=0, description="floor on a series' healthy sd in log units (1%): smaller "
                           "departures are not worth a flag however steady the healthy runs are")
+    warn_sd: float = Field(1.96, gt=0, description="healthy sds a run must also be from the healthy runs for a change "
+                           "against its own level to warn (the healthy band's 95% range)")
     crit_sd: float = Field(8.0, gt=0, description="healthy sds a departure must reach, past the alarm, to be critical")
     spike_healthy_margin: float = Field(1.5, ge=1, description="with a calibration, a spike must exceed the healthy "
                                         "runs' largest local z in its stretch by this factor to warn")

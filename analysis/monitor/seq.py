@@ -26,7 +26,9 @@ def _block_step(edges: np.ndarray, b: int) -> int:
 
 def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     """`<series>_above_band` / `<series>_below_band`: the CUSUM on the standardised block residual
-    alarms (warning); critical when the departure reaches crit_sd healthy sds after the alarm."""
+    alarms (warning); critical when the departure reaches crit_sd healthy sds after the alarm. An
+    alarm of the change test (the run against its own recent level) warns from the first block
+    where the run is also warn_sd healthy sds from the healthy runs; until then it is info."""
     cal, cfg = c.calibration, c.cfg
     if cal is None:
         return [], {}
@@ -49,8 +51,18 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
                 continue
             after = sign * res.u[alarm:]
             gross = np.flatnonzero(np.nan_to_num(after, nan=-np.inf) >= cfg.crit_sd)
-            sev = "critical" if len(gross) else "warning"
+            # a change against the run's own level that stays where healthy runs go (within warn_sd
+            # of them) is for the record; it warns once the level leaves that range too
+            outside = np.flatnonzero(np.nan_to_num(after, nan=-np.inf) >= cfg.warn_sd)
+            if len(gross):
+                sev = "critical"
+            elif test == "change" and not len(outside):
+                sev = "info"
+            else:
+                sev = "warning"
             step = _block_step(edges, alarm)
+            if test == "change" and sev == "warning":
+                step = _block_step(edges, alarm + int(outside[0]))
             rel = math.expm1(res.m[alarm] - res.mu[alarm]) if np.isfinite(res.m[alarm]) else float("nan")
             how = ("its level against the healthy runs'" if test == "level" else "a change against its own recent level")
             what = _WHAT.get(col) or (f"held-out eval loss of {col.split('/', 1)[1]}" if col.startswith("eval_loss/") else col)

@@ -106,13 +106,17 @@ CHECKS = (check_non_finite, check_run_status, check_repeated_batches, check_band
 def transient_end(spec: Spec | None, forecast: Forecast | None, calibration: Calibration | None,
                   cfg: MonitorSettings) -> tuple[int, str]:
     """(first step past the early transient, where that comes from): the settings' ignore_first_steps;
-    else what the healthy runs of the calibration show; else the later of the spec's warmup and the
-    forecast trajectory's first step (the forecaster's own cut of the early curve)."""
+    else the later of what the healthy runs of the calibration show and the spec's warmup (while the
+    learning rate still rises a spike that the healthy runs happened not to show is routine: a few
+    replicates cannot rule it out); else the later of the spec's warmup and the forecast
+    trajectory's first step (the forecaster's own cut of the early curve)."""
     if cfg.ignore_first_steps is not None:
         return cfg.ignore_first_steps, "settings"
-    if calibration is not None:
-        return calibration.transient_end_step, "healthy runs"
     warm = spec_warmup_steps(spec) if spec else 0
+    if calibration is not None:
+        if warm > calibration.transient_end_step:
+            return warm, "the spec's warmup (past the healthy runs' transient)"
+        return calibration.transient_end_step, "healthy runs"
     first = int(forecast.traj_step[0]) if forecast is not None and len(forecast.traj_step) else 0
     return max(warm, first), "warmup / forecast start"
 

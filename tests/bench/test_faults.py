@@ -4,6 +4,7 @@ judged by the calibrated monitor as `compare --follow` would have judged them.""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 
@@ -80,3 +81,18 @@ def test_healthy_runs_of_another_spec_are_refused(tmp_path):
     save_spec(other, d / "spec.yaml")
     with pytest.raises(ValueError, match="not a replicate"):
         run_suite(tiny_hero(), tmp_path / "b", healthy_runs=(d,), log=lambda *_: None)
+
+
+def test_the_clip_off_fault_trains_clipped_until_its_onset_and_unclipped_after(tmp_path):
+    """The clip-off fault is one departure at its onset: before it the run is the healthy hero
+    (clipped), from it the step module's spec has clipping off and the LR is x30 for 5 steps."""
+    hero = tiny_hero()
+    fault = next(f for f in FAULTS if f.name == "clip_off_lr_spike")
+    assert fault.spec_change is None
+    hook = fault.hook(hero, 10)
+    trainer = SimpleNamespace(module=SimpleNamespace(spec=hero))
+    assert hook(9, "batch", 1.0, trainer) == ("batch", 1.0)
+    assert trainer.module.spec.optim.grad_clip == hero.optim.grad_clip
+    assert hook(10, "batch", 1.0, trainer) == ("batch", 30.0)
+    assert trainer.module.spec.optim.grad_clip == 1e6
+    assert hook(15, "batch", 1.0, trainer) == ("batch", 1.0)
