@@ -7,6 +7,7 @@ one process on one GPU.
     PYTHONPATH=. python3 bench/engines_h200.py --scaling            # + 8/128 experts, seq 8192
     PYTHONPATH=. python3 bench/engines_h200.py --only torch,jax --steps 5
     PYTHONPATH=. python3 bench/engines_h200.py --cpu-smoke --only torch,jax --steps 1 --warmup 1
+    PYTHONPATH=. python3 bench/engines_h200.py --only torch,torch_mesh --steps 10 --warmup 3
 
 Peers (bench/peers.py; `ai2-olmo-core` 3.0.0 and `torchtitan` 0.3.0 must be importable; CUDA only):
 `olmo-core` is OLMo-core 3's MoE (OLMoDDPModel) with its train module and optimizer; it needs
@@ -43,6 +44,13 @@ reads a step after launching the next, engines/lookahead.py; the reference's loo
 The engines train through their own step modules (engines/torch/step.TorchStep, the JAX engine's
 step_module) and loop (engines/lookahead.py), under EngineOptions built here for each variant (the
 engine's defaults with the variant's choices; the environment does not reach them).
+
+`torch_mesh` (and `torch_mesh_cap`) is the `torch` row's model, batches and options trained through
+the multi-process layout's step module (engines/torch/parallel/step.ParallelStep: FSDP2, the layout's
+dispatcher, the fast forward) in this process as a torch.distributed group of one (NCCL on the GPU,
+gloo on the CPU, a TCPStore on 127.0.0.1 at a free port; torn down after the variant): one process
+is a 1 x 1 (data x expert) mesh, so every expert sits on this device and the all-to-alls run over a
+group of one. Against `torch` it prices what the layout's step costs before any second GPU.
 
 Results are appended to <out>/results.jsonl as each variant finishes (so a run cut short keeps what
 it measured) and the tables are written to <out>/table.md after every variant. The column "vs
@@ -362,6 +370,82 @@ def run_torch(spec, batches, warmup, options: dict | None = None, engine: dict |
             torch.cuda.empty_cache()
 
 
+MESH_ENV = ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "TORCHELASTIC_USE_AGENT_STORE")
+
+
+def mesh_of_one(spec):
+    """The multi-process layout's own set-up (engines/torch/parallel/layout.setup_layout) as a
+    process group of one: its rendezvous environment set here (127.0.0.1, a free port, world 1,
+    rank 0; the store a TCPStore listening on 127.0.0.1), NCCL on the GPU, gloo on the CPU; a
+    1 x 1 (data x expert) mesh. (layout, close()): close() destroys the group and puts the
+    environment back, so a repeated variant meets on a fresh port."""
+    import torch.distributed as dist
+
+    from engines.torch.parallel.layout import free_port, setup_layout
+
+    if dist.is_initialized():
+        raise RuntimeError("a torch.distributed group exists already in this process")
+    saved = {k: os.environ.get(k) for k in MESH_ENV}
+    os.environ.pop("TORCHELASTIC_USE_AGENT_STORE", None)
+    os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port()), "WORLD_SIZE": "1",
+                       "RANK": "0", "LOCAL_RANK": "0"})
+
+    def close():
+        if dist.is_initialized():
+            dist.destroy_process_group()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    try:
+        return setup_layout(spec.model, spec.data.batch_size, DEVICE), close
+    except BaseException:
+        close()
+        raise
+
+
+def run_torch_mesh(spec, batches, warmup, options: dict | None = None, engine: dict | None = None):
+    """The torch row's model and batches trained through the multi-process layout's step module
+    (engines/torch/parallel/step.ParallelStep: FSDP2, the layout's dispatcher, the fast forward of
+    engines/torch/parallel/model.py, torch's foreach AdamW on fp32 masters cast by the matmuls; the
+    torch row's working copies, torch_master, do not exist there) under the engine's default
+    kernel options, in this process as a group of one. One process is ep = 1 (layout.check_layout: the world is a
+    multiple of ep; the one-device engine's emulated shards are its own dispatcher's, not the
+    layout's), so the expert group is a group of one: every expert on this device, the dispatch's
+    all-to-alls and FSDP2's collectives over the one rank. Its loop is the step module's own:
+    each step read before the next is launched (ParallelStep.lookahead is False)."""
+    import tempfile
+
+    import torch
+
+    from engines.torch.parallel.step import ParallelStep
+
+    opts = torch_options(options, engine)
+    layout, close = mesh_of_one(spec)
+    try:
+        torch._dynamo.reset()
+        with tempfile.TemporaryDirectory(prefix="torch_mesh_") as run_dir:
+            step = ParallelStep(spec, layout, Path(run_dir), opts)
+            launch, read = peak_lr_steps(step, spec)
+            out, dt, t_warm = timed_loop(launch, read, batches, warmup, sync, lookahead=step.lookahead)
+            info = {"options": opts.to_dict(), "engine": dict(engine or {}), "describe": step.describe(),
+                    "mesh": [layout.dp, layout.ep], "backend": torch.distributed.get_backend(),
+                    "lookahead": step.lookahead,
+                    "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
+                    "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]])),
+                    "tokens_per_s_read_at_once": read_at_once_tps(launch, read, batches[warmup:], sync)}
+            del launch, read, step
+        return [o[0] for o in out], dt, t_warm, info
+    finally:
+        torch._dynamo.reset()
+        gc.collect()
+        close()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
+
+
 def run_jax(spec, batches, warmup, engine: dict | None = None, compiler_options: dict | None = None,
             kernels: dict | None = None):
     import jax
@@ -526,7 +610,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
-                    help="comma list of: ref, olmo-core, olmo-core_v1, torchtitan, torch, torch_cap, jax, jax_cap, torch_eager, torch_dense, "
+                    help="comma list of: ref, olmo-core, olmo-core_v1, torchtitan, torch, torch_cap, torch_mesh, torch_mesh_cap, jax, jax_cap, torch_eager, torch_dense, "
                          "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, torch_maskattn, torch_maskattn_cap, torch_torchtopk, torch_flexcausal, jax_bf16moments, jax_defaulttiles, jax_cublas, jax_xlaloss, jax_castweights, jax_before, jax_autodiffexperts, jax_allbefore, jax_gathergates")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --only list this many times over, interleaved (run-to-run spread)")
@@ -663,6 +747,9 @@ def main(argv=None) -> int:
         # more (a bench run is far shorter, so they are asked for)
         "ref": (run_hf, {}), "torch": (run_torch, {"engine": {"torch_master": True}}),
         "torch_cap": (run_torch, {"engine": {"torch_master": True}}),
+        # the same model through the multi-process layout's step module as a process group of one
+        # (run_torch_mesh: FSDP2 over one rank, the layout's dispatcher, the fast forward)
+        "torch_mesh": (run_torch_mesh, {}), "torch_mesh_cap": (run_torch_mesh, {}),
         "torch_eager": (run_torch, {"options": {"compile": "none"}}),
         "torch_dense": (run_torch, {"options": {"compile": "dense"}}),
         "torch_cudnn": (run_torch, {"options": {"attn_backend": "cudnn"}}),

@@ -38,6 +38,25 @@ def test_engine_bench_variants_train_and_agree(tmp_path):
     assert "| E16 seq 128 | jax |" in (tmp_path / "table.md").read_text()
 
 
+def test_torch_mesh_trains_the_torch_rows_model_through_the_layouts_step(tmp_path):
+    """torch_mesh (and _cap): the torch row's model through the multi-process layout's step module
+    (engines/torch/parallel/step.ParallelStep) as a process group of one, gloo on the CPU, the
+    fast forward, the torch row's curve; the group is torn down after each variant, so the list
+    run twice (--repeat 2) meets again on a fresh port."""
+    _run(str(ROOT / "bench/engines_h200.py"), "--cpu-smoke", "--only", "torch,torch_mesh,torch_mesh_cap",
+         "--repeat", "2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path), cwd=tmp_path)
+    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert [r["variant"] for r in rows] == ["torch", "torch_mesh", "torch_mesh_cap"] * 2
+    for r in rows:
+        assert "error" not in r, (r["variant"], r.get("error"))
+        assert r["tokens_per_s"] > 0 and r["losses"] == pytest.approx(rows[0]["losses"], rel=2e-3)
+    for r in rows[1::3] + rows[2::3]:
+        assert r["info"]["mesh"] == [1, 1] and r["info"]["backend"] == "gloo" and r["info"]["lookahead"] is False
+        assert r["info"]["describe"]["torch_fast"] is True
+    assert [r["info"]["describe"]["torch_dispatch"] for r in rows[1:3]] == ["Ragged", "PooledWave"]
+    assert "| E16 seq 128 | torch_mesh |" in (tmp_path / "table.md").read_text()
+
+
 @pytest.fixture(scope="module")
 def repeated(tmp_path_factory):
     """One bench process for both repeat properties: a torch pair and a JAX variant, the list run
