@@ -71,7 +71,10 @@ extrapolation term in LR area and, at another size, the size term, added in quad
 is measured wherever the fit has several sizes: each size beyond the smallest is predicted from the
 smaller sizes' curves (one size: its prior; several: their size law), and the root mean square of the
 held-out curves' mean relative errors per e-fold of N is the term's sd per e-fold beyond the fitted
-sizes, its half-width at Student's t quantile for the number of held-out sizes (1 for two sizes). With
+sizes, its half-width at Student's t quantile for the number of held-out sizes (1 for two sizes). From
+two held-out sizes on (three fitted sizes) the band takes the size term per stretch of the run instead
+(analysis.curves.sizeband: the held-out curves' |mean relative error| per stretch and e-fold of N, its
+split-conformal quantile), in place of the bootstrap spread and the LR-area term. With
 one size nothing measures it: the prior's SIZE_PRIOR_SD (the published laws' disagreement) stands, and
 the band says little across sizes. The
 non-bootstrap parts are scaled by a calibration factor measured leave-one-curve-out on the training
@@ -107,6 +110,7 @@ from analysis.curves.data import Curve, CurveError, CurveFitError, lr_per_step_f
 from analysis.curves.design import GAMMA_MAX, LOG_BOUNDS, MODELS, Design
 from analysis.curves.fitted import CurveFit
 from analysis.curves.optim import bounds_for, clip_to, fit_one_size, fix_bound, lbfgs, linearised_start, sized_start
+from analysis.curves.sizeband import stretch_scores
 from analysis.curves.sizelaw import KAPLAN_ALPHA_N, SIZE_LAWS, SIZE_PRIOR_SD, SIZE_PRIORS, SizeLaw
 
 try:  # a transitive dependency (scikit-learn via mlflow); without it the fit is only slower
@@ -253,16 +257,18 @@ def _size_backtest(fit: CurveFit, curves, model, joint, size_prior) -> tuple[flo
             continue
         rho = math.log(sizes[k] / sizes[k - 1])
         for c in held:
-            e = float(np.mean(sub.predict_curve(c) / c.loss - 1.0))
+            pred = sub.predict_curve(c)
+            e = float(np.mean(pred / c.loss - 1.0))
             if math.isfinite(e):
                 obs.append((e / rho) ** 2)
                 rows.append({"curve": c.name, "size": sizes[k], "from_sizes": sizes[:k], "mean_rel_error": e,
-                             "efolds": rho})
+                             "efolds": rho, "stretch_scores": stretch_scores(c.step, pred, c.loss, rho)})
     if not obs:
         return None, {"why": "no size could be predicted from smaller ones"}
     sd = float(math.sqrt(np.mean(obs)))
     return sd, {"method": "each size beyond the smallest from the smaller sizes' curves; size_sd = root mean "
-                "square over held-out curves of (mean relative error / e-folds of N)", "size_sd": sd,
+                "square over held-out curves of (mean relative error / e-folds of N); the band uses stretch_scores "
+                "(analysis.curves.sizeband: |mean relative error| per stretch of the run / e-folds of N)", "size_sd": sd,
                 "sizes_held_out": len(sizes) - 1, "curves": rows}
 
 

@@ -16,6 +16,8 @@ from scipy.stats import t as student_t
 
 from analysis.curves.data import Curve, CurveError, check_steps, dense_lr
 from analysis.curves.design import EVAL_CHUNK, LOG_BOUNDS, MODEL_PARAMS, Design, block_distances
+from analysis.curves import sizeband
+from analysis.curves.sizeband import size_halfwidth
 from analysis.curves.sizelaw import (CHINCHILLA_A, CHINCHILLA_ALPHA, CHINCHILLA_E, KAPLAN_ALPHA_N, SIZE_LAWS,
                                     SIZE_PRIOR_SD, SizeLaw, prior_l0)
 
@@ -123,22 +125,46 @@ class CurveFit:
         return self.predict(curve.step, curve.lr_per_step, params=curve.params)
 
     def band(self, steps, lr, params: float | None = None, level: float = 0.9) -> tuple[np.ndarray, np.ndarray]:
-        """(lo, hi) around predict(), normal quantiles at `level` of parts added in quadrature: the
-        training residuals' relative scatter; an extrapolation term extrap_rel x log(S1(t) / s1_max)
-        beyond the largest LR area of the training curves (extrap_rel backtested on the curves
-        themselves: fit on each curve's first half of LR area, error on the second half); these two
-        scaled by the leave-one-curve-out calibration factor `calib`; at a size outside
-        the training sizes, the size term per e-fold of N (size_term: the fit's own size backtest, its half-width
-        at Student's t quantile for the sizes it held out; the prior SIZE_PRIOR_SD with one size); and the
-        bootstrap refits' spread."""
+        """(lo, hi) around predict(), half-widths added in quadrature: the training residuals' relative
+        scatter and an extrapolation term extrap_rel x log(S1(t) / s1_max) beyond the largest LR area
+        of the training curves (extrap_rel backtested on the curves themselves: fit on each curve's
+        first half of LR area, error on the second half), both scaled by the leave-one-curve-out
+        calibration factor `calib`, at normal quantiles; and, at a size outside the training sizes,
+        the size term. Where the fit's own size backtest measured it (several sizes), the size term
+        is per stretch of the run (steps are taken to run to the run's end): e-folds of N beyond the
+        fitted sizes x the split-conformal quantile of the held-out curves' |mean relative error| per
+        e-fold in that stretch (analysis.curves.sizeband); the bootstrap spread and the LR-area term,
+        which those held-out refits already carry (each held-out size ran its own schedule), are then
+        left out. Otherwise (one size: the prior SIZE_PRIOR_SD; an old
+        fit without stretch scores: size_sd at Student's t quantile for the sizes it held out) the
+        size sd per e-fold of N and the bootstrap refits' spread join at normal quantiles."""
         pred = self.predict(steps, lr, params)
         zq = float(norm.ppf(0.5 + level / 2))
-        var = self._model_var(steps, lr, params, pred) * self.calib**2 + self._size_var(params, pred) * self._size_t(level)**2
-        if self.boot_z is not None and len(self.boot_z) >= 2:
+        scores, rho = self.stretch_scores, self.size_efolds(params)
+        size_half = 0.0
+        if scores and rho > 0:
+            # the held-out larger sizes ran under their own (longer) schedules: their residuals carry
+            # the extrapolation in LR area too, so only the per-step scatter joins them
+            var = (self.resid_rel_std * pred) ** 2 * self.calib**2
+            size_half = size_halfwidth(check_steps(steps, "band"), pred, rho, scores, level)
+        else:
+            var = self._model_var(steps, lr, params, pred) * self.calib**2
+            var = var + self._size_var(params, pred) * self._size_t(level)**2
+        if self.boot_z is not None and len(self.boot_z) >= 2 and not (scores and rho > 0):
             draws = np.stack([self.predict(steps, lr, params, _z=zb) for zb in self.boot_z])
             var = var + draws.var(0, ddof=1)
-        half = zq * np.sqrt(var)
+        half = np.sqrt(zq**2 * var + size_half**2)
         return pred - half, pred + half
+
+    @property
+    def stretch_scores(self) -> list | None:
+        """The size backtest's held-out scores per stretch (J x B); None where they come from fewer than
+        MIN_HELD_OUT held-out sizes (a quantile of one size's errors is no quantile: the band is then
+        the bootstrap, LR-area and size_sd one)."""
+        rows = [r for r in self.size_backtest.get("curves", []) if r.get("stretch_scores")]
+        if len({r.get("size") for r in rows}) < sizeband.MIN_HELD_OUT:
+            return None
+        return [r["stretch_scores"] for r in rows]
 
     def _model_var(self, steps, lr, params, pred: np.ndarray) -> np.ndarray:
         var = (self.resid_rel_std * pred) ** 2
