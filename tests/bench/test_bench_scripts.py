@@ -38,39 +38,42 @@ def test_engine_bench_variants_train_and_agree(tmp_path):
     assert "| E16 seq 128 | jax |" in (tmp_path / "table.md").read_text()
 
 
-def test_torch_mesh_trains_the_torch_rows_model_through_the_layouts_step(tmp_path):
-    """torch_mesh (and _cap): the torch row's model through the multi-process layout's step module
-    (engines/torch/parallel/step.ParallelStep) as a process group of one, gloo on the CPU, the
-    fast forward, the torch row's curve; the group is torn down after each variant, so the list
-    run twice (--repeat 2) meets again on a fresh port."""
-    _run(str(ROOT / "bench/engines_h200.py"), "--cpu-smoke", "--only", "torch,torch_mesh,torch_mesh_cap",
-         "--repeat", "2", "--steps", "1", "--warmup", "1", "--out", str(tmp_path), cwd=tmp_path)
-    rows = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
-    assert [r["variant"] for r in rows] == ["torch", "torch_mesh", "torch_mesh_cap"] * 2
-    for r in rows:
-        assert "error" not in r, (r["variant"], r.get("error"))
-        assert r["tokens_per_s"] > 0 and r["losses"] == pytest.approx(rows[0]["losses"], rel=2e-3)
-    for r in rows[1::3] + rows[2::3]:
-        assert r["info"]["mesh"] == [1, 1] and r["info"]["backend"] == "gloo" and r["info"]["lookahead"] is False
-        assert r["info"]["describe"]["torch_fast"] is True
-    assert [r["info"]["describe"]["torch_dispatch"] for r in rows[1:3]] == ["Ragged", "PooledWave"]
-    assert "| E16 seq 128 | torch_mesh |" in (tmp_path / "table.md").read_text()
+REPEATED = ("torch", "torch_nographs", "torch_mesh", "torch_mesh_cap", "jax")
 
 
 @pytest.fixture(scope="module")
 def repeated(tmp_path_factory):
-    """One bench process for both repeat properties: a torch pair and a JAX variant, the list run
-    twice (--repeat 2) with JAX's compilation cache on (--jax-cache)."""
+    """One bench process for the repeat properties and the mesh rows: torch variants (two through
+    the multi-process layout) and a JAX variant, the list run twice (--repeat 2) with JAX's
+    compilation cache on (--jax-cache)."""
     out = tmp_path_factory.mktemp("repeat")
-    _run(str(ROOT / "bench/engines_h200.py"), "--tiny", "--only", "torch,torch_nographs,jax", "--repeat", "2",
+    _run(str(ROOT / "bench/engines_h200.py"), "--tiny", "--only", ",".join(REPEATED), "--repeat", "2",
          "--steps", "1", "--warmup", "1", "--jax-cache", str(out / "jaxcache"), "--out", str(out), cwd=out)
     return out, [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
 
 
 def test_repeat_runs_the_variant_list_over_interleaved(repeated):
     _, rows = repeated
-    assert [r["variant"] for r in rows] == ["torch", "torch_nographs", "jax"] * 2
-    assert rows[0]["losses"] == pytest.approx(rows[3]["losses"], rel=1e-6)  # the same run, repeated
+    assert [r["variant"] for r in rows] == list(REPEATED) * 2
+    assert rows[0]["losses"] == pytest.approx(rows[len(REPEATED)]["losses"], rel=1e-6)  # the same run, repeated
+
+
+def test_torch_mesh_trains_the_torch_rows_model_through_the_layouts_step(repeated):
+    """torch_mesh (and _cap): the torch row's model through the multi-process layout's step module
+    (engines/torch/parallel/step.ParallelStep) as a process group of one, gloo on the CPU, the
+    fast forward, the torch row's curve; the group is torn down after each variant, so the list
+    run twice (--repeat 2) meets again on a fresh port."""
+    out, rows = repeated
+    torch0 = rows[0]
+    mesh = [r for r in rows if r["variant"] in ("torch_mesh", "torch_mesh_cap")]
+    assert [r["variant"] for r in mesh] == ["torch_mesh", "torch_mesh_cap"] * 2
+    for r in mesh:
+        assert "error" not in r, (r["variant"], r.get("error"))
+        assert r["tokens_per_s"] > 0 and r["losses"] == pytest.approx(torch0["losses"], rel=2e-3)
+        assert r["info"]["mesh"] == [1, 1] and r["info"]["backend"] == "gloo" and r["info"]["lookahead"] is False
+        assert r["info"]["describe"]["torch_fast"] is True
+    assert [r["info"]["describe"]["torch_dispatch"] for r in mesh[:2]] == ["Ragged", "PooledWave"]
+    assert "| torch_mesh |" in (out / "table.md").read_text()
 
 
 def test_a_repeated_jax_variant_loads_its_step_from_the_compilation_cache(repeated):
