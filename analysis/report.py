@@ -239,7 +239,10 @@ def build_report(
         "grad_norm": plot_grad_norm(out, runs, roles, forecast),
         "router": plot_router(out, runs, roles),
     }
-    verdict = verdict_text(forecast, hero_actual, hero_df if not hero_finished else None)
+    # the hero's replicates (the same run at other seeds: <hero>-seed<k>) that have a final eval loss
+    seeds = {n: v for n, v in sorted(finals.items()) if hero_name and n.startswith(f"{hero_name}-seed")}
+    verdict = verdict_text(forecast, hero_actual, hero_df if not hero_finished else None,
+                           replicates=seeds if hero_actual is not None else None)
     plan_cols = ["name", "role", "layers", "d_model", "total_params", "active_params", "steps", "tokens", "flops", "share_of_hero"]
     sections = [
         ("plan", "Plan", _table(plan, plan_cols)),
@@ -261,7 +264,9 @@ def build_report(
             f"<p>Ladder report: {len([r for r in plan if r['role'] == 'rung'])} rungs and a hero.</p>{body}</body></html>")
     atomic_write_text(out / "index.html", page)
     atomic_write_text(out / "summary.json", json.dumps({"experiment": experiment, "verdict": verdict[0], "inside": verdict[1],
-                                                         "hero_actual": hero_actual, "forecast": (forecast or {}).get("hero", {}).get("final_loss")}, indent=2))
+                                                         "hero_actual": hero_actual,
+                                                         "hero_replicates": seeds if hero_actual is not None else {},
+                                                         "forecast": (forecast or {}).get("hero", {}).get("final_loss")}, indent=2))
     return out / "index.html"
 
 
@@ -281,10 +286,12 @@ def _law_table(forecast: dict | None) -> str:
 LIVE_WINDOW = 25  # steps whose mean train loss stands for a live hero's loss (the plot's smoothing)
 
 
-def verdict_text(forecast: dict | None, actual: float | None, live_df=None) -> tuple[str, bool]:
-    """The plain statement of the hero's final eval loss against the forecast interval; for a hero
-    still running (live_df: its metrics so far, actual None), its step and its recent train loss
-    against the forecast trajectory at that step."""
+def verdict_text(forecast: dict | None, actual: float | None, live_df=None,
+                 replicates: dict[str, float] | None = None) -> tuple[str, bool]:
+    """The plain statement of the hero's final eval loss against the forecast interval (and of its
+    finished replicates at other seeds, with the mean of them all); for a hero still running
+    (live_df: its metrics so far, actual None), its step and its recent train loss against the
+    forecast trajectory at that step. Errors are (actual - forecast) / actual."""
     if not forecast or "hero" not in forecast:
         return "No forecast yet: run `ladder forecast` on the finished rungs.", False
     fl = forecast["hero"]["final_loss"]
@@ -298,8 +305,16 @@ def verdict_text(forecast: dict | None, actual: float | None, live_df=None) -> t
     err = (actual - fl["mean"]) / actual
     inside = fl["lo"] <= actual <= fl["hi"]
     where = "inside" if inside else "OUTSIDE"
-    return (f"Hero final eval loss {actual:.4f} vs forecast {fl['mean']:.4f} ({level}% interval {fl['lo']:.4f} to "
-            f"{fl['hi']:.4f}): error {100 * err:+.2f}%, {where} the interval."), inside
+    text = (f"Hero final eval loss {actual:.4f} vs forecast {fl['mean']:.4f} ({level}% interval {fl['lo']:.4f} to "
+            f"{fl['hi']:.4f}): error {100 * err:+.2f}%, {where} the interval.")
+    if replicates:
+        each = ", ".join(f"{name.rsplit('-', 1)[-1]} {v:.4f} ({100 * (v - fl['mean']) / v:+.2f}%)"
+                         for name, v in replicates.items())
+        mean = float(np.mean([actual, *replicates.values()]))
+        held = sum(fl["lo"] <= v <= fl["hi"] for v in replicates.values())
+        text += (f" Its replicates: {each}, {held} of {len(replicates)} inside; the mean of all "
+                 f"{len(replicates) + 1} seeds {mean:.4f} ({100 * (mean - fl['mean']) / mean:+.2f}%).")
+    return text, inside
 
 
 def live_verdict(forecast: dict, df) -> tuple[str, bool] | None:

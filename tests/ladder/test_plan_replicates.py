@@ -23,7 +23,8 @@ def test_the_plan_lists_the_hero_replicate_and_the_replicates_cost(tmp_path):
     rows = {r["name"]: r for r in plan["rungs"]}
     assert rows["hero-d512-seed1"]["plan_role"] == "extra" and rows["hero-d512-seed1"]["replicate_of"] == "hero-d512"
     assert rows["d192-seed1"]["replicate_of"] == "d192" and rows["d192"]["replicate_of"] is None
-    assert plan["replicates"] == ["d192-seed1", "d256-seed1", "hero-d512-seed1"]
+    assert plan["replicates"] == ["d192-seed1", "d256-seed1", "d320-seed1", "d384-seed1",
+                                  "hero-d512-seed1", "hero-d512-seed2", "hero-d512-seed3"]
     reps = sum(rows[n]["gpu_hours"] for n in plan["replicates"])
     assert abs(plan["replicate_gpu_hours"] - reps) < 1e-12 and plan["gpu_hours"] > reps > 0
 
