@@ -218,9 +218,11 @@ def build_report(
     replan: list[dict],
     recommendation: str | None = None,
     hero_finished: bool = True,
+    extras: dict[str, pd.DataFrame] | None = None,
 ) -> Path:
     """hero_finished: whether the hero's run is finished (its status and its final step); an
-    unfinished hero is reported at its last step against the forecast trajectory there."""
+    unfinished hero is reported at its last step against the forecast trajectory there. extras:
+    the experiment's finished extra runs (the hero's replicates among them are in the verdict)."""
     out.mkdir(parents=True, exist_ok=True)
     roles = {r["name"]: r["role"] for r in plan}
     finals = {}
@@ -240,7 +242,11 @@ def build_report(
         "router": plot_router(out, runs, roles),
     }
     # the hero's replicates (the same run at other seeds: <hero>-seed<k>) that have a final eval loss
-    seeds = {n: v for n, v in sorted(finals.items()) if hero_name and n.startswith(f"{hero_name}-seed")}
+    seeds = {}
+    for name, df in sorted((extras or {}).items()):
+        ev = df["eval_loss"].dropna() if "eval_loss" in df else pd.Series(dtype=float)
+        if hero_name and name.startswith(f"{hero_name}-seed") and len(ev):
+            seeds[name] = float(ev.iloc[-1])
     verdict = verdict_text(forecast, hero_actual, hero_df if not hero_finished else None,
                            replicates=seeds if hero_actual is not None else None)
     plan_cols = ["name", "role", "layers", "d_model", "total_params", "active_params", "steps", "tokens", "flops", "share_of_hero"]

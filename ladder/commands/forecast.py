@@ -255,8 +255,10 @@ def register(app: typer.Typer) -> None:
         options = replan.get("options", []) if isinstance(replan.get("options"), list) else []
         rows = [{k: v for k, v in o.items() if not isinstance(v, (dict, list))} for o in options if isinstance(o, dict)]
         hero_finished = exp.hero is None or is_finished(run_dir_for(r, exp.name, exp.hero), exp.hero)
+        extras = {s.name: read_metrics_frame(run_dir_for(r, exp.name, s) / METRICS_FILE) for s in exp.extras
+                  if is_finished(run_dir_for(r, exp.name, s), s)}
         page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.get("recommendation"),
-                            hero_finished=hero_finished)
+                            hero_finished=hero_finished, extras=extras)
         if not no_tracking and forecast is not None:
             try:
                 for f in sorted(Path(out).iterdir()):
