@@ -270,12 +270,17 @@ def train_run(spec: Spec, run_dir: Path, stop: int, hook=None, what: str = "heal
 def replay(df: pd.DataFrame, spec: Spec, forecast: Forecast | None, cal: Calibration | None,
            settings: MonitorSettings, status: dict | None, every: int) -> dict[str, Any]:
     """The monitor on the records as they grew: for each flag kind the first prefix end (step)
-    at which it was raised at each severity; and the final report."""
+    at which it was raised at each severity; and the final report. The prefixes end every `every`
+    steps and, with a calibration, at the last step of each of its blocks (where `--follow` first
+    sees a block complete), so a block's alarm is seen at the step it is raised, not at the next
+    round `every`."""
     seen: dict[str, dict[str, int]] = {}
     steps = df["step"].to_numpy()
-    ends = list(range(every - 1, int(steps[-1]) + 1, every))
-    if not ends or ends[-1] != int(steps[-1]):
-        ends.append(int(steps[-1]))
+    last_step = int(steps[-1])
+    grid = set(range(every - 1, last_step + 1, every)) | {last_step}
+    if cal is not None:
+        grid |= {int(e) - 1 for e in cal.edges_array[1:] if 0 < int(e) - 1 <= last_step}
+    ends = sorted(grid)
     report = None
     for end in ends:
         part = df[df["step"] <= end]
