@@ -362,10 +362,6 @@ def load_calibration(path: str | Path) -> Calibration:
     return cal
 
 
-def _smooth_mean(v: np.ndarray, w: int) -> np.ndarray:
-    return pd.Series(v).rolling(2 * w + 1, center=True, min_periods=1).mean().to_numpy()
-
-
 def _spread(M_RB: np.ndarray, S_RB: np.ndarray, per_block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float]:
     """(mu (B,), sd (B,), scatter (B,), dof, widen) from the block means of R healthy runs.
 
