@@ -80,16 +80,22 @@ def read_log_records(path: Path, offset: int = 0) -> tuple[list[bytes], int]:
     while True:
         left = BLOCK - pos % BLOCK
         if left < RECORD.size:  # the block's trailer is zero padding
+            pad = data[pos - offset: pos - offset + left]
+            if pad.strip(b"\0"):
+                raise MetricsError(f"{path}: corrupt block trailer at byte {pos} (not zero padding)")
             pos += left
+            left = BLOCK
         if pos + RECORD.size > end:
             break
         crc, length, kind = RECORD.unpack_from(data, pos - offset)
+        if RECORD.size + length > left:  # a record never crosses its block: the header is damaged
+            raise MetricsError(f"{path}: corrupt record at byte {pos} (length {length} crosses its block)")
         body = data[pos - offset + RECORD.size: pos - offset + RECORD.size + length]
         if len(body) < length:
             break  # being written
         if kind not in _CRC or zlib.crc32(body, _CRC[kind]) & 0xFFFFFFFF != crc:
-            if pos + RECORD.size + length >= end - RECORD.size:
-                break  # a torn tail: the writer has not finished it
+            if pos + RECORD.size + length == end:
+                break  # the file's last record, torn: the writer has not finished it
             raise MetricsError(f"{path}: corrupt record at byte {pos} (bad checksum or type {kind})")
         pos += RECORD.size + length
         if kind == FULL:

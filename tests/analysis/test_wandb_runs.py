@@ -15,7 +15,7 @@ pytest.importorskip("wandb")
 
 from analysis.runs.names import load_metric_names  # noqa: E402
 from analysis.runs.metrics import MetricsError, check_spec_matches, tokens_from_spec  # noqa: E402
-from analysis.runs.wandb_runs import read_log_records, resolve_wandb_log  # noqa: E402
+from analysis.runs.wandb_runs import BLOCK, HEADER, RECORD, read_log_records, resolve_wandb_log  # noqa: E402
 from analysis.runs.sources import open_source  # noqa: E402
 from ladder.presets import micro_spec  # noqa: E402
 
@@ -80,15 +80,56 @@ def test_a_log_cut_anywhere_reads_its_complete_records_and_resumes_to_the_same_r
         assert first + rest == whole and end2 == len(data)
 
 
+def _flipped(log: Path, at: int, dest: Path) -> Path:
+    data = bytearray(log.read_bytes())
+    data[at] ^= 0xFF
+    dest.parent.mkdir(exist_ok=True)
+    dest.write_bytes(bytes(data))
+    return dest
+
+
+def _record_headers(data: bytes) -> list[int]:
+    """The byte offsets of every record header in a well-formed log (LevelDB's log format)."""
+    pos, out = HEADER.size, []
+    while True:
+        if BLOCK - pos % BLOCK < RECORD.size:
+            pos += BLOCK - pos % BLOCK
+        if pos + RECORD.size > len(data):
+            return out
+        out.append(pos)
+        pos += RECORD.size + RECORD.unpack_from(data, pos)[1]
+
+
+def test_a_corrupt_byte_before_the_last_record_is_an_error_naming_the_file(spiky_run, tmp_path):
+    """Each byte of every record header but the last (checksum, length, type), every block's zero
+    padding and a stride through the bodies: the damage is an error, never records silently
+    dropped or a tail left for a later read. The one exception is a length that now points past the
+    end of the file but not past its block: that is what a record still being written looks like."""
+    log = resolve_wandb_log(spiky_run)
+    data = log.read_bytes()
+    heads = _record_headers(data)
+    assert len(heads) > 200
+    padding = [b - d for b in range(BLOCK, len(data), BLOCK) for d in range(1, RECORD.size)
+               if BLOCK - (b - d) % BLOCK < RECORD.size and not data[b - d]]
+
+    def unfinished(h: int, k: int) -> bool:  # the flipped length byte makes the record run past EOF
+        if k not in (4, 5):
+            return False
+        length = RECORD.unpack_from(data, h)[1] ^ (0xFF << (8 * (k - 4)))
+        return h + RECORD.size + length > len(data) and RECORD.size + length <= BLOCK - h % BLOCK
+
+    spots = {h + k for h in heads[:-1] for k in range(RECORD.size) if not unfinished(h, k)}
+    spots |= set(range(HEADER.size, heads[-1], 211))
+    bad = tmp_path / "bad" / "run-x.wandb"
+    for at in sorted(spots | set(padding)):
+        _flipped(log, at, bad)
+        with pytest.raises(MetricsError, match="run-x.wandb"):
+            read_log_records(bad)
+
+
 def test_a_corrupt_record_is_one_clear_error_naming_the_file(spiky_run, tmp_path):
     log = resolve_wandb_log(spiky_run)
-    data = bytearray(log.read_bytes())
-    data[len(data) // 2] ^= 0xFF
-    bad = tmp_path / "bad" / "run-x.wandb"
-    bad.parent.mkdir()
-    bad.write_bytes(bytes(data))
-    with pytest.raises(MetricsError, match="run-x.wandb"):
-        read_log_records(bad)
+    bad = _flipped(log, log.stat().st_size // 2, tmp_path / "bad" / "run-x.wandb")
     out = ladder("compare", f"wandb:{bad.parent}", "--metric-names", "olmo-core")
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
 
