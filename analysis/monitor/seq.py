@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from analysis.monitor.calib import eval_series, sequential_test, series_values, throughput_ratio
+from analysis.monitor.calib import sequential_test
+from analysis.monitor.series import eval_series, series_values, throughput_ratio
 from analysis.monitor.checks import RunCurves
 from analysis.monitor.stats import column, json_num
 from analysis.monitor.flags import Flag
@@ -82,7 +83,7 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
 
 def check_train_eval(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     """`train_eval_divergence` (critical): held-out eval loss (the periodic subset's series where
-    the records carry it: analysis.monitor.calib.eval_series) risen over its running minimum (by
+    the records carry it: analysis.monitor.series.eval_series) risen over its running minimum (by
     eval_rise_sigma standard errors when eval_loss_se is logged, else by eval_rise_rel) while the
     train loss near it fell below what it was at that minimum, at eval_rise_points consecutive
     eval points."""
