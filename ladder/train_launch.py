@@ -37,6 +37,7 @@ from core.rundir import METRICS_FILE, parse_metrics_lines
 from core.spec import Spec
 from engines.base import StepMetrics
 from engines.checkpoint import latest_checkpoint
+from engines.torch.parallel.sharded import latest_sharded
 from engines.options import EngineOptions
 
 MAX_FAILURES = 3
@@ -188,8 +189,6 @@ def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True, max_f
         for d in ("sharded", "checkpoints"):
             shutil.rmtree(run_dir / d, ignore_errors=True)
     metrics = run_dir / METRICS_FILE
-    from engines.torch.parallel.checkpoint import latest_sharded
-
     found = [int(p.name[5:]) for p in (latest_sharded(run_dir), latest_checkpoint(run_dir)) if p is not None]
     next_step = max(found, default=0)  # where the workers resume; earlier records are passed over
     offset = 0

@@ -95,7 +95,11 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
 
 # FlexAttention runs as a generated kernel only compiled; inside a compiled block Dynamo traces
 # straight into it, outside (compile "none") this compiled wrapper is the kernel
-_flex_compiled = torch.compile(flex_attention, dynamic=False)
+@functools.cache
+def _flex_compiled():
+    """FlexAttention compiled, made on first use on a GPU (torch.compile imports TorchDynamo, which
+    a CPU process never needs)."""
+    return torch.compile(flex_attention, dynamic=False)
 
 
 def window_block_mask(seq_len: int, window: int | None, device) -> BlockMask:
@@ -116,7 +120,7 @@ def _sdpa(q, k, v, mask_SS, gqa: bool):
     """Causal attention of q [B, H, S, Q] over k, v [B, G, S, Q]: SDPA with is_causal (mask_SS
     None), FlexAttention (a BlockMask) or SDPA with a dense [S, S] bool mask."""
     if isinstance(mask_SS, BlockMask):
-        flex = _flex_compiled if q.is_cuda else flex_attention
+        flex = _flex_compiled() if q.is_cuda else flex_attention
         return flex(q, k, v, block_mask=mask_SS, enable_gqa=gqa)
     if mask_SS is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)

@@ -75,29 +75,14 @@ from engines.checkpoint import (
 from engines.torch.parallel.fsdp import _local_of, expert_slice, local_tensor, reshard
 from engines.torch.parallel.layout import Layout
 from engines.torch.parallel.model import is_expert_param
+from engines.torch.parallel.sharded import SHARDED, STATE_FILE, latest_sharded, list_sharded
 
-SHARDED = "sharded"
-STATE_FILE = "state.json"
 META_FILE = ".metadata"
 EXPERT_KEY = re.compile(r"^(?P<name>.+)/ep(?P<e>\d+)of(?P<n>\d+)$")
 
 
 def _key(name: str, mc: Layout) -> str:
     return f"{name}/ep{mc.e}of{mc.ep}" if is_expert_param(name) else name
-
-
-def list_sharded(run_dir: str | Path) -> list[Path]:
-    root = Path(run_dir) / SHARDED
-    if not root.is_dir():
-        return []
-    found = [(int(d.name[5:]), d) for d in root.iterdir()
-             if d.is_dir() and d.name.startswith("step_") and d.name[5:].isdigit() and (d / STATE_FILE).is_file()]
-    return [d for _, d in sorted(found)]
-
-
-def latest_sharded(run_dir: str | Path) -> Path | None:
-    found = list_sharded(run_dir)
-    return found[-1] if found else None
 
 
 def read_state(path: Path) -> dict:

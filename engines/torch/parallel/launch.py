@@ -35,7 +35,7 @@ import engines
 from engines.base import METRICS_FILE, DivergedError, StepMetrics, emulated_ep_note, read_status
 from engines.checkpoint import latest_checkpoint, missing_parent_checkpoint, resume_step
 from engines.options import EngineOptions
-from engines.torch.parallel.checkpoint import latest_sharded
+from engines.torch.parallel.sharded import latest_sharded
 from engines.torch.parallel.layout import NO_MULTICAST, LayoutError
 from core.fsutil import atomic_write_json, atomic_write_text
 from core.rundir import parse_metrics_lines
