@@ -101,6 +101,7 @@ class Design:
         self.eta_n = eta_T[steps_n]
         if model == "mpl":
             self.D_nb, self.le_nb, self.lS_nb = lumped_changes(steps_n, eta_T, exact)
+            self.D_n = self.D_nb.sum(1)
         else:
             d_T = np.zeros_like(eta_T)
             d_T[1:] = eta_T[:-1] - eta_T[1:]
@@ -120,14 +121,18 @@ class Design:
                 dC_n = dbe_n = dga_n = LD_n
             else:
                 a_nb = lC - ga * self.le_nb + self.lS_nb
-                logu_nb = np.logaddexp(0.0, a_nb)
+                # log(1 + e^a) and the logistic e^a / (1 + e^a) from one exp(-|a|), stable both ways
+                e_nb = np.exp(-np.abs(a_nb))
+                logu_nb = np.maximum(a_nb, 0.0) + np.log1p(e_nb)
                 omG_nb = np.exp(-be * logu_nb)
-                LD_n = (self.D_nb * (1.0 - omG_nb)).sum(1)
+                DomG_nb = self.D_nb * omG_nb
+                LD_n = self.D_n - DomG_nb.sum(1)
                 if grad:
-                    w_nb = be * omG_nb * np.exp(a_nb - logu_nb) * self.D_nb  # dG/dlogC, weighted
-                    dC_n = w_nb.sum(1)
-                    dga_n = -(w_nb * self.le_nb).sum(1) * ga
-                    dbe_n = (self.D_nb * omG_nb * logu_nb).sum(1) * be
+                    sig_nb = np.where(a_nb >= 0.0, 1.0, e_nb) / (1.0 + e_nb)
+                    w_nb = np.multiply(DomG_nb, sig_nb, out=sig_nb)  # dG/dlogC over be, weighted
+                    dC_n = w_nb.sum(1) * be
+                    dga_n = -np.einsum("nb,nb->n", w_nb, self.le_nb) * (be * ga)
+                    dbe_n = np.einsum("nb,nb->n", DomG_nb, logu_nb) * be
             pred = L0 + pw_n - B * LD_n
             if not grad:
                 return pred
