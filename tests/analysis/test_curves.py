@@ -339,7 +339,7 @@ def _good_rows(n: int = 12) -> str:
 def test_cli_bad_input_exits_2_naming_the_problem(tmp_path, text, message):
     bad = _write(tmp_path / "bad.csv", text)
     r = subprocess.run([*LADDER, "curve", "fit", "--train", str(bad), "--predict", str(bad), "--out", str(tmp_path / "o")],
-                       capture_output=True, text=True, cwd=REPO, timeout=120)
+                       capture_output=True, text=True, cwd=REPO, timeout=600)
     assert r.returncode == 2, r.stdout + r.stderr
     err = " ".join(r.stderr.split())  # the console wraps long lines
     assert message in err and "Traceback" not in err
@@ -350,14 +350,14 @@ def test_cli_bad_input_exits_2_naming_the_problem(tmp_path, text, message):
 def test_cli_refuses_to_overwrite_an_input_and_a_fit_that_fails(tmp_path):
     good = _write(tmp_path / "good.csv", "step,lr,loss\n" + _good_rows())
     r = subprocess.run([*LADDER, "curve", "fit", "--train", str(good), "--predict", str(good), "--out", str(tmp_path)],
-                       capture_output=True, text=True, cwd=REPO, timeout=120)
+                       capture_output=True, text=True, cwd=REPO, timeout=600)
     assert r.returncode == 2 and "overwrite an input" in " ".join(r.stderr.split())
     assert good.read_text().startswith("step,lr,loss\n100,")
     rng = np.random.default_rng(0)
     noise = "".join(f"{100 * (i + 1)},3e-4,{math.exp(rng.uniform(0, 3))}\n" for i in range(20))
     bad = _write(tmp_path / "noise.csv", "step,lr,loss\n" + noise)
     r = subprocess.run([*LADDER, "curve", "fit", "--train", str(bad), "--json"],
-                       capture_output=True, text=True, cwd=REPO, timeout=120)
+                       capture_output=True, text=True, cwd=REPO, timeout=600)
     err = " ".join(r.stderr.split())
     assert r.returncode == 2 and ("cannot describe" in err or "did not converge" in err)
     assert r.stdout == ""
@@ -387,7 +387,7 @@ def test_cli_params_per_file_and_a_dense_schedule_file(tmp_path):
 
 def test_cli_schedule_for_an_unknown_file_exits_2(tmp_path):
     cmd = [*LADDER, "curve", "fit", "--train", str(DATA / "25M" / "cosine_24000.csv"), "--schedule", "nope.csv=x.yaml"]
-    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=120)
+    r = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, timeout=600)
     assert r.returncode == 2 and "none of the --train/--predict files" in r.stderr and "Traceback" not in r.stderr
 
 

@@ -103,7 +103,7 @@ def test_compare_with_a_bad_metric_names_argument_says_so_in_one_line_and_exits_
     wandb_panel_csv(tmp_path / "w.csv")
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     out = subprocess.run([sys.executable, "-m", "ladder.cli", "compare", "--metrics", "w.csv", "--metric-names",
-                          "olmo-cor"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=120)
+                          "olmo-cor"], capture_output=True, text=True, cwd=tmp_path, env=env, timeout=600)
     assert out.returncode == 2
     err = out.stderr.strip().splitlines()
     assert len(err) == 1 and "olmo-cor" in err[0] and "olmo-core" in err[0], out.stderr

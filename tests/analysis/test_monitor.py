@@ -31,7 +31,7 @@ def flag(report, kind):
 
 def run_cli(args, cwd):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return subprocess.run([*LADDER, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run([*LADDER, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
 
 
 def forecast_file(path: Path, steps, loss, rel_halfwidth: float, gn=None) -> Path:
@@ -325,7 +325,7 @@ def test_compare_follow_rereads_the_growing_run_until_its_status_says_done(tmp_p
             for s in range(50, 80):
                 f.write(json.dumps({"step": s, "loss": float("nan") if s >= 70 else 3.0 - 0.001 * s, "grad_norm": 0.8}) + "\n")
         (run / "status.json").write_text(json.dumps({"state": "diverged", "step": 70}))
-        out, err = proc.communicate(timeout=60)
+        out, err = proc.communicate(timeout=300)
     finally:
         proc.kill()
     assert proc.returncode == 3, err

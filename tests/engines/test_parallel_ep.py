@@ -61,7 +61,7 @@ def runs(tmp_path_factory):
     proc = subprocess.run(
         [PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "engines.torch.parallel.train",
          *_train_args(root / "ep2.yaml", root / "ep2-ranks", "--steps", "3")],
-        cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=180)
+        cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     out["ep2_status_at_stop"] = read_status(root / "ep2-ranks")
     # ... then continued from its checkpoint; 4 ranks; dropless over 2 ranks
@@ -156,7 +156,7 @@ def test_a_run_stopped_early_is_left_resumable_and_the_continuation_finishes(run
 def test_a_process_count_other_than_ep_size_is_a_clear_error(runs, tmp_path):
     proc = subprocess.run([PY, "-m", "engines.torch.parallel.train",
                            *_train_args(runs["root"] / "ep2.yaml", tmp_path / "run")],
-                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2
     assert "1 process(es) do not form a (data x expert) mesh with model.ep_size 2" in proc.stderr
     assert "Traceback" not in proc.stderr

@@ -141,7 +141,7 @@ def test_a_process_count_that_is_no_mesh_is_one_clear_line(runs, tmp_path):
     env = dict(cpu_env(), WORLD_SIZE="3", RANK="0", LOCAL_RANK="0")
     proc = subprocess.run([PY, "-m", "engines.torch.parallel.train", *_args(runs, "x")[:1], "--run-dir",
                            str(tmp_path / "run"), "--device", "cpu"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("error: 3 process(es) do not form a (data x expert) mesh")
     assert "Traceback" not in proc.stderr

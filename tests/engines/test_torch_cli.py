@@ -11,7 +11,7 @@ def test_a_missing_data_source_is_named_and_nothing_is_trained(tmp_path):
     spec = micro_spec(**{"data.sources": [{"name": "mybooks", "weight": 1.0, "paths": [str(tmp_path / "books/*.txt")]}]})
     path = save_spec(spec, tmp_path / "spec.yaml")
     out = subprocess.run([sys.executable, "-m", "ladder.cli", "train", str(path), "--run-dir", str(tmp_path / "run")],
-                         capture_output=True, text=True, timeout=120)
+                         capture_output=True, text=True, timeout=600)
     assert out.returncode == 2
     assert "mybooks" in out.stderr and "Traceback" not in out.stderr
     assert not (tmp_path / "run" / "metrics.jsonl").exists()

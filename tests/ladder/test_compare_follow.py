@@ -56,7 +56,7 @@ def _run(tmp_path: Path, records: list[dict], *args: str) -> subprocess.Complete
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     return subprocess.run([sys.executable, "-m", "ladder.cli", "compare", str(run), *args], cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=120)
+                          capture_output=True, text=True, env=env, timeout=600)
 
 
 def test_exit_status_is_the_worst_severity_and_quiet_prints_only_what_warns(tmp_path):

@@ -63,7 +63,7 @@ def test_a_sweep_spreads_over_both_nodes_and_survives_losing_one(cluster, write_
     th.start()
 
     victim = None
-    deadline = time.time() + 240
+    deadline = time.time() + 400  # a hang guard
     while victim is None and time.time() < deadline and th.is_alive():
         for name, d in dirs.items():
             tries = attempts(d)

@@ -54,7 +54,7 @@ def start_submit(path: Path, root: Path) -> subprocess.Popen:
     )
 
 
-def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 240) -> None:
+def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 400) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if cond():
@@ -91,7 +91,7 @@ def story(tmp_path_factory, mlflow_template):
     p = start_submit(path, root)
     wait_for(lambda: any(last_step(d) >= 12 for d in dirs.values()), p, "a run passed step 12")
     os.killpg(p.pid, signal.SIGINT)
-    _, err = p.communicate(timeout=120)
+    _, err = p.communicate(timeout=300)
     out["sigint"] = {
         "rc": p.returncode,
         "stderr": err,
@@ -119,7 +119,7 @@ def story(tmp_path_factory, mlflow_template):
     out["finished_before_kill"] = [n for n, d in dirs.items() if read_status(d).get("state") == "finished"]
     out["attempts_before_rerun"] = {n: len(attempts(d)) for n, d in dirs.items()}
     p.send_signal(signal.SIGKILL)  # the driver only: its local Ray goes down with it
-    out["killed_stderr"] = p.communicate(timeout=60)[1]
+    out["killed_stderr"] = p.communicate(timeout=300)[1]
 
     # 3. run it again to the end
     t0 = time.perf_counter()

@@ -148,7 +148,7 @@ def test_a_submission_takes_over_its_own_claim_and_the_old_holder_stops(tmp_path
     old = ledger.Claim.acquire(tmp_path, "abc", owner="sub-1", heartbeat_s=0.05)
     new = ledger.Claim.acquire(tmp_path, "abc", owner="sub-1")
     assert new is not None and new.token != old.token
-    deadline = time.time() + 5
+    deadline = time.time() + 120  # a hang guard: the heartbeat is 0.05 s
     while not old.lost and time.time() < deadline:
         time.sleep(0.02)
     assert old.lost
@@ -160,7 +160,7 @@ def test_a_submission_takes_over_its_own_claim_and_the_old_holder_stops(tmp_path
 def test_a_holder_whose_claim_was_taken_over_notices(tmp_path):
     holder = ledger.Claim(tmp_path / "x.lock", {"token": "t1"}, heartbeat_s=0.05)
     (tmp_path / "x.lock").write_text(json.dumps({"token": "t2"}))
-    deadline = time.time() + 5
+    deadline = time.time() + 120  # a hang guard: the heartbeat is 0.05 s
     while not holder.lost and time.time() < deadline:
         time.sleep(0.02)
     assert holder.lost

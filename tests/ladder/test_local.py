@@ -71,13 +71,13 @@ def test_a_killed_local_worker_resumes_to_the_same_losses(tmp_path):
     drv = subprocess.Popen([sys.executable, "-m", "ladder.cli", "submit", str(path), "--local", "--no-tracking",
                             "--root", str(root)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     d = ledger.run_dir_for(root, "loc", spec)
-    deadline = time.time() + 120
+    deadline = time.time() + 300  # a hang guard
     while time.time() < deadline and not list((d / "checkpoints").glob("*")):
         time.sleep(0.1)
     worker = ledger.live_claim(root, spec.id)
     assert worker is not None, "the worker holds a claim while it trains"
     os.kill(int(worker["pid"]), signal.SIGKILL)
-    drv.wait(timeout=60)
+    drv.wait(timeout=300)
     assert drv.returncode != 0
     result = submit(path, root=root, console=_quiet(), local=True, tracking=False)
     assert result.ok
@@ -123,8 +123,8 @@ def test_a_killed_local_driver_takes_its_worker_with_it(tmp_path):
     assert worker is not None, (d / "worker.log").read_text()[-3000:] if (d / "worker.log").exists() else drv.communicate()[1]
     pid = int(worker["pid"])
     drv.kill()
-    drv.wait(timeout=60)
-    deadline = time.time() + 60  # only to catch a worker that never stops
+    drv.wait(timeout=300)
+    deadline = time.time() + 300  # only to catch a worker that never stops
     while time.time() < deadline and not _gone(pid):
         time.sleep(0.1)
     try:
@@ -159,7 +159,7 @@ def test_a_resumed_local_run_says_the_step_it_resumes_from(tmp_path):
     worker = ledger.live_claim(root, spec.id)
     assert worker is not None
     os.kill(int(worker["pid"]), signal.SIGKILL)
-    drv.wait(timeout=60)
+    drv.wait(timeout=300)
     start = resume_step(d)
     # a checkpoint past the first record; the kill may land right after it (start == records)
     assert 0 < start <= len(RunDir(d).read_metrics())

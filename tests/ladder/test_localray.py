@@ -45,7 +45,7 @@ def test_a_sigkilled_driver_leaves_no_ray_process_and_its_ray_listened_on_loopba
     assert len(procs) >= 4  # gcs, raylet, its agents, a worker
     assert info["listen"], "Ray's processes listened on nothing ss could see"
     assert all(addr.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:")) for addr in info["listen"]), info["listen"]
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 300  # a hang guard
     while time.monotonic() < deadline and any(proc_start(pid) == start for pid, start in procs):
         time.sleep(0.5)
     alive = [(pid, Path(f"/proc/{pid}/cmdline").read_bytes()[:80]) for pid, start in procs if proc_start(pid) == start]
@@ -88,7 +88,7 @@ def test_joining_a_port_that_answers_but_is_not_ray_fails_in_one_line_within_its
         proc = subprocess.run([sys.executable, "-m", "ladder.cli", "submit", str(exp), "--address", f"127.0.0.1:{port}",
                                "--ray-timeout", "3", "--no-tracking", "--root", str(tmp_path / "root")],
                               cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, capture_output=True, text=True,
-                              timeout=120)  # only to catch the hang
+                              timeout=600)  # only to catch the hang
     finally:
         web.kill()
         web.wait()

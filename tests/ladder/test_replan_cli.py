@@ -22,7 +22,7 @@ REPO = Path(__file__).resolve().parents[2]
 def ladder(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     return subprocess.run([sys.executable, "-m", "ladder.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=180)
+                          text=True, env=env, timeout=600)
 
 
 def test_replan_of_a_run_dir_uses_its_own_spec_and_of_a_bare_metrics_file_asks_for_one(tmp_path):

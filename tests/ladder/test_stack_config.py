@@ -63,7 +63,7 @@ def test_a_config_without_a_model_section_is_refused_naming_it():
 def test_the_cli_writes_a_loadable_spec_with_overrides_and_refuses_a_bad_field_in_one_line(tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     run = lambda *a: subprocess.run([sys.executable, "-m", "ladder.cli", "spec", "from-run", "--config", str(CONFIG),
-                                     "--name", "olmoe", *a], capture_output=True, text=True, env=env, timeout=120)
+                                     "--name", "olmoe", *a], capture_output=True, text=True, env=env, timeout=600)
     ok = run("--out", str(tmp_path / "s.yaml"), "--set", "hardware.n_gpus=32", "--set", "data.total_tokens=1e12")
     assert ok.returncode == 0, ok.stderr
     spec = load_spec(tmp_path / "s.yaml")

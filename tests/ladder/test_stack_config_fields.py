@@ -44,7 +44,7 @@ def test_a_malformed_olmo_core_field_is_refused_in_one_line_naming_it(tmp_path, 
     config, out = tmp_path / "config.json", tmp_path / "spec.yaml"
     config.write_text(json.dumps(_set(json.loads(OLMO.read_text()), field, value)))
     r = subprocess.run([sys.executable, "-m", "ladder.cli", "spec", "from-run", "--config", str(config), "--name", "x",
-                        "--out", str(out)], capture_output=True, text=True, timeout=120,
+                        "--out", str(out)], capture_output=True, text=True, timeout=600,
                        env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr

@@ -40,7 +40,7 @@ def test_ladder_status_prints_no_line_wider_than_80_and_whole_spec_names(write_e
     path = write_experiment("narrow", [("rung-with-a-long-name", {}), ("second-rung", {})])
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
     out = subprocess.run([sys.executable, "-m", "ladder.cli", "status", str(path), "--root", str(tmp_path / "root")],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+                         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert max(len(ln) for ln in lines) <= 80, out.stdout

@@ -189,7 +189,7 @@ def test_ladder_sync_uploads_runs_mlflow_never_saw_and_then_nothing(tmp_path, tr
     root = tmp_path / "root"  # run dirs of this test only, logged to the module's store
     d = _copy(src, ledger.run_dir_for(root, exp_name, spec))
     cmd = [sys.executable, "-m", "ladder.cli", "sync", "--root", str(root), "--tracking-uri", uri]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert first.returncode == 0, first.stderr
     runs = tracking.child_runs(uri, exp_name)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"
