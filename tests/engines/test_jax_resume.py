@@ -44,7 +44,7 @@ def runs(tmp_path_factory):
 
     proc = subprocess.Popen(_cmd(spec_path, killed), cwd=ROOT, env=env, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 400  # a hang guard
+    deadline = time.time() + 900  # a hang guard
     while time.time() < deadline and proc.poll() is None:
         if len(read_metrics(killed)) >= 35:  # past the step-30 checkpoint, before the end
             break

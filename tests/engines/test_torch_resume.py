@@ -33,7 +33,7 @@ def test_sigkill_mid_run_then_resume_equals_an_uninterrupted_run(tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     other = subprocess.Popen(LADDER + [str(spec_path), "--run-dir", str(whole), "--quiet"],
                              stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 400  # a hang guard
+    deadline = time.time() + 900  # a hang guard
     while time.time() < deadline:
         rows = read_metrics(killed)
         if rows and rows[-1]["step"] >= 47:  # past the checkpoint at 40: work after it is lost

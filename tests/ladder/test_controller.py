@@ -112,7 +112,7 @@ def test_a_worker_killed_mid_run_is_retried_and_resumes_to_the_same_loss(sweep, 
     th = threading.Thread(target=lambda: box.setdefault("r", submit(exp_file, only="^a$", root=root, console=quiet())))
     th.start()
     killed = None
-    deadline = time.time() + 400  # a hang guard
+    deadline = time.time() + 900  # a hang guard
     while killed is None and time.time() < deadline and th.is_alive():
         recs = read_metrics(run_dir) if run_dir.exists() else []
         if recs and recs[-1]["step"] >= 12:
@@ -120,7 +120,7 @@ def test_a_worker_killed_mid_run_is_retried_and_resumes_to_the_same_loss(sweep, 
             os.kill(pid, signal.SIGKILL)
             killed = (pid, recs[-1]["step"])
         time.sleep(0.02)
-    th.join(300)
+    th.join(1200)  # a hang guard: a whole submission on a loaded machine
     assert killed is not None, "the run ended before it could be killed"
     assert killed[1] < STEPS - 1
     result = box["r"]
@@ -178,7 +178,7 @@ def test_two_concurrent_submissions_train_each_spec_once(local_ray, write_experi
     for th in threads:
         th.start()
     for th in threads:
-        th.join(300)
+        th.join(1200)  # a hang guard: a whole submission on a loaded machine
     assert len(results) == 2 and all(r.ok for r in results), [r.outcomes for r in results]
     exp = load_experiment(path)
     uri = tracking.default_tracking_uri(root)

@@ -54,7 +54,7 @@ def start_submit(path: Path, root: Path) -> subprocess.Popen:
     )
 
 
-def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 400) -> None:
+def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 900) -> None:
     deadline = time.time() + timeout
     while time.time() < deadline:
         if cond():

@@ -29,7 +29,7 @@ def test_a_stop_request_ends_the_run_at_its_next_step(tmp_path):
         time.sleep(0.02)
     assert len(read_metrics(rd)) >= 3, "the run never reached step 3"
     ledger.request_stop(tmp_path, "sub1")
-    t.join(timeout=300)
+    t.join(timeout=600)
     assert not t.is_alive()
     assert out["outcome"] == "interrupted"
     assert read_status(rd)["state"] == "failed" and read_status(rd)["reason"] == "interrupted"
@@ -40,7 +40,7 @@ def test_a_stop_request_ends_the_run_at_its_next_step(tmp_path):
 def test_a_task_started_after_the_request_trains_nothing(tmp_path):
     ledger.request_stop(tmp_path, "sub2")
     rd, t, out = _start(tiny_spec("late", steps=20), tmp_path, "sub2")
-    t.join(timeout=300)
+    t.join(timeout=600)
     assert out["outcome"] == "interrupted" and read_metrics(rd) == []
     ledger.clear_stop(tmp_path, "sub2")
     assert not ledger.stop_path(tmp_path, "sub2").exists()
@@ -49,5 +49,5 @@ def test_a_task_started_after_the_request_trains_nothing(tmp_path):
 def test_another_submissions_request_does_not_stop_a_run(tmp_path):
     ledger.request_stop(tmp_path, "someone-else")
     rd, t, out = _start(tiny_spec("mine", steps=20), tmp_path, "sub3")
-    t.join(timeout=300)
+    t.join(timeout=600)
     assert out["outcome"] == "finished" and len(read_metrics(rd)) == 20
