@@ -36,8 +36,8 @@ from typing import Iterator
 from core.rundir import METRICS_FILE, parse_metrics_lines
 from core.spec import Spec
 from engines.base import StepMetrics
-from engines.checkpoint import latest_checkpoint
-from engines.torch.parallel.sharded import latest_sharded
+from engines.checkpoint import CHECKPOINTS, latest_checkpoint
+from engines.torch.parallel.sharded import SHARDED, latest_sharded
 from engines.options import EngineOptions
 
 MAX_FAILURES = 3
@@ -186,7 +186,7 @@ def train_on_workers(spec: Spec, run_dir: str | Path, resume: bool = True, max_f
     if why:
         raise LaunchError(why)
     if not resume:
-        for d in ("sharded", "checkpoints"):
+        for d in (SHARDED, CHECKPOINTS):
             shutil.rmtree(run_dir / d, ignore_errors=True)
     metrics = run_dir / METRICS_FILE
     found = [int(p.name[5:]) for p in (latest_sharded(run_dir), latest_checkpoint(run_dir)) if p is not None]
