@@ -122,7 +122,11 @@ def leg_command(tree: Path, args, out_dir: Path, budget_s: float) -> tuple[list[
     if "--budget-s" in flags:
         cmd += ["--budget-s", f"{max(budget_s, 1.0):.0f}"]
     env = {k: v for k, v in os.environ.items() if not k.startswith("MOE_LADDER_")}
-    env.update({"PYTHONPATH": str(tree), "PYTHONUNBUFFERED": "1"})
+    # The tree first; the caller's other entries (packages installed with --target, say) after it,
+    # less the repository itself, so one leg never imports the other leg's code.
+    extra = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+             if p and p != "." and Path(p).resolve() != ROOT]
+    env.update({"PYTHONPATH": os.pathsep.join([str(tree), *extra]), "PYTHONUNBUFFERED": "1"})
     if args.cpu_smoke:
         cmd.append("--cpu-smoke" if "--cpu-smoke" in flags else "--tiny")
         env.update({"CUDA_VISIBLE_DEVICES": "", "JAX_PLATFORMS": "cpu"})
