@@ -67,6 +67,7 @@ def test_each_tree_gets_the_flags_its_bench_has(tmp_path, monkeypatch):
     """--cpu-smoke becomes --tiny with the GPU hidden for a bench without it; --budget-s goes
     only where it exists; a flag a tree lacks is refused before any leg runs; MOE_LADDER_* stay out."""
     monkeypatch.setenv("MOE_LADDER_OPTIONS", "torch_master=0")
+    monkeypatch.delenv("PYTHONPATH", raising=False)
     common = ["--only", "--steps", "--warmup", "--out", "--tiny", "--shape"]
     old = _tree(tmp_path / "old", common, ["torch", "torch_cap"])
     new = _tree(tmp_path / "new", common + ["--cpu-smoke", "--budget-s", "--d768"], ["torch", "torch_mesh"])
@@ -84,6 +85,16 @@ def test_each_tree_gets_the_flags_its_bench_has(tmp_path, monkeypatch):
     assert "--d768" in leg_command(new, D768, tmp_path / "o", 1.0)[0]
     with pytest.raises(SystemExit, match="--d768"):
         leg_command(old, D768, tmp_path / "o", 1.0)
+
+
+def test_a_leg_imports_its_own_tree_first_and_keeps_the_callers_other_paths(tmp_path, monkeypatch):
+    """Packages the caller put on PYTHONPATH (installed with --target on a bare GPU machine) stay
+    on the leg's path, after the leg's tree; the repository itself and "." do not."""
+    common = ["--only", "--steps", "--warmup", "--out", "--tiny", "--shape"]
+    old = _tree(tmp_path / "old", common, ["torch"])
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(["/tmp/site", ".", str(ROOT), "/opt/more"]))
+    _, env = leg_command(old, Args, tmp_path / "o", 100.0)
+    assert env["PYTHONPATH"].split(os.pathsep) == [str(old), "/tmp/site", "/opt/more"]
 
 
 def test_the_table_pairs_legs_in_order():

@@ -90,7 +90,18 @@ def two_nodes():
             except OSError:
                 time.sleep(0.5)
         procs.append(subprocess.Popen(_node_args(False, gcs), env=env, stdout=log, stderr=log, start_new_session=True))
-        ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
+        # the GCS answers before the head's raylet has registered; ray.init gives up on a node that
+        # a loaded machine registers late, so it is asked again until the hang guard
+        deadline = time.time() + 300
+        while True:
+            try:
+                ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
+                break
+            except (RuntimeError, ConnectionError):
+                ray.shutdown()
+                if time.time() > deadline:
+                    raise
+                time.sleep(1)
         deadline = time.time() + 300  # a hang guard: a loaded machine starts a raylet slowly
         while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
             time.sleep(0.5)
