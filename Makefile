@@ -8,11 +8,9 @@ STAMP := $(VENV)/.installed
 
 # One resolver pass: torch pinned to the CPU build's version (the machine's wheel, +cpu, is the
 # newest of that version), so nothing pulls a multi-GB CUDA wheel; the venv's own pip does it.
-# --no-compile: Python compiles a module's bytecode when it is first imported, so only the modules
-# in use are compiled, not all of torch, JAX and Ray at install time (about 45 s of a 2-core set-up).
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
-	$(BIN)/pip install -q --no-compile "torch==$${TORCH_VERSION:-2.13.0}" -e ".[test]"
+	$(BIN)/pip install -q "torch==$${TORCH_VERSION:-2.13.0}" -e ".[test]"
 	touch $(STAMP)
 
 setup: $(STAMP)
