@@ -34,7 +34,9 @@ directories) are given with `--healthy-runs`: they are judged over their whole r
 monitor as they are, nothing is trained for them. `--jobs N` trains the faults N at a time in
 subprocesses sharing the device; their step rate then depends on their neighbours, so their
 throughput flags are not counted (the row says so), and the faults whose flag is the rate
-(throughput_drop) train alone afterwards.
+(throughput_drop) train alone afterwards. `--shared-machine` says the whole suite trains beside
+other work (a CI machine's CPUs): no run's throughput flags are counted, the healthy replicates'
+included, and throughput_drop is refused.
 
 The hook is engines.trainer.FaultHook (`fault=` of the Trainer, never set in a real run); the spec
 changes are ordinary specs, run under their own ids.
@@ -391,13 +393,15 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
               stop_frac: float = 0.4, onset_frac: float = 0.2, only: tuple[str, ...] = (),
               settings: MonitorSettings | None = None, n_blocks: int = 100, log=print, faults: bool = True,
               reuse: bool = False, healthy_runs: tuple[Path, ...] = (), jobs: int = 1,
-              hero_args: list[str] | None = None, judge_only: bool = False) -> dict[str, Any]:
+              hero_args: list[str] | None = None, judge_only: bool = False,
+              shared_machine: bool = False) -> dict[str, Any]:
     """Train the replicates and the faults under `out`, calibrate, judge, write the table.
     healthy_runs: run directories of healthy replicates trained elsewhere (used instead of `seeds`);
     jobs > 1: the faults trained that many at a time in subprocesses (`hero_args`: how their command
     line names the hero, [experiment file] or ["--tiny"]), their throughput flags not counted.
     judge_only: train nothing; judge the fault runs under OUT/runs as they are (runs trained on
-    another machine), each run's state read from its status.json."""
+    another machine), each run's state read from its status.json. shared_machine: every run trains
+    beside other work, so its step rate is not its own: no run's throughput flags are counted."""
     settings = settings or MonitorSettings()
     out = Path(out)
     runs_dir = out / "runs"
@@ -410,6 +414,9 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
     unknown = set(only) - {f.name for f in FAULTS}
     if unknown:
         raise ValueError(f"unknown fault(s) {sorted(unknown)}; the suite has {[f.name for f in FAULTS]}")
+    if shared_machine and faults and any(n in (only or [f.name for f in FAULTS]) for n in SOLO):
+        raise ValueError(f"{', '.join(SOLO)} is flagged by the step rate, which a shared machine does not "
+                         "measure: leave it out (--only) or train on a machine of its own")
     healthy: list[tuple[str, pd.DataFrame, Spec, str]] = []
     for d in healthy_runs:
         d = Path(d)
@@ -442,6 +449,8 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
         cal = cal_from(others) \
             if len(others) >= 2 else None
         rep = replay(df, spec, forecast, cal, settings, RunDir(status_dirs.get(name, runs_dir / name)).read_status(), every)
+        if shared_machine:
+            rep["seen"] = {k: v for k, v in rep["seen"].items() if k not in RATE_FLAGS}
         rows.append(_row(name, "healthy", None, spec, None, state, rep))
     chosen = [f for f in FAULTS if faults and (not only or f.name in only)]
     shared = [f.name for f in chosen if f.name not in SOLO] if jobs > 1 else []
@@ -473,13 +482,13 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
                          "total_steps": total, "first_flag_step": None, "pass": False, "flags": []})
             continue
         rep = replay(df, spec, forecast, cal_all, settings, RunDir(runs_dir / f.name).read_status(), every)
-        if f.name in shared:
+        if f.name in shared or shared_machine:
             rep["seen"] = {k: v for k, v in rep["seen"].items() if k not in RATE_FLAGS}
         rows.append(_row(f.name, "fault", f, spec, at, state, rep))
         if f.name in shared:
             rows[-1]["shared_device"] = True
     result = {"hero": hero.name, "spec_id": hero.id, "total_steps": total, "stop_step": stop, "onset_step": onset,
-              "shared_device": shared, "healthy_runs": [str(d) for d in healthy_runs],
+              "shared_device": shared, "shared_machine": shared_machine, "healthy_runs": [str(d) for d in healthy_runs],
               "seeds": list(seeds), "forecast": forecast.path if forecast else None,
               "calibration": str(out / "calibration.json"), "false_alarm_rate": settings.false_alarm_rate,
               "rows": rows, "command": " ".join(sys.argv)}
@@ -509,6 +518,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"Trained {len(result['shared_device'])} faults a few at a time on one device "
                   f"({', '.join(result['shared_device'])}): their throughput flags are not counted; "
                   f"{', '.join(SOLO)} trained alone."]
+    if result.get("shared_machine"):
+        lines += ["", "Trained beside other work on a shared machine: no run's throughput flags are counted."]
     lines += ["", "| healthy replicate | warnings or criticals | info flags |", "|---|---|---|"]
     for r in result["rows"]:
         if r["role"] != "healthy":
@@ -545,6 +556,8 @@ def main(argv: list[str] | None = None) -> int:
                    "elsewhere (full runs at other seeds): judged and used for the calibration, nothing trained for them")
     p.add_argument("--jobs", type=int, default=1, help="train the faults N at a time in subprocesses (their "
                    "throughput flags then do not count; throughput_drop trains alone)")
+    p.add_argument("--shared-machine", action="store_true", help="the suite trains beside other work: no run's "
+                   "throughput flags count (throughput_drop is refused)")
     p.add_argument("--train-only", action="store_true", help="train the --only faults under OUT/runs and stop")
     p.add_argument("--judge-only", action="store_true", help="train nothing: judge the fault runs already under "
                    "OUT/runs (trained elsewhere) against the healthy runs")
@@ -561,7 +574,8 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     res = run_suite(hero, Path(a.out), forecast=fc, seeds=seeds, stop_frac=a.stop, onset_frac=a.onset, only=tuple(a.only),
                     faults=not a.no_faults, reuse=a.reuse, healthy_runs=tuple(Path(d) for d in a.healthy_runs),
-                    jobs=a.jobs, hero_args=["--tiny"] if a.tiny else [a.experiment], judge_only=a.judge_only)
+                    jobs=a.jobs, hero_args=["--tiny"] if a.tiny else [a.experiment], judge_only=a.judge_only,
+                    shared_machine=a.shared_machine)
     print(markdown(res))
     return 0 if all(r["pass"] for r in res["rows"]) else 1
 

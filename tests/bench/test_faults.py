@@ -19,8 +19,9 @@ SHOWN = ("lr_x4", "lr_x0.25", "no_warmup", "clip_off_lr_spike", "corrupted_batch
 
 @pytest.mark.slow
 def test_healthy_replicates_stay_quiet_and_the_faults_a_tiny_run_shows_are_caught_in_time(tmp_path):
+    # the test's neighbours set its step rate: no run's throughput flags count (shared_machine)
     res = run_suite(tiny_hero(), tmp_path, seeds=(1, 2, 3, 4), stop_frac=0.4, onset_frac=0.2, only=SHOWN,
-                    log=lambda *_: None)
+                    log=lambda *_: None, shared_machine=True)
     rows = {r["run"]: r for r in res["rows"]}
     healthy = [r for r in res["rows"] if r["role"] == "healthy"]
     assert len(healthy) == 4
@@ -38,7 +39,7 @@ def test_healthy_replicates_stay_quiet_and_the_faults_a_tiny_run_shows_are_caugh
     # judged again on the same runs (a changed monitor): nothing is trained again
     before = {p: p.stat().st_mtime_ns for p in (tmp_path / "runs").glob("*/metrics.jsonl")}
     again = run_suite(tiny_hero(), tmp_path, seeds=(1, 2, 3, 4), stop_frac=0.4, onset_frac=0.2, only=("nan",),
-                      log=lambda *_: None, reuse=True)
+                      log=lambda *_: None, reuse=True, shared_machine=True)
     assert {p: p.stat().st_mtime_ns for p in before} == before
     assert next(r for r in again["rows"] if r["run"] == "nan")["pass"]
 
@@ -47,6 +48,13 @@ def test_the_suite_names_an_unknown_fault(tmp_path):
     with pytest.raises(ValueError, match="unknown fault"):
         run_suite(tiny_hero(), tmp_path, seeds=(1, 2), stop_frac=0.02, onset_frac=0.01, only=("no_such_fault",),
                   log=lambda *_: None)
+
+
+def test_a_shared_machine_refuses_the_fault_only_the_step_rate_shows(tmp_path):
+    with pytest.raises(ValueError, match="throughput_drop is flagged by the step rate"):
+        run_suite(tiny_hero(), tmp_path, seeds=(1, 2), stop_frac=0.02, onset_frac=0.01, shared_machine=True,
+                  log=lambda *_: None)
+    assert not (tmp_path / "runs").exists()  # refused before anything trained
 
 
 def test_every_fault_is_a_spec_change_or_a_hook():
