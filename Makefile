@@ -55,10 +55,11 @@ browser:
 # own reorder by test count is off). The two-node Ray Train cluster file goes first, so it starts in
 # a worker process of its own: after the rest of the suite in one process, Ray Train's controller
 # actor of its second job was once dropped before it started (ActorDiedError); alone it passes.
-# Three workers on the two cores: many files wait (Ray and tracking servers starting, runs polled,
-# subprocesses), and a third worker uses those waits. --durations keeps the slowest tests in CI's
-# output. pytest's exit 5 (no tests collected) fails the target like any other failure.
-TEST_WORKERS ?= 3
+# Four workers on the two cores: many files wait (Ray and tracking servers starting, runs polled,
+# subprocesses); with three the cores were busy about 150% of the run, with four about 199%.
+# --durations keeps the slowest tests in CI's output. pytest's exit 5 (no tests collected) fails
+# the target like any other failure.
+TEST_WORKERS ?= 4
 test: $(STAMP) bytecode browser
 	rc=0; $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 || rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit 5)" >&2; fi; exit $$rc
