@@ -406,7 +406,8 @@ def mesh_of_one(spec):
         raise
 
 
-def run_torch_mesh(spec, batches, warmup, options: dict | None = None, engine: dict | None = None):
+def run_torch_mesh(spec, batches, warmup, options: dict | None = None, engine: dict | None = None,
+                   profile_steps: int = 0):
     """The torch row's model and batches trained through the multi-process layout's step module
     (engines/torch/parallel/step.ParallelStep: FSDP2, the layout's dispatcher, the fast forward of
     engines/torch/parallel/model.py, torch's foreach AdamW on fp32 masters cast by the matmuls; the
@@ -436,6 +437,9 @@ def run_torch_mesh(spec, batches, warmup, options: dict | None = None, engine: d
                     "drop_frac_recv": float(np.mean([o[2] for o in out[warmup:]])),
                     "drop_frac_send": float(np.mean([o[1] for o in out[warmup:]])),
                     "tokens_per_s_read_at_once": read_at_once_tps(launch, read, batches[warmup:], sync)}
+            if profile_steps:  # after the timed steps, as run_torch's
+                info["breakdown"] = step_breakdown(launch, read, batches[warmup:], spec.model.model_dump(),
+                                                   profile_steps, lookahead=step.lookahead)
             del launch, read, step
         return [o[0] for o in out], dt, t_warm, info
     finally:
@@ -532,7 +536,7 @@ def gemm_owner(shapes, m: dict) -> str | None:
     return "head and loss" if m["vocab_size"] in dims else None
 
 
-def step_breakdown(launch, read, batches, m: dict, steps: int) -> dict:
+def step_breakdown(launch, read, batches, m: dict, steps: int, lookahead: bool = True) -> dict:
     """The GPU kernel time of `steps` more steps under torch.profiler, grouped by kernel name
     (BREAKDOWN); dense GEMMs launched by an aten op whose input shapes have the vocabulary are
     counted with the head (under CUDA graph replays the profiler sees no launching op, and they
@@ -545,7 +549,7 @@ def step_breakdown(launch, read, batches, m: dict, steps: int) -> dict:
     sync()
     with profile(activities=acts, record_shapes=True) as prof:
         t0 = time.perf_counter()
-        timed_loop(launch, read, batches[:steps], 0, sync)
+        timed_loop(launch, read, batches[:steps], 0, sync, lookahead=lookahead)
         wall = time.perf_counter() - t0
     cats: dict[str, float] = {}
     kern: dict[str, float] = {}
@@ -861,7 +865,7 @@ def main(argv=None) -> int:
                              optim=kw.pop("optim", None), **{**model, "dispatch": "capacity" if cap else "dropless"})
             if DEVICE == "cpu" and name.split("_")[0] in PEERS:  # CUDA only (bench/peers.py): meta rows above
                 continue
-            if name in profiled and runner is run_torch:
+            if name in profiled and runner in (run_torch, run_torch_mesh):
                 kw["profile_steps"] = args.profile_steps
             run_variant(name, runner, spec, batches, key, **kw)
 
