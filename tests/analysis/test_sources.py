@@ -119,7 +119,7 @@ def test_compare_flags_an_olmo_core_runs_planted_spike_and_grad_norm_rise_and_fo
     assert any(f"step {FIRST_END}" in ln for ln in lines), "".join(lines)
     seen_before = "".join(lines)
     log_steps(tmp_path, server.uri, FIRST_END + 1, LAST_STEP, run_id)
-    stdout, _ = proc.communicate(timeout=400)
+    stdout, _ = proc.communicate(timeout=900)
     reader.join(10)
     assert proc.returncode == 1, "".join(lines) + stdout  # exit by the worst severity: the planted warnings
 
@@ -171,7 +171,7 @@ def test_follow_outlives_a_tracking_server_restart_and_reads_every_point_once(se
     wait_for("failed")  # the watcher says the read failed and goes on
     server.start()
     log_steps(tmp_path, server.uri, 101, LAST_STEP, run_id)
-    stdout, _ = proc.communicate(timeout=400)
+    stdout, _ = proc.communicate(timeout=900)
     assert proc.returncode == 1, "".join(lines) + stdout  # the planted spike and grad-norm rise: warnings
     report = json.loads(stdout)
     assert report["summary"]["step"] == LAST_STEP

@@ -125,7 +125,7 @@ def story(tmp_path_factory, mlflow_template):
     t0 = time.perf_counter()
     final = subprocess.run(
         [sys.executable, "-m", "ladder.cli", "submit", str(path), "--root", str(root)],
-        capture_output=True, text=True, timeout=400,
+        capture_output=True, text=True, timeout=1200,  # a hang guard: beside three busy loops it took over 400 s
     )
     out["rerun"] = {"rc": final.returncode, "stderr": final.stderr, "s": time.perf_counter() - t0}
     return out
