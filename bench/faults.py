@@ -389,6 +389,12 @@ def train_faults_only(hero: Spec, out: Path, only: tuple[str, ...], stop_frac: f
         print(f"{f.name}: {state} in {time.time() - t0:.0f} s", flush=True)
 
 
+def _without_rate_flags(rep: dict) -> None:
+    """A replay whose step rate was its neighbours' (a shared device or machine): its throughput
+    flags are not counted."""
+    rep["seen"] = {k: v for k, v in rep["seen"].items() if k not in RATE_FLAGS}
+
+
 def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds: tuple[int, ...] = (1, 2, 3, 4),
               stop_frac: float = 0.4, onset_frac: float = 0.2, only: tuple[str, ...] = (),
               settings: MonitorSettings | None = None, n_blocks: int = 100, log=print, faults: bool = True,
@@ -414,7 +420,8 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
     unknown = set(only) - {f.name for f in FAULTS}
     if unknown:
         raise ValueError(f"unknown fault(s) {sorted(unknown)}; the suite has {[f.name for f in FAULTS]}")
-    if shared_machine and faults and any(n in (only or [f.name for f in FAULTS]) for n in SOLO):
+    chosen = [f for f in FAULTS if faults and (not only or f.name in only)]
+    if shared_machine and any(f.name in SOLO for f in chosen):
         raise ValueError(f"{', '.join(SOLO)} is flagged by the step rate, which a shared machine does not "
                          "measure: leave it out (--only) or train on a machine of its own")
     healthy: list[tuple[str, pd.DataFrame, Spec, str]] = []
@@ -450,9 +457,8 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
             if len(others) >= 2 else None
         rep = replay(df, spec, forecast, cal, settings, RunDir(status_dirs.get(name, runs_dir / name)).read_status(), every)
         if shared_machine:
-            rep["seen"] = {k: v for k, v in rep["seen"].items() if k not in RATE_FLAGS}
+            _without_rate_flags(rep)
         rows.append(_row(name, "healthy", None, spec, None, state, rep))
-    chosen = [f for f in FAULTS if faults and (not only or f.name in only)]
     shared = [f.name for f in chosen if f.name not in SOLO] if jobs > 1 else []
     if judge_only:
         shared = [n for n in (shared or [f.name for f in chosen if f.name not in SOLO])
@@ -483,7 +489,7 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
             continue
         rep = replay(df, spec, forecast, cal_all, settings, RunDir(runs_dir / f.name).read_status(), every)
         if f.name in shared or shared_machine:
-            rep["seen"] = {k: v for k, v in rep["seen"].items() if k not in RATE_FLAGS}
+            _without_rate_flags(rep)
         rows.append(_row(f.name, "fault", f, spec, at, state, rep))
         if f.name in shared:
             rows[-1]["shared_device"] = True

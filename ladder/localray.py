@@ -108,13 +108,24 @@ def check_ray_answers(address: str, timeout_s: float) -> None:
 
 
 def join(address: str, timeout_s: float, **kwargs) -> None:
-    """ray.init(address) once the address has answered as Ray, all within timeout_s."""
+    """ray.init(address) once the address has answered as Ray, all within timeout_s. A GCS answers
+    before its node's raylet has registered, and ray.init gives up on a node that registers late
+    (a loaded machine, a head just started): it is asked again until the deadline."""
     import ray
 
     deadline = time.monotonic() + timeout_s
     wait_reachable(address, timeout_s)
     check_ray_answers(address, max(deadline - time.monotonic(), 1.0))
-    ray.init(address=address, **kwargs)
+    while True:
+        try:
+            ray.init(address=address, **kwargs)
+            return
+        except (RuntimeError, ConnectionError) as err:
+            late = isinstance(err, ConnectionError) or "No node info found" in str(err)
+            if not late or time.monotonic() > deadline:
+                raise
+            ray.shutdown()
+            time.sleep(1.0)
 
 
 # ---- local ---------------------------------------------------------------------------------------

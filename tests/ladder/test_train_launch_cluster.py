@@ -28,6 +28,7 @@ from engines.torch.parallel.checkpoint import latest_sharded, read_full
 from ladder import ledger
 from ladder.controller import submit
 from ladder.experiment import load_experiment
+from ladder.localray import join, wait_reachable
 from ladder.train_launch import train_on_workers
 from tests.conftest import tiny_spec
 from tests.engines.fork_ranks import drive
@@ -82,26 +83,9 @@ def two_nodes():
                             start_new_session=True)
     procs = [head]
     try:
-        deadline = time.time() + 300  # a hang guard: a loaded machine starts a raylet slowly
-        while time.time() < deadline:
-            try:
-                socket.create_connection(("127.0.0.1", gcs), timeout=1).close()
-                break
-            except OSError:
-                time.sleep(0.5)
+        wait_reachable(f"127.0.0.1:{gcs}", 300)  # a hang guard: a loaded machine starts a head slowly
         procs.append(subprocess.Popen(_node_args(False, gcs), env=env, stdout=log, stderr=log, start_new_session=True))
-        # the GCS answers before the head's raylet has registered; ray.init gives up on a node that
-        # a loaded machine registers late, so it is asked again until the hang guard
-        deadline = time.time() + 300
-        while True:
-            try:
-                ray.init(address=f"127.0.0.1:{gcs}", log_to_driver=False)
-                break
-            except (RuntimeError, ConnectionError):
-                ray.shutdown()
-                if time.time() > deadline:
-                    raise
-                time.sleep(1)
+        join(f"127.0.0.1:{gcs}", 300, log_to_driver=False)  # asks again while the head's raylet registers
         deadline = time.time() + 300  # a hang guard: a loaded machine starts a raylet slowly
         while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
             time.sleep(0.5)
