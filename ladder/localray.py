@@ -8,7 +8,9 @@ driver's fate, but the raylet's dashboard and runtime-env agents outlive a drive
 SIGKILL (adopted by init, ~210 MB). A reaper process, started in its own session, holds a pipe
 from the driver: when the pipe closes (the driver exited, however it died) it waits a grace period
 for Ray's own shutdown and kills whichever of the recorded processes are still there (checked by
-their kernel start time, so a reused pid is never hit).
+their kernel start time, so a reused pid is never hit). Ray waits a fixed 30 s for the new node to
+register with its GCS; on a machine too busy for that the start's processes are killed and Ray is
+started again, up to STARTS times.
 
 Joining: `address` (or RAY_ADDRESS) host:port must accept a TCP connection and answer as a Ray
 cluster's GCS (its GetClusterId call, over gRPC) within $MOE_LADDER_LIMITS ray_timeout_s seconds (default 30)
@@ -32,6 +34,8 @@ from ladder.errors import LadderError
 
 REAP_GRACE_S = 5.0
 _NO_CLUSTER_ENV = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+STARTS = 3  # local starts before giving up when the node does not register in Ray's (fixed) 30 s
+_NODE_LATE = "timed out during startup"
 
 
 def ray_timeout_s(given: float | None = None) -> float:
@@ -140,11 +144,23 @@ class LocalRay:
         self._cluster_before = ray_constants.ENABLE_RAY_CLUSTER
         os.environ[_NO_CLUSTER_ENV] = "0"  # the processes Ray starts read it at import
         ray_constants.ENABLE_RAY_CLUSTER = False  # this process imported Ray already
-        try:
-            ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
-        except BaseException:
-            self._restore()
-            raise
+        for start in range(1, STARTS + 1):
+            before = {pid for pid, _ in descendants(os.getpid())}
+            try:
+                ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
+                break
+            except BaseException as err:
+                ray.shutdown()
+                kill_new_ray_processes(before)
+                if isinstance(err, Exception) and _NODE_LATE in str(err) and start < STARTS:
+                    logging.getLogger(__name__).warning("Ray's node did not register in time (start %d of %d); "
+                                                        "starting it again", start, STARTS)
+                    continue
+                self._restore()
+                if isinstance(err, Exception) and _NODE_LATE in str(err):
+                    raise RuntimeError(f"Ray's local node did not register within Ray's startup wait "
+                                       f"in {STARTS} starts (a machine too busy?)") from err
+                raise
         self.reaper = start_reaper(descendants(os.getpid()))
 
     def _restore(self) -> None:
@@ -194,6 +210,25 @@ def descendants(pid: int) -> list[tuple[int, str]]:
             out.append((c, start))
         todo.extend(children.get(c, []))
     return out
+
+
+def kill_new_ray_processes(before: set[int]) -> list[int]:
+    """SIGKILL the Ray processes below this one that a failed start left (not in before); their pids."""
+    killed = []
+    for pid, start in descendants(os.getpid()):
+        if pid in before:
+            continue
+        try:
+            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if b"ray" in cmd and proc_start(pid) == start:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                killed.append(pid)
+            except OSError:
+                pass
+    return killed
 
 
 def start_reaper(procs: list[tuple[int, str]]) -> subprocess.Popen | None:

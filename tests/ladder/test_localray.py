@@ -52,6 +52,46 @@ def test_a_sigkilled_driver_leaves_no_ray_process_and_its_ray_listened_on_loopba
     assert not alive, alive
 
 
+STALLED = textwrap.dedent("""
+    import json, logging, os, signal, threading, time
+    from pathlib import Path
+    import ray
+    from ladder.localray import LocalRay, descendants, proc_start
+
+    stopped = []
+    def stop_first_raylet():  # the first node's raylet hangs before it registers with the GCS
+        while not stopped:
+            for pid, start in descendants(os.getpid()):
+                try:
+                    comm = Path(f"/proc/{pid}/comm").read_text().strip()
+                except OSError:
+                    continue
+                if comm == "raylet":
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.append((pid, start))
+                    return
+            time.sleep(0.005)
+    threading.Thread(target=stop_first_raylet, daemon=True).start()
+    ray_ = LocalRay(1, include_dashboard=False, logging_level=logging.ERROR, log_to_driver=False)
+    answer = ray.get(ray.remote(lambda: 42).remote())
+    print(json.dumps({"answer": answer, "stopped": stopped,
+                      "stopped_alive": [proc_start(p) == s for p, s in stopped]}), flush=True)
+    ray_.shutdown()
+    """)
+
+
+@pytest.mark.slow
+def test_a_node_that_never_registers_is_killed_and_ray_started_again():
+    """Ray waits a fixed 30 s for its node; a raylet stopped before it registers (a machine too busy
+    to schedule it) is killed with the rest of that start, and the second start serves tasks."""
+    done = subprocess.run([sys.executable, "-c", STALLED], capture_output=True, text=True, cwd=ROOT, timeout=600,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert done.returncode == 0, done.stderr[-3000:]
+    info = json.loads(done.stdout.strip().splitlines()[-1])
+    assert info["answer"] == 42
+    assert len(info["stopped"]) == 1 and info["stopped_alive"] == [False]
+    assert "did not register in time (start 1 of 3); starting it again" in done.stderr
+
 def test_an_address_that_does_not_answer_fails_within_its_timeout():
     t0 = time.monotonic()
     with pytest.raises(LadderError, match=r"cannot reach Ray at 127.0.0.1:1 within 1.5 s"):
