@@ -50,7 +50,7 @@ browser:
 	    { $$s apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$s apt-get install -y -qq chromium chromium-driver >/dev/null; } || \
 	    echo "warning: could not install chromium; tests/analysis/test_report_browser.py will fail"; }
 
-# The suite on two pytest-xdist workers, a test file to a worker (its module fixtures, such as one
+# The suite on four pytest-xdist workers, a test file to a worker (its module fixtures, such as one
 # local Ray, stay in one process), the longest files first (tests/conftest.py: LONGEST_FIRST; xdist's
 # own reorder by test count is off). The two-node Ray Train cluster file goes first, so it starts in
 # a worker process of its own: after the rest of the suite in one process, Ray Train's controller
