@@ -230,51 +230,53 @@ def test_report_on_an_unfinished_hero_gives_its_step_and_the_forecast_there(worl
     assert "final eval loss" not in verdict and "vs forecast" in verdict and "at that step" in verdict
 
 
-def _corrupt_copy(world: Path, tmp_path: Path, how: str) -> tuple[Path, Path]:
-    """A copy of the world with one rung's metrics.jsonl damaged: bad bytes appended, or a line
-    mid-file replaced by garbage. Returns (cwd, the damaged file)."""
+def _corrupt_copy(world: Path, tmp_path: Path) -> tuple[Path, dict[str, Path]]:
+    """A copy of the world with two rungs' metrics.jsonl damaged: bad bytes appended to one, a line
+    mid-file replaced by garbage in the other. Returns (cwd, {damage: the damaged file})."""
     w = tmp_path / "w"
     shutil.copytree(world, w, ignore=shutil.ignore_patterns("root_list"))
-    m = next((w / ".ladder" / "runs" / "errs").glob("r16-*")) / "metrics.jsonl"
-    if how == "bytes":
-        with open(m, "ab") as f:
-            f.write(b"\xff\xfe\x00garbage\n")
-    else:
-        lines = m.read_bytes().split(b"\n")
-        lines[5] = b'{"step": 5, "loss": 3.'  # a torn record in the middle
-        m.write_bytes(b"\n".join(lines))
-    return w, m
+    runs = w / ".ladder" / "runs" / "errs"
+    damaged = {"bytes": next(runs.glob("r16-*")) / "metrics.jsonl", "mid-file": next(runs.glob("r24-*")) / "metrics.jsonl"}
+    with open(damaged["bytes"], "ab") as f:
+        f.write(b"\xff\xfe\x00garbage\n")
+    lines = damaged["mid-file"].read_bytes().split(b"\n")
+    lines[5] = b'{"step": 5, "loss": 3.'  # a torn record in the middle
+    damaged["mid-file"].write_bytes(b"\n".join(lines))
+    return w, damaged
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["bytes", "mid-file"])
-def test_a_damaged_metrics_file_is_skipped_line_by_line_with_one_warning_naming_it(world, tmp_path, mlflow_template, how):
-    w, m = _corrupt_copy(world, tmp_path, how)
+def test_a_damaged_metrics_file_is_skipped_line_by_line_with_one_warning_naming_it(world, tmp_path, mlflow_template):
+    """Every reader of a run skips a damaged line with one warning naming the file and line: bytes
+    appended at the end (a write cut short) and a torn line mid-file, in two rungs of one ladder."""
+    w, damaged = _corrupt_copy(world, tmp_path)
     shutil.copy(mlflow_template, w / ".ladder" / "mlflow.db")
-    line = len(m.read_bytes().split(b"\n")) - 1 if how == "bytes" else 6
-    where = f"{m}:{line}"
-    commands = [
-        ["status", "exp.py"],
-        ["forecast", "exp.py", "--no-tracking"],
-        ["report", "exp.py", "--out", tmp_path / "rep", "--no-tracking"],
-        ["sync", "errs"],
-        ["submit", "exp.py", "--no-tracking"],  # every rung finished: nothing to train, nothing to fail
-        ["compare", m.parent],
-        ["train", m.parent / "spec.yaml", "--run-dir", m.parent, "--quiet"],  # finished: says so
+    n_lines = len(damaged["bytes"].read_bytes().split(b"\n")) - 1
+    where = {"bytes": f"{damaged['bytes']}:{n_lines}", "mid-file": f"{damaged['mid-file']}:6"}
+    both = tuple(damaged)
+    readers = [  # (argv, the damaged files it reads)
+        (["status", "exp.py"], both),
+        (["forecast", "exp.py", "--no-tracking"], both),
+        (["report", "exp.py", "--out", tmp_path / "rep", "--no-tracking"], both),
+        (["sync", "errs"], both),
+        (["submit", "exp.py", "--no-tracking"], both),  # every rung finished: nothing to train, nothing to fail
+        *((["compare", m.parent], (how,)) for how, m in damaged.items()),
     ]
-    # train last, alone: on a finished run it rewrites metrics.jsonl without the bad line, which
-    # the readers running beside it would then not see
-    results = ladder_each(commands[:-1], w) + [ladder(*commands[-1], cwd=w)]
+    # finished runs: train says so. Last, alone: on a finished run it rewrites metrics.jsonl without
+    # the bad line, which the readers running beside it would then not see
+    trains = [(["train", m.parent / "spec.yaml", "--run-dir", m.parent, "--quiet"], (how,)) for how, m in damaged.items()]
+    results = ladder_each([a for a, _ in readers], w) + [ladder(*a, cwd=w) for a, _ in trains]
     problems = []
-    for argv, r in zip(commands, results):
+    for (argv, reads), r in zip(readers + trains, results):
         warnings = [ln for ln in r.stderr.splitlines() if "skipped a bad metrics line" in ln]
         # status and submit read a finished run's last record only, from the file's end: the
         # bytes appended there are on their way, a line mid-file is not
         end_reader = argv[0] in ("status", "submit")
-        want = 0 if (how == "mid-file" and end_reader) else 1
+        want = sorted(where[how] for how in reads if not (how == "mid-file" and end_reader))
         ok = r.returncode == 0 and "Traceback" not in r.stderr and "codec can't decode" not in r.stderr
-        if not ok or len(warnings) != want or (want and where not in warnings[0]):
-            problems.append(f"{argv[0]}: exit {r.returncode}, stderr {r.stderr[-600:]!r}")
+        named = sorted(next((x for x in where.values() if x in ln), ln) for ln in warnings)
+        if not ok or named != want:
+            problems.append(f"{argv[0]}: exit {r.returncode}, warnings {named} (want {want}), stderr {r.stderr[-600:]!r}")
     assert not problems, "\n".join(problems)
 
 
