@@ -262,10 +262,12 @@ def test_a_damaged_metrics_file_is_skipped_line_by_line_with_one_warning_naming_
         (["submit", "exp.py", "--no-tracking"], both),  # every rung finished: nothing to train, nothing to fail
         *((["compare", m.parent], (how,)) for how, m in damaged.items()),
     ]
-    # finished runs: train says so. Last, alone: on a finished run it rewrites metrics.jsonl without
-    # the bad line, which the readers running beside it would then not see
+    # finished runs: train says so, and leaves their metrics as they are (the readers beside it
+    # still see the damage)
     trains = [(["train", m.parent / "spec.yaml", "--run-dir", m.parent, "--quiet"], (how,)) for how, m in damaged.items()]
-    results = ladder_each([a for a, _ in readers], w) + [ladder(*a, cwd=w) for a, _ in trains]
+    before = {how: m.read_bytes() for how, m in damaged.items()}
+    results = ladder_each([a for a, _ in readers + trains], w)
+    assert {how: m.read_bytes() for how, m in damaged.items()} == before
     problems = []
     for (argv, reads), r in zip(readers + trains, results):
         warnings = [ln for ln in r.stderr.splitlines() if "skipped a bad metrics line" in ln]
