@@ -95,6 +95,9 @@ class MlflowSource:
     def __post_init__(self) -> None:
         for name in ("mlflow", "alembic", "urllib3"):
             logging.getLogger(name).setLevel(logging.WARNING)
+        if self.uri.startswith("sqlite:///") and not Path(self.uri[len("sqlite:///"):]).exists():
+            # MLflow would create an empty store there and then find no run in it
+            raise MetricsError(f"{self.label}: no MLflow store at {self.uri} (the file does not exist)")
         self.client = MlflowClient(tracking_uri=self.uri)
         try:
             self._run = self.client.get_run(self.run_id)

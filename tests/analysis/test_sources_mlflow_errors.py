@@ -37,6 +37,14 @@ def test_a_tracking_server_that_does_not_answer_is_called_unreachable_not_a_miss
     assert f"cannot reach the tracking server http://127.0.0.1:{port}" in lines[0] and "no such run" not in lines[0]
 
 
+
+def test_a_sqlite_store_that_does_not_exist_is_named_and_not_created(tmp_path):
+    r = compare("mlflow:0123456789abcdef0123456789abcdef", "--tracking-uri", "sqlite:///missing.db", cwd=tmp_path)
+    lines = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(lines) == 1, r.stderr
+    assert "no MLflow store at sqlite:///missing.db" in lines[0]
+    assert not (tmp_path / "missing.db").exists()
+
 @pytest.fixture(scope="module")
 def server(tmp_path_factory, mlflow_template):
     s = Server(tmp_path_factory.mktemp("mlflow-errors"), mlflow_template)
