@@ -178,21 +178,15 @@ class RunDir:
         that step that ends with a whole line is left as it is, damaged lines and all (a finished
         run trained again loses nothing); otherwise it is rewritten from its good records below the
         step (bad lines are dropped, and a torn last line never has a record appended to it)."""
-        if not self.metrics_path.exists():
+        try:
+            raw = self.metrics_path.read_bytes()
+        except FileNotFoundError:
             return
-        records = self.read_metrics()
+        records = parse_metrics_lines(raw, self.metrics_path, _stderr)
         kept = [r for r in records if _step(r) < keep_below_step]
-        if len(kept) == len(records) and self._ends_with_whole_line():
+        if len(kept) == len(records) and raw[-1:] in (b"", b"\n"):
             return
         atomic_write_text(self.metrics_path, "".join(json.dumps(r, allow_nan=True) + "\n" for r in kept))
-
-    def _ends_with_whole_line(self) -> bool:
-        with open(self.metrics_path, "rb") as f:
-            size = f.seek(0, os.SEEK_END)
-            if size == 0:
-                return True
-            f.seek(size - 1)
-            return f.read(1) == b"\n"
 
     def check_writable(self) -> None:
         """OSError naming the path unless a run can write here: the directory (or, while it is

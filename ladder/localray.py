@@ -152,12 +152,13 @@ class LocalRay:
             except BaseException as err:
                 ray.shutdown()
                 kill_new_ray_processes(before)
-                if isinstance(err, Exception) and _NODE_LATE in str(err) and start < STARTS:
+                late = isinstance(err, Exception) and _NODE_LATE in str(err)
+                if late and start < STARTS:
                     logging.getLogger(__name__).warning("Ray's node did not register in time (start %d of %d); "
                                                         "starting it again", start, STARTS)
                     continue
                 self._restore()
-                if isinstance(err, Exception) and _NODE_LATE in str(err):
+                if late:
                     raise RuntimeError(f"Ray's local node did not register within Ray's startup wait "
                                        f"in {STARTS} starts (a machine too busy?)") from err
                 raise
@@ -212,23 +213,29 @@ def descendants(pid: int) -> list[tuple[int, str]]:
     return out
 
 
-def kill_new_ray_processes(before: set[int]) -> list[int]:
-    """SIGKILL the Ray processes below this one that a failed start left (not in before); their pids."""
+def kill(procs: list[tuple[int, str]]) -> list[int]:
+    """SIGKILL each (pid, start time) still alive as that process (a reused pid is left alone); their pids."""
     killed = []
-    for pid, start in descendants(os.getpid()):
-        if pid in before:
-            continue
-        try:
-            cmd = Path(f"/proc/{pid}/cmdline").read_bytes()
-        except OSError:
-            continue
-        if b"ray" in cmd and proc_start(pid) == start:
+    for pid, start in procs:
+        if proc_start(pid) == start:
             try:
                 os.kill(pid, signal.SIGKILL)
                 killed.append(pid)
             except OSError:
                 pass
     return killed
+
+
+def _is_ray(pid: int) -> bool:
+    try:
+        return b"ray" in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def kill_new_ray_processes(before: set[int]) -> list[int]:
+    """SIGKILL the Ray processes below this one that a failed start left (not in before); their pids."""
+    return kill([(pid, start) for pid, start in descendants(os.getpid()) if pid not in before and _is_ray(pid)])
 
 
 def start_reaper(procs: list[tuple[int, str]]) -> subprocess.Popen | None:
@@ -250,15 +257,7 @@ def reap(procs: list[tuple[int, str]], grace_s: float = REAP_GRACE_S) -> list[in
     deadline = time.monotonic() + grace_s
     while time.monotonic() < deadline and any(proc_start(pid) == start for pid, start in procs):
         time.sleep(0.2)
-    killed = []
-    for pid, start in procs:
-        if proc_start(pid) == start:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.append(pid)
-            except OSError:
-                pass
-    return killed
+    return kill(procs)
 
 
 def _main(argv: list[str]) -> None:
