@@ -76,10 +76,15 @@ def drive(spec: Spec, run_dir: Path, records: Iterable[StepMetrics], *, lead: bo
                   f" -> {run_dir}", flush=True)
         barrier()
     except errors as err:
-        if lead:
-            print(f"error: {err}", file=sys.stderr)
+        # every rank says it: the first rank to exit has torchrun stop the others, the lead perhaps
+        # before it could print
+        print(f"error: {err}", file=sys.stderr, flush=True)
         code = 2
     except DivergedError as err:
+        # every rank reads the same all-reduced loss, so all of them stop at this step; they meet
+        # once more so that no rank's exit (torchrun then stops the others) cuts the lead off
+        # before status.json says "diverged"
+        barrier()
         if lead:
             print(f"diverged: {err}", file=sys.stderr)
         code = 3
