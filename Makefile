@@ -63,8 +63,10 @@ browser:
 # subprocesses); with three the cores were busy about 150% of the run, with four about 199%.
 # --durations keeps the slowest tests in CI's output. pytest's exit 5 (no tests collected) fails
 # the target like any other failure.
+# The browser's apt install runs beside pip's (pip keeps about one core busy; apt mostly waits).
 TEST_WORKERS ?= 4
-test: $(STAMP) bytecode browser
+test:
+	$(MAKE) --no-print-directory -j 2 setup bytecode browser
 	rc=0; $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 || rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "error: pytest collected no tests (exit 5)" >&2; fi; exit $$rc
 

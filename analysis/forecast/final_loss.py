@@ -163,8 +163,8 @@ def fit_final_law(points: Sequence[Point], *, seed_var: float | None, seed_dof: 
     rv, rdof = _resid_var(fit, pts)
     var_P = np.array([p.var for p in pts])
     if seed_var is not None:
-        sd_P = np.sqrt(var_P)
         run_var, run_dof = seed_var + eval_var, float(seed_dof) if seed_dof else math.inf
+        sd_P = np.sqrt(np.where(var_P > 0, var_P, run_var))  # a point with no variance of its own: one run's
         if rdof and rv > LACK_OF_FIT * float(np.mean(var_P)):
             warnings.append(f"final-loss law: the rungs scatter about the law by {math.sqrt(rv):.2%} (rms, {rdof} dof), "
                             f"more than their measured noise ({math.sqrt(float(np.mean(var_P))):.2%}): the law may not "

@@ -1,6 +1,6 @@
 """The H200 ladder's committed results (docs/results/h200_ladder/): every run finished on its
 planned steps without repeating data or memorising, and `ladder forecast` on them reproduces the
-committed forecast exactly; that forecast's hero trajectory follows the hero's run; its report
+committed forecast (to the fits' own tolerance); that forecast's hero trajectory follows the hero's run; its report
 opens in a real headless browser."""
 
 from __future__ import annotations
@@ -8,6 +8,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 import subprocess
 import sys
 import tarfile
@@ -26,6 +27,27 @@ ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "h200_ladder"
 EXPERIMENT = ROOT / "experiments" / "proxy_h200.py"
 PROBES = ROOT / "experiments" / "probe_h200.py"
+# The forecast's fits stop where L-BFGS meets its tolerance: another CPU's rounding (other SIMD
+# widths, FMA) moves a fitted value by a few parts in 1e9 (seen: 3.6e-9 in the hero's mean). A
+# changed method moves them by far more than this. A parameter at its bound (the law's E sits near 0,
+# about 1e-11) moves by more, relatively, and by nothing that matters: FIT_ATOL.
+FIT_RTOL, FIT_ATOL = 1e-6, 1e-9
+
+
+def at_bound(warning: str) -> str:
+    """A warning with the value of a parameter at its bound 0 (printed as 1.07e-11, say) masked."""
+    return re.sub(r"\b\d\.\d+e-(?:1\d|[2-9]\d)\b", "~0", warning)
+
+
+def close(got, want) -> bool:
+    """got equals want, numbers within FIT_RTOL (nested dicts and lists compared item by item)."""
+    if isinstance(want, dict):
+        return isinstance(got, dict) and got.keys() == want.keys() and all(close(got[k], want[k]) for k in want)
+    if isinstance(want, list):
+        return isinstance(got, list) and len(got) == len(want) and all(map(close, got, want))
+    if isinstance(want, float) and isinstance(got, (int, float)) and not isinstance(got, bool):
+        return math.isclose(got, want, rel_tol=FIT_RTOL, abs_tol=FIT_ATOL)
+    return got == want
 
 
 def _unpack(tmp_path_factory, tarball: str) -> Path:
@@ -109,16 +131,16 @@ def test_the_forecast_reproduces_from_the_committed_runs(ladder_root, forecast_c
     got = json.loads((ladder_root / "analysis" / "proxy_h200" / "forecast.json").read_text())
     want = json.loads(gzip.open(RESULTS / "forecast.json.gz").read())
     for key in ("mean", "lo", "hi"):
-        assert math.isclose(got["hero"]["final_loss"][key], want["hero"]["final_loss"][key], rel_tol=1e-9)
+        assert math.isclose(got["hero"]["final_loss"][key], want["hero"]["final_loss"][key], rel_tol=FIT_RTOL)
     for key in ("E", "A", "alpha"):
-        assert math.isclose(got["law"][key], want["law"][key], rel_tol=1e-9, abs_tol=1e-15)
-    assert math.isclose(got["backtest"]["rel_error"], want["backtest"]["rel_error"], rel_tol=1e-9)
-    assert got["warnings"] == want["warnings"]
+        assert math.isclose(got["law"][key], want["law"][key], rel_tol=FIT_RTOL, abs_tol=FIT_ATOL)
+    assert math.isclose(got["backtest"]["rel_error"], want["backtest"]["rel_error"], rel_tol=FIT_RTOL)
+    assert list(map(at_bound, got["warnings"])) == list(map(at_bound, want["warnings"]))
     assert got["coverage"]["final_loss"]["coverage"] == want["coverage"]["final_loss"]["coverage"]
     assert got["trajectory"]["method"] == want["trajectory"]["method"]
     assert got["trajectory"]["step"] == want["trajectory"]["step"]
     for key in ("loss", "lo", "hi"):
-        assert all(math.isclose(a, b, rel_tol=1e-6) for a, b in zip(got["trajectory"][key], want["trajectory"][key]))
+        assert all(math.isclose(a, b, rel_tol=FIT_RTOL) for a, b in zip(got["trajectory"][key], want["trajectory"][key]))
 
 
 
@@ -208,7 +230,8 @@ def test_the_report_states_the_hero_against_the_forecast(ladder_root, forecast_c
                          timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     summary = json.loads((tmp_path / "report" / "summary.json").read_text())
-    assert summary == json.loads((RESULTS / "report_summary.json").read_text())
+    want = json.loads((RESULTS / "report_summary.json").read_text())
+    assert close(summary, want), (summary, want)
     from tests.analysis.test_report_browser import _driver
 
     d = _driver()

@@ -18,6 +18,7 @@ from analysis.runs.metrics import read_metrics_frame
 from core.rundir import iter_run_dirs
 from ladder.errors import LadderError
 from ladder.ladder_csv import read_ladder_csv
+from tests.analysis.test_h200_ladder import FIT_RTOL
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -70,7 +71,7 @@ def test_a_ladder_csv_of_exported_curves_forecasts_the_hero_as_the_ledger_does(e
     assert out.returncode == 0, out.stderr
     fc = json.loads(out.stdout)
     want = json.loads(gzip.open(REPO / "docs" / "results" / "h200_ladder" / "forecast.json.gz").read())
-    assert fc["hero"]["final_loss"]["mean"] == pytest.approx(want["hero"]["final_loss"]["mean"], rel=1e-9)
+    assert fc["hero"]["final_loss"]["mean"] == pytest.approx(want["hero"]["final_loss"]["mean"], rel=FIT_RTOL)
     assert fc["backtest"]["held_out"] == want["backtest"]["held_out"]
     assert fc["trajectory"] and len(fc["trajectory"]["step"]) > 10 and (root / "fc" / "forecast.json").exists()
 
