@@ -64,7 +64,7 @@ browser:
 # --durations keeps the slowest tests in CI's output. pytest's exit 5 (no tests collected) fails
 # the target like any other failure.
 # The browser's apt install runs beside pip's (pip keeps about one core busy; apt mostly waits).
-TEST_WORKERS ?= 4
+TEST_WORKERS ?= 6
 test:
 	$(MAKE) --no-print-directory -j 2 setup bytecode browser
 	rc=0; $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=30 || rc=$$?; \

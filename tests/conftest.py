@@ -10,6 +10,11 @@ from pathlib import Path
 
 import pytest
 
+# One OpenMP thread a process (the workers, and every subprocess they start, inherit it): the suite
+# runs several processes a core, where torch's OpenMP threads spin waiting for each other. Read when
+# torch is first imported, which no module has done before this one.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 # The longest test files first. `make test` hands each pytest-xdist worker a file at a time in
 # collection order (--dist loadfile --no-loadscope-reorder; xdist's own reorder puts the files with
 # the most tests first, which left the few-test, long files to the end), so the longest go out
