@@ -14,6 +14,20 @@ import pytest
 # runs several processes a core, where torch's OpenMP threads spin waiting for each other. Read when
 # torch is first imported, which no module has done before this one.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# XLA's CPU backend without LLVM's optimisation passes: the suite compiles hundreds of tiny JAX
+# steps and runs each a few times, so compiling is most of their cost (a quarter less CPU for the
+# JAX engine's test files; the same losses). Subprocesses inherit it; a test that sets its own
+# XLA_FLAGS keeps this flag with its own (xla_flags below).
+OPT_FLAG = "--xla_backend_optimization_level=0"
+
+
+def xla_flags(*flags: str) -> str:
+    """XLA_FLAGS for a subprocess: the given flags after the suite's (OPT_FLAG)."""
+    return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
+
+
+if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {OPT_FLAG}".strip()
 
 # The longest test files first. `make test` hands each pytest-xdist worker a file at a time in
 # collection order (--dist loadfile --no-loadscope-reorder; xdist's own reorder puts the files with

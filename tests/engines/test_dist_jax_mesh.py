@@ -16,6 +16,7 @@ import pytest
 
 from engines.base import read_metrics
 from engines.checkpoint import latest_checkpoint, load_checkpoint
+from tests.conftest import xla_flags
 
 pytestmark = pytest.mark.slow
 
@@ -52,9 +53,7 @@ SCRIPT = textwrap.dedent(
 
 def _run(mode: str, run_dir: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env.pop("XLA_FLAGS", None)
-    if mode == "mesh":
-        env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=4") if mode == "mesh" else xla_flags()
     proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(run_dir)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
