@@ -27,7 +27,7 @@ def xla_flags(*flags: str) -> str:
 
 
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = f"{os.environ.get('XLA_FLAGS', '')} {OPT_FLAG}".strip()
+    os.environ["XLA_FLAGS"] = xla_flags(OPT_FLAG)
 
 # The longest test files first. `make test` hands each pytest-xdist worker a file at a time in
 # collection order (--dist loadfile --no-loadscope-reorder; xdist's own reorder puts the files with

@@ -53,7 +53,8 @@ SCRIPT = textwrap.dedent(
 
 def _run(mode: str, run_dir: Path) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT), JAX_PLATFORMS="cpu")
-    env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=4") if mode == "mesh" else xla_flags()
+    if mode == "mesh":
+        env["XLA_FLAGS"] = xla_flags("--xla_force_host_platform_device_count=4")
     proc = subprocess.run([sys.executable, "-c", SCRIPT, mode, str(run_dir)], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
