@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -53,8 +54,35 @@ def _ports(n: int) -> list[int]:
     return ports
 
 
-def _node_args(head: bool, gcs: int) -> list[str]:
-    nm, om, rc, dg, dl, me, re_, lo = _ports(8)
+def _worker_ports(n: int, taken: set[int]) -> int:
+    """The first of `n` consecutive free ports below the kernel's ephemeral range (32768 up, where
+    `_ports` draws every other port, so no component's port can fall inside a node's worker range)
+    and above Ray's default worker range (10002-19999, other local Rays on this machine), none in
+    `taken` (the other node's range)."""
+    rng = random.Random()
+    for _ in range(200):
+        lo = rng.randrange(20000, 32768 - n)
+        block = range(lo, lo + n)
+        if taken.isdisjoint(block) and all(_free(p) for p in block):
+            taken.update(block)
+            return lo
+    raise RuntimeError(f"no {n} consecutive free ports between 20000 and 32767")
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("", port))
+        except OSError:
+            return False
+    return True
+
+
+def _node_args(head: bool, gcs: int, ports: list[int], worker_ports_taken: set[int]) -> list[str]:
+    """`ports`: seven distinct ports for the node's components, drawn with every other node's in one
+    `_ports` call (drawn apart, a port the head has not bound yet could be drawn again)."""
+    nm, om, rc, dg, dl, me, re_ = ports
+    lo = _worker_ports(61, worker_ports_taken)
     args = [RAY, "start", "--block", "--num-cpus", "2", "--node-ip-address", "127.0.0.1",
             "--node-manager-port", str(nm), "--object-manager-port", str(om), "--metrics-export-port", str(me),
             "--dashboard-agent-grpc-port", str(dg), "--dashboard-agent-listen-port", str(dl),
@@ -75,16 +103,17 @@ def two_nodes():
     auth_before = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
     temp = tempfile.mkdtemp(prefix="rt", dir="/tmp")  # Ray's socket paths must stay short
-    gcs = _ports(1)[0]
+    gcs, *ports = _ports(15)
+    taken: set[int] = set()  # the worker ports of the nodes started so far
     env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", MOE_LADDER_OPTIONS="cpu_threads=1",
                RAY_TMPDIR=temp)
     log = open(Path(temp) / "nodes.log", "wb")
-    head = subprocess.Popen(_node_args(True, gcs) + ["--temp-dir", temp], env=env, stdout=log, stderr=log,
+    head = subprocess.Popen(_node_args(True, gcs, ports[:7], taken) + ["--temp-dir", temp], env=env, stdout=log, stderr=log,
                             start_new_session=True)
     procs = [head]
     try:
         wait_reachable(f"127.0.0.1:{gcs}", 300)  # a hang guard: a loaded machine starts a head slowly
-        procs.append(subprocess.Popen(_node_args(False, gcs), env=env, stdout=log, stderr=log, start_new_session=True))
+        procs.append(subprocess.Popen(_node_args(False, gcs, ports[7:], taken), env=env, stdout=log, stderr=log, start_new_session=True))
         join(f"127.0.0.1:{gcs}", 300, log_to_driver=False)  # asks again while the head's raylet registers
         deadline = time.time() + 300  # a hang guard: a loaded machine starts a raylet slowly
         while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
