@@ -17,11 +17,19 @@ SHOWN = ("lr_x4", "lr_x0.25", "no_warmup", "clip_off_lr_spike", "corrupted_batch
          "resume_wrong_step", "small_source_looped", "replayed_tokens")
 
 
-@pytest.mark.slow
-def test_healthy_replicates_stay_quiet_and_the_faults_a_tiny_run_shows_are_caught_in_time(tmp_path):
-    # the test's neighbours set its step rate: no run's throughput flags count (shared_machine)
-    res = run_suite(tiny_hero(), tmp_path, seeds=(1, 2, 3, 4), stop_frac=0.4, onset_frac=0.2, only=SHOWN,
+@pytest.fixture(scope="module")
+def suite(tmp_path_factory):
+    """The tiny suite once for the module: four healthy replicates and the faults it shows. The
+    test's neighbours set its step rate: no run's throughput flags count (shared_machine)."""
+    out = tmp_path_factory.mktemp("faults")
+    res = run_suite(tiny_hero(), out, seeds=(1, 2, 3, 4), stop_frac=0.4, onset_frac=0.2, only=SHOWN,
                     log=lambda *_: None, shared_machine=True)
+    return out, res
+
+
+@pytest.mark.slow
+def test_healthy_replicates_stay_quiet_and_the_faults_a_tiny_run_shows_are_caught_in_time(suite):
+    tmp_path, res = suite
     rows = {r["run"]: r for r in res["rows"]}
     healthy = [r for r in res["rows"] if r["role"] == "healthy"]
     assert len(healthy) == 4
@@ -63,14 +71,13 @@ def test_every_fault_is_a_spec_change_or_a_hook():
 
 
 @pytest.mark.slow
-def test_faults_train_in_parallel_beside_healthy_runs_trained_elsewhere(tmp_path):
-    """--healthy-runs: runs trained elsewhere (here as far as the faults train) calibrate and are
-    judged, nothing is trained for them; --jobs: the faults train in subprocesses, their rate flags
-    not counted."""
-    first = run_suite(tiny_hero(), tmp_path / "a", seeds=(1, 2, 3), stop_frac=0.4, onset_frac=0.2, faults=False,
-                      log=lambda *_: None)
-    dirs = tuple(tmp_path / "a" / "runs" / f"healthy_seed{s}" for s in (1, 2, 3))
-    assert [r["state"] for r in first["rows"]] == ["stopped"] * 3
+def test_faults_train_in_parallel_beside_healthy_runs_trained_elsewhere(suite, tmp_path):
+    """--healthy-runs: runs trained elsewhere (here the module suite's replicates, trained as far as
+    the faults train) calibrate and are judged, nothing is trained for them; --jobs: the faults
+    train in subprocesses, their rate flags not counted."""
+    first_out, first = suite
+    dirs = tuple(first_out / "runs" / f"healthy_seed{s}" for s in (1, 2, 3))
+    assert [r["state"] for r in first["rows"] if r["run"] in {d.name for d in dirs}] == ["stopped"] * 3
     res = run_suite(tiny_hero(), tmp_path / "b", stop_frac=0.4, onset_frac=0.2, only=("nan", "lr_x4"),
                     healthy_runs=dirs, jobs=2, hero_args=["--tiny"], log=lambda *_: None)
     assert not (tmp_path / "b" / "runs" / "healthy_seed1").exists()
