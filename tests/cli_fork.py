@@ -1,15 +1,17 @@
-"""Many `python -m ladder.cli ARGV` processes from one interpreter that imports the CLI once.
+"""Many `python -m ladder.cli ARGV` processes (or `python -m MODULE ARGV` for another module with a
+`main()`) from one interpreter that imports the module once.
 
     python tests/cli_fork.py REQUEST.json RESULTS.json
 
-REQUEST holds {"preload": [modules], "parallel": n, "timeout": s, "cases": [{"argv": [...],
-"cwd": dir, "env": {...}}]}. The driver imports ladder.cli and the preload modules (what the
-commands import lazily), then forks one child per case, at most `parallel` at a time. A child is
-the process `python -m ladder.cli ARGV` would be, less the start-up: it changes to its cwd (also
-sys.path[0], as -m puts it there), takes its environment, writes fds 1 and 2 to files, and runs the
-CLI's main with sys.argv and __main__ as -m sets them (so click names the program
-`python -m ladder.cli`); an exception that escapes is printed as the interpreter prints it (exit 1),
-and the exit handlers run before the child exits. Whatever the imports printed to stderr comes
+REQUEST holds {"module": name (default ladder.cli), "preload": [modules], "parallel": n,
+"timeout": s, "cases": [{"argv": [...], "cwd": dir, "env": {...}}]}. The driver imports the module
+and the preload modules (what the commands import lazily), then forks one child per case, at most
+`parallel` at a time. A child is the process `python -m MODULE ARGV` would be, less the start-up: it
+changes to its cwd (also sys.path[0], as -m puts it there), takes its environment, writes fds 1 and
+2 to files, and runs the module's main with sys.argv and __main__ as -m sets them (so click names
+the program `python -m ladder.cli`); main's return value (an int) or SystemExit is the exit code, an
+exception that escapes is printed as the interpreter prints it (exit 1), and the exit handlers run
+before the child exits. Whatever the imports printed to stderr comes
 first in every child's stderr, as it would in a process of its own. A child still running after
 `timeout` seconds is killed (exit -9). RESULTS gets [{"rc", "stdout", "stderr"}] in case order.
 Each import of torch, JAX and the analysis modules costs a CLI process about 0.5-3 s of CPU;
@@ -18,6 +20,7 @@ forked, a case costs tens of milliseconds.
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import shutil
@@ -31,24 +34,24 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def ladder_many(cases: list[tuple[list, Path]], env: dict | None = None, preload: tuple[str, ...] = (),
-                parallel: int = 3, timeout: float = 600) -> list[subprocess.CompletedProcess]:
-    """Runs each (argv, cwd) as `python -m ladder.cli *argv` in cwd, forked from one driver process
+                parallel: int = 3, timeout: float = 600, module: str = "ladder.cli") -> list[subprocess.CompletedProcess]:
+    """Runs each (argv, cwd) as `python -m MODULE *argv` in cwd, forked from one driver process
     whose environment is os.environ with PYTHONPATH at the repo and `env`; one CompletedProcess a case."""
     with tempfile.TemporaryDirectory(prefix="cli_fork") as tmp:
         req, res = Path(tmp) / "request.json", Path(tmp) / "results.json"
-        req.write_text(json.dumps({"preload": list(preload), "parallel": parallel, "timeout": timeout,
+        req.write_text(json.dumps({"module": module, "preload": list(preload), "parallel": parallel, "timeout": timeout,
                                    "cases": [{"argv": list(map(str, a)), "cwd": str(c)} for a, c in cases]}))
         driver = subprocess.run([sys.executable, str(Path(__file__)), str(req), str(res)], cwd=ROOT,
                                 env={**os.environ, "PYTHONPATH": str(ROOT), **(env or {})},
                                 capture_output=True, text=True, timeout=timeout * max(1, len(cases)) + 120)
         assert driver.returncode == 0 and res.exists(), driver.stderr[-4000:]
         got = json.loads(res.read_text())
-    return [subprocess.CompletedProcess([sys.executable, "-m", "ladder.cli", *map(str, a)], r["rc"], r["stdout"],
+    return [subprocess.CompletedProcess([sys.executable, "-m", module, *map(str, a)], r["rc"], r["stdout"],
                                         r["stderr"]) for (a, _), r in zip(cases, got)]
 
 
-def _child(case: dict, out: str, err: str, preamble: bytes) -> None:
-    """In the forked child: become `python -m ladder.cli ARGV` and exit with its code."""
+def _child(module: str, case: dict, out: str, err: str, preamble: bytes) -> None:
+    """In the forked child: become `python -m MODULE ARGV` and exit with its code."""
     import atexit
     import traceback
 
@@ -63,13 +66,13 @@ def _child(case: dict, out: str, err: str, preamble: bytes) -> None:
             os.close(f)
         os.write(2, preamble)
         main_mod = sys.modules["__main__"]
-        main_mod.__package__ = "ladder"
-        sys.argv = [str(ROOT / "ladder" / "cli.py"), *case["argv"]]
-        from ladder.cli import main
+        main_mod.__package__ = module.rpartition(".")[0]
+        sys.argv = [str(ROOT / (module.replace(".", "/") + ".py")), *case["argv"]]
+        main = importlib.import_module(module).main
 
         try:
-            main()
-            code = 0
+            rc = main()
+            code = rc if isinstance(rc, int) else 0
         except SystemExit as e:
             if e.code is None or isinstance(e.code, int):
                 code = e.code or 0
@@ -99,10 +102,7 @@ def serve(request: dict) -> list[dict]:
     os.dup2(w, 2)
     os.close(w)
     try:
-        import ladder.cli  # noqa: F401
-        import importlib
-
-        for name in request.get("preload", []):
+        for name in [request.get("module", "ladder.cli"), *request.get("preload", [])]:
             importlib.import_module(name)
     finally:
         sys.stderr.flush()
@@ -130,7 +130,8 @@ def serve(request: dict) -> list[dict]:
             sys.stderr.flush()
             pid = os.fork()
             if pid == 0:
-                _child(cases[i], str(tmp / f"{i}.out"), str(tmp / f"{i}.err"), preamble)
+                _child(request.get("module", "ladder.cli"), cases[i], str(tmp / f"{i}.out"), str(tmp / f"{i}.err"),
+                       preamble)
             running[pid] = (i, time.monotonic() + timeout)
         pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
