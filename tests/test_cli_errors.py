@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli_fork
 from tests.cli_fork import ladder_many
 from tests.conftest import tiny_changes
 
@@ -25,9 +26,8 @@ HERO = ("h40", {"model.d_model": 40})
 
 
 def ladder(*args, cwd: Path, env: dict | None = None, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *map(str, args)], cwd=cwd, capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", **(env or {})},
-                          timeout=timeout)
+    return cli_fork.ladder(*args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1",
+                                                **(env or {})}, timeout=timeout)
 
 
 # what the commands below import lazily, imported once by the driver that forks their processes

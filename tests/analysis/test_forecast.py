@@ -4,12 +4,12 @@ backtest of the largest rung, the hero interval and the grad-norm envelope."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests import cli_fork
 
 pytestmark = pytest.mark.slow
 
@@ -60,8 +60,7 @@ def trained_ladder(tmp_path_factory):
 
 def test_forecast_cli_writes_hero_interval_and_backtest(trained_ladder):
     exp_file, root, exp = trained_ladder
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", str(exp_file), "--root", str(root),
-                          "--no-tracking", "--json"], capture_output=True, text=True, cwd=ROOT)
+    out = cli_fork.ladder("forecast", exp_file, "--root", root, "--no-tracking", "--json", cwd=ROOT)
     assert out.returncode == 0, out.stderr
     fc = json.loads(out.stdout)
     fl = fc["hero"]["final_loss"]
@@ -106,15 +105,13 @@ def test_grad_norm_envelope_brackets_its_median(trained_ladder):
 def test_forecast_with_too_few_finished_rungs_says_so(tmp_path):
     exp_file = tmp_path / "micro_ladder.py"
     exp_file.write_text(LADDER_SRC)
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", str(exp_file), "--root", str(tmp_path / "empty"),
-                          "--no-tracking"], capture_output=True, text=True, cwd=ROOT)
+    out = cli_fork.ladder("forecast", exp_file, "--root", tmp_path / "empty", "--no-tracking", cwd=ROOT)
     assert out.returncode == 2 and "at least 3 finished rungs" in out.stderr
 
 
 def test_holdout_last_reports_the_largest_rung(trained_ladder):
     exp_file, root, _ = trained_ladder
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", str(exp_file), "--root", str(root),
-                          "--no-tracking", "--holdout", "LAST"], capture_output=True, text=True, cwd=ROOT)
+    out = cli_fork.ladder("forecast", exp_file, "--root", root, "--no-tracking", "--holdout", "LAST", cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert "holdout r40: predicted" in out.stdout
 

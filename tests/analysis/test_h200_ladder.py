@@ -20,6 +20,7 @@ from core.rundir import RunDir
 from core.spec import load_spec
 from analysis.runs.replicates import family_key
 from ladder.experiment import load_experiment
+from tests import cli_fork
 
 pytestmark = pytest.mark.slow
 
@@ -122,8 +123,8 @@ def test_no_run_memorised(ladder_root):
 def forecast_cli(ladder_root) -> subprocess.CompletedProcess:
     """`ladder forecast` on the committed runs, once for the module (a forecast of this ladder costs
     about 25 s of CPU): it writes the forecast.json the report below reads."""
-    return subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", str(EXPERIMENT), "--root", str(ladder_root),
-                           "--no-tracking", "--json"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    return cli_fork.ladder("forecast", EXPERIMENT, "--root", ladder_root, "--no-tracking", "--json", cwd=ROOT,
+                           timeout=600)
 
 
 def test_the_forecast_reproduces_from_the_committed_runs(ladder_root, forecast_cli):

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 import time
 from datetime import datetime, timezone
@@ -23,6 +22,7 @@ from engines.registry import get_engine
 from ladder.presets import micro_spec
 from core.schedule import lr_at
 from core.spec import load_spec, save_spec
+from tests import cli_fork
 
 ROOT = Path(__file__).resolve().parents[2]
 TOKENS_PER_STEP = 512  # micro spec: 8 sequences of 64 tokens
@@ -42,8 +42,7 @@ def train(spec, run_dir: Path, stop_after: int | None = None) -> None:
 
 def ladder(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=600)  # catches a hang only: --apply trains through Ray
+    return cli_fork.ladder(*args, cwd=cwd, env=env, timeout=600)  # catches a hang only: --apply trains through Ray
 
 
 def ladder_in_process(*args) -> tuple[int, str]:

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from tests import cli_fork
 from tests.ladder.test_tracking_server import Server
 
 REPO = Path(__file__).resolve().parents[2]
@@ -23,8 +24,7 @@ INF_STEP = 40
 
 
 def compare(*args, cwd: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", "compare", *args], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
+    return cli_fork.ladder("compare", *args, cwd=cwd, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
 
 
 def test_a_tracking_server_that_does_not_answer_is_called_unreachable_not_a_missing_run(tmp_path):

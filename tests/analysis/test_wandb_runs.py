@@ -6,7 +6,6 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -18,6 +17,7 @@ from analysis.runs.metrics import MetricsError, check_spec_matches, tokens_from_
 from analysis.runs.wandb_runs import BLOCK, HEADER, RECORD, read_log_records, resolve_wandb_log  # noqa: E402
 from analysis.runs.sources import open_source  # noqa: E402
 from ladder.presets import micro_spec  # noqa: E402
+from tests import cli_fork
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "WANDB_MODE": "offline", "WANDB_SILENT": "true"}
@@ -32,8 +32,7 @@ def write_run(tmp: Path, *args: str) -> Path:
 
 
 def ladder(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, env=ENV,
-                          timeout=timeout, cwd=REPO)
+    return cli_fork.ladder(*args, cwd=REPO, env=ENV, timeout=timeout)
 
 
 @pytest.fixture(scope="module")

@@ -11,14 +11,14 @@ from pathlib import Path
 
 from ladder.presets import micro_spec
 from ladder.tracking import ui_url
+from tests import cli_fork
 
 REPO = Path(__file__).resolve().parents[2]
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "200"}
 
 
 def ladder(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, env=ENV,
-                          timeout=600, cwd=REPO)
+    return cli_fork.ladder(*args, cwd=REPO, env=ENV, timeout=600)
 
 
 def test_version_prints_the_package_version():

@@ -6,13 +6,13 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 from rich.console import Console
 
 from analysis.monitor.watch import Flag, MonitorReport
 from ladder.commands.compare import Announcer
+from tests import cli_fork
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -55,8 +55,7 @@ def _run(tmp_path: Path, records: list[dict], *args: str) -> subprocess.Complete
     (run / "status.json").write_text(json.dumps({"state": "finished"}))
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    return subprocess.run([sys.executable, "-m", "ladder.cli", "compare", str(run), *args], cwd=tmp_path,
-                          capture_output=True, text=True, env=env, timeout=600)
+    return cli_fork.ladder("compare", run, *args, cwd=tmp_path, env=env, timeout=600)
 
 
 def test_exit_status_is_the_worst_severity_and_quiet_prints_only_what_warns(tmp_path):

@@ -1,12 +1,11 @@
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from core import costs
 from ladder.presets import micro_spec
+from tests import cli_fork
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -62,8 +61,8 @@ def test_memory_shards_experts_over_the_ep_domain():
 
 @pytest.fixture(scope="module")
 def marin_plan():
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "plan", str(ROOT / "experiments/marin_535b.py"), "--json"],
-                         capture_output=True, text=True, check=True, cwd=ROOT)
+    out = cli_fork.ladder("plan", ROOT / "experiments/marin_535b.py", "--json", cwd=ROOT)
+    assert out.returncode == 0, out.stderr
     data = json.loads(out.stdout)
     return data, {r["name"]: r for r in data["rungs"]}
 
@@ -90,5 +89,5 @@ def test_marin_ladder_is_a_small_share_of_hero_compute(marin_plan):
 
 
 def test_plan_of_a_missing_file_is_a_clear_error():
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "plan", "nope.py"], capture_output=True, text=True, cwd=ROOT)
+    out = cli_fork.ladder("plan", "nope.py", cwd=ROOT)
     assert out.returncode == 2 and "nope.py: no such experiment file" in out.stderr

@@ -11,14 +11,14 @@ import pytest
 
 from core.spec import save_spec
 from ladder.presets import micro_spec
+from tests import cli_fork
 from tests.tokfix import build_tokenizer
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def ladder(*args, env=None, cwd=REPO):
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *map(str, args)], capture_output=True, text=True,
-                          cwd=cwd, env={**os.environ, **(env or {})}, timeout=300)
+    return cli_fork.ladder(*args, cwd=cwd, env={**os.environ, **(env or {})}, timeout=300)
 
 
 def one_line_error(res, *needles):

@@ -7,11 +7,12 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+
+from tests import cli_fork
 
 pytestmark = pytest.mark.slow
 
@@ -40,8 +41,7 @@ FLAT = textwrap.dedent(
 
 
 def _ladder(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *args], capture_output=True, text=True, cwd=ROOT,
-                          env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
+    return cli_fork.ladder(*args, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=600)
 
 
 def test_a_ladder_whose_losses_do_not_fall_is_refused_in_one_line_naming_its_rungs(tmp_path):

@@ -7,7 +7,6 @@ import gzip
 import json
 import os
 import subprocess
-import sys
 import tarfile
 from pathlib import Path
 
@@ -18,6 +17,7 @@ from analysis.runs.metrics import read_metrics_frame
 from core.rundir import iter_run_dirs
 from ladder.errors import LadderError
 from ladder.ladder_csv import read_ladder_csv
+from tests import cli_fork
 from tests.analysis.test_h200_ladder import FIT_RTOL
 
 REPO = Path(__file__).resolve().parents[2]
@@ -58,8 +58,8 @@ def exported(tmp_path_factory):
 
 
 def forecast_cli(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", "forecast", *map(str, args), "--json"], capture_output=True,
-                          text=True, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600, cwd=REPO)
+    return cli_fork.ladder("forecast", *args, "--json", cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                           timeout=600)
 
 
 @pytest.mark.slow

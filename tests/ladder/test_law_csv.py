@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -14,14 +13,14 @@ import pytest
 
 from ladder.law_table import apply_where, parse_where
 from ladder.errors import LadderError
+from tests import cli_fork
 
 REPO = Path(__file__).resolve().parents[2]
 CHINCHILLA = REPO / "tests" / "data" / "chinchilla" / "svg_extracted_data.csv"
 
 
 def law(*args) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", "law", *map(str, args)], capture_output=True, text=True,
-                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300, cwd=REPO)
+    return cli_fork.ladder("law", *args, cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
 
 
 FRAME = pd.DataFrame({"n": [1, 2, 3, 4, 5], "set": ["a", "b", "a", "c", "b"]})

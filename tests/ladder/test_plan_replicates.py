@@ -3,17 +3,16 @@ rungs, each replicate named with the run it replicates, and what the replicates 
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
+
+from tests import cli_fork
 
 REPO = Path(__file__).resolve().parents[2]
 
 
 def _plan(tmp_path, *args):
-    return subprocess.run([sys.executable, "-m", "ladder.cli", "plan", "experiments/proxy_h200.py", *args],
-                          capture_output=True, text=True, cwd=REPO, timeout=300,
-                          env={**os.environ, "MOE_LADDER_CORPUS": str(tmp_path), "COLUMNS": "250"})
+    return cli_fork.ladder("plan", "experiments/proxy_h200.py", *args, cwd=REPO, timeout=300,
+                           env={**os.environ, "MOE_LADDER_CORPUS": str(tmp_path), "COLUMNS": "250"})
 
 
 def test_the_plan_lists_the_hero_replicate_and_the_replicates_cost(tmp_path):

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from engines.registry import get_engine
 from ladder import ledger
+from tests import cli_fork
 from tests.conftest import tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -21,8 +20,7 @@ REPO = Path(__file__).resolve().parents[2]
 
 def ladder(*args, cwd):
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([sys.executable, "-m", "ladder.cli", *map(str, args)], cwd=cwd, capture_output=True,
-                          text=True, env=env, timeout=600)
+    return cli_fork.ladder(*args, cwd=cwd, env=env, timeout=600)
 
 
 def test_replan_of_a_run_dir_uses_its_own_spec_and_of_a_bare_metrics_file_asks_for_one(tmp_path):
