@@ -17,6 +17,7 @@ from analysis.runs.metrics import MetricsError, read_metrics_frame
 from analysis.monitor.watch import MonitorSettings, load_forecast, monitor, olmo_spike_score
 from ladder.presets import micro_spec
 
+from tests import cli_fork
 from tests.refdata import MULTIPOWER
 LADDER = [sys.executable, "-m", "ladder.cli"]
 
@@ -31,7 +32,7 @@ def flag(report, kind):
 
 def run_cli(args, cwd):
     env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[2])}
-    return subprocess.run([*LADDER, *args], cwd=cwd, capture_output=True, text=True, env=env, timeout=600)
+    return cli_fork.ladder(*args, cwd=cwd, env=env, timeout=600)
 
 
 def forecast_file(path: Path, steps, loss, rel_halfwidth: float, gn=None) -> Path:

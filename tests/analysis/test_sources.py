@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests import cli_fork
 from tests.ladder.test_tracking_server import Server
 
 pytestmark = pytest.mark.slow
@@ -76,7 +77,7 @@ def log_steps(tmp: Path, uri: str, first: int, last: int, run_id: str = "new") -
 
 def cli(*args, cwd: Path, timeout: int = 180) -> subprocess.CompletedProcess:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
-    return subprocess.run([*LADDER, *args], capture_output=True, text=True, cwd=cwd, env=env, timeout=timeout)
+    return cli_fork.ladder(*args, cwd=cwd, env=env, timeout=timeout)
 
 
 def band_forecast(path: Path, steps: int) -> Path:

@@ -21,6 +21,7 @@ from engines.options import EngineOptions
 from engines.torch.engine import TorchEngine
 from engines.torch.step import TorchStep
 from engines.trainer import RunHistoryError, Trainer
+from tests import cli_fork
 from tests.conftest import tiny_spec
 
 ONE = EngineOptions(cpu_threads=1, torch_ep="emulate")
@@ -167,9 +168,8 @@ def test_a_full_disk_at_a_checkpoint_keeps_the_previous_one_and_fails_in_one_lin
     one = sum(a.nbytes for a in init_params(spec.model, spec.seed).values()) * 3  # weights and two moments
     disk = small_disk(2 * one + SPACE_MARGIN - one // 3)  # room for step 0's checkpoint, not for step 2's too
     run = disk / "run"
-    got = subprocess.run([sys.executable, "-m", "ladder.cli", "train", str(save_spec(spec, tmp_path / "full.yaml")),
-                          "--run-dir", str(run), "--quiet"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "OMP_NUM_THREADS": "1", "MOE_LADDER_OPTIONS": "cpu_threads=1"})
+    got = cli_fork.ladder("train", save_spec(spec, tmp_path / "full.yaml"), "--run-dir", run, "--quiet", timeout=300,
+                          env={**os.environ, "OMP_NUM_THREADS": "1", "MOE_LADDER_OPTIONS": "cpu_threads=1"})
     assert got.returncode == 2, got.stderr
     lines = [line for line in got.stderr.splitlines() if line.startswith("error")]
     assert len(lines) == 1 and "no space for checkpoint step 2" in lines[0] and "Traceback" not in got.stderr

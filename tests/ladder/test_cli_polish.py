@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 from ladder.presets import micro_spec
@@ -64,7 +63,7 @@ def test_a_path_is_printed_whole_when_the_output_is_not_a_terminal(tmp_path):
     deep.mkdir(parents=True)
     (tmp_path / "m.csv").write_text("step,loss\n" + "".join(f"{i},{3 - 0.01 * i}\n" for i in range(30)))
     env = {k: v for k, v in ENV.items() if k != "COLUMNS"}
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "compare", "--metrics", str(tmp_path / "m.csv"), "--png",
-                          str(deep / "curve.png")], capture_output=True, text=True, env=env, timeout=600, cwd=REPO)
+    out = cli_fork.ladder("compare", "--metrics", tmp_path / "m.csv", "--png", deep / "curve.png", cwd=REPO, env=env,
+                          timeout=600)
     assert out.returncode == 0, out.stderr
     assert f"plot: {deep / 'curve.png'}" in out.stdout.splitlines()

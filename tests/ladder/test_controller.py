@@ -20,6 +20,7 @@ from ladder import ledger, tracking
 from ladder.controller import submit
 from ladder.errors import LadderError
 from ladder.experiment import load_experiment
+from tests import cli_fork
 
 pytestmark = pytest.mark.slow
 
@@ -195,17 +196,12 @@ def test_two_concurrent_submissions_train_each_spec_once(local_ray, write_experi
 
 def test_status_and_runs_json_show_the_ledger(sweep):
     path, root, result = sweep
-    runs = subprocess.run(
-        [sys.executable, "-m", "ladder.cli", "runs", "--json", "--root", str(root)], capture_output=True, text=True, timeout=600
-    )
+    runs = cli_fork.ladder("runs", "--json", "--root", root, timeout=600)
     assert runs.returncode == 0, runs.stderr
     rows = json.loads(runs.stdout)
     assert sorted(r["name"] for r in rows) == ["a", "b", "c"]
     assert {r["state"] for r in rows} == {"finished"} and all(r["mlflow_run_id"] for r in rows)
-    status = subprocess.run(
-        [sys.executable, "-m", "ladder.cli", "status", str(path), "--root", str(root)],
-        capture_output=True, text=True, timeout=600, env={**os.environ, "COLUMNS": "160"},
-    )
+    status = cli_fork.ladder("status", path, "--root", root, env={**os.environ, "COLUMNS": "160"}, timeout=600)
     assert status.returncode == 0, status.stderr
     for spec in load_experiment(path).rungs:
         assert spec.id[:8] in status.stdout  # the table's short id

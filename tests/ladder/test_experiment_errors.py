@@ -4,11 +4,11 @@ the file and its line (exit 2), as any other exception is."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+
+from tests import cli_fork
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,8 +17,7 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_an_experiment_file_raising_a_base_exception_is_one_line_naming_its_line(tmp_path, exc):
     exp = tmp_path / "odd.py"
     exp.write_text(f"import os\n\nraise {exc}\n")
-    res = subprocess.run([sys.executable, "-m", "ladder.cli", "plan", str(exp)], capture_output=True, text=True,
-                         cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
+    res = cli_fork.ladder("plan", exp, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)}, timeout=300)
     assert res.returncode == 2, res.stderr[-3000:]
     lines = [ln for ln in res.stderr.strip().splitlines() if ln.strip()]
     assert len(lines) == 1 and "Traceback" not in res.stderr, res.stderr[-3000:]

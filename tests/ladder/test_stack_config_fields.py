@@ -7,13 +7,12 @@ import copy
 import json
 import math
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from ladder.stack_config import StackConfigError, detect_stack, load_stack_config, spec_from_stack
+from tests import cli_fork
 
 REPO = Path(__file__).resolve().parents[2]
 DATA = Path(__file__).parent / "data"
@@ -43,9 +42,8 @@ def _set(cfg: dict, dotted: str, value) -> dict:
 def test_a_malformed_olmo_core_field_is_refused_in_one_line_naming_it(tmp_path, field, value):
     config, out = tmp_path / "config.json", tmp_path / "spec.yaml"
     config.write_text(json.dumps(_set(json.loads(OLMO.read_text()), field, value)))
-    r = subprocess.run([sys.executable, "-m", "ladder.cli", "spec", "from-run", "--config", str(config), "--name", "x",
-                        "--out", str(out)], capture_output=True, text=True, timeout=600,
-                       env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=tmp_path)
+    r = cli_fork.ladder("spec", "from-run", "--config", config, "--name", "x", "--out", out, cwd=tmp_path,
+                        env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=600)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 2 and len(lines) == 1, r.stderr
     assert field in lines[0] and "internal error" not in lines[0], lines[0]

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
 import tomllib
 from pathlib import Path
 
@@ -14,6 +12,7 @@ import yaml
 
 from ladder.stack_config import load_stack_config, spec_from_stack
 from ladder.stack_write import stack_form
+from tests import cli_fork
 
 DATA = Path(__file__).parent / "data"
 REPO = Path(__file__).resolve().parents[2]
@@ -78,10 +77,9 @@ def test_replan_writes_each_option_in_the_runs_own_stack_form_too(tmp_path):
     (tmp_path / "m.csv").write_text("step,loss,lr,time\n" + "".join(
         f"{i},{2 + 3 * (i + 1) ** -0.3:.5f},{lr_at(spec, [i])[0]:.8g},{1.7e9 + 10 * i}\n" for i in steps))
     toml = CONFIGS["torchtitan"][0]
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "replan", "--metrics", str(tmp_path / "m.csv"), "--spec",
-                          str(tmp_path / "s.yaml"), "--stack-config", str(toml), "--out", str(tmp_path / "out"),
-                          "--days", "0.01", "--json"], capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": str(REPO)}, cwd=REPO)
+    out = cli_fork.ladder("replan", "--metrics", tmp_path / "m.csv", "--spec", tmp_path / "s.yaml", "--stack-config", toml,
+                          "--out", tmp_path / "out", "--days", "0.01", "--json", cwd=REPO,
+                          env={**os.environ, "PYTHONPATH": str(REPO)}, timeout=300)
     assert out.returncode == 0, out.stderr
     rep = json.loads(out.stdout)
     written = rep["paths"]["shorten.torchtitan"]

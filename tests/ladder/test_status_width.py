@@ -4,12 +4,11 @@ instead of cutting every cell down to a letter."""
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 from ladder.commands.status import fit_columns, status_rows
 from ladder.ledger import RunRecord
+from tests import cli_fork
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,8 +38,7 @@ def test_a_wide_terminal_shows_every_column():
 def test_ladder_status_prints_no_line_wider_than_80_and_whole_spec_names(write_experiment, tmp_path):
     path = write_experiment("narrow", [("rung-with-a-long-name", {}), ("second-rung", {})])
     env = {**os.environ, "PYTHONPATH": str(REPO), "COLUMNS": "80"}
-    out = subprocess.run([sys.executable, "-m", "ladder.cli", "status", str(path), "--root", str(tmp_path / "root")],
-                         capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    out = cli_fork.ladder("status", path, "--root", tmp_path / "root", cwd=tmp_path, env=env, timeout=600)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     assert max(len(ln) for ln in lines) <= 80, out.stdout
