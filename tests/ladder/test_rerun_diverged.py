@@ -9,6 +9,7 @@ import pytest
 
 from core.rundir import RunDir
 from core.spec import save_spec
+from tests import cli_fork
 from tests.conftest import tiny_spec
 
 
@@ -31,8 +32,7 @@ def test_train_refuses_a_diverged_run_unless_asked(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MOE_LADDER_OPTIONS": "cpu_threads=1"}
 
     def train(*extra):
-        return subprocess.run([sys.executable, "-m", "ladder.cli", "train", str(path), "--run-dir", str(run),
-                               "--quiet", *extra], capture_output=True, text=True, timeout=300, env=env)
+        return cli_fork.ladder("train", path, "--run-dir", run, "--quiet", *extra, env=env, timeout=300)
 
     assert train().returncode == 3  # diverged
     refused = train()

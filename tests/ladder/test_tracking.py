@@ -5,8 +5,6 @@ from __future__ import annotations
 import json
 import shutil
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +12,7 @@ import pytest
 from engines.base import read_metrics
 from ladder import ledger, tracking
 from ladder.experiment import Experiment
+from tests import cli_fork
 from tests.conftest import tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -188,8 +187,7 @@ def test_ladder_sync_uploads_runs_mlflow_never_saw_and_then_nothing(tmp_path, tr
     spec, src = trained
     root = tmp_path / "root"  # run dirs of this test only, logged to the module's store
     d = _copy(src, ledger.run_dir_for(root, exp_name, spec))
-    cmd = [sys.executable, "-m", "ladder.cli", "sync", "--root", str(root), "--tracking-uri", uri]
-    first = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    first = cli_fork.ladder("sync", "--root", root, "--tracking-uri", uri, timeout=600)
     assert first.returncode == 0, first.stderr
     runs = tracking.child_runs(uri, exp_name)
     assert len(runs) == 1 and runs[0].info.status == "FINISHED"

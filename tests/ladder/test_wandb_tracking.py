@@ -18,6 +18,7 @@ pytest.importorskip("wandb")
 from analysis.runs.metrics import read_metrics_frame  # noqa: E402
 from analysis.runs.sources import open_source  # noqa: E402
 from core.rundir import iter_run_dirs  # noqa: E402
+from tests import cli_fork  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -39,9 +40,8 @@ def ladder_root(tmp_path):
 
 
 def sync(root: Path) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "ladder.cli", "sync", "--root", str(root), "--tracker", "wandb"],
-                          capture_output=True, text=True, timeout=300, cwd=REPO,
-                          env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true", "COLUMNS": "300"})
+    return cli_fork.ladder("sync", "--root", root, "--tracker", "wandb", cwd=REPO, timeout=300,
+                           env={**os.environ, "PYTHONPATH": str(REPO), "WANDB_SILENT": "true", "COLUMNS": "300"})
 
 
 def test_a_synced_run_reads_back_from_wandb_as_its_run_dir_and_a_later_sync_sends_only_new_steps(ladder_root):
