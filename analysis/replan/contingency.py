@@ -29,8 +29,10 @@ Options (Marin's contingency plan):
   switches to ragged dispatch, `sequence_balance` balances the router per sequence.
 - Divergence (NaN or inf, the run's status "diverged", a loss jump, grad norm past its critical
   threshold; spikes and grad-norm growth alone are not enough): rewind to the last kept checkpoint
-  before the onset (the first trigger, or a spike / grad-norm warning shortly before it) and
-  continue with `rewind_zloss` (logit z-loss raised
+  before the onset (the first trigger, or a spike / grad-norm warning shortly before it), the run's
+  own or, when it keeps none that early, one of the run it continues (lineage.parent_id, found
+  through its seed checkpoint's `initialised_from` or the ledger; the option's lineage then names
+  that run and its row its run dir), and continue with `rewind_zloss` (logit z-loss raised
   to 1e-4, or x10 when already there), `rewind_lower_lr` (peak LR x `lr_factor`; note the new
   spec's schedule then describes the steps before the rewind at the lower peak too: those steps
   come from the parent checkpoint) or `rewind_redraw`. The data pipeline cannot skip batches (a
@@ -175,29 +177,32 @@ def make_replan(
     bad = onset[1] if onset else None
     if onset is not None:
         fault = onset[0]
-        join = st.latest_checkpoint(before=fault)
-        where = (f"checkpoint {join}" if join else "step 0 (no kept checkpoint precedes the fault: a fresh start)")
+        join, src_dir, src_id = st.rewind_point(fault)
+        where = (f"checkpoint {join}" + (f" of run {src_id}, which this run continues" if src_id else "") if join
+                 else "step 0 (no kept checkpoint precedes the fault: a fresh start)")
+        src = (src_dir, src_id)
         why = (f"{bad.kind} at step {bad.first_step} ({bad.evidence.get('text', '')})"
                + (f", trouble from step {fault}" if fault != bad.first_step else "") + f"; rewind to {where}")
         z = spec.optim.z_loss
         new_z = 1e-4 if z < 1e-4 else z * 10
         options.append(_rewind_option(st, "rewind_zloss", f"rewind to {join}, z-loss {z:g} -> {new_z:g}", why, join,
-                                      deadline, forecaster, {"optim.z_loss": new_z}))
+                                      deadline, forecaster, {"optim.z_loss": new_z}, src=src))
         new_lr = spec.optim.peak_lr * lr_factor
         options.append(_rewind_option(
             st, "rewind_lower_lr", f"rewind to {join}, peak LR {spec.optim.peak_lr:g} -> {new_lr:g}", why, join,
             deadline, forecaster, {"optim.peak_lr": new_lr},
-            note="the new peak applies from the resume step; earlier steps come from the parent checkpoint"))
+            note="the new peak applies from the resume step; earlier steps come from the parent checkpoint", src=src))
         options.append(_rewind_option(
             st, "rewind_redraw", f"rewind to {join}, re-draw the data from there (seed {spec.seed} -> {spec.seed + 1})",
             why, join, deadline, forecaster, {"seed": spec.seed + 1},
-            note="a new data seed replaces every batch from the resume step (and the held-out eval batches)"))
+            note="a new data seed replaces every batch from the resume step (and the held-out eval batches)", src=src))
         notes.append("skipping the offending batches is not possible: the data pipeline has no offset (a step's "
                      "batch is a function of seed, step and mixture), so no skip option is offered; "
                      "rewind_redraw draws other batches instead")
         if st.checkpoints and join == 0 and st.checkpoints[0] > 0:
-            notes.append(f"kept checkpoints {st.checkpoints} all follow the first flag at step {fault}: "
-                         "the rewind restarts from step 0")
+            notes.append(f"kept checkpoints {st.checkpoints} all follow the first flag at step {fault}"
+                         + (", and so do those of the runs it continues" if st.ancestors else "")
+                         + ": the rewind restarts from step 0")
 
     # context-length gate
     gate = context_gate(st)
@@ -215,6 +220,7 @@ def make_replan(
         options.append(opt)
 
     notes += _monotone_in_tokens(options)
+    notes += _uninformative(st, options)
     for o in options:
         _check_kept(spec, o)
     rec, text = _recommend(st, options, deadline, bad, drops)
@@ -222,6 +228,22 @@ def make_replan(
 
 
 SHAPE_KINDS = ("keep", "shorten", "shorten_mix")  # one schedule shape: the plan's, re-timed
+
+
+def _uninformative(st: RunState, options: list[Option]) -> list[str]:
+    """A note for each option whose forecast interval is at least as wide as the run's fall so far
+    (RunState.fall_so_far): such an interval is honest but cannot tell one option from another."""
+    fall = st.fall_so_far
+    if fall is None:
+        return []
+    out = []
+    for n, o in enumerate(options, 1):
+        fc = o.forecast
+        if fc and fc["hi"] - fc["lo"] >= fall:
+            out.append(f"option {n} ({o.kind}): its {fc['level']:.0%} forecast interval ({fc['lo']:.4g} to "
+                       f"{fc['hi']:.4g}) is as wide as the run's whole fall so far ({fall:.4g}): the run's curve "
+                       "does not pin its final loss yet; read its mean as a guess")
+    return out
 
 
 def _monotone_in_tokens(options: list[Option]) -> list[str]:
@@ -287,9 +309,10 @@ def _drop_option(st, kind, title, why, join, deadline, forecaster, changes, note
     return opt
 
 
-def _rewind_option(st, kind, title, why, join, deadline, forecaster, changes, note="") -> Option:
-    new = derive(st.spec, kind, why + f"; {title}", join, **changes)
-    opt = Option(kind, title, new, join, why + f"; {title}", note=note)
+def _rewind_option(st, kind, title, why, join, deadline, forecaster, changes, note="", src=(None, None)) -> Option:
+    """src: (run dir, spec id) of the earlier run in the lineage whose checkpoint `join` is, or Nones."""
+    new = derive(st.spec, kind, why + f"; {title}", join, resumes=src[1], **changes)
+    opt = Option(kind, title, new, join, why + f"; {title}", note=note, resume_dir=src[0])
     _timing(opt, st, join, deadline)
     if forecaster:
         opt.forecast = forecaster(st, new, join)

@@ -15,13 +15,14 @@ from core.spec import Rejoin, Spec
 __all__ = ["derive", "shorten_spec"]
 
 
-def _lineage(parent: Spec, reason: str, resume_step: int) -> dict[str, Any]:
-    return {"parent_id": parent.id, "reason": reason, "resume_step": resume_step}
-
-
-def derive(parent: Spec, kind: str, reason: str, resume_step: int, **changes: Any) -> Spec:
+def derive(parent: Spec, kind: str, reason: str, resume_step: int, *, resumes: str | None = None,
+           **changes: Any) -> Spec:
+    """`parent` with `changes`, named <base>+<kind>, continuing a run from `resume_step`: the
+    parent's own, or the run of spec id `resumes` (an earlier run in the parent's lineage, when the
+    checkpoint resumed from is that run's)."""
     base = parent.name.split("+", 1)[0]
-    return parent.replace(**{"name": f"{base}+{kind}", "lineage": _lineage(parent, reason, resume_step), **changes})
+    lineage = {"parent_id": resumes or parent.id, "reason": reason, "resume_step": resume_step}
+    return parent.replace(**{"name": f"{base}+{kind}", "lineage": lineage, **changes})
 
 
 def _verify_rejoin(old: Spec, new: Spec, join: int) -> None:

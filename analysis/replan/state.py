@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from analysis.monitor.watch import Forecast, MonitorReport, MonitorSettings, measured_tokens_per_s, monitor, planned_tokens_per_s
-from analysis.runs.metrics import RunRef
+from analysis.runs.metrics import RunRef, ancestor_checkpoints
 from core.fsutil import atomic_write_text
 from core.spec import Spec, save_spec
 
@@ -44,6 +44,7 @@ class RunState:
     ref: RunRef | None = None
     run_dir: Path | None = None
     forecast: Forecast | None = None
+    ancestors: list[tuple[int, Path, str]] = field(default_factory=list)  # (step, run dir, spec id), newest first
 
     @property
     def done_steps(self) -> int:
@@ -61,12 +62,35 @@ class RunState:
         d = self.df[cols].fillna(0.0).sum(axis=1).to_numpy()[-20:]
         return float(np.mean(d)) if len(d) else None
 
+    @property
+    def fall_so_far(self) -> float | None:
+        """The run's first finite training loss less the mean of its last 5 finite ones (None with
+        fewer than 10 finite losses, or when the loss has not fallen)."""
+        loss = self.df["loss"].to_numpy(dtype=np.float64)
+        loss = loss[np.isfinite(loss)]
+        if len(loss) < 10:
+            return None
+        fall = float(loss[0] - np.mean(loss[-5:]))
+        return fall if fall > 0 else None
+
     def latest_checkpoint(self, before: int | None = None) -> int:
         """Newest kept checkpoint <= the run's progress (strictly before `before` when given);
         0 (a fresh start from the spec's seed) when none is kept."""
         limit = self.done_steps if before is None else before - 1
         ok = [c for c in self.checkpoints if c <= limit]
         return max(ok) if ok else 0
+
+    def rewind_point(self, before: int) -> tuple[int, Path | None, str | None]:
+        """Where a rewind to before step `before` resumes: the newest kept checkpoint of this run
+        strictly before it; else of a run it continues (lineage), with that run's dir and spec id;
+        else step 0 (a fresh start)."""
+        own = self.latest_checkpoint(before=before)
+        if own:
+            return own, None, None
+        for step, run_dir, spec_id in self.ancestors:
+            if 0 < step < before:
+                return step, run_dir, spec_id
+        return 0, None, None
 
     @classmethod
     def build(cls, df: pd.DataFrame, spec: Spec, ref: RunRef | None = None, *, tokens_per_s: float | None = None,
@@ -95,7 +119,9 @@ class RunState:
             every = spec.run.checkpoint_every
             ckpts = list(range(every, step + 2, every))
             assumed = True
-        return cls(spec, df, report, step, tps, src, ckpts, assumed, now, ref, ref.run_dir if ref else None, forecast)
+        run_dir = ref.run_dir if ref else None
+        return cls(spec, df, report, step, tps, src, ckpts, assumed, now, ref, run_dir, forecast,
+                   ancestor_checkpoints(run_dir, spec))
 
 
 # ---- options -----------------------------------------------------------------------------------
@@ -117,13 +143,16 @@ class Option:
     meets_deadline: bool | None = None
     memory_gb: float | None = None
     path: str | None = None
+    resume_dir: Path | None = None  # the run whose checkpoint it resumes, when not the replanned run's own
 
     def row(self, n: int) -> dict[str, Any]:
         fc = self.forecast or {}
         return {
             "n": n, "kind": self.kind, "title": self.title, "allowed": self.allowed,
             "spec_id": self.spec.id if self.spec else None, "spec_path": self.path,
-            "resume_step": self.resume_step, "total_steps": self.spec.total_steps if self.spec else None,
+            "resume_step": self.resume_step,
+            "resume_run_dir": str(self.resume_dir) if self.resume_dir else None,
+            "total_steps": self.spec.total_steps if self.spec else None,
             "tokens": self.spec.data.total_tokens if self.spec else None,
             "finish": self.finish, "meets_deadline": self.meets_deadline, "device_hours": self.device_hours,
             "forecast_loss": fc.get("mean"), "forecast_lo": fc.get("lo"), "forecast_hi": fc.get("hi"),
@@ -152,6 +181,7 @@ class Replan:
                 "budget_frac": st.budget_frac, "tokens_per_s": st.tokens_per_s,
                 "tokens_per_s_source": st.tokens_per_s_source, "checkpoints": st.checkpoints,
                 "checkpoints_assumed": st.checkpoints_assumed, "drop_frac": st.drop_frac,
+                "fall_so_far": st.fall_so_far,
                 "run_dir": str(st.run_dir) if st.run_dir else None,
             },
             "now": _iso(st.now),

@@ -273,6 +273,55 @@ class RunRef:
         return sorted(out)
 
 
+def _parent_dir(run_dir: Path, parent_id: str | None) -> Path | None:
+    """The run dir a continuation was seeded from: the `initialised_from` of a kept checkpoint
+    (engines.checkpoint.init_from_checkpoint records it), else the parent's spec id in the ledger
+    the run dir sits in (<root>/runs/<experiment>/<name>-<id>)."""
+    for ck in list_checkpoints(run_dir):
+        try:
+            src = json.loads((ck / "state.json").read_text()).get("initialised_from")
+        except (OSError, ValueError):
+            continue
+        if src:
+            return Path(src).parent.parent
+    if parent_id and run_dir.parent.parent.name == "runs":
+        try:
+            return _ledger_run_dir(parent_id, run_dir.parent.parent.parent)
+        except MetricsError:
+            return None
+    return None
+
+
+def ancestor_checkpoints(run_dir: str | Path | None, spec: Any, depth: int = 8) -> list[tuple[int, Path, str]]:
+    """Kept checkpoints of the runs this one continues (spec.lineage: parent_id from resume_step),
+    each strictly before the step its child resumed from, as (step, the ancestor's run dir, its spec
+    id), newest first. A parent whose run dir holds another spec id than the lineage names is not
+    followed. [] for a run that continues nothing or whose parent is not found."""
+    out: list[tuple[int, Path, str]] = []
+    if run_dir is None or spec is None:
+        return out
+    d, seen = Path(run_dir), {Path(run_dir).resolve()}
+    for _ in range(depth):
+        lin = spec.lineage
+        if lin.parent_id is None or lin.resume_step is None:
+            break
+        parent = _parent_dir(d, lin.parent_id)
+        if parent is None or not parent.is_dir() or parent.resolve() in seen:
+            break
+        pspec, pid = _run_dir_facts(parent)
+        if pid != lin.parent_id:
+            break
+        for ck in reversed(list_checkpoints(parent)):
+            step = int(ck.name[5:])
+            if step < lin.resume_step:
+                out.append((step, parent, pid))
+        if pspec is None:
+            break
+        d, spec = parent, pspec
+        seen.add(parent.resolve())
+    return out
+
+
 def _run_dir_facts(run_dir: Path) -> tuple[Any, str | None]:
     spec = None
     for name in SPEC_FILES:

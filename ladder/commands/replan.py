@@ -95,10 +95,11 @@ def apply_option(plan, n: int, root: Optional[str], console: Console) -> dict:
     child_dir = ledger.run_dir_for(root_path, experiment, opt.spec)
     step = int(opt.resume_step or 0)
     if step > 0:
-        src = parent_dir / "checkpoints" / step_dir_name(step)
+        from_dir = Path(opt.resume_dir).resolve() if opt.resume_dir else parent_dir
+        src = from_dir / "checkpoints" / step_dir_name(step)
         if not src.exists():
             raise LadderError(f"--apply {n}: the parent's checkpoint {src} is gone (kept: {plan.state.checkpoints})")
-        init_from_checkpoint(child_dir, src, metrics_from=parent_dir)
+        init_from_checkpoint(child_dir, src, metrics_from=from_dir)
     ledger.write_spec_file(child_dir, opt.spec)
 
     exp = Experiment(name=experiment, rungs=(opt.spec,))
