@@ -83,8 +83,13 @@ def drive(spec: Spec, run_dir: Path, records: Iterable[StepMetrics], *, lead: bo
     except DivergedError as err:
         # every rank reads the same all-reduced loss, so all of them stop at this step; they meet
         # once more so that no rank's exit (torchrun then stops the others) cuts the lead off
-        # before status.json says "diverged"
-        barrier()
+        # before status.json says "diverged"; a peer already gone (its own exit) fails the barrier
+        # (torch.distributed's errors are RuntimeErrors), and the run is diverged all the same
+        try:
+            barrier()
+        except RuntimeError as gone:
+            print(f"note: a peer left before the divergence barrier ({str(gone).splitlines()[0][:200]})",
+                  file=sys.stderr, flush=True)
         if lead:
             print(f"diverged: {err}", file=sys.stderr)
         code = 3
