@@ -410,12 +410,12 @@ def run_torch_mesh(spec, batches, warmup, options: dict | None = None, engine: d
                    profile_steps: int = 0):
     """The torch row's model and batches trained through the multi-process layout's step module
     (engines/torch/parallel/step.ParallelStep: FSDP2, the layout's dispatcher, the fast forward of
-    engines/torch/parallel/model.py, torch's foreach AdamW on fp32 masters cast by the matmuls; the
+    engines/torch/parallel/model.py, torch's fused AdamW on the fp32 shards, gathered in bf16 on a GPU; the
     torch row's working copies, torch_master, do not exist there) under the engine's default
     kernel options, in this process as a group of one. One process is ep = 1 (layout.check_layout: the world is a
     multiple of ep; the one-device engine's emulated shards are its own dispatcher's, not the
-    layout's), so the expert group is a group of one: every expert on this device, the dispatch's
-    all-to-alls and FSDP2's collectives over the one rank. Its loop is the step module's own:
+    layout's), so the expert group is a group of one: every expert on this device, the dropless
+    dispatch local (no exchange), FSDP2's collectives over the one rank. Its loop is the step module's own:
     each step read before the next is launched (ParallelStep.lookahead is False)."""
     import tempfile
 
@@ -576,6 +576,13 @@ def step_breakdown(launch, read, batches, m: dict, steps: int, lookahead: bool =
         cats[dense_cat] = cats.get(dense_cat, 0.0) - t
         cats[owner] = cats.get(owner, 0.0) + t
     busy = sum(kern.values())
+    # the host's side: CPU time by op (self time, so nested ops are not counted twice) and the calls
+    # that wait for the GPU (a wait inside a step stops the host from launching ahead of it)
+    host = sorted(((a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()),
+                  key=lambda r: -r[1])[:25]
+    waits = {a.key: a.count for a in prof.key_averages()
+             if a.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                          "aten::_local_scalar_dense", "cudaMemcpy", "cudaMemcpyAsync")}
     d, L = m["d_model"], m["n_layers"]
     dense = L * (d * m["n_heads"] * m["head_dim"] * 2 + d * m["n_kv_heads"] * m["head_dim"] * 2
                  + d * m["n_routed_experts"] + (2 * d * m["latent_dim"] if m.get("latent_dim") else 0)
@@ -585,7 +592,9 @@ def step_breakdown(launch, read, batches, m: dict, steps: int, lookahead: bool =
             "categories_ms_per_step": {c: v / 1e3 / steps for c, v in sorted(cats.items(), key=lambda kv: -kv[1])},
             "moved_by_shape_ms_per_step": {c: v / 1e3 / steps for c, v in moved.items()},
             "top_kernels_ms_per_step": [(k[:150], kernel_category(k), v / 1e3 / steps)
-                                        for k, v in sorted(kern.items(), key=lambda kv: -kv[1])[:25]]}
+                                        for k, v in sorted(kern.items(), key=lambda kv: -kv[1])[:25]],
+            "top_host_ops_ms_per_step": [(k[:150], v / 1e3 / steps, n / steps) for k, v, n in host],
+            "host_waits_per_step": {k: n / steps for k, n in waits.items()}}
 
 
 def breakdown_md(variant: str, key, b: dict) -> str:
@@ -603,6 +612,11 @@ def breakdown_md(variant: str, key, b: dict) -> str:
                   f"output head is {b['head_share_of_dense_gemm_flops']:.0%} of the dense GEMMs' FLOPs."]
     lines += ["", "| kernel | part | ms/step |", "|---|---|---:|"]
     lines += [f"| `{k}` | {c} | {v:.2f} |" for k, c, v in b["top_kernels_ms_per_step"]]
+    if b.get("top_host_ops_ms_per_step"):
+        lines += ["", "| host op (self CPU time) | ms/step | calls/step |", "|---|---:|---:|"]
+        lines += [f"| `{k}` | {v:.2f} | {n:.0f} |" for k, v, n in b["top_host_ops_ms_per_step"]]
+        lines += ["", "Host calls that wait for the device, per step: " + (", ".join(
+            f"{k} {n:.0f}" for k, n in b["host_waits_per_step"].items()) or "none")]
     return "\n".join(lines) + "\n"
 
 

@@ -179,7 +179,7 @@ def moe_route(block, x_BSD, o: TorchKernels):
     h_TD = _rms(x_BSD, block.moe_norm.weight, block.moe_norm.eps).reshape(B * S, D)
     logits_TE = None
     if o.router == "tf32":  # (on the CPU an fp32 matmul through the same op)
-        logits_TE = mm_tf32(h_TD, block.moe.router)
+        logits_TE = mm_tf32(h_TD, block.moe.router.float())  # (a bf16 gather under FSDP2's mixed precision)
     topk = topk_indices if o.topk == "triton" else None
     expert_TK, gate_TK, stats = block.moe.route(h_TD, S, logits_TE, topk)
     return h_TD, expert_TK, gate_TK, stats

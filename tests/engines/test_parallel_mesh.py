@@ -40,6 +40,8 @@ SPEC = micro_spec("mesh", **{"model.ep_size": 2, "model.dispatch": "capacity", "
 
 # the same spec with dropless dispatch: the ragged all-to-all over each data row
 DROPLESS = SPEC.replace(name="dropless", **{"model.dispatch": "dropless"})
+# and with every expert on every rank (ep 1): data parallel only, no exchange (dp2 x ep1)
+DATA_PARALLEL = DROPLESS.replace(name="dataparallel", **{"model.ep_size": 1})
 
 def _args(root: Path, run: str, *extra: str) -> list[str]:
     return [str(root / "mesh.yaml"), "--run-dir", str(root / run), "--device", "cpu", *extra]
@@ -54,13 +56,17 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mesh")
     save_spec(SPEC, root / "mesh.yaml")
     save_spec(DROPLESS, root / "dropless.yaml")
+    save_spec(DATA_PARALLEL, root / "dataparallel.yaml")
     list(TorchEngine("cpu").train(SPEC, root / "single"))  # also fills the token cache
     list(TorchEngine("cpu").train(DROPLESS, root / "dropless-single"))
-    # dp2 x ep2 in one go; the same stopped after step 3, then continued on the same mesh; dropless
+    list(TorchEngine("cpu").train(DATA_PARALLEL, root / "dataparallel-single"))
+    # dp2 x ep2 in one go; the same stopped after step 3, then continued on the same mesh; dropless;
+    # dp2 x ep1
     dropless = [str(root / "dropless.yaml"), "--run-dir", str(root / "dropless4"), "--device", "cpu"]
+    dataparallel = [str(root / "dataparallel.yaml"), "--run-dir", str(root / "dataparallel2"), "--device", "cpu"]
     codes = _drive([[4, _args(root, "full4")], [4, _args(root, "half4", "--steps", "3")],
-                    [4, _args(root, "half4")], [4, dropless]])
-    assert codes == [[0] * 4] * 4
+                    [4, _args(root, "half4")], [4, dropless], [2, dataparallel]])
+    assert codes == [[0] * 4] * 4 + [[0, 0]]
     # the stopped run's step-3 shards exported, and dp1 x ep2 continuing from the export alone
     exported = export(root / "half4", step=3)
     init_from_checkpoint(root / "from_export2", exported, metrics_from=root / "half4")
@@ -167,6 +173,16 @@ def test_dropless_dp2_ep2_gives_the_single_process_losses_and_drops_nothing(runs
     # the capacity run's drops move its loss far beyond that tolerance: the two are not the same run
     capacity = read_metrics(runs / "single")
     assert max(abs(a["loss"] - b["loss"]) / b["loss"] for a, b in zip(capacity, single)) > 50 * 2e-5
+
+
+def test_dp2_ep1_gives_the_single_process_losses_without_an_exchange(runs):
+    single, mesh = read_metrics(runs / "dataparallel-single"), read_metrics(runs / "dataparallel2")
+    assert [r["step"] for r in mesh] == list(range(6))
+    for key in ("loss", "grad_norm", "aux_loss"):
+        np.testing.assert_allclose([r[key] for r in mesh], [r[key] for r in single], rtol=2e-5, err_msg=key)
+    summary = json.loads((runs / "dataparallel2" / "mesh.json").read_text())
+    assert (summary["dp"], summary["ep"]) == (2, 1)
+    assert all(r["all_to_all_calls"] == 0 for r in summary["ranks"])  # every expert on every rank
 
 
 def test_each_rank_reads_part_d_of_source_shard_e_and_the_parts_tile_the_batch():

@@ -167,11 +167,18 @@ def _state_dict(model, opt, mc: Layout, fresh_moments: bool) -> dict[str, torch.
         out[k] = p
         st = opt.state.get(p)
         if not st and fresh_moments:
-            st = opt.state[p] = {"step": torch.tensor(0.0), "exp_avg": torch.zeros_like(p),
+            st = opt.state[p] = {"step": step_tensor(opt, p, 0), "exp_avg": torch.zeros_like(p),
                                  "exp_avg_sq": torch.zeros_like(p)}
         if st:
             out[f"m/{k}"], out[f"v/{k}"] = st["exp_avg"], st["exp_avg_sq"]
     return out
+
+
+def step_tensor(opt, p, step: int) -> torch.Tensor:
+    """AdamW's step count for parameter p as the optimizer itself would hold it: on p's device in
+    fp32 for the fused kernel (which reads it there), a CPU scalar otherwise."""
+    fused = any(g.get("fused") for g in opt.param_groups if any(q is p for q in g["params"]))
+    return torch.tensor(float(step), dtype=torch.float32, device=p.device) if fused else torch.tensor(float(step))
 
 
 def optimizer_step(opt) -> int:
@@ -231,8 +238,8 @@ def load_sharded(path: Path, model, opt, mc: Layout, verify: bool = True) -> dic
     if step == 0:
         opt.state.clear()  # zero moments at step 0 are exactly a fresh optimizer
     else:
-        for st in opt.state.values():
-            st["step"] = torch.tensor(float(step))
+        for param, st in opt.state.items():
+            st["step"] = step_tensor(opt, param, step)
     return state
 
 
@@ -243,7 +250,7 @@ def load_moments(model, opt, arrays: dict[str, np.ndarray], mc: Layout) -> None:
         return
     arrays = expert_slice(arrays, model.m, mc)
     for name, p in model.named_parameters():
-        st = {"step": torch.tensor(float(step))}
+        st = {"step": step_tensor(opt, p, step)}
         for src, dst in (("m", "exp_avg"), ("v", "exp_avg_sq")):
             t = torch.zeros_like(p)
             a = arrays.get(f"{src}/{name}")

@@ -22,7 +22,9 @@ emulated shards (engines/torch/dispatch.Capacity), for any dp.
 
 Ragged (dropless). Counts per (destination, local expert) first, then the rows with variable
 split sizes (one host sync per layer for the sizes); no capacity, so the data split changes
-nothing.
+nothing. With an expert group of one (ep = 1: every expert on every rank, data parallel only)
+nothing is exchanged: the one-device Dropless dispatch runs, with its gather kernels and no host
+sync.
 
 Outputs are copies, never views: FSDP2 hooks the Experts module's output.
 
@@ -40,6 +42,7 @@ import torch.distributed as dist
 
 from core.spec import ModelSpec
 from engines.dispatch_ref import capacities
+from engines.torch.dispatch import Dropless
 from engines.torch.experts import grouped_swiglu, swiglu_padded
 from engines.torch.rows import RowGather, group_counts, partial_inverse, rank_within
 
@@ -236,8 +239,12 @@ class Ragged:
     def __init__(self, m: ModelSpec, expert_group):
         self.m, self.expert_group = m, expert_group
         self.ep = dist.get_world_size(expert_group)
+        self.local = Dropless(m) if self.ep == 1 else None
 
     def __call__(self, kern, x_tL, expert_tK, gate_tK):
+        if self.local is not None:  # every expert here: nothing to exchange
+            y, zero, _ = self.local(kern, x_tL, expert_tK, gate_tK)
+            return (y if y._base is None else y.clone()), zero, zero  # FSDP2 hooks the output: no view
         x_NL, counts_e, plan = self.dispatch(x_tL.to(kern.cdt), expert_tK)
         y_NL = grouped_swiglu(x_NL, counts_e, kern.gate_up(), kern.down(), kern.cdt, kern.o)
         zero = torch.zeros((), device=x_tL.device)

@@ -5,7 +5,12 @@ bytes each rank really holds.
 - each block's routed experts (this rank's expert shard): fully_shard over the data group;
 - each block's other parameters, the embedding, final norm and head: fully_shard over all ranks;
 - gradients are summed (never averaged) by both: each rank's backward seeds its share of the
-  global objective (engines/torch/parallel/model.py).
+  global objective (engines/torch/parallel/model.py);
+- on a GPU the blocks' and experts' parameters are gathered in bf16 (FSDP2's mixed precision: the
+  shards, gradients' reduction and optimizer stay fp32), so the forward's matmuls read them without
+  a cast each step, as the one-device path's bf16 working copies; the embedding, final norm and
+  head stay fp32 (the residual stream starts fp32). The norms' weights and the router are then
+  read in bf16 too, as FSDP2 trainers (torchtitan) do; the one-device path keeps those fp32.
 The router's balancing bias is a buffer: every rank holds all of it and updates it alike.
 """
 
@@ -14,7 +19,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 import torch.distributed as dist
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from core.spec import ModelSpec
@@ -43,10 +48,14 @@ def build_sharded_model(m: ModelSpec, mc: Layout, kernels: TorchKernels | None =
     """The rank's model with its kernels, sharded, allocated on its device, uninitialised (load_full next)."""
     with torch.device("meta"):
         model = ParallelTransformer(m, mc, kernels)
+    mp = {}
+    if mc.device.type == "cuda":  # bf16 gathers; inputs (the fp32 residual) are not cast
+        mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                                cast_forward_inputs=False)}
     for blk in model.blocks:
-        fully_shard(blk.moe.experts, mesh=mc.mesh["data"], shard_placement_fn=_placement(mc.dp))
+        fully_shard(blk.moe.experts, mesh=mc.mesh["data"], shard_placement_fn=_placement(mc.dp), **mp)
         _summing(blk.moe.experts)
-        fully_shard(blk, mesh=mc.flat, shard_placement_fn=_placement(mc.world))
+        fully_shard(blk, mesh=mc.flat, shard_placement_fn=_placement(mc.world), **mp)
         _summing(blk)
     fully_shard(model, mesh=mc.flat, shard_placement_fn=_placement(mc.world))
     _summing(model)
@@ -115,7 +124,7 @@ def grad_norm_and_clip(model: ParallelTransformer, max_norm: float, extra: torch
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         grads.append(local_tensor(p.grad))
-    sq = torch.stack([g.float().pow(2).sum() for g in grads]).sum()
+    sq = torch.stack(torch._foreach_norm([g.float() for g in grads], 2)).pow(2).sum()  # one launch a dtype
     flat = torch.cat([sq.view(1), extra.float()])
     dist.all_reduce(flat)
     norm = flat[0].sqrt()

@@ -63,8 +63,10 @@ ENGINE_NAME = "torch"
 SUMMARY_FILE = "mesh.json"
 
 
-def build_optimizer(model, spec: Spec) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices and expert stacks only, as the one-device engine."""
+def build_optimizer(model, spec: Spec, device: torch.device | None = None) -> torch.optim.AdamW:
+    """AdamW with decoupled weight decay on matrices and expert stacks only, as the one-device
+    engine; on a GPU torch's fused kernel (one launch a dtype and device over the sharded fp32
+    parameters), elsewhere foreach."""
     decay = [p for p in model.parameters() if p.ndim >= 2]
     no_decay = [p for p in model.parameters() if p.ndim < 2]
     o = spec.optim
@@ -72,7 +74,8 @@ def build_optimizer(model, spec: Spec) -> torch.optim.AdamW:
         raise LayoutError("optim.moments bf16 is not supported over processes: the sharded AdamW keeps fp32 moments")
     return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
                               {"params": no_decay, "weight_decay": 0.0}],
-                             lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps, foreach=True)
+                             lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
+                             **({"fused": True} if device is not None and device.type == "cuda" else {"foreach": True}))
 
 
 class ParallelStep:
@@ -90,7 +93,7 @@ class ParallelStep:
         self.lead = layout.rank == 0
         self.devices = layout.world
         self.model = build_sharded_model(spec.model, layout, kernels_here(self.options.torch_kernels))
-        self.opt = build_optimizer(self.model, spec)
+        self.opt = build_optimizer(self.model, spec, layout.device)
 
     def init_fresh(self) -> None:
         load_full(self.model, init_params(self.spec.model, self.spec.seed), self.layout)
@@ -162,9 +165,11 @@ class ParallelStep:
 
     def describe(self) -> dict:
         """How this run computes (status.json and the checkpoint info): the fast forward, fp32
-        masters (no working copies), the layout's dispatcher."""
+        masters (no working copies: on a GPU FSDP2 gathers the blocks' parameters in bf16), the
+        layout's dispatcher."""
         return {**describe_options(self.options, self.layout.device, fast=True, master=False),
-                "torch_dispatch": dispatcher_name(self.model)}
+                "torch_dispatch": dispatcher_name(self.model),
+                "torch_gather_dtype": "bf16" if self.layout.device.type == "cuda" else "fp32"}
 
     def finish(self, first_step: int, steps: int) -> None:
         write_summary(self.run_dir, self.model, self.opt, self.layout, first_step=first_step, steps=steps)
