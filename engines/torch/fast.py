@@ -261,6 +261,9 @@ class FastLoss:
                  working=None, compile: str | None = None):
         self.options = kernels or kernels_here(TorchKernels())
         self.modules = isinstance(model.blocks[0], FastBlock)
+        # a wrapper (FSDP2) hooks the Experts modules: their weights are read inside their call
+        # (a model whose experts sit in their block's unit sets it False)
+        self.hooked_experts = self.modules
         for blk in model.blocks if self.modules else ():
             blk.run = self._compute_block
         self.working = working
@@ -306,8 +309,8 @@ class FastLoss:
         return self._compute_block(block, w, x_BSD, cos, sin, mask_SS)
 
     def _compute_block(self, block, w, x_BSD, cos, sin, mask_SS):
-        if self.modules:
-            w = block_weights(block, self.cdt, experts=False)
+        if self.modules:  # the block's weights read inside its (hooked) call, the experts' in theirs
+            w = block_weights(block, self.cdt, experts=False) if self.hooked_experts else None
         if self._attn is None:
             return self._block(block, w, x_BSD, cos, sin, mask_SS, self.cdt, self.options)
         w = w if w is not None else block_weights(block, self.cdt)

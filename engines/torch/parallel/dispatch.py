@@ -23,8 +23,8 @@ emulated shards (engines/torch/dispatch.Capacity), for any dp.
 Ragged (dropless). Counts per (destination, local expert) first, then the rows with variable
 split sizes (one host sync per layer for the sizes); no capacity, so the data split changes
 nothing. With an expert group of one (ep = 1: every expert on every rank, data parallel only)
-nothing is exchanged: the one-device Dropless dispatch runs, with its gather kernels and no host
-sync.
+nothing is exchanged: LocalDropless, the one-device dispatch with its gather kernels and no host
+sync, takes its place.
 
 Outputs are copies, never views: FSDP2 hooks the Experts module's output.
 
@@ -230,6 +230,14 @@ class RaggedPlan:
     K: int
 
 
+class LocalDropless(Dropless):
+    """Dropless dispatch with every expert on this rank (an expert group of one: ep 1, data
+    parallel only): nothing to exchange, so the one-device dispatch with its gather kernels and no
+    host sync. The step's tokens are still spread over the data ranks (sharded)."""
+
+    sharded = True
+
+
 class Ragged:
     """The dropless dispatcher over the ranks of `expert_group`: every assignment reaches its
     expert through a variable-size all-to-all."""
@@ -239,12 +247,8 @@ class Ragged:
     def __init__(self, m: ModelSpec, expert_group):
         self.m, self.expert_group = m, expert_group
         self.ep = dist.get_world_size(expert_group)
-        self.local = Dropless(m) if self.ep == 1 else None
 
     def __call__(self, kern, x_tL, expert_tK, gate_tK):
-        if self.local is not None:  # every expert here: nothing to exchange
-            y, zero, _ = self.local(kern, x_tL, expert_tK, gate_tK)
-            return (y if y._base is None else y.clone()), zero, zero  # FSDP2 hooks the output: no view
         x_NL, counts_e, plan = self.dispatch(x_tL.to(kern.cdt), expert_tK)
         y_NL = grouped_swiglu(x_NL, counts_e, kern.gate_up(), kern.down(), kern.cdt, kern.o)
         zero = torch.zeros((), device=x_tL.device)

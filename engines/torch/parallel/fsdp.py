@@ -2,7 +2,8 @@
 (engine-neutral) arrays into the shards, gathering them back, the global gradient norm, and the
 bytes each rank really holds.
 
-- each block's routed experts (this rank's expert shard): fully_shard over the data group;
+- each block's routed experts (this rank's expert shard): fully_shard over the data group (with
+  ep 1, where that group is every rank, they are part of their block's unit);
 - each block's other parameters, the embedding, final norm and head: fully_shard over all ranks;
 - gradients are summed (never averaged) by both: each rank's backward seeds its share of the
   global objective (engines/torch/parallel/model.py);
@@ -53,8 +54,9 @@ def build_sharded_model(m: ModelSpec, mc: Layout, kernels: TorchKernels | None =
         mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                 cast_forward_inputs=False)}
     for blk in model.blocks:
-        fully_shard(blk.moe.experts, mesh=mc.mesh["data"], shard_placement_fn=_placement(mc.dp), **mp)
-        _summing(blk.moe.experts)
+        if mc.ep > 1:  # with ep 1 the data group is every rank: the experts join their block's unit
+            fully_shard(blk.moe.experts, mesh=mc.mesh["data"], shard_placement_fn=_placement(mc.dp), **mp)
+            _summing(blk.moe.experts)
         fully_shard(blk, mesh=mc.flat, shard_placement_fn=_placement(mc.world), **mp)
         _summing(blk)
     fully_shard(model, mesh=mc.flat, shard_placement_fn=_placement(mc.world))

@@ -6,7 +6,8 @@ module call, so FSDP2 gathers a block's parameters in its forward hook, and the 
 data group for exactly as long as the dispatch), its Experts modules hold the layout's dispatcher
 (engines/torch/parallel/dispatch.py: PooledWave or Ragged, given the layout's process groups).
 On a GPU the dense parts are compiled (the dispatch, with its collectives and host sizes, stays
-eager) and the matmuls run in bf16 cast from the fp32 masters; on the CPU everything runs in fp32.
+eager; with ep 1 and dropless dispatch there is none, and each block compiles whole) and the
+matmuls run in bf16 (FSDP2's bf16 gathers); on the CPU everything runs in fp32.
 
 Objective. Rank r's backward seeds its share of the global objective (sum over all dp * ep ranks
 = the one-device objective; engines/torch/model.sharded_objective): CE, output z-loss and router
@@ -27,7 +28,7 @@ from engines.options import TorchKernels
 from engines.torch.experts import kernels_here
 from engines.torch.fast import FastBlock, FastLoss
 from engines.torch.model import Experts, MoETransformer, sharded_objective
-from engines.torch.parallel.dispatch import PooledWave, Ragged, all_reduce_sum
+from engines.torch.parallel.dispatch import LocalDropless, PooledWave, Ragged, all_reduce_sum
 from engines.torch.parallel.layout import Layout
 
 EXPERT_MARK = ".moe.experts."
@@ -47,13 +48,20 @@ class ParallelTransformer(MoETransformer):
         self.layout = layout
         if m.dispatch == "capacity":
             dispatcher = PooledWave(m, layout.expert_group, layout.data_group, layout.d)
+        elif layout.ep == 1:
+            dispatcher = LocalDropless(m)
         else:
             dispatcher = Ragged(m, layout.expert_group)
         for blk in self.blocks:
             blk.moe.experts = Experts(m.n_routed_experts // layout.ep, m.expert_dim, m.expert_hidden, dispatcher)
         o = kernels_here(kernels or TorchKernels())
         cuda = layout.device.type == "cuda"
-        self.loss = FastLoss(self, layout.device, o, compile="dense" if cuda and o.compile != "none" else "none")
+        # ep 1 dropless: no collective inside a block, so the whole block compiles (the experts
+        # then sit in their block's FSDP2 unit: engines/torch/parallel/fsdp.py)
+        whole = layout.ep == 1 and m.dispatch == "dropless"
+        mode = ("block" if whole else "dense") if cuda and o.compile != "none" else "none"
+        self.loss = FastLoss(self, layout.device, o, compile=mode)
+        self.loss.hooked_experts = layout.ep > 1
 
     def forward(self, tokens_bS1: torch.Tensor, optim, n_tokens: int):
         ce, z, st = self.loss.forward(self, tokens_bS1)
