@@ -18,13 +18,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # steps and runs each a few times, so compiling is most of their cost (a quarter less CPU for the
 # JAX engine's test files; the same losses). Subprocesses inherit it; a test that sets its own
 # XLA_FLAGS keeps this flag with its own (xla_flags below).
-OPT_FLAG = "--xla_backend_optimization_level=0"
-
-
-def xla_flags(*flags: str) -> str:
-    """XLA_FLAGS for a subprocess: the given flags after the suite's (OPT_FLAG)."""
-    return " ".join([os.environ.get("XLA_FLAGS", ""), *flags]).strip()
-
+from tests.support import OPT_FLAG, tiny_changes, xla_flags  # noqa: E402  (after the environment above; imports no torch)
 
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
     os.environ["XLA_FLAGS"] = xla_flags(OPT_FLAG)
@@ -84,19 +78,6 @@ def pytest_collection_modifyitems(session, config, items):
     rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable: files stay whole
 
-
-# A micro spec made smaller still: 128 tokens a step, evaluation only at the end.
-TINY = {"data.seq_len": 32, "data.batch_size": 4, "run.eval_every": 10**6, "run.eval_batches": 1}
-
-
-def tiny_changes(steps: int = 30, checkpoint_every: int = 10, **changes) -> dict:
-    return {**TINY, "data.total_tokens": 32 * 4 * steps, "run.checkpoint_every": checkpoint_every, **changes}
-
-
-def tiny_spec(name: str = "tiny", steps: int = 30, checkpoint_every: int = 10, **changes):
-    from ladder.presets import micro_spec
-
-    return micro_spec(name, **tiny_changes(steps, checkpoint_every, **changes))
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -17,7 +17,7 @@ import pytest
 
 from tests import cli_fork
 from tests.cli_fork import ladder_many
-from tests.conftest import tiny_changes
+from tests.support import tiny_changes
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS = 20

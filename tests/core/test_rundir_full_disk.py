@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 REPO = Path(__file__).resolve().parents[2]
 

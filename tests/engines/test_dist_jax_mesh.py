@@ -16,7 +16,7 @@ import pytest
 
 from engines.base import read_metrics
 from engines.checkpoint import latest_checkpoint, load_checkpoint
-from tests.conftest import xla_flags
+from tests.support import xla_flags
 
 pytestmark = pytest.mark.slow
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.conftest import xla_flags
+from tests.support import xla_flags
 
 pytestmark = pytest.mark.slow
 

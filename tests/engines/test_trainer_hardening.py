@@ -22,7 +22,7 @@ from engines.torch.engine import TorchEngine
 from engines.torch.step import TorchStep
 from engines.trainer import RunHistoryError, Trainer
 from tests import cli_fork
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 ONE = EngineOptions(cpu_threads=1, torch_ep="emulate")
 

@@ -52,7 +52,7 @@ def assert_each_step_once(uri: str, experiment: str, spec, run_dir: Path) -> Non
 def sweep(local_ray, tmp_path_factory):
     """A finished sweep of three tiny specs: (experiment file, root, SubmitResult)."""
     tmp = tmp_path_factory.mktemp("sweep")
-    from tests.conftest import tiny_changes
+    from tests.support import tiny_changes
 
     path = tmp / "sweep.py"
     path.write_text(

@@ -71,7 +71,7 @@ def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 900) -> N
 def story(tmp_path_factory, mlflow_template):
     import shutil
 
-    from tests.conftest import tiny_changes
+    from tests.support import tiny_changes
 
     tmp = tmp_path_factory.mktemp("interrupt")
     path = tmp / "intr.py"

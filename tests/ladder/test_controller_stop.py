@@ -9,7 +9,7 @@ import time
 from engines.base import read_metrics, read_status
 from ladder import ledger
 from ladder.controller import train_task
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 
 def _start(spec, root, owner):

@@ -18,7 +18,7 @@ from core.rundir import iter_run_dirs
 from ladder.errors import LadderError
 from ladder.ladder_csv import read_ladder_csv
 from tests import cli_fork
-from tests.analysis.test_h200_ladder import FIT_RTOL
+from tests.support import FIT_RTOL
 
 REPO = Path(__file__).resolve().parents[2]
 

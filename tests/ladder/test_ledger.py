@@ -14,7 +14,7 @@ import pytest
 
 from engines.base import MetricsWriter, StepMetrics, write_status
 from ladder import ledger
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 HOLD_CLAIM = """
 import sys, time

@@ -19,7 +19,7 @@ from ladder import ledger, tracking
 from ladder.controller import submit
 from ladder.errors import LadderError
 from ladder.experiment import load_experiment
-from tests.conftest import tiny_changes
+from tests.support import tiny_changes
 
 pytestmark = pytest.mark.slow
 

@@ -12,7 +12,7 @@ import pytest
 from core.rundir import RunDir
 from engines.base import StepMetrics
 from engines.registry import get_engine
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 BAD = b"\xff\xfe{not json at all\n"
 

@@ -11,7 +11,7 @@ import pytest
 from engines.registry import get_engine
 from ladder import ledger
 from tests import cli_fork
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 pytestmark = pytest.mark.slow
 

@@ -10,7 +10,7 @@ import pytest
 from core.rundir import RunDir
 from core.spec import save_spec
 from tests import cli_fork
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 
 def test_submit_plans_a_diverged_spec_again_only_when_asked(tmp_path):
@@ -49,7 +49,7 @@ def test_submit_leaving_a_diverged_spec_untrained_is_not_a_success(tmp_path):
 
     spec = tiny_spec("div")
     path = tmp_path / "exp.py"
-    path.write_text("from ladder.experiment import Experiment\nfrom tests.conftest import tiny_spec\n"
+    path.write_text("from ladder.experiment import Experiment\nfrom tests.support import tiny_spec\n"
                     "EXPERIMENT = Experiment(name='rerun', rungs=(tiny_spec('div'),))\n")
     root = tmp_path / ".ladder"
     RunDir(ledger.run_dir_for(root, Experiment(name="rerun", rungs=(spec,)).name, spec)).write_status("diverged", step=3)

@@ -13,7 +13,7 @@ from engines.base import read_metrics
 from ladder import ledger, tracking
 from ladder.experiment import Experiment
 from tests import cli_fork
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 pytestmark = pytest.mark.slow
 

@@ -22,7 +22,7 @@ from engines.base import read_metrics
 from ladder import ledger, tracking
 from ladder.controller import submit
 from ladder.experiment import load_experiment
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 pytestmark = pytest.mark.slow
 

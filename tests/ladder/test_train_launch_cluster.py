@@ -31,7 +31,7 @@ from ladder.controller import submit
 from ladder.experiment import load_experiment
 from ladder.localray import join, wait_reachable
 from ladder.train_launch import train_on_workers
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 from tests.engines.fork_ranks import drive
 
 pytestmark = pytest.mark.slow

@@ -15,7 +15,7 @@ import pytest
 
 from core.rundir import RunDir
 from core.spec import save_spec
-from tests.conftest import tiny_spec
+from tests.support import tiny_spec
 
 pytestmark = pytest.mark.slow
 
