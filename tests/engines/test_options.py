@@ -7,6 +7,7 @@ import json
 import pytest
 
 from engines.options import EngineOptions, JaxKernels, OptionsError, TorchKernels
+from tests.support import tiny_spec
 
 
 def test_the_environment_switches_set_the_options():
@@ -50,7 +51,6 @@ def test_a_run_records_its_options_in_status_and_checkpoints(tmp_path):
     from engines.checkpoint import latest_checkpoint, load_checkpoint
     from engines.base import read_status
     from engines.torch.engine import TorchEngine
-    from tests.support import tiny_spec
 
     spec = tiny_spec(steps=2, checkpoint_every=1, **{"model.ep_size": 1})
     list(TorchEngine("cpu", EngineOptions(cpu_threads=1)).train(spec, tmp_path))
@@ -72,7 +72,6 @@ def test_the_registry_hands_an_engine_its_options():
 
 def test_a_bad_jax_tile_file_is_named_before_any_work(tmp_path):
     from engines.jax.engine import JaxEngine
-    from tests.support import tiny_spec
 
     bad = tmp_path / "tiles.json"
     bad.write_text("[]")
@@ -85,7 +84,6 @@ def test_a_bad_jax_tile_file_is_named_before_any_work(tmp_path):
 def test_a_run_records_the_options_its_spec_sets(tmp_path):
     from engines.base import read_status
     from engines.torch.engine import TorchEngine
-    from tests.support import tiny_spec
 
     spec = tiny_spec(steps=1, **{"model.ep_size": 1}).replace(**{"options.cpu_threads": 1})
     list(TorchEngine("cpu").train(spec, tmp_path))  # no options given: the spec's section

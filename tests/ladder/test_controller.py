@@ -21,6 +21,7 @@ from ladder.controller import submit
 from ladder.errors import LadderError
 from ladder.experiment import load_experiment
 from tests import cli_fork
+from tests.support import tiny_changes
 
 pytestmark = pytest.mark.slow
 
@@ -52,8 +53,6 @@ def assert_each_step_once(uri: str, experiment: str, spec, run_dir: Path) -> Non
 def sweep(local_ray, tmp_path_factory):
     """A finished sweep of three tiny specs: (experiment file, root, SubmitResult)."""
     tmp = tmp_path_factory.mktemp("sweep")
-    from tests.support import tiny_changes
-
     path = tmp / "sweep.py"
     path.write_text(
         "from ladder.experiment import Experiment\nfrom ladder.presets import micro_spec\n"

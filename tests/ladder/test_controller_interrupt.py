@@ -21,6 +21,7 @@ import pytest
 from engines.base import read_metrics, read_status
 from ladder import ledger, tracking
 from ladder.experiment import load_experiment
+from tests.support import tiny_changes
 
 pytestmark = pytest.mark.slow
 
@@ -70,8 +71,6 @@ def wait_for(cond, proc: subprocess.Popen, what: str, timeout: float = 900) -> N
 @pytest.fixture(scope="module")
 def story(tmp_path_factory, mlflow_template):
     import shutil
-
-    from tests.support import tiny_changes
 
     tmp = tmp_path_factory.mktemp("interrupt")
     path = tmp / "intr.py"
