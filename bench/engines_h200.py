@@ -578,9 +578,9 @@ def step_breakdown(launch, read, batches, m: dict, steps: int, lookahead: bool =
     busy = sum(kern.values())
     # the host's side: CPU time by op (self time, so nested ops are not counted twice) and the calls
     # that wait for the GPU (a wait inside a step stops the host from launching ahead of it)
-    host = sorted(((a.key, a.self_cpu_time_total, a.count) for a in prof.key_averages()),
-                  key=lambda r: -r[1])[:25]
-    waits = {a.key: a.count for a in prof.key_averages()
+    averages = prof.key_averages()
+    host = sorted(((a.key, a.self_cpu_time_total, a.count) for a in averages), key=lambda r: -r[1])[:25]
+    waits = {a.key: a.count for a in averages
              if a.key in ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
                           "aten::_local_scalar_dense", "cudaMemcpy", "cudaMemcpyAsync")}
     d, L = m["d_model"], m["n_layers"]

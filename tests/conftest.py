@@ -17,7 +17,7 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 # XLA's CPU backend without LLVM's optimisation passes: the suite compiles hundreds of tiny JAX
 # steps and runs each a few times, so compiling is most of their cost (a quarter less CPU for the
 # JAX engine's test files; the same losses). Subprocesses inherit it; a test that sets its own
-# XLA_FLAGS keeps this flag with its own (xla_flags below).
+# XLA_FLAGS keeps this flag with its own (tests/support.xla_flags).
 from tests.support import OPT_FLAG, tiny_changes, xla_flags  # noqa: E402  (after the environment above; imports no torch)
 
 if "--xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):

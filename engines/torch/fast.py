@@ -258,12 +258,12 @@ class FastLoss:
     forward(model, tokens_BS1) -> (CE, z, per-layer statistics) serves both objectives."""
 
     def __init__(self, model: MoETransformer, device: torch.device, kernels: TorchKernels | None = None,
-                 working=None, compile: str | None = None):
+                 working=None, compile: str | None = None, hooked_experts: bool | None = None):
         self.options = kernels or kernels_here(TorchKernels())
         self.modules = isinstance(model.blocks[0], FastBlock)
-        # a wrapper (FSDP2) hooks the Experts modules: their weights are read inside their call
-        # (a model whose experts sit in their block's unit sets it False)
-        self.hooked_experts = self.modules
+        # a wrapper (FSDP2) hooks the Experts modules, so their weights are read inside their call;
+        # False for a model whose experts sit in their block's unit (default: the blocks are modules)
+        self.hooked_experts = self.modules if hooked_experts is None else hooked_experts
         for blk in model.blocks if self.modules else ():
             blk.run = self._compute_block
         self.working = working

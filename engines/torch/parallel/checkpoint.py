@@ -177,8 +177,9 @@ def _state_dict(model, opt, mc: Layout, fresh_moments: bool) -> dict[str, torch.
 def step_tensor(opt, p, step: int) -> torch.Tensor:
     """AdamW's step count for parameter p as the optimizer itself would hold it: on p's device in
     fp32 for the fused kernel (which reads it there), a CPU scalar otherwise."""
-    fused = any(g.get("fused") for g in opt.param_groups if any(q is p for q in g["params"]))
-    return torch.tensor(float(step), dtype=torch.float32, device=p.device) if fused else torch.tensor(float(step))
+    if opt.defaults.get("fused"):
+        return torch.tensor(float(step), dtype=torch.float32, device=p.device)
+    return torch.tensor(float(step))
 
 
 def optimizer_step(opt) -> int:

@@ -45,12 +45,17 @@ def _placement(n: int):
     return place
 
 
+def gathers_bf16(device: torch.device) -> bool:
+    """Whether FSDP2 gathers the blocks' and experts' parameters in bf16 (on a GPU)."""
+    return device.type == "cuda"
+
+
 def build_sharded_model(m: ModelSpec, mc: Layout, kernels: TorchKernels | None = None) -> ParallelTransformer:
     """The rank's model with its kernels, sharded, allocated on its device, uninitialised (load_full next)."""
     with torch.device("meta"):
         model = ParallelTransformer(m, mc, kernels)
     mp = {}
-    if mc.device.type == "cuda":  # bf16 gathers; inputs (the fp32 residual) are not cast
+    if gathers_bf16(mc.device):  # inputs (the fp32 residual) are not cast
         mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                                 cast_forward_inputs=False)}
     for blk in model.blocks:

@@ -60,8 +60,7 @@ class ParallelTransformer(MoETransformer):
         # then sit in their block's FSDP2 unit: engines/torch/parallel/fsdp.py)
         whole = layout.ep == 1 and m.dispatch == "dropless"
         mode = ("block" if whole else "dense") if cuda and o.compile != "none" else "none"
-        self.loss = FastLoss(self, layout.device, o, compile=mode)
-        self.loss.hooked_experts = layout.ep > 1
+        self.loss = FastLoss(self, layout.device, o, compile=mode, hooked_experts=layout.ep > 1)
 
     def forward(self, tokens_bS1: torch.Tensor, optim, n_tokens: int):
         ce, z, st = self.loss.forward(self, tokens_bS1)

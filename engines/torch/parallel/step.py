@@ -48,6 +48,7 @@ from engines.torch.parallel.dispatch import Counters
 from engines.torch.parallel.fsdp import (
     build_sharded_model,
     full_arrays,
+    gathers_bf16,
     grad_norm_and_clip,
     held_bytes,
     load_full,
@@ -169,7 +170,7 @@ class ParallelStep:
         layout's dispatcher."""
         return {**describe_options(self.options, self.layout.device, fast=True, master=False),
                 "torch_dispatch": dispatcher_name(self.model),
-                "torch_gather_dtype": "bf16" if self.layout.device.type == "cuda" else "fp32"}
+                "torch_gather_dtype": "bf16" if gathers_bf16(self.layout.device) else "fp32"}
 
     def finish(self, first_step: int, steps: int) -> None:
         write_summary(self.run_dir, self.model, self.opt, self.layout, first_step=first_step, steps=steps)
