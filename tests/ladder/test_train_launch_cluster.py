@@ -113,10 +113,25 @@ def two_nodes():
     procs = [head]
     try:
         wait_reachable(f"127.0.0.1:{gcs}", 300)  # a hang guard: a loaded machine starts a head slowly
-        procs.append(subprocess.Popen(_node_args(False, gcs, ports[7:], taken), env=env, stdout=log, stderr=log, start_new_session=True))
+        def second_node(component_ports):
+            procs.append(subprocess.Popen(_node_args(False, gcs, component_ports, taken), env=env, stdout=log,
+                                          stderr=log, start_new_session=True))
+
+        second_node(ports[7:])
         join(f"127.0.0.1:{gcs}", 300, log_to_driver=False)  # asks again while the head's raylet registers
         deadline = time.time() + 300  # a hang guard: a loaded machine starts a raylet slowly
+        restarts = 0
         while len([n for n in ray.nodes() if n["Alive"]]) < 2 and time.time() < deadline:
+            if procs[-1].poll() is not None and restarts < 2:
+                # its `ray start` gave up: Ray waits a fixed 30 s for a new raylet to register, which
+                # a loaded machine can outlast; what it left is stopped, and it starts again on fresh
+                # ports (the head's are all bound by now, so a new draw cannot take one of them)
+                try:
+                    os.killpg(procs[-1].pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+                restarts += 1
+                second_node(_ports(7))
             time.sleep(0.5)
         assert len([n for n in ray.nodes() if n["Alive"]]) == 2, (Path(temp) / "nodes.log").read_text()[-3000:]
         yield f"127.0.0.1:{gcs}"
