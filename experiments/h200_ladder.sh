@@ -4,7 +4,7 @@
 #   bash experiments/h200_ladder.sh [all|data|rungs|forecast|hero|report|replicates|faults OUT|pack OUT_DIR]
 #
 #   data      the offline package corpus (engines.corpus) and its token shards, unless present
-#   rungs     the four rungs, one after another (ladder submit --local), finished ones skipped
+#   rungs     the rungs, one after another (ladder submit --local), finished ones skipped
 #   forecast  the laws and curves fitted on the rungs, the hero's forecast (before the hero trains)
 #   hero      the hero, after the rungs
 #   report    the hero against the forecast (ladder compare) and the HTML report under ./report-h200
@@ -40,7 +40,11 @@ data() {
   $LADDER plan "$EXP"
 }
 
-rungs() { stamp "rungs"; $LADDER submit "$EXP" --local "${TRACK[@]}"; }
+rungs() {  # ONLY=REGEX trains the rungs it matches (two phases with disjoint ONLY share one GPU)
+  local only=()
+  [ -n "${ONLY:-}" ] && only=(--only "$ONLY")
+  stamp "rungs ${ONLY:-}"; $LADDER submit "$EXP" --local "${only[@]}" "${TRACK[@]}"
+}
 forecast() { stamp "forecast"; $LADDER forecast "$EXP" "${TRACK[@]}"; }
 hero() { stamp "hero"; $LADDER submit "$EXP" --local --only '^hero-' "${TRACK[@]}"; }
 report() {
