@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import fitwarn
-from analysis.forecast import gradnorm
+from analysis.forecast import gradnorm, grid
 from analysis.laws import backtest as law_backtest
 from analysis.runs import replicates
 from analysis.curves.fit import Curve, fit_curves
@@ -343,13 +343,8 @@ class HeroForecast:
         return d
 
 
-def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviations: bool = STREAM_DEVIATIONS) -> HeroForecast:
-    if len(rungs) < 3:
-        raise ValueError(f"forecast needs at least 3 finished rungs with eval losses, found {len(rungs)}")
-    fingerprint = replicates.check_yardstick(rungs)
-    if len(replicates.group(rungs)) < MIN_FIT:
-        raise ValueError(f"forecast needs at least {MIN_FIT} rung sizes (families of seeds), found "
-                         f"{len(replicates.group(rungs))}: {', '.join(r.spec.name for r in rungs)}")
+def _envelope_route(rungs: list[RungRun], hero: Spec) -> tuple[dict, dict, dict | None, dict, list[str]]:
+    """(hero.final_loss, law, backtest, train-loss level, warnings) of the compute envelope L(C)."""
     final, law_fit, bt = final_loss_forecast(rungs, hero)
     # the trajectory is train loss: it ends on the law's level without the eval measurement of one run
     law_level = law_fit.interval(costs.total_flops(hero), target_var=0.0)
@@ -367,6 +362,42 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
            "ci": ci, "ci_level": LEVEL, "converged": fl.get("converged", True), "warnings": fl.get("warnings", []),
            "interval": "one run's final loss at C (analysis.forecast.final_loss; hero.final_loss.method)",
            "points": final["method"]["points"], "curve": curve}
+    return final, law, bt, law_level, list(law_fit.warnings)
+
+
+def _routes(final: dict, traj: dict) -> list[str]:
+    """The two routes to the hero's final loss side by side: the law's and the curve model's own (its
+    trajectory's end before it was moved onto the law's level, in eval terms). Where the curve model's
+    lies outside the law's interval, the interval widens to hold both and a warning says so."""
+    rho = traj["train_eval_ratio"]
+    own = (final["mean"] * rho - traj["shift"]) / rho
+    final["routes"] = {"law": final["mean"], "curve_model": own, "rel_difference": own / final["mean"] - 1,
+                       "method": "the curve model's hero trajectory ends at curve_model (eval terms, before it is "
+                                 "shifted onto the law's level); the interval holds both"}
+    if final["lo"] <= own <= final["hi"]:
+        return []
+    lo, hi = final["lo"], final["hi"]
+    final["lo"], final["hi"] = min(lo, own), max(hi, own)
+    final["routes"]["widened_from"] = [lo, hi]
+    return [f"two routes disagree: the law forecasts {final['mean']:.4f} ({lo:.4f} to {hi:.4f}), the curve model "
+            f"{own:.4f} ({100 * (own / final['mean'] - 1):+.1f}%); the interval widens to {final['lo']:.4f} to "
+            f"{final['hi']:.4f} to hold both, and the trajectory is the curve model's shifted by {traj['shift']:+.4f}"]
+
+
+def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviations: bool = STREAM_DEVIATIONS) -> HeroForecast:
+    if len(rungs) < 3:
+        raise ValueError(f"forecast needs at least 3 finished rungs with eval losses, found {len(rungs)}")
+    fingerprint = replicates.check_yardstick(rungs)
+    if len(replicates.group(rungs)) < MIN_FIT:
+        raise ValueError(f"forecast needs at least {MIN_FIT} rung sizes (families of seeds), found "
+                         f"{len(replicates.group(rungs))}: {', '.join(r.spec.name for r in rungs)}")
+    pts, _ = grid.grid_points(rungs)
+    if grid.is_grid(pts):  # sizes at several budgets: L(N, D) over every family (analysis.forecast.grid)
+        gf = grid.grid_forecast(rungs, hero, costs.total_flops(hero) / costs.tokens(hero))
+        final, law, bt, law_level, law_warnings, final_cov = gf.final, gf.law, gf.backtest, gf.level, gf.warnings, gf.coverage
+    else:  # one line of runs: the compute envelope L(C) (analysis.forecast.final_loss)
+        final, law, bt, law_level, law_warnings = _envelope_route(rungs, hero)
+        final_cov = final_loss_coverage(rungs)
     fc = HeroForecast(
         experiment=experiment,
         created=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
@@ -385,15 +416,16 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
         trajectory={},
         grad_norm=grad_norm_envelope(rungs, hero),
     )
-    fc.warnings += law_fit.warnings
+    fc.warnings += law_warnings
     try:
         fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, law_level, stream_deviations)
         fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]
+        fc.warnings += _routes(fc.hero["final_loss"], fc.trajectory)
     except Exception as e:  # the final-loss forecast stands on its own; say why the curve model is missing
         fc.curve_model_error = f"{type(e).__name__}: {e}"
         fc.trajectory = scaled_rung_trajectory(rungs, hero, law_level)
         fc.warnings.append(f"no curve model ({fc.curve_model_error}): the trajectory is the largest rung's, scaled")
-    fc.coverage = {"final_loss": final_loss_coverage(rungs), "grad_norm": fc.grad_norm.get("backtest")}
+    fc.coverage = {"final_loss": final_cov, "grad_norm": fc.grad_norm.get("backtest")}
     try:
         fc.coverage["trajectory"] = trajectory_coverage(rungs, stream_deviations)
     except Exception as e:  # a backtest that cannot be made is reported, not fatal

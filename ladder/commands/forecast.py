@@ -104,15 +104,27 @@ def _print_forecast(fc: dict, name: str, rungs, path: Path, as_json: bool, done:
     h = fc["hero"]["final_loss"]
     c.print(f"[bold]{name}[/bold]: hero {fc['hero']['name']} forecast final loss {h['mean']:.4f} "
             f"({int(100 * h['level'])}% interval {h['lo']:.4f} to {h['hi']:.4f}, +-{50 * (h['hi'] - h['lo']) / h['mean']:.1f}%) "
-            f"from {len(rungs)} rungs in {len(h.get('method', {}).get('points', [])) or len(rungs)} sizes")
+            f"from {len(rungs)} rungs in {len(h.get('method', {}).get('points', [])) or len(rungs)} families")
     if h.get("sd"):
         sd = h["sd"]
         c.print(f"interval parts (log-loss sd): fit {sd['fit']:.4f}, measurement {sd['measurement']:.4f}, "
                 f"backtest {sd['backtest']:.4f} over {h['reach_efolds']:.2f} e-folds; t quantile {h['quantile']:.2f} "
                 f"(dof {h['dof']:.3g})", highlight=False)
     law = fc["law"]
-    c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
-    if fc.get("backtest"):
+    if law.get("kind") == "size_tokens":
+        c.print(f"law: L(N, D) = {law['E']:.3f} + {law['A']:.3g}/N^{law['alpha']:.3f} + {law['B']:.3g}/D^{law['beta']:.3f} "
+                f"(N active parameters, D tokens)", highlight=False)
+        for b in law.get("nearest_backtest") or []:
+            c.print(f"nearest-rung backtest: {b['held_out']} from the other families predicted {b['predicted']:.4f} "
+                    f"({b['lo']:.4f} to {b['hi']:.4f}), actual {b['actual']:.4f}, error {100 * b['rel_error']:+.2f}%",
+                    highlight=False)
+    else:
+        c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
+    if h.get("routes"):
+        r = h["routes"]
+        c.print(f"routes: law {r['law']:.4f}, curve model {r['curve_model']:.4f} ({100 * r['rel_difference']:+.1f}%)"
+                + (" [widened]" if "widened_from" in r else ""), highlight=False)
+    if fc.get("backtest") and law.get("kind") != "size_tokens":
         b = fc["backtest"]
         c.print(f"backtest: {b['held_out']} predicted {b['predicted']:.4f} ({b['lo']:.4f} to {b['hi']:.4f}), "
                 f"actual {b['actual']:.4f} (mean of {len(b.get('members') or [1])} run(s)), "
