@@ -54,7 +54,32 @@ def plan_rows(experiment: str) -> tuple[list[dict], dict]:
     if hero is not None and ladder:
         summary["ladder_share_of_hero"] = costs.ladder_share(ladder, hero)
         summary["replicate_share_of_hero"] = costs.ladder_share(reps, hero) if reps else 0.0
+    if ladder:
+        summary["design"] = ladder_design(ladder, hero)
     return rows, summary
+
+
+def ladder_design(rungs: list[Spec], hero: Spec | None) -> dict:
+    """The ladder's design as the forecast will read it: each size's budgets (tokens per active
+    parameter), whether sizes and tokens vary independently (a grid: L(N, D) is identified) or all
+    runs sit on one tokens-per-parameter line (only L(C)), and the rungs whose batch or LR rule
+    differs from the hero's."""
+    budgets: dict[str, list[float]] = {}
+    for s in rungs:
+        key = f"d{s.model.d_model}/{s.model.n_layers}"
+        tpp = costs.tokens_per_active_param(s)
+        if not any(abs(tpp / b - 1) < 0.05 for b in budgets.setdefault(key, [])):
+            budgets[key].append(tpp)
+    multi = sum(len(b) >= 2 for b in budgets.values())
+    firsts = [b[0] for b in budgets.values()]
+    out = {"budgets": {k: sorted(v) for k, v in budgets.items()}, "grid": multi >= 2,
+           "one_line": all(len(b) == 1 for b in budgets.values()) and max(firsts) / min(firsts) < 1.05}
+    if hero is not None:
+        hb = hero.data.batch_size * hero.data.seq_len
+        out["hero_batch_tokens"] = hb
+        out["other_batch"] = {s.name: s.data.batch_size * s.data.seq_len for s in rungs
+                              if s.data.batch_size * s.data.seq_len != hb}
+    return out
 
 
 def render_plan(rows: list[dict], summary: dict, console: Console | None = None) -> None:
@@ -71,7 +96,7 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
         label = r["name"] + (f" (replicate of {r['replicate_of']})" if r.get("replicate_of") else mark)
         t.add_row(
             label, str(r["layers"]), str(r["d_model"]), costs.fmt_count(r["total_params"]),
-            costs.fmt_count(r["active_params"]), costs.fmt_count(r["tokens"]), f"{r['tokens_per_active_param']:.0f}",
+            costs.fmt_count(r["active_params"]), costs.fmt_count(r["tokens"]), f"{r['tokens_per_active_param']:.3g}",
             costs.fmt_sci(r["flops"]), share, f"{r['memory_per_gpu_gb']:.1f} GB" + ("" if r["memory_fits"] else " !"),
             f"{r['a2a_bytes_per_token'] / 1e6:.2f} MB", str(r["gpus"]), f"{r['gpu_hours']:.3g}", f"{r['days']:.3g}",
             _max_epochs(r.get("data")),
@@ -87,7 +112,23 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
         console.print(f"replicates ({', '.join(summary['replicates'])}): {summary['replicate_gpu_hours']:.3g} GPU-h of "
                       f"{summary['gpu_hours']:.3g} in all" + (f", {100 * share:.3g}% of the hero's compute" if share else "")
                       + "; they measure the ladder's seed-to-seed noise.", highlight=False)
+    if summary.get("design"):
+        _print_design(summary["design"], console)
     _print_data(rows, console)
+
+
+def _print_design(d: dict, console: Console) -> None:
+    sizes = "; ".join(f"{k} at {', '.join(f'{b:.3g}' for b in v)}" for k, v in d["budgets"].items())
+    kind = ("a grid: sizes vary at fixed tokens and tokens at fixed size, so the forecast fits L(N, D)" if d["grid"]
+            else "one tokens-per-parameter line: size is not identified (the forecast fits L(C) only)" if d["one_line"]
+            else "too few sizes at several budgets for L(N, D): the forecast fits L(C)")
+    console.print(f"design (tokens per active parameter): {sizes}; {kind}.", highlight=False)
+    if d.get("other_batch"):
+        console.print(f"batch rule: {len(d['other_batch'])} rung(s) train at another batch than the hero's "
+                      f"{d['hero_batch_tokens']:,} tokens: " + ", ".join(f"{k} {v:,}" for k, v in d["other_batch"].items())
+                      + " (a batch effect inside the law)", style="yellow", highlight=False)
+    elif "hero_batch_tokens" in d:
+        console.print(f"batch rule: every rung at the hero's batch ({d['hero_batch_tokens']:,} tokens).", highlight=False)
 
 
 def _max_epochs(data: dict | None) -> str:
