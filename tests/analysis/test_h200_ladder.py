@@ -1,4 +1,5 @@
-"""The H200 ladder's committed results (docs/results/h200_ladder/): every run finished on its
+"""The first H200 ladder's committed results (docs/results/h200_ladder/, experiments/proxy_h200_straddle.py;
+the ladder that replaced it: tests/analysis/test_h200_budget_ladder.py): every run finished on its
 planned steps without repeating data or memorising, and `ladder forecast` on them reproduces the
 committed forecast (to the fits' own tolerance); that forecast's hero trajectory follows the hero's run; its report
 opens in a real headless browser."""
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "docs" / "results" / "h200_ladder"
-EXPERIMENT = ROOT / "experiments" / "proxy_h200.py"
+EXPERIMENT = ROOT / "experiments" / "proxy_h200_straddle.py"  # the first ladder, whose runs h200_ladder.tar.gz holds
 PROBES = ROOT / "experiments" / "probe_h200.py"
 # The forecast's fits stop where L-BFGS meets its tolerance: another CPU's rounding (other SIMD
 # widths, FMA) moves a fitted value by a few parts in 1e9 (seen: 3.6e-9 in the hero's mean). A
