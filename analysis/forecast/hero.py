@@ -46,7 +46,7 @@ import numpy as np
 import pandas as pd
 
 from analysis import fitwarn
-from analysis.forecast import gradnorm, grid
+from analysis.forecast import gradnorm, grid, regime
 from analysis.laws import backtest as law_backtest
 from analysis.runs import replicates
 from analysis.curves.fit import Curve, fit_curves
@@ -327,6 +327,7 @@ class HeroForecast:
     rung_fits: dict[str, Any] | None = None
     curve_model_error: str | None = None
     coverage: dict[str, Any] = field(default_factory=dict)
+    regime: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
     @property
@@ -336,7 +337,8 @@ class HeroForecast:
     def to_dict(self) -> dict[str, Any]:
         d = {"experiment": self.experiment, "created": self.created, "sources": self.sources, "law": self.law,
              "hero": self.hero, "backtest": self.backtest, "trajectory": self.trajectory,
-             "grad_norm": self.grad_norm, "coverage": self.coverage, "warnings": list(self.warnings)}
+             "grad_norm": self.grad_norm, "coverage": self.coverage, "regime": self.regime,
+             "warnings": list(self.warnings)}
         for k in ("curve_model", "rung_fits", "curve_model_error"):
             if getattr(self, k) is not None:
                 d[k] = getattr(self, k)
@@ -363,6 +365,31 @@ def _envelope_route(rungs: list[RungRun], hero: Spec) -> tuple[dict, dict, dict 
            "interval": "one run's final loss at C (analysis.forecast.final_loss; hero.final_loss.method)",
            "points": final["method"]["points"], "curve": curve}
     return final, law, bt, law_level, list(law_fit.warnings)
+
+
+def law_token_slope(law: dict, hero: Spec) -> float:
+    """The law's -dlnL/dln(tokens) at the hero: at its size for L(N, D); along the ladder's line
+    (tokens per parameter fixed, so compute grows as tokens squared) for L(C)."""
+    if law["kind"] == "size_tokens":
+        N, D = grid.hero_point(hero)
+        L = law["E"] + law["A"] * N ** -law["alpha"] + law["B"] * D ** -law["beta"]
+        return law["beta"] * law["B"] * D ** -law["beta"] / L
+    C = costs.total_flops(hero)
+    return 2 * law["alpha"] * law["A"] * C ** -law["alpha"] / (law["E"] + law["A"] * C ** -law["alpha"])
+
+
+def _regime(rungs: list[RungRun], hero: Spec, law: dict, final: dict) -> dict[str, Any]:
+    """The regime check on the rungs (analysis.forecast.regime); where it warns, the final-loss interval
+    says it is not to be trusted (`ladder forecast --strict` refuses it)."""
+    found = regime.regime_check(rungs, law_slope=law_token_slope(law, hero), law_label=law["label"])
+    final["regime_ok"] = not found
+    if found:
+        final["caveat"] = ("the rungs are not in the hero's regime (regime.warnings): the interval's coverage is not what "
+                           "its backtest says, and the forecast is not to be trusted")
+    return {"warnings": [w.to_dict() for w in found], "kinds": list(regime.KINDS),
+            "method": "analysis.forecast.regime: every rung's local loss slope in tokens (a transition's bump, rungs that "
+                      "end before or inside it), final-loss slopes against compute, the law's slope in tokens against "
+                      "the largest rung's late curve, and the ladder's design (one tokens-per-parameter line)"}
 
 
 def _routes(final: dict, traj: dict) -> list[str]:
@@ -417,6 +444,8 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
         grad_norm=grad_norm_envelope(rungs, hero),
     )
     fc.warnings += law_warnings
+    fc.regime = _regime(rungs, hero, law, final)
+    fc.warnings += [f"regime: {w['kind']}: {w['message']}" for w in fc.regime["warnings"]]
     try:
         fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, law_level, stream_deviations)
         fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]

@@ -93,6 +93,14 @@ def finished_rungs(root: Path, exp, holdout: str | None = None):
     return rungs, missing
 
 
+def _refuse_if_strict(fc: dict, strict: bool) -> None:
+    """With --strict, a ladder whose regime check warns gets no point forecast (a LadderError, exit 2)."""
+    found = (fc.get("regime") or {}).get("warnings") or []
+    if strict and found:
+        raise LadderError("--strict: no forecast from rungs outside the hero's regime: "
+                          + "; ".join(f"{w['kind']} ({w['message']})" for w in found))
+
+
 def _print_forecast(fc: dict, name: str, rungs, path: Path, as_json: bool, done: bool = True) -> bool:
     """Warnings, then the JSON (True: nothing more to print) or the forecast's headline lines."""
     for w in fc.get("warnings") or []:
@@ -120,6 +128,8 @@ def _print_forecast(fc: dict, name: str, rungs, path: Path, as_json: bool, done:
                     highlight=False)
     else:
         c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
+    if h.get("caveat"):
+        c.print(f"[bold red]not to be trusted[/bold red]: {h['caveat']}", highlight=False)
     if h.get("routes"):
         r = h["routes"]
         c.print(f"routes: law {r['law']:.4f}, curve model {r['curve_model']:.4f} ({100 * r['rel_difference']:+.1f}%)"
@@ -165,6 +175,8 @@ def register(app: typer.Typer) -> None:
         out_dir: Optional[Path] = typer.Option(None, "--out", help="with --from-csv: directory for forecast.json and "
                                                "law.png (default: beside the CSV)"),
         as_json: bool = typer.Option(False, "--json", help="print the forecast JSON"),
+        strict: bool = typer.Option(False, "--strict", help="refuse a point forecast (exit 2, nothing written) when the "
+                                    "regime check finds the rungs outside the hero's regime"),
     ) -> None:
         """Fit the laws and the curve model on the finished rungs; forecast the hero (forecast.json + plot).
 
@@ -186,6 +198,7 @@ def register(app: typer.Typer) -> None:
                 raise LadderError(f"{from_csv}: forecast needs at least 3 rungs, the file lists {len(rungs)}")
             name = from_csv.stem
             fc = forecast(name, rungs, hero).to_dict()
+            _refuse_if_strict(fc, strict)
             out = out_dir or from_csv.parent
             out.mkdir(parents=True, exist_ok=True)
             path = atomic_write_json(out / "forecast.json", fc)
@@ -212,6 +225,7 @@ def register(app: typer.Typer) -> None:
         if not all(math.isfinite(fl[k]) for k in ("mean", "lo", "hi")):  # nothing written from a failed fit
             raise LadderError(f"cannot forecast: the law fitted to rungs {', '.join(x.spec.name for x in rungs)} gives "
                               f"no finite hero loss ({fl['mean']}, interval {fl['lo']} to {fl['hi']})")
+        _refuse_if_strict(fc, strict)
         if holdout:
             held = [s for s in exp.rungs if s.name not in {x.spec.name for x in rungs}]
             fc["holdout"] = [h.name for h in held]
