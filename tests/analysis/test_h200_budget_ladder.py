@@ -98,3 +98,8 @@ def test_the_forecasts_interval_holds_the_mean_of_the_heros_committed_seeds(fore
     mean = sum(finals) / len(finals)
     fl = forecast["hero"]["final_loss"]
     assert fl["lo"] <= mean <= fl["hi"]
+
+
+def test_the_regime_check_finds_the_budget_ladder_in_the_heros_regime(forecast):
+    assert forecast["regime"]["warnings"] == []
+    assert forecast["hero"]["final_loss"]["regime_ok"] is True

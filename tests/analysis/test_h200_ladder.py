@@ -246,3 +246,20 @@ def test_the_report_states_the_hero_against_the_forecast(ladder_root, forecast_c
         assert verdict.split(" (")[0] in d.find_element("tag name", "body").text
     finally:
         d.quit()
+
+
+def test_the_forecast_names_the_first_ladders_regime_problems(ladder_root, forecast_cli):
+    """Its rungs straddle the copying transition and sit on one tokens-per-parameter line: the
+    regime check names both, and the interval says it is not to be trusted."""
+    assert forecast_cli.returncode == 0, forecast_cli.stderr[-2000:]
+    fc = json.loads((ladder_root / "analysis" / "proxy_h200" / "forecast.json").read_text())
+    kinds = {w["kind"] for w in fc["regime"]["warnings"]}
+    assert {"ends_before_transition", "ends_inside_transition", "size_not_identified"} <= kinds
+    assert fc["hero"]["final_loss"]["regime_ok"] is False and "not to be trusted" in fc["hero"]["final_loss"]["caveat"]
+
+
+def test_strict_refuses_a_forecast_from_rungs_outside_the_heros_regime(ladder_root):
+    out = cli_fork.ladder("forecast", EXPERIMENT, "--root", ladder_root, "--no-tracking", "--strict", cwd=ROOT, timeout=600)
+    assert out.returncode == 2
+    lines = [ln for ln in out.stderr.splitlines() if ln.startswith("error:")]
+    assert len(lines) == 1 and "--strict" in lines[0] and "ends_before_transition" in lines[0], out.stderr[-2000:]
