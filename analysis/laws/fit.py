@@ -16,16 +16,25 @@ starts, then once more from the winner so that a stale curvature memory cannot s
 centred on its mean (a_k is optimised as the log of term k at the data's geometric centre), which
 decorrelates a_k from alpha_k and makes the grid independent of the units of N, D or C.
 
+Exponents are boxed in [0, 2] (L-BFGS-B bounds, analysis.laws.optim.MAX_EXPONENT): over a short span
+of data a high floor E trades against a steep term with a huge coefficient, an optimum that is a step,
+not a law to extrapolate.
+
 Uncertainty: a nonparametric bootstrap (points resampled with replacement, each refit started from
-the full-data optimum); parameter intervals are percentiles of the refits. A prediction's interval
+the full-data optimum, to a looser tolerance than the point fit); parameter intervals are percentiles
+of the refits. A prediction's interval
 is for a held-out point, not only for the mean law: the spread of the refits' log predictions and the
 scatter of the points about the law (robust sd of the log residuals, inflated by n/(n - Q)) added in
-quadrature, on log loss. analysis.laws.backtest measures the coverage that interval reaches on points
+quadrature, on log loss, and beyond the data a backtested extrapolation term: refit on the points
+with x <= max/4, its error per e-fold beyond them; for L(N, D) measured both in N and in compute
+C = 6ND (the larger applies), since a compute-optimal forecast for a larger budget of an IsoFLOP grid
+extrapolates in C at an N the data may already hold. analysis.laws.backtest measures the coverage that interval reaches on points
 the fit never saw.
 
 Honesty: every fit carries `warnings` (analysis.fitwarn): the floor E at its bound 0, an exponent at
-a bound, no more points than parameters, fewer than three distinct sizes, bootstrap refits that
-disagree wildly. `converged` is False when the optimum sits on a bound.
+a bound or steeper than 1 (no language-model law is), the floor E above 90% of the smallest loss, no
+more points than parameters, fewer than three distinct sizes, bootstrap refits that disagree wildly.
+`converged` is False when the optimum sits on a bound or an exponent is steeper than 1.
 
 The optimiser (objective, start grid, L-BFGS, degeneracy test) lives in analysis.laws.optim; the fitted
 laws (their predictions, intervals and JSON) in analysis.laws.fitted.
@@ -68,6 +77,11 @@ __all__ = [
 # floor, and E = 6e-11 is the optimiser running down the bound, not an estimate.
 _FLOOR_BOUND_SHARE = 1e-3
 _MIN_EXPONENT = 1e-3  # an exponent this close to 0 sits on its bound
+# An exponent above this is steeper than 1/x: no language-model scaling law is (their exponents are
+# 0.05-0.8); on a short span such an optimum is the floor E trading against a steep term.
+STEEP_EXPONENT = 1.0
+# The floor above this share of the smallest loss leaves the power terms a remainder of every loss.
+FLOOR_DOMINANT_SHARE = 0.9
 
 
 # ----------------------------------------------------------------------------------------------
@@ -133,7 +147,7 @@ def _start_kw(start) -> dict[str, Any]:
 def _run_fit(
     xs: list[np.ndarray], loss: np.ndarray, terms: Sequence[tuple[str, str, str]], *,
     delta: float, n_bootstrap: int, level: float, seed: int, strict: bool, max_iter: int,
-    start: dict[str, float] | None = None, sub_start: dict[str, float] | None = None,
+    start: dict[str, float] | None = None, sub_start: dict[str, float] | None = None, compute_axis: bool = False,
 ):
     if not 0 < level < 1:
         raise ValueError(f"level must be in (0, 1), got {level}")
@@ -172,7 +186,9 @@ def _run_fit(
     keys = ("E", *names, *exps)
     params = {k: float(v) for k, v in zip(keys, theta_Q)}
     warnings = _bound_warnings(params, exps, float(np.exp(y_R.min())))
-    converged = usable and not warnings  # an optimum on a bound is not a converged estimate
+    # an optimum on a bound, or with an exponent steeper than any language-model law, is not a converged estimate
+    converged = usable and not warnings
+    warnings += _floor_share_warnings(params, float(np.exp(y_R.min())))
     if why:
         warnings.insert(0, f"no usable law: {why}")
     warnings += fitwarn.too_few_points(n, len(keys))
@@ -188,7 +204,7 @@ def _run_fit(
         rng = np.random.default_rng(seed)
         for _ in range(n_bootstrap):
             w_R = np.bincount(rng.integers(0, n, n), minlength=n).astype(np.float64)
-            loc = fit_terms(X_KR, y_R, w_R, delta, max_iter, starts_SQ=best.p_Q[None], polish=False)
+            loc = fit_terms(X_KR, y_R, w_R, delta, max_iter, starts_SQ=best.p_Q[None], polish=False, loose=True)
             if loc.ok and degeneracy(loc.p_Q, X_KR, y_R, terms) is None:
                 draws.append(loc.p_Q)
             else:
@@ -203,13 +219,20 @@ def _run_fit(
                         f"{n} points leave too few below the largest {terms[0][2]} to refit ({len(keys) + 2} needed); "
                         "predictions there are less certain than their intervals say")
         extrap_sd = 0.0
+    extrap_sd_c, c_max = 0.0, math.inf
+    if compute_axis and usable and n_bootstrap > 0:
+        c_R = 6.0 * xs[0] * xs[1]
+        extrap_sd_c, _ = _extrapolation_sd(xs, loss, terms, delta=delta, max_iter=max_iter, start=params, axis=c_R,
+                                           less_scatter=True)
+        c_max = float(np.max(c_R))
+        extrap_sd_c = 0.0 if math.isnan(extrap_sd_c) else extrap_sd_c
     message = why or ("; ".join(warnings[:1]) if not converged else "")
     return dict(
         params=params, ci=ci, draws=draws_BQ, n_points=n, loss=best.loss, converged=converged,
         level=level, n_bootstrap=len(draws), n_bootstrap_failed=failed,
         seconds=time.perf_counter() - t0, message=message, huber_delta=delta,
         warnings=warnings, resid_sd=resid_sd, sizes=n_sizes, x_max=float(np.max(xs[0])), extrap_sd=extrap_sd,
-        sub_params=sub_params,
+        sub_params=sub_params, **({"extrap_sd_c": extrap_sd_c, "c_max": c_max} if compute_axis else {}),
     )
 
 
@@ -241,29 +264,42 @@ def refit_envelope(C, loss_BR, start: dict[str, float], *, delta: float = HUBER_
 EXTRAP_FACTOR = 4.0
 
 
-def _extrapolation_sd(xs, loss, terms, *, delta, max_iter, start=None) -> tuple[float, dict[str, float] | None]:
-    """(log-loss error per e-fold of extrapolation in the first variable, the sub-fit's parameters):
-    refit on the points with x <= max/4 (or, where too few lie there, on those below the largest x)
-    and predict the rest; sqrt(sum e^2 / sum rho^2), rho = log(x / largest fitted x). (nan, None)
-    when too few points lie on either side: the term is then unknown, not 0."""
-    x = xs[0]
+def _extrapolation_sd(xs, loss, terms, *, delta, max_iter, start=None, axis=None,
+                      less_scatter: bool = False) -> tuple[float, dict[str, float] | None]:
+    """(log-loss error per e-fold of extrapolation in the first variable, or in `axis` (per point: the
+    compute 6ND), the sub-fit's parameters): refit on the points with x <= max/4 (or, where too few lie
+    there, on those below the largest x) and predict the rest; sqrt(sum e^2 / sum rho^2), rho =
+    log(x / largest fitted x). (nan, None) when too few points lie on either side: the term is then
+    unknown, not 0. less_scatter: each e^2 less the sub-fit's residual variance (the points' own
+    scatter, which the interval already carries), so that only the error that grows with rho remains."""
+    out = _extrap_errors(xs, loss, terms, delta=delta, max_iter=max_iter, start=start, axis=axis)
+    if out is None:
+        return math.nan, None
+    e, rho, sub = out
+    e2 = np.sum(e * e) - (len(e) * sub["resid_sd"] ** 2 if less_scatter else 0.0)
+    return float(math.sqrt(max(e2, 0.0) / max(np.sum(rho * rho), 1e-12))), sub["params"]
+
+
+def _extrap_errors(xs, loss, terms, *, delta, max_iter, start=None, axis=None):
+    """(log errors, e-folds beyond the largest fitted x, the sub-fit) of _extrapolation_sd, or None."""
+    x = xs[0] if axis is None else axis
     n_q = 2 * len(terms) + 1
     train = x <= np.max(x) / EXTRAP_FACTOR * (1 + 1e-9)
     if train.sum() < n_q + 2:
         train = x < np.max(x) * (1 - 1e-9)
     if train.sum() < n_q + 2 or (~train).sum() < 1:
-        return math.nan, None
+        return None
     sub = _run_fit([a[train] for a in xs], loss[train], terms, delta=delta, n_bootstrap=0, level=0.9, seed=0,
                    strict=False, max_iter=max_iter, start=start)
     if sub["message"] and not sub["params"]:
-        return math.nan, None
+        return None
     theta = np.array([sub["params"][k] for k in ("E", *(t[0] for t in terms), *(t[1] for t in terms))])
     pred = natural_eval(theta, [a[~train] for a in xs])
     if not np.all(np.isfinite(pred)) or np.any(pred <= 0):
-        return math.nan, None
+        return None
     e = np.log(loss[~train]) - np.log(pred)
     rho = np.log(x[~train] / np.max(x[train]))
-    return float(math.sqrt(np.sum(e * e) / max(np.sum(rho * rho), 1e-12))), sub["params"]
+    return e, rho, sub
 
 
 def natural_eval(theta_Q: np.ndarray, xs: Sequence[np.ndarray]) -> np.ndarray:
@@ -275,8 +311,19 @@ def natural_eval(theta_Q: np.ndarray, xs: Sequence[np.ndarray]) -> np.ndarray:
     return out
 
 
+def _floor_share_warnings(params: dict[str, float], loss_min: float) -> list[str]:
+    """The floor E taking most of the smallest loss: the power terms that carry the law's extrapolation are
+    a small remainder of every loss in the data, and the floor is not separated from them."""
+    share = params["E"] / loss_min
+    if share > FLOOR_DOMINANT_SHARE:
+        return [f"E = {params['E']:.4g} is {100 * share:.0f}% of the smallest loss ({loss_min:.4g}): the power terms "
+                f"carry under {100 * (1 - FLOOR_DOMINANT_SHARE):.0f}% of any loss in this data, the floor is not "
+                "separated from them, and the law's extrapolation is set by where it put the floor"]
+    return []
+
+
 def _bound_warnings(params: dict[str, float], exps: Sequence[str], loss_min: float) -> list[str]:
-    """The floor at its bound 0 and exponents at theirs (0 and MAX_EXPONENT)."""
+    """The floor at its bound 0, exponents at theirs (0 and MAX_EXPONENT) or steeper than STEEP_EXPONENT."""
     out = []
     if params["E"] < _FLOOR_BOUND_SHARE * loss_min:
         out.append(f"E = {params['E']:.3g} is at its lower bound 0: this data shows no loss floor, and the law's "
@@ -286,7 +333,12 @@ def _bound_warnings(params: dict[str, float], exps: Sequence[str], loss_min: flo
         if v < _MIN_EXPONENT:
             out.append(f"{k} = {v:.3g} is at its lower bound 0")
         elif v > MAX_EXPONENT * (1 - fitwarn.NEAR_BOUND_REL):
-            out.append(f"{k} = {v:.3g} is at its upper bound {MAX_EXPONENT:g}")
+            out.append(f"{k} = {v:.3g} is at its upper bound {MAX_EXPONENT:g}: a step, not a power law, and the "
+                       "optimum may lie beyond it")
+        elif v > STEEP_EXPONENT:
+            out.append(f"{k} = {v:.3g} is steeper than any language-model scaling law (their exponents are "
+                       f"0.05-0.8): over this data's span a steep term with a huge coefficient trades against the floor E "
+                       "and the other term, and the law's extrapolation is not to be trusted")
     return out
 
 
@@ -302,7 +354,7 @@ def fit_law(
     Nv, Dv, Lv = _check_inputs({"N": N, "D": D, "loss": loss}, 5)
     return LawFit(**_run([Nv, Dv], Lv, [("A", "alpha", "N"), ("B", "beta", "D")], delta=delta,
                          n_bootstrap=n_bootstrap, level=level, seed=seed, strict=strict, max_iter=max_iter,
-                         **_start_kw(start)))
+                         compute_axis=True, **_start_kw(start)))
 
 
 def fit_envelope(

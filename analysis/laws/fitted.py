@@ -8,7 +8,7 @@ Shape legend: Q parameters (2K+1), K power terms, R data rows, B bootstrap draws
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any, ClassVar, Sequence
 
 import numpy as np
@@ -86,8 +86,7 @@ class _PowerFit:
         if len(self.draws):
             with np.errstate(invalid="ignore", divide="ignore"):
                 logd_BR = np.log(self._eval(self.draws, arrs))
-            rho_R = np.maximum(np.log(arrs[0] / self.x_max), 0.0) if math.isfinite(self.x_max) else 0.0
-            var_R = np.nanvar(logd_BR, axis=0) + self.resid_sd**2 + (self.extrap_sd * rho_R) ** 2
+            var_R = np.nanvar(logd_BR, axis=0) + self.resid_sd**2 + self._extrap_var(arrs)
             half = float(ndtri(0.5 + level / 2)) * np.sqrt(var_R)
             lo, hi = point * np.exp(-half), point * np.exp(half)
         else:
@@ -95,6 +94,11 @@ class _PowerFit:
         if scalar:
             return {"loss": float(point[0]), "lo": float(lo[0]), "hi": float(hi[0])}
         return {"loss": point, "lo": lo, "hi": hi}
+
+    def _extrap_var(self, arrs: Sequence[np.ndarray]) -> np.ndarray | float:
+        """The backtested extrapolation term's variance (log loss) at points beyond the data."""
+        rho_R = np.maximum(np.log(arrs[0] / self.x_max), 0.0) if math.isfinite(self.x_max) else 0.0
+        return (self.extrap_sd * rho_R) ** 2
 
     def to_dict(self) -> dict[str, Any]:
         d: dict[str, Any] = {"law": self._LAW, "kind": self._KIND}
@@ -115,7 +119,8 @@ class _PowerFit:
             extrap_sd=self.extrap_sd,
             interval=("prediction interval for a held-out point, on log loss: the bootstrap refits' spread, the "
                       "points' robust residual scatter and, beyond the largest fitted x, extrap_sd per e-fold of "
-                      "x (backtested: refit on x <= max/4, error on the rest), added in quadrature"),
+                      "x (backtested: refit on x <= max/4, error on the rest; for L(N, D) the larger of that and "
+                      "extrap_sd_c per e-fold of compute C = 6ND beyond c_max), added in quadrature"),
             draws=[[float(v) for v in row] for row in self.draws],
         )
         if self.message:
@@ -138,6 +143,8 @@ class _PowerFit:
                 huber_delta=float(d.get("huber_delta", HUBER_DELTA)), warnings=list(d.get("warnings", [])),
                 resid_sd=float(d.get("resid_sd", 0.0)), x_max=float(d.get("x_max") or math.inf),
                 extrap_sd=float(d.get("extrap_sd", 0.0)),
+                **({"extrap_sd_c": float(d.get("extrap_sd_c", 0.0)), "c_max": float(d.get("c_max") or math.inf)}
+                   if "extrap_sd_c" in {f.name for f in fields(cls)} else {}),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise FitError(f"not a {cls._LAW} fit: {e}") from None
@@ -145,7 +152,15 @@ class _PowerFit:
 
 @dataclass
 class LawFit(_PowerFit):
-    """L(N, D) = E + A/N^alpha + B/D^beta."""
+    """L(N, D) = E + A/N^alpha + B/D^beta.
+
+    Beyond the data a prediction's interval carries the larger of two backtested extrapolation terms:
+    extrap_sd per e-fold of N beyond x_max, and extrap_sd_c per e-fold of compute C = 6ND beyond c_max
+    (refit on the budgets up to c_max/4, error on the rest): on an IsoFLOP grid a forecast of a larger
+    budget's compute-optimal loss extrapolates in C, often at an N inside the data."""
+
+    extrap_sd_c: float = 0.0
+    c_max: float = math.inf
 
     _TERMS: ClassVar[tuple[str, ...]] = ("A", "B")
     _EXPS: ClassVar[tuple[str, ...]] = ("alpha", "beta")
@@ -156,9 +171,17 @@ class LawFit(_PowerFit):
         """Loss at (N, D) with a bootstrap interval: {"loss", "lo", "hi"} (floats or arrays)."""
         return self._predict([N, D], level)
 
+    def _extrap_var(self, arrs: Sequence[np.ndarray]) -> np.ndarray | float:
+        var_n = super()._extrap_var(arrs)
+        if not math.isfinite(self.c_max) or len(arrs) < 2:
+            return var_n
+        rho_c = np.maximum(np.log(6.0 * arrs[0] * arrs[1] / self.c_max), 0.0)
+        return np.maximum(var_n, (self.extrap_sd_c * rho_c) ** 2)
+
     def compute_optimal(self, C, level: float | None = None) -> dict[str, Any]:
-        """Loss-minimising N*, D* (and the loss there) for a training budget of C = 6ND FLOPs,
-        each with a bootstrap interval."""
+        """Loss-minimising N*, D* (and the loss there) for a training budget of C = 6ND FLOPs, N* and D*
+        with a bootstrap interval, the loss with a prediction interval like predict's (the refits' spread
+        of L*, the residual scatter and the extrapolation terms, on log loss)."""
         level = self.level if level is None else level
         point = compute_optimal(self._vector(), C)
         out: dict[str, Any] = {}
@@ -166,13 +189,23 @@ class LawFit(_PowerFit):
         scalar = np.ndim(C) == 0
         for key in ("N", "D", "loss"):
             out[key] = point[key]
-            if draws is not None:
+            if draws is None:
+                continue
+            if key == "loss":
+                Ns, Ds = (np.atleast_1d(np.asarray(point[k], dtype=np.float64)).reshape(-1) for k in ("N", "D"))
+                with np.errstate(invalid="ignore", divide="ignore"):
+                    var = np.nanvar(np.log(draws["loss"]), axis=0) + self.resid_sd**2 + self._extrap_var([Ns, Ds])
+                half = float(ndtri(0.5 + level / 2)) * np.sqrt(var)
+                L = np.atleast_1d(np.asarray(point["loss"], dtype=np.float64)).reshape(-1)
+                lo, hi = L * np.exp(-half), L * np.exp(half)
+            else:
                 lo, hi = np.quantile(draws[key], [(1 - level) / 2, (1 + level) / 2], axis=0)
-                out[f"{key}_ci"] = [float(lo[0]), float(hi[0])] if scalar else [lo, hi]
+            out[f"{key}_ci"] = [float(lo[0]), float(hi[0])] if scalar else [lo, hi]
         return out
 
     def to_dict(self) -> dict[str, Any]:
         d = super().to_dict()
+        d.update(extrap_sd_c=self.extrap_sd_c, c_max=self.c_max)
         # L*(C) along the compute-optimal frontier falls as C^-(alpha*beta/(alpha+beta)).
         a, b = self.params["alpha"], self.params["beta"]
         d["optimal_N_exponent"] = b / (a + b)

@@ -59,8 +59,11 @@ def test_chinchilla_bootstrap_intervals_contain_the_fit_and_predictions_carry_th
     assert fit.n_bootstrap + fit.n_bootstrap_failed == 60 and fit.n_bootstrap >= 55
     for key, (lo, hi) in fit.ci.items():
         assert lo < fit.params[key] < hi, key
+    inside = fit.predict(2e9, 4e10)  # within the data's sizes and compute
+    assert inside["lo"] < inside["loss"] < inside["hi"] and inside["hi"] - inside["lo"] < 0.1
+    # Chinchilla itself, 30x beyond the largest budget: the backtested extrapolation in compute widens it
     p = fit.predict(70e9, 1.4e12)
-    assert p["lo"] < p["loss"] < p["hi"] and p["hi"] - p["lo"] < 0.2
+    assert p["lo"] < p["loss"] < p["hi"] and 0.1 < p["hi"] - p["lo"] < 0.6
     grid = fit.predict(np.array([1e9, 1e10]), np.array([2e10, 2e11]))
     assert grid["loss"].shape == (2,) and grid["loss"][1] < grid["loss"][0]
 
@@ -337,3 +340,80 @@ def test_cli_table_shows_warnings_and_backtest(tmp_path):
     text = " ".join(r.stdout.split())
     assert "warning: E = " in text and "converged False" in text
     assert (tmp_path / "env.png").stat().st_size > 1000
+
+
+# ---------------------------------------------------------------------------------------------- ladders and IsoFLOP grids
+
+CHIN_LIKE = np.array([1.69, 406.4, 410.7, 0.34, 0.28])  # E, A, B, alpha, beta
+
+
+def _isoflop_grid(theta, budgets, k=7, span=1.5, noise=0.01, small_n_worse=0.02, seed=0):
+    """For each budget, k sizes over `span` decades around the law's N*, D = C/(6N); 1% noise and the
+    small-N end of each profile `small_n_worse` above the law (a mild systematic deviation)."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    for C in budgets:
+        for i, N in enumerate(compute_optimal(theta, C)["N"] * np.logspace(-span / 2, span / 2, k)):
+            D = C / (6 * N)
+            L = theta[0] + theta[1] / N ** theta[3] + theta[2] / D ** theta[4]
+            rows.append((N, D, L * (1 + small_n_worse * (1 - i / (k - 1)) ** 2) * np.exp(noise * rng.standard_normal())))
+    return map(np.array, zip(*rows))
+
+
+def test_olmo_style_grid_of_four_sizes_and_four_token_multiples_recovers_the_planted_law():
+    sizes = np.array([190e6, 370e6, 760e6, 1.3e9])
+    N, mult = (a.ravel() for a in np.meshgrid(sizes, [1.0, 2.0, 5.0, 10.0]))
+    D = 20 * mult * N
+    rng = np.random.default_rng(3)
+    L = (1.69 + 406.4 / N**0.34 + 410.7 / D**0.28) * np.exp(0.003 * rng.standard_normal(len(N)))
+    fit = fit_law(N, D, L, n_bootstrap=0)
+    assert fit.converged and fit.alpha == pytest.approx(0.34, abs=0.06) and fit.beta == pytest.approx(0.28, abs=0.06)
+    assert fit.predict(13e9, 20 * 13e9)["loss"] == pytest.approx(1.69 + 406.4 / 13e9**0.34 + 410.7 / 260e9**0.28, rel=0.02)
+
+
+def test_isoflop_grid_fit_is_not_degenerate_and_forecasts_larger_budgets_within_a_few_percent():
+    N, D, L = _isoflop_grid(CHIN_LIKE, np.geomspace(1e16, 4e17, 6))
+    fit = fit_law(N, D, L, n_bootstrap=60)
+    assert fit.converged and not fit.warnings
+    assert fit.alpha < 0.6 and fit.beta < 0.6 and fit.E < 0.8 * L.min()
+    targets = 8e17 * 2.0 ** np.arange(6)  # 2x to 64x beyond the largest budget
+    truth = compute_optimal(CHIN_LIKE, targets)["loss"]
+    opt = fit.compute_optimal(targets)
+    assert np.all(np.abs(opt["loss"] / truth - 1) < 0.04)
+
+
+def test_isoflop_forecast_intervals_carry_the_backtested_compute_extrapolation():
+    N, D, L = _isoflop_grid(CHIN_LIKE, np.geomspace(1e16, 4e17, 6))
+    fit = fit_law(N, D, L, n_bootstrap=60)
+    assert fit.extrap_sd_c > 0 and fit.c_max == pytest.approx(np.max(6 * N * D))
+    targets = 8e17 * 2.0 ** np.arange(6)
+    lo, hi = fit.compute_optimal(targets)["loss_ci"]
+    truth = compute_optimal(CHIN_LIKE, targets)["loss"]
+    assert np.all((lo <= truth) & (truth <= hi))
+    assert np.all(np.diff(np.log(hi / lo)) > 0)  # wider the further beyond the data
+
+
+def test_a_seven_point_three_size_ladder_warns_instead_of_a_confident_degenerate_fit():
+    N = np.array([12.9, 12.9, 12.9, 20.0, 20.0, 29.8, 29.8]) * 1e6
+    D = np.array([77.4, 116.1, 154.8, 89.8, 179.6, 89.4, 134.0]) * 1e6
+    L = np.array([1.94, 1.64, 1.51, 1.76, 1.43, 1.79, 1.48])
+    fit = fit_law(N, D, L, n_bootstrap=20, strict=False)
+    assert fit.converged is False
+    assert any("lower bound 0" in w for w in fit.warnings) and any("steeper than any" in w for w in fit.warnings)
+
+
+def test_an_exponent_on_its_upper_bound_says_so_and_is_not_converged():
+    from analysis.laws.optim import MAX_EXPONENT
+
+    N, D, _ = _synthetic(1.8, 480.0, 2100.0, 0.35, 0.37, n=30)
+    L = 1.8 + 480.0 / N**0.35 + 1e9 * (D / 1e9) ** -4.0 * 1e-9  # a step in D, not a power law
+    fit = fit_law(N, D, L, n_bootstrap=0, strict=False)
+    assert fit.beta == pytest.approx(MAX_EXPONENT) and fit.converged is False
+    assert any("beta" in w and "upper bound" in w for w in fit.warnings)
+
+
+def test_a_floor_taking_most_of_the_smallest_loss_is_a_warning():
+    N, D, _ = _synthetic(1.8, 480.0, 2100.0, 0.35, 0.37, n=30)
+    L = 5.0 + 480.0 / N**0.35 + 2100.0 / D**0.37
+    fit = fit_law(N, D, L, n_bootstrap=0)
+    assert any("of the smallest loss" in w for w in fit.warnings)
