@@ -320,6 +320,8 @@ def verdict_text(forecast: dict | None, actual: float | None, live_df=None,
         held = sum(fl["lo"] <= v <= fl["hi"] for v in replicates.values())
         text += (f" Its replicates: {each}, {held} of {len(replicates)} inside; the mean of all "
                  f"{len(replicates) + 1} seeds {mean:.4f} ({100 * (mean - fl['mean']) / mean:+.2f}%).")
+    if fl.get("regime_ok") is False:
+        text += " The forecast's regime check warned (its rungs are not in the hero's regime): it was not to be trusted."
     return text, inside
 
 
