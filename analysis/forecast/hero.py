@@ -69,6 +69,9 @@ FIT_FROM = 0.1
 # backtests of both ladders; analysis.forecast.stream_residual)
 STREAM_DEVIATIONS = True
 CALIB_MIN, CALIB_MAX = 0.5, 10.0  # the trajectory band's calibration factor is kept in this range
+# the band's misfit term: the rungs' trend (running median over this many steps: the step noise is the
+# noise term's) about the curve model, per this many stretches of training
+MISFIT_SMOOTH, MISFIT_BINS = 25, 20
 
 
 def _ref_steps(spec: Spec, ref_tokens: float) -> tuple[float, np.ndarray]:
@@ -116,16 +119,20 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
     rho = train_eval_ratio(rungs)
     shift = final["mean"] * rho - pred_T[-1]
     pred_T = pred_T + shift
-    rung_fits, noise = {}, []
+    rung_fits, noise, misfit = {}, [], []
     for r in rungs:
         st = r.metrics["step"].to_numpy()
         kr, lr_r = _ref_steps(r.spec, ref)
         p = np.asarray(fit.predict(np.round(st * kr).astype(np.int64), lr_r, params=r.active), dtype=float)
         rung_fits[r.spec.name] = {"tokens": (st * r.spec.data.tokens_per_step).tolist(), "pred": p.tolist()}
         late = slice(len(st) // 2, None)
-        noise.append(float(np.nanstd(r.metrics["loss"].to_numpy()[late] - p[late])))
+        y = r.metrics["loss"].to_numpy()
+        noise.append(float(np.nanstd(y[late] - p[late])))
+        trend = pd.Series(y).rolling(MISFIT_SMOOTH, center=True, min_periods=1).median().to_numpy()
+        misfit.append(((st + 1) / r.spec.total_steps, np.log(trend / p)))
     sigma = float(np.median(noise))
     frac_T = (steps_T + 1) / hero.total_steps
+    misfit_T = misfit_profile(misfit, frac_T) * pred_T
     early = 0.02 * pred_T * (1 - frac_T)
     # the batch-content deviations the rungs measured at the hero's tokens (analysis.forecast.stream_residual):
     # where they cover a step, the forecast carries them and the step noise is what they leave
@@ -145,6 +152,7 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
                       "residual_sd": loo["residual_sd"], "deviation_sd": loo["deviation_sd"]}
         else:
             cov_T = np.zeros(hero.total_steps, dtype=bool)
+    noise_T = np.hypot(noise_T, misfit_T)
     lo_T = pred_T - np.hypot((final["mean"] - final["lo"]) * rho * np.sqrt(frac_T), Z90 * noise_T) - early
     hi_T = pred_T + np.hypot((final["hi"] - final["mean"]) * rho * np.sqrt(frac_T), Z90 * noise_T) + early
     # the curve model describes training after warmup (its LR-area term diverges at step 0), and no
@@ -159,11 +167,30 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
     traj = {"step": keep.tolist(), "tokens": (keep * hero.data.tokens_per_step).tolist(),
             "loss": pred_T[keep].tolist(), "lo": lo_T[keep].tolist(), "hi": hi_T[keep].tolist(), "shift": float(shift),
             "quantity": "train loss per step", "train_eval_ratio": rho, "step_noise": sigma, "stream": stream,
+            "misfit_rel": (misfit_T / pred_T)[keep].tolist(),
             "stream_covered": cov_T[keep].tolist(),
             "method": "curve model" + (" + stream deviations" if stream["covered_steps"] else "")}
     model = fit.to_dict()
     model["clock_tokens_per_step"] = ref  # the fit's step is this many tokens (a run of k x as many: step x k)
     return traj, model, rung_fits
+
+
+def misfit_profile(misfit: list[tuple[np.ndarray, np.ndarray]], frac_T: np.ndarray) -> np.ndarray:
+    """The rungs' own trend (a MISFIT_SMOOTH-step running median) about the curve model, as a relative
+    sd per stretch of training: the root mean square of log(trend / fit) over the rungs in MISFIT_BINS
+    bins of the fraction of training, at the hero's fractions. Where the model describes the rungs
+    badly (before FIT_FROM, through a transition whose timing differs from run to run) the band
+    widens by as much; elsewhere it adds little to the step noise."""
+    edges = np.linspace(0.0, 1.0, MISFIT_BINS + 1)
+    f = np.concatenate([m[0] for m in misfit])
+    e = np.concatenate([m[1] for m in misfit])
+    ok = np.isfinite(e)
+    f, e = f[ok], e[ok]
+    idx = np.clip(np.searchsorted(edges, f, side="right") - 1, 0, MISFIT_BINS - 1)
+    rms = np.array([np.sqrt(np.mean(e[idx == b] ** 2)) if np.any(idx == b) else np.nan for b in range(MISFIT_BINS)])
+    centres = (edges[:-1] + edges[1:]) / 2
+    have = np.isfinite(rms)
+    return np.interp(frac_T, centres[have], rms[have]) if have.any() else np.zeros_like(frac_T)
 
 
 def scaled_rung_trajectory(rungs: list[RungRun], hero: Spec, final: dict, n: int = 200) -> dict:
@@ -205,7 +232,12 @@ def trajectory_coverage(rungs: list[RungRun], stream_deviations: bool = STREAM_D
     if len(ladder_points(base)[0]) < MIN_FIT:
         return None
     target = held[0]  # the family's first seed (its curve; the law predicts the family's mean)
-    iv = final_law(base).interval(target.flops, target_var=0.0)  # as the hero's: the law's level
+    pts, nz = grid.grid_points(base)
+    if grid.is_grid(pts) and len(pts) >= grid.MIN_POINTS:  # as the hero's: the law's level, by the hero's route
+        N, D = grid.hero_point(target.spec)
+        iv = grid.fit_grid_law(pts, nz, N, D).interval(N, D, target_var=0.0)
+    else:
+        iv = final_law(base).interval(target.flops, target_var=0.0)
     mean, lo, hi = iv["mean"], iv["lo"], iv["hi"]
     traj, _, _ = trajectory_forecast(base, target.spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
                                      stream_deviations)
