@@ -65,6 +65,10 @@ Without healthy runs the monitor can still read the forecast band (analysis.moni
 that band is the forecast's own interval for the level, not calibrated on this spec's runs: it
 keeps its flags at info, and warns only on a departure beyond a whole band width.
 
+The series are analysis.monitor.series' (expert_load_max among them, judged upwards only:
+analysis.monitor.load). A calibration file written before a series was added has no entry for
+it: the series is then simply not judged calibrated (its uncalibrated rules still apply).
+
 A calibration file records what it was made from (the runs, their spec ids, the forecast's path,
 creation time and hero spec id); the monitor refuses one made against another forecast.
 """
@@ -90,7 +94,7 @@ from core.fsutil import atomic_write_text
 __all__ = ["Calibration", "SeriesCalibration", "SequentialResult", "calibrate", "cusum_threshold", "load_calibration",
            "sequential_test", "SERIES"]
 
-SERIES = ("loss", "grad_norm", "eval_loss", "router_entropy", "train_eval_gap")
+SERIES = ("loss", "grad_norm", "eval_loss", "router_entropy", "train_eval_gap", "expert_load_max")
 SPIKE_SERIES = ("loss", "grad_norm")
 LAMBDAS = (0.02, 0.05, 0.1, 0.2, 0.3, 0.5, 0.7, 1.0)  # smoothing of the run's own level tried
 LAMBDA_DEFAULT = 0.2

@@ -47,6 +47,17 @@ class MonitorSettings(BaseModel):
     entropy_rel_floor: float = Field(0.25, ge=0, le=1, description="floor as a fraction of the early entropy")
     entropy_early_points: int = Field(5, ge=1, description="points after warmup that give the early entropy")
     entropy_k: int = Field(3, ge=1, description="rolling-median points of the entropy test")
+    load_warn: float = Field(4.0, gt=1, description="expert_load_max (busiest expert over the mean) that warns "
+                             "without a calibration: with 64 experts top-8, the busiest expert picked by half the tokens")
+    load_smooth: int = Field(25, ge=1, description="rolling-median points of the expert-load tests")
+    load_k: int = Field(5, ge=1, description="consecutive points of that median over load_warn before a flag")
+    load_settle_frac: float = Field(0.25, gt=0, le=1, description="share of training by which the router must have "
+                                    "brought the load below load_warn (healthy heroes: about 5%)")
+    load_min_sd: float = Field(0.1, ge=0, description="floor on the expert load's healthy sd in log units (10%): "
+                               "a busiest expert that much busier than healthy runs' is no fault a mesh feels")
+    load_trend_points: int = Field(50, ge=2, description="rolling-median points of the expert-load trend")
+    load_trend_ratio: float = Field(1.5, gt=1, description="that median over its own low since the router settled: "
+                                    "a rising load (healthy runs' falls)")
     throughput_frac: float = Field(0.9, gt=0, le=1, description="share of planned tokens/s below which to flag")
     throughput_points: int = Field(20, ge=1, description="last points whose median is the measured tokens/s")
     throughput_drop_frac: float = Field(1 / 3, gt=0, lt=1, description="recent tokens/s below this share of the "

@@ -7,11 +7,14 @@
 Shape legend: B blocks (stretches of training), N logged points of one run.
 
 The residual. For a series x (train loss, grad norm, held-out eval loss and each source's when every healthy
-run logs it, router entropy, and the train/eval gap: eval loss over the median train loss of the
-10 points before it) a run's residual at step t is
+run logs it, router entropy, the expert load (expert_load_max: the busiest expert's load over the mean), and
+the train/eval gap: eval loss over the median train loss of the 10 points before it) a run's
+residual at step t is
 r_t = log x_t - log ref(t), ref the forecast's trajectory (loss: trajectory.loss; grad norm:
-grad_norm.mean) where the forecast covers t, or 1 when the calibration was made without a
-forecast (then the healthy runs' mean, analysis.monitor.calib, is the reference itself). Log, so a residual is relative.
+grad_norm.mean) where the forecast covers t, or 1 for a series the forecast does not forecast
+(router entropy, expert load, the gap, the eval losses) and when the calibration was made without
+a forecast (then the healthy runs' mean, analysis.monitor.calib, is the reference itself). Log, so
+a residual is relative.
 
 Blocks. Training is cut into B equal stretches of steps (edges from 0 to the calibrating spec's
 total steps; default B = 100, 1% each). A run's block mean m_b is the mean of its finite
@@ -66,7 +69,7 @@ def series_values(df: pd.DataFrame, series: str) -> tuple[np.ndarray, np.ndarray
     """(steps, values) of a series in a metrics frame, finite points only; None when absent.
     train_eval_gap is the eval loss (eval_series) over the median train loss of the (up to 10)
     points before it; a source's eval loss leaves out the final eval (scored on every window, not
-    the periodic subset)."""
+    the periodic subset); an expert load of 0 is one not measured."""
     steps = df["step"].to_numpy(dtype=np.int64)
     if series.startswith("eval_loss/"):
         v, final = _col(df, series), _col(df, "eval_final")
@@ -93,6 +96,8 @@ def series_values(df: pd.DataFrame, series: str) -> tuple[np.ndarray, np.ndarray
     if v is None:
         return None
     ok = np.isfinite(v)
+    if series == "expert_load_max":  # 0: an engine that does not measure it (the record's default)
+        ok &= v > 0
     return (steps[ok], v[ok]) if ok.any() else None
 
 

@@ -26,7 +26,8 @@ The kinds, with their severities:
 - with a calibration, `<series>_above_band` / `<series>_below_band` for the train loss, grad norm,
   eval loss (and each source's), router entropy and the eval/train gap (warning; critical once the
   departure reaches `crit_sd` healthy sds): the level or change test of analysis.monitor.calib
-  alarmed, at the stated `false_alarm_rate` a run (split over series and directions).
+  alarmed, at the stated `false_alarm_rate` a run (split over series and directions, the expert
+  load's among them: its flags are `expert_load_imbalance` below).
 - without a calibration, `loss_above_band` / `loss_below_band` (info; warning beyond the band by
   `band_gross_widths` band widths): the (optionally smoothed) loss outside the forecast band for
   `band_k` consecutive points; matched by step, or by tokens when the run's tokens per step differ
@@ -54,6 +55,16 @@ The kinds, with their severities:
   restarted at its start.
 - `token_drops` (warning; critical past `drop_crit`): drop_frac_send + drop_frac_recv above
   `drop_budget` (7%, Marin's alert) for `drop_k` consecutive points past the transient.
+- `expert_load_imbalance` (warning; critical with a calibration once `crit_sd` healthy sds away):
+  the busiest expert's load over the mean (expert_load_max) too high. With a calibration, the
+  sequential test above on log(load) against the healthy runs' level, upwards, the healthy sd
+  floored at `load_min_sd` (a load below the healthy band is `expert_load_max_below_band`, info);
+  without one (info with one), its rolling median of `load_smooth` points above `load_warn` (4x:
+  with 64 experts top-8 the busiest expert picked by half the tokens) for `load_k` points once the
+  router has settled below it past the early transient, or not settled by `load_settle_frac` of
+  training (analysis.monitor.load).
+- `expert_load_rising` (info): the rolling median of `load_trend_points` load points risen over its
+  own low since the router settled by more than `load_trend_ratio` (healthy runs' load falls).
 - `router_entropy_collapse` (warning): the rolling median of router entropy below
   `entropy_floor_frac` x log(top_k) or `entropy_rel_floor` x its early value.
 - `throughput_drop` (warning): the median logged tokens/s of the last `throughput_points` points
@@ -71,8 +82,8 @@ warmup and the forecast trajectory's first step (the forecaster's own cut of the
 Where things are: the settings, flags and report in analysis.monitor.flags; one check function per
 flag family in analysis.monitor.checks (CHECKS below runs them in order); the statistics they share
 in analysis.monitor.stats; the forecast file's reader in analysis.forecast.file; the picture in
-analysis.monitor.plot; the calibrated checks in analysis.monitor.seq, the calibration and the
-sequential tests in analysis.monitor.calib.
+analysis.monitor.plot; the calibrated checks in analysis.monitor.seq, the expert-load checks in
+analysis.monitor.load, the calibration and the sequential tests in analysis.monitor.calib.
 """
 
 from __future__ import annotations
@@ -88,7 +99,8 @@ from analysis.monitor.calib import Calibration, load_calibration
 from analysis.monitor.checks import (RunCurves, check_band, check_grad_norm, check_loss_jump, check_non_finite,
                                      check_repeated_batches, check_router_entropy, check_run_status, check_spikes,
                                      check_throughput, check_token_drops)
-from analysis.monitor.seq import check_sequential, check_throughput_drop, check_train_eval
+from analysis.monitor.load import check_expert_load, check_sequential_load
+from analysis.monitor.seq import check_throughput_drop, check_train_eval
 from analysis.monitor.stats import (column, json_num, measured_tokens_per_s, olmo_spike_score, planned_tokens_per_s,
                                     spec_warmup_steps)
 from analysis.monitor.flags import SEVERITY_RANK, Flag, MonitorReport, MonitorSettings, Severity
@@ -99,8 +111,9 @@ __all__ = ["CHECKS", "Calibration", "Flag", "Forecast", "MonitorReport", "Monito
            "planned_tokens_per_s", "spec_warmup_steps", "transient_end"]
 
 # One function per flag family, in the order their flags and summaries are gathered.
-CHECKS = (check_non_finite, check_run_status, check_repeated_batches, check_band, check_sequential, check_train_eval,
-          check_loss_jump, check_spikes, check_grad_norm, check_token_drops, check_router_entropy, check_throughput, check_throughput_drop)
+CHECKS = (check_non_finite, check_run_status, check_repeated_batches, check_band, check_sequential_load, check_train_eval,
+          check_loss_jump, check_spikes, check_grad_norm, check_token_drops, check_router_entropy, check_expert_load,
+          check_throughput, check_throughput_drop)
 
 
 def transient_end(spec: Spec | None, forecast: Forecast | None, calibration: Calibration | None,
