@@ -19,6 +19,10 @@ from analysis.monitor.flags import Flag, MonitorSettings
 from core.spec import Spec
 
 
+CALIBRATE_HINT = ("to calibrate, train two or more healthy seeds of the hero's spec and pass bench/faults.py's "
+                  "calibration.json with --calibration")
+
+
 @dataclass
 class RunCurves:
     """What every check reads: the frame, its columns as arrays, and the context."""
@@ -112,8 +116,10 @@ def check_band(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
             flags.append(Flag(kind, sev, int(steps[b]), {
                 "text": f"loss {word} the forecast band for {cfg.band_k} consecutive points from step {steps[a]} "
                         f"({sm[a]:.4f} vs band [{lo[a]:.4f}, {hi[a]:.4f}])"
-                        + (f", beyond it by {cfg.band_gross_widths:g} band width(s)" if rg else
-                           " (the forecast's interval, not calibrated on healthy runs of this spec: for the record)")
+                        + (f", beyond it by {cfg.band_gross_widths:g} band width(s) (the band is the forecast's "
+                           f"interval, uncalibrated: {CALIBRATE_HINT})" if rg else
+                           " (the forecast's interval, not calibrated on healthy runs of this spec: for the record; "
+                           f"a warning beyond it by {cfg.band_gross_widths:g} band width(s); {CALIBRATE_HINT})")
                         + f"; {int(mask.sum())} point(s) {word} in all",
                 "loss": json_num(sm[a]), "band_lo": json_num(lo[a]), "band_hi": json_num(hi[a]), "forecast": json_num(mid[a]),
                 "onset_step": int(steps[r[0]]), "points_outside": int(mask.sum()), "axis": axis}))

@@ -73,8 +73,10 @@ class MonitorSettings(BaseModel):
                                         "runs' largest local z in its stretch by this factor to warn")
     spike_gross_factor: float = Field(3.0, ge=1, description="without a calibration, a loss spike warns only past "
                                       "this many times spike_sigma (else it is info; a grad-norm spike alone is info)")
-    band_gross_widths: float = Field(2.0, gt=0, description="without a calibration: band widths beyond the "
-                                     "forecast band that make a departure a warning")
+    band_gross_widths: float = Field(1.0, gt=0, description="without a calibration: band widths beyond the "
+                                     "forecast band that make a departure a warning (1: three half-widths from its "
+                                     "centre, 4.9 sd of a calibrated 90% band; the H200 hero's five healthy seeds "
+                                     "reach at most 1.5 half-widths)")
     eval_rise_sigma: float = Field(3.0, gt=0, description="eval loss rise over its running minimum, in standard "
                                    "errors (eval_loss_se), that counts as a rise")
     eval_rise_rel: float = Field(0.02, gt=0, description="the relative rise that counts without eval_loss_se")

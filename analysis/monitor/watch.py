@@ -13,7 +13,9 @@ Warnings can keep that promise only where healthy runs of the spec have been see
 (analysis.monitor.calib; bench/faults.py writes one from healthy replicates) gives the band's width
 per stretch of training, the sequential tests, the early transient and the spike thresholds.
 Without one, the forecast band is the forecast's own interval: departures from it are info unless
-gross.
+gross, one band width beyond it (three half-widths from its centre: 4.9 sd of a calibrated 90%
+band, a chance of about 1e-6 for a healthy run's level; measured, the H200 hero's five healthy
+seeds reach at most 1.5 half-widths of either committed forecast's band).
 
 The kinds, with their severities:
 
