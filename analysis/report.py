@@ -50,7 +50,8 @@ def plot_law(out: Path, plan: list[dict], finals: dict[str, float], forecast: di
         law = forecast.get("law", {})
         curve = law.get("curve")
         if curve:
-            ax.plot(curve["flops"], curve["loss"], color="C0", alpha=0.6, label=law.get("label", "fitted law"))
+            label = law.get("label", "fitted law") + (" at the hero's size" if law.get("kind") == "size_tokens" else "")
+            ax.plot(curve["flops"], curve["loss"], color="C0", alpha=0.6, label=label)
             if "lo" in curve:
                 ax.fill_between(curve["flops"], curve["lo"], curve["hi"], color="C0", alpha=0.12)
         h = forecast.get("hero", {})
@@ -106,7 +107,13 @@ def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: dict | None, flags
                 label="hero train loss (mean of 25)")
         if "eval_loss" in hero and hero["eval_loss"].notna().any():
             ev = hero.dropna(subset=["eval_loss"])
-            ax.scatter(ev["step"], ev["eval_loss"], color="C0", s=14, zorder=3, label="hero eval loss")
+            flag = next((c for c in ("extra.eval_final", "eval_final") if c in ev), None)
+            final = (ev[flag].apply(lambda v: v is True or v == 1) if flag else pd.Series(False, index=ev.index)).to_numpy(bool)
+            ax.scatter(ev["step"][~final], ev["eval_loss"][~final], color="C0", s=14, zorder=3,
+                       label="hero eval loss (periodic sample)" if final.any() else "hero eval loss")
+            if final.any():
+                ax.scatter(ev["step"][final], ev["eval_loss"][final], color="C0", marker="*", s=80, zorder=4,
+                           edgecolors="k", linewidths=0.5, label="hero final eval (every window)")
         if tr:
             late = np.asarray(tr["lo"])[len(tr["lo"]) // 10:]
             ax.set_ylim(min(float(np.nanmin(late)), float(np.nanpercentile(hero["loss"], 1))) - 0.05,

@@ -5,8 +5,8 @@ API
     stream = TokenStream.from_spec(spec)       # opens (or prepares) every source's token shards
     x_BS1 = stream.batch(step)                 # np.int32 [B, S+1]: inputs x[:, :-1], targets x[:, 1:]
     x_bS1 = stream.batch(step, rank=r, world=R)  # rank r's rows of that batch, only they are read
-    stream.eval_plan(windows=None)             # [(source, lo, hi)]: the fixed eval set's batches, in order
-    x_BS1 = stream.eval_batch(source, lo, hi)  # those windows of that source's eval set (int32)
+    stream.eval_plan(windows=None)             # [(source, rows)]: the fixed eval set's batches, in order
+    x_BS1 = stream.eval_batch(source, rows)    # those windows of that source's eval set (int32)
     stream.eval_fingerprint                    # the eval set's identity (status.json; fits compare it)
     stream.mixture_at(step), stream.seq_len_at(step), stream.batch_size_at(step)
     stream.epochs()                            # {source: passes over its training windows in the run}
@@ -51,10 +51,11 @@ get weight 0. Sequence length: spec.data.seq_len until the first ungated context
 start step floor(start_frac * total_steps) has been reached (gated stages wait for a replan).
 Tokens per step stay constant: batch_size_at(step) = max(1, batch_size * seq_len // seq_len_at(step)).
 
-Eval. eval_plan() lists the eval set's batches: EVAL_ROWS windows of one source each, sources in
-spec order, windows in their fixed reading order (a periodic eval takes each source's first
-windows, the final eval all of them); eval_batch reads one. The trainer scores them and reports
-each source's mean and standard error and the base mixture's.
+Eval. eval_plan() lists the eval set's batches: EVAL_ROWS windows of one source each (rows:
+their indices in the set's reading order), sources in spec order, windows in reading order: the
+final eval every window, a periodic eval each source's stratified sample of that many windows
+(engines.evalset.periodic_windows, the whole set when it asks for as many); eval_batch reads one.
+The trainer scores them and reports each source's mean and standard error and the base mixture's.
 
 Errors. A missing, empty or too short source, a bad tokenizer, a token id at or above
 model.vocab_size, a truncated shard or one whose fingerprint no longer matches raises DataError
@@ -71,7 +72,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from core.spec import DataSpec, SourceSpec, Spec
-from engines.evalset import GROUP as EVAL_ROWS, MIN_WINDOWS, EvalSet, TrainBlocks, build_eval_set, combined_fingerprint, train_blocks
+from engines.evalset import (GROUP as EVAL_ROWS, MIN_WINDOWS, EvalSet, TrainBlocks, build_eval_set, combined_fingerprint,
+                             periodic_windows, train_blocks)
 from engines.shards import ShardSet, prepare
 from engines.sources import DataError, cache_dir  # noqa: F401  (re-exported: engines catch DataError here)
 from engines.tokenizer import Tokenizer, TokenizerError, load_tokenizer
@@ -379,27 +381,28 @@ class TokenStream:
         return out_BS1
 
     # ---- the fixed eval set ----
-    def eval_windows(self, source: str, lo: int = 0, hi: int | None = None) -> np.ndarray:
-        """Windows [lo, hi) of `source`'s eval set in its reading order: int32 [n, eval_seq_len + 1]."""
+    def eval_windows(self, source: str, rows: np.ndarray) -> np.ndarray:
+        """Windows `rows` (indices into the reading order) of `source`'s eval set: int32 [n, eval_seq_len + 1]."""
         es = self.sources[source].evalset
-        return self.sources[source].shards.gather(es.starts_W[lo:hi], es.window)
+        return self.sources[source].shards.gather(es.starts_W[np.asarray(rows, np.int64)], es.window)
 
-    def eval_plan(self, windows: int | None = None, rows: int = EVAL_ROWS) -> list[tuple[str, int, int]]:
-        """(source, lo, hi) of every eval batch: each source's first `windows` windows (all of them
-        when None) in groups of `rows`, source after source in spec order. Sources of weight 0 in
-        the base mixture are scored too (per source), though they do not enter the mixture."""
+    def eval_plan(self, windows: int | None = None, rows: int = EVAL_ROWS) -> list[tuple[str, np.ndarray]]:
+        """(source, rows) of every eval batch: each source's windows (all of them when None, else its
+        stratified sample of `windows`, periodic_windows) in reading order in groups of `rows`, source
+        after source in spec order. Sources of weight 0 in the base mixture are scored too (per
+        source), though they do not enter the mixture."""
         out = []
         for n in self.names:
-            total = self.sources[n].evalset.n_windows
-            k = total if windows is None else min(windows, total)
-            out += [(n, lo, min(lo + rows, k)) for lo in range(0, k, rows)]
+            es = self.sources[n].evalset
+            idx = np.arange(es.n_windows, dtype=np.int64) if windows is None else periodic_windows(es.starts_W, windows)
+            out += [(n, idx[lo:lo + rows]) for lo in range(0, len(idx), rows)]
         return out
 
-    def eval_batch(self, source: str, lo: int, hi: int, seq_len: int | None = None) -> np.ndarray:
-        """One eval batch, int32 [n, S+1]: windows [lo, hi) of `source`; with seq_len S shorter than
+    def eval_batch(self, source: str, rows: np.ndarray, seq_len: int | None = None) -> np.ndarray:
+        """One eval batch, int32 [n, S+1]: windows `rows` of `source`; with seq_len S shorter than
         the eval windows, each window is cut into consecutive pieces of S+1 tokens (sharing their edge
         token), so a model of shorter context scores the same tokens."""
-        x = self.eval_windows(source, lo, hi)
+        x = self.eval_windows(source, rows)
         L = x.shape[1] - 1
         if seq_len is None or seq_len >= L:
             return x

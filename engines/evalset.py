@@ -4,6 +4,7 @@
     es.starts_W          int64 [W]: each eval window's first token, in the fixed reading order
     es.held_H2           int64 [H, 2]: token spans [a, e) of the held-out documents (sorted)
     es.fingerprint       sha256 (16 hex) of the window length and every eval token, in order
+    periodic_windows(es.starts_W, k)  # the k windows a periodic eval scores (indices into starts_W)
     train_blocks(n_tokens, block, es.held_H2)  # the training blocks (TrainBlocks) that touch no held-out document
 
 One source's eval set is drawn once from its token shards and depends on nothing but the source's
@@ -25,9 +26,14 @@ so one long document neither takes a large share of the training text nor makes 
 few documents impossible to split. Randomness comes from
 Philox keyed by the source's digest, so the same shards always give the same set.
 
-Reading order. The windows are put in an order drawn from the same key, so the first k of them
-are a spread sample of the source: periodic evals score a prefix of that order, the final eval
-every window.
+Reading order. The windows are put in an order drawn from the same key (the fingerprint covers
+it). The final eval scores every window in that order. A periodic eval scores a stratified sample
+of k of them (periodic_windows): the windows by position cut into k strata of equal count, and from
+each the one that comes first in the reading order. So the sample spreads over the whole source as
+the final's windows do (every part in proportion to its tokens, not a random k that may miss or
+crowd a package), and a source's periodic mean estimates its final mean; the sources are then
+combined with the same weights in both (engines/trainer.score_eval). With k at least the set's
+size the sample is the whole set in the reading order, so the periodic eval is the final eval.
 
 Stored once beside the shards (eval-<key>.npz, written atomically) and rebuilt if missing or
 unreadable.
@@ -132,6 +138,17 @@ def select(doc_ends: np.ndarray, n_tokens: int, n_windows: int, window: int, key
     docs = np.asarray(sorted(taken), np.int64)
     held = np.stack([begins[docs], ends[docs]], axis=1) if len(docs) else np.zeros((0, 2), np.int64)
     return starts_W[order], _merge(held)
+
+
+def periodic_windows(starts_W: np.ndarray, k: int) -> np.ndarray:
+    """Indices into the reading order of the k windows a periodic eval scores, ascending: the
+    windows sorted by start cut into k strata of (nearly) equal count, from each the one first in
+    the reading order. Every window (arange) when k covers the set."""
+    n = len(starts_W)
+    if k >= n:
+        return np.arange(n, dtype=np.int64)
+    by_pos = np.argsort(np.asarray(starts_W, np.int64), kind="stable")  # reading-order indices by position
+    return np.sort(np.asarray([s.min() for s in np.array_split(by_pos, k)], np.int64))
 
 
 def _merge(spans_H2: np.ndarray) -> np.ndarray:

@@ -14,10 +14,13 @@ does everything around the steps, the same way for each of them:
                         except where an eval, a checkpoint or the end needs the state at once
     eval and checkpoint every run.eval_every / run.checkpoint_every updates and at the end; an
                         eval scores the fixed eval set (engines/evalset.py): run.eval_batches
-                        groups of each source's windows periodically, every window at the end
+                        groups of each source's windows periodically (a stratified sample of
+                        the source, engines/evalset.periodic_windows), every window at the end
                         (the final eval, which laws fit), reported per source and for the base
-                        mixture, each with its standard error (score_eval); eval_loss_periodic is
-                        the periodic subset's value at every eval, the final one included
+                        mixture with the same weights in both, each with its standard error
+                        (score_eval); eval_loss_periodic is the periodic sample's value at every
+                        eval, the final one included (scored there too), so the periodic curve
+                        and the final estimate one quantity and the final is marked eval_final
     divergence          a non-finite step is recorded, status.json says "diverged" and the run
                         raises DivergedError; nothing after the last checkpoint is ever saved
     fault hook          `fault` (bench/faults.py only; None in every real run): a deliberate
@@ -65,8 +68,9 @@ VALUE_KEYS = METRIC_KEYS + ("grad_norm",)
 FINITE_KEYS = ("loss", "total_loss", "grad_norm")  # a step that makes any of these NaN/inf is not applied
 
 
-def score_eval(plan: list[tuple[str, int, int]], losses: list[float], weights: dict[str, float]) -> dict:
-    """Per-source means and standard errors of the eval loss from its batches' mean losses.
+def score_eval(plan: list[tuple[str, np.ndarray]], losses: list[float], weights: dict[str, float]) -> dict:
+    """Per-source means and standard errors of the eval loss from its batches' mean losses
+    (plan: each batch's (source, rows), rows the indices of its windows).
 
     Every batch is a group of windows of one source (the same groups in every run), so a source's
     mean is the window-weighted mean of its groups and its standard error the spread of the group
@@ -74,8 +78,8 @@ def score_eval(plan: list[tuple[str, int, int]], losses: list[float], weights: d
     the base mixture's weights w (normalised over the sources scored), se = sqrt(sum_s w_s^2 se_s^2).
     Returns {"eval_loss", "eval_loss_se", "eval_loss/<source>", "eval_loss_se/<source>", "eval_windows"}."""
     by: dict[str, list[tuple[int, float]]] = {}
-    for (src, lo, hi), v in zip(plan, losses):
-        by.setdefault(src, []).append((hi - lo, float(v)))
+    for (src, rows), v in zip(plan, losses):
+        by.setdefault(src, []).append((len(rows), float(v)))
     out: dict = {}
     means, ses = {}, {}
     for src, groups in by.items():
@@ -90,7 +94,7 @@ def score_eval(plan: list[tuple[str, int, int]], losses: list[float], weights: d
     total = sum(w.values()) or 1.0
     out["eval_loss"] = float(sum(w[s] / total * means[s] for s in means))
     out["eval_loss_se"] = float(np.sqrt(sum((w[s] / total) ** 2 * ses[s] ** 2 for s in means if w[s] > 0)))
-    out["eval_windows"] = int(sum(hi - lo for _, lo, hi in plan))
+    out["eval_windows"] = int(sum(len(rows) for _, rows in plan))
     return out
 
 
@@ -273,18 +277,22 @@ class Trainer:
         summary = getattr(self.stream, "eval_summary", None)
         return summary() if summary is not None else None
 
-    def evaluate(self, final: bool) -> dict:
-        """Score the fixed eval set: every window when final, else run.eval_batches groups a source."""
-        periodic = self.spec.run.eval_batches * EVAL_ROWS
-        plan = self.stream.eval_plan(None if final else periodic)
+    def _score(self, plan: list[tuple[str, np.ndarray]]) -> dict:
         seq = max_seq_len(self.spec.data)  # windows longer than the model's context are cut to it
-        losses = self.module.eval_losses([self.stream.eval_batch(src, lo, hi, seq) for src, lo, hi in plan])
-        weights = self.stream.base_mixture()
-        out = score_eval(plan, losses, weights)
-        # the periodic subset's value at every eval, the final one included: one continuous series
-        prefix = [(b, v) for b, v in zip(plan, losses) if b[1] < periodic]
-        out["eval_loss_periodic"] = (score_eval([b for b, _ in prefix], [v for _, v in prefix], weights)["eval_loss"]
-                                     if final else out["eval_loss"])
+        losses = self.module.eval_losses([self.stream.eval_batch(src, rows, seq) for src, rows in plan])
+        return score_eval(plan, losses, self.stream.base_mixture())
+
+    def evaluate(self, final: bool) -> dict:
+        """Score the fixed eval set: every window when final, else run.eval_batches groups a source
+        (its stratified sample); eval_loss_periodic is the sample's value at the final eval too."""
+        periodic = self.stream.eval_plan(self.spec.run.eval_batches * EVAL_ROWS)
+        out = self._score(periodic)
+        out["eval_loss_periodic"] = out["eval_loss"]
+        if final:
+            plan = self.stream.eval_plan(None)
+            same = len(plan) == len(periodic) and all(a[0] == b[0] and np.array_equal(a[1], b[1])
+                                                      for a, b in zip(plan, periodic))
+            out = (dict(out) if same else self._score(plan)) | {"eval_loss_periodic": out["eval_loss"]}
         out["eval_final"] = final
         return out
 

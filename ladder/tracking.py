@@ -69,17 +69,30 @@ def flatten(d: Any, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def final_eval_name(key: str) -> str:
+    """A final eval's key under its own name (eval_loss -> eval_loss_final, eval_loss/<source> ->
+    eval_loss_final/<source>, eval_loss_se -> eval_loss_final_se); eval_loss_periodic, the
+    periodic sample's value at every eval, keeps its name."""
+    if key.startswith("eval_loss") and not key.startswith("eval_loss_periodic"):
+        return "eval_loss_final" + key[len("eval_loss"):]
+    return key
+
+
 def record_metrics(rec: dict) -> list[tuple[str, float]]:
     """(key, value) pairs of one metrics.jsonl record: every numeric field but step and time,
-    plus the engine's extras."""
+    plus the engine's extras. A final eval's losses (extra.eval_final: every window) are logged
+    under final_eval_name, so eval_loss stays the periodic evals' curve and the final is its own
+    metric."""
+    final = (rec.get("extra") or {}).get("eval_final") is True
+    name = final_eval_name if final else (lambda k: k)
     out = []
     for k, v in rec.items():
         if k in NOT_METRICS or v is None or isinstance(v, bool) or not isinstance(v, (int, float)):
             continue
-        out.append((k, float(v)))
+        out.append((name(k), float(v)))
     for k, v in (rec.get("extra") or {}).items():
         if isinstance(v, (int, float)) and not isinstance(v, bool):
-            out.append((k if k not in rec else f"extra.{k}", float(v)))
+            out.append((name(k) if k not in rec else f"extra.{k}", float(v)))
     return out
 
 

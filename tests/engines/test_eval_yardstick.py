@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -17,7 +18,7 @@ from ladder.presets import micro_spec
 
 
 def test_score_eval_weights_sources_by_the_base_mixture_and_propagates_their_errors():
-    plan = [("a", 0, 8), ("a", 8, 16), ("b", 0, 8), ("b", 8, 16)]
+    plan = [("a", np.arange(0, 8)), ("a", np.arange(8, 16)), ("b", np.arange(0, 8)), ("b", np.arange(8, 16))]
     out = score_eval(plan, [1.0, 3.0, 10.0, 10.0], {"a": 0.75, "b": 0.25})
     assert out["eval_loss/a"] == 2.0 and out["eval_loss/b"] == 10.0
     assert math.isclose(out["eval_loss_se/a"], 1.0)  # sd of the two group means / sqrt(2)

@@ -110,7 +110,7 @@ def test_eval_on_the_fast_path_scores_each_batch_as_the_reference_forward():
     step.init_fresh()
     stream = TokenStream.from_spec(spec)
     plan = stream.eval_plan(None)[:5]
-    batches = [stream.eval_batch(src, lo, hi, spec.data.seq_len) for src, lo, hi in plan]
+    batches = [stream.eval_batch(src, rows, spec.data.seq_len) for src, rows in plan]
     batches[-1] = batches[-1][:3]  # a short batch: the last forward is filled up
     reference = step.eval_losses(batches)
     fast = fast_eval_losses(FastLoss(step.model, torch.device("cpu")), step.model, batches,

@@ -43,10 +43,10 @@ class SyntheticStream:
 
     def eval_plan(self, windows=None):
         # one group per old eval batch (the pinned eval losses are the mean of these batches' losses)
-        return [("synthetic", i, i + 1) for i in range(self.eval_batches if windows is None else windows // 8)]
+        return [("synthetic", np.arange(i, i + 1)) for i in range(self.eval_batches if windows is None else windows // 8)]
 
-    def eval_batch(self, source, lo, hi, seq_len=None):
-        return self._tokens([1, lo])
+    def eval_batch(self, source, rows, seq_len=None):
+        return self._tokens([1, int(rows[0])])
 
     def base_mixture(self):
         return {"synthetic": 1.0}
