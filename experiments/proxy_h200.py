@@ -28,8 +28,9 @@ width d/2 inside a latent of d/2, 2 shared experts, head dim 64 with KV heads = 
   there costs about 17% of throughput without changing what the ladder measures.
 - Eval: every run scores the same fixed eval set (engines/evalset.py: 1M tokens of Python, 1M
   of C/C++, 1% of the prose, held out by document across each source). Periodic evals, every
-  100 steps, score its first 64 windows of each source; the final eval scores every window, and
-  that is what the laws fit.
+  100 steps, score a stratified sample of 64 windows of each source (one per 64th of its windows
+  in position, engines.evalset.periodic_windows) with the final's weights; the final eval scores
+  every window, and that is what the laws fit.
 - Replicates: d384 at 1x again at seed 1 measures the ladder's seed noise (the forecast's
   measurement term); the hero at seeds 1-3 (extras) are the monitor's healthy replicates.
 - Checkpoints every 500 steps (a resumed run loses under a minute; each of the hero's is about 1.5 GB).
