@@ -118,6 +118,19 @@ class Announcer:
                                highlight=False, soft_wrap=True)  # one alert, one line
 
 
+def beside_forecast(forecast_path: Path, fc) -> tuple[object | None, str | None]:
+    """(the calibration.json beside a forecast file, made against that forecast; what to tell the user)."""
+    path = forecast_path.parent / "calibration.json"
+    if not path.exists():
+        return None, None
+    cal = load_calibration(path)
+    try:
+        cal.check_forecast(fc, where=str(path))
+    except ValueError as e:
+        return None, f"not using {path}: {e}"
+    return cal, f"calibration: {path} ({len(cal.runs)} healthy runs: {', '.join(r['name'] for r in cal.runs)})"
+
+
 def register(app: typer.Typer) -> None:
     @app.command("compare")
     def compare_cmd(
@@ -126,8 +139,9 @@ def register(app: typer.Typer) -> None:
         metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV (step, loss, ...)"),
         forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json from `ladder forecast`"),
         calibration: Optional[str] = typer.Option(
-            None, "--calibration", help="calibration.json from bench/faults.py (healthy replicates): the band and the "
-            "sequential test's spread per stretch of training"),
+            None, "--calibration", help="calibration.json from `ladder calibrate` or bench/faults.py (healthy replicates): "
+            "the band and the sequential test's spread per stretch of training (default: the calibration.json beside "
+            "--forecast, when it was made against that forecast)"),
         quiet: bool = typer.Option(False, "--quiet", "-q", help="print only warnings and criticals (for CI and cron); "
                                    "the exit status says the worst severity"),
         spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec (default: the run's own spec.yaml)"),
@@ -153,6 +167,10 @@ def register(app: typer.Typer) -> None:
         cal = load_calibration(calibration) if calibration else None
         if cal is not None:
             cal.check_forecast(fc, where=str(calibration))
+        elif forecast:  # `ladder calibrate` writes calibration.json beside the forecast it was made against
+            cal, said = beside_forecast(Path(forecast), fc)
+            if said:
+                Console(stderr=True).print(said, style="dim", highlight=False, soft_wrap=True)
         if tokens_per_s is not None and tokens_per_s <= 0:
             raise ValueError(f"--tokens-per-s must be positive (got {tokens_per_s})")
         if interval <= 0:
