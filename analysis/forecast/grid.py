@@ -224,6 +224,26 @@ def _held_interval(law: GridLaw, b: dict[str, Any]) -> dict[str, Any]:
             "inside": bool(iv["lo"] * scale <= b["actual"] <= iv["hi"] * scale)}
 
 
+def every_family_backtest(law: GridLaw) -> dict[str, Any]:
+    """Leave-one-out over every family (each refitted without it and predicted): the law's errors across
+    the whole grid, beside the nearest families' that set the interval."""
+    rows = []
+    for held in law.points:
+        rest = [p for p in law.points if p.name != held.name]
+        if len(rest) < MIN_POINTS - 1:
+            continue
+        try:
+            sub = _fit(rest, start=law.fit.params)
+        except FitError:
+            continue
+        pred = math.exp(_log_pred(_theta(sub), held.N, held.D))
+        rows.append({"held_out": held.name, "predicted": pred, "actual": held.loss, "rel_error": pred / held.loss - 1})
+    errs = np.array([r["rel_error"] for r in rows])
+    return {"points": rows, "n": len(rows), "rms_rel_error": float(np.sqrt(np.mean(errs ** 2))) if len(rows) else None,
+            "max_abs_rel_error": float(np.max(np.abs(errs))) if len(rows) else None,
+            "method": "each family from all the others (L(N, D) refitted; point predictions)"}
+
+
 def grid_forecast(rungs: Sequence[Any], hero: Spec, flops_per_token: float) -> GridForecast:
     points, nz = grid_points(rungs)
     N, D = hero_point(hero)
@@ -248,7 +268,8 @@ def grid_forecast(rungs: Sequence[Any], hero: Spec, flops_per_token: float) -> G
     coverage = ({"coverage": float(np.mean([h["inside"] for h in held])), "n": len(held), "level": LEVEL,
                  "mean_rel_width": float(np.mean([(h["hi"] - h["lo"]) / h["predicted"] for h in held])),
                  "mean_abs_rel_err": float(np.mean([abs(h["rel_error"]) for h in held])),
-                 "method": f"each of the {K_NEAR} families nearest the hero from the others, with the whole interval method"}
+                 "method": f"each of the {K_NEAR} families nearest the hero from the others, with the whole interval method",
+                 "every_family": every_family_backtest(law)}
                 if held else None)
     return GridForecast(final={**iv, "method": law.describe()}, law=law_d, backtest=held[0] if held else None,
                         coverage=coverage, level=level, warnings=law.warnings)

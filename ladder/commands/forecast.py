@@ -17,6 +17,7 @@ from analysis.runs.metrics import read_metrics_frame
 from core.spec import load_spec
 from core import costs
 from core.fsutil import atomic_write_json
+from core.safeload import InputLimitError, load_file
 from core.rundir import METRICS_FILE
 from ladder.experiment import load_experiment
 from analysis.runs.replicates import YardstickError, family_key
@@ -34,7 +35,9 @@ def load_analysis_json(path: Path) -> dict | None:
     if not path.exists():
         return None
     try:
-        data = json.loads(path.read_text())
+        data = load_file(path, "json")
+    except InputLimitError as err:
+        raise LadderError(str(err)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
         raise LadderError(f"{path}: not readable JSON ({err}); rerun the command that writes it") from None
     if not isinstance(data, dict):
@@ -126,6 +129,10 @@ def _print_forecast(fc: dict, name: str, rungs, path: Path, as_json: bool, done:
             c.print(f"nearest-rung backtest: {b['held_out']} from the other families predicted {b['predicted']:.4f} "
                     f"({b['lo']:.4f} to {b['hi']:.4f}), actual {b['actual']:.4f}, error {100 * b['rel_error']:+.2f}%",
                     highlight=False)
+        every = ((fc.get("coverage") or {}).get("final_loss") or {}).get("every_family") or {}
+        if every.get("n"):
+            c.print(f"every family from the others: rms error {100 * every['rms_rel_error']:.2f}%, largest "
+                    f"{100 * every['max_abs_rel_error']:.2f}% ({every['n']} families)", highlight=False)
     else:
         c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
     if h.get("caveat"):
