@@ -131,7 +131,7 @@ def forecast_cli(ladder_root) -> subprocess.CompletedProcess:
 def test_the_forecast_reproduces_from_the_committed_runs(ladder_root, forecast_cli):
     assert forecast_cli.returncode == 0, forecast_cli.stderr[-2000:]
     got = json.loads((ladder_root / "analysis" / "proxy_h200" / "forecast.json").read_text())
-    want = json.loads(gzip.open(RESULTS / "forecast.json.gz").read())
+    want = json.loads(gzip.open(RESULTS / "straddle_forecast.json.gz").read())
     for key in ("mean", "lo", "hi"):
         assert math.isclose(got["hero"]["final_loss"][key], want["hero"]["final_loss"][key], rel_tol=FIT_RTOL)
     for key in ("E", "A", "alpha"):

@@ -64,13 +64,13 @@ def forecast_cli(*args) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_a_ladder_csv_of_exported_curves_forecasts_the_hero_as_the_ledger_does(exported):
-    """The ledger's forecast is the committed forecast.json.gz: `ladder forecast` on these runs'
+    """The ledger's forecast is the committed straddle_forecast.json.gz: `ladder forecast` on these runs'
     ledger reproduces it (tests/analysis/test_h200_ladder.py), so it is not computed again here."""
     root, hero, runs = exported
     out = forecast_cli("--from-csv", root / "ladder.csv", "--hero", hero, "--out", root / "fc")
     assert out.returncode == 0, out.stderr
     fc = json.loads(out.stdout)
-    want = json.loads(gzip.open(REPO / "docs" / "results" / "h200_ladder" / "forecast.json.gz").read())
+    want = json.loads(gzip.open(REPO / "docs" / "results" / "h200_ladder" / "straddle_forecast.json.gz").read())
     assert fc["hero"]["final_loss"]["mean"] == pytest.approx(want["hero"]["final_loss"]["mean"], rel=FIT_RTOL)
     assert fc["backtest"]["held_out"] == want["backtest"]["held_out"]
     assert fc["trajectory"] and len(fc["trajectory"]["step"]) > 10 and (root / "fc" / "forecast.json").exists()
