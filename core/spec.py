@@ -21,6 +21,7 @@ from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandle
 
 from core.fsutil import atomic_write_text
 from core.options import Options
+from core.safeload import InputLimitError, parse_json, parse_yaml, read_text
 
 # Sections that change the training result; everything else is a run argument.
 IDENTITY_FIELDS = ("model", "data", "optim", "schedule", "engine", "seed")
@@ -396,11 +397,15 @@ def load_spec(path: str | Path) -> Spec:
     if path.is_dir():
         raise SpecError(f"{path}: is a directory, not a spec file")
     try:
-        text = path.read_text()
+        text = read_text(path)
+    except InputLimitError as err:
+        raise SpecError(str(err)) from None
     except (OSError, UnicodeDecodeError) as err:
         raise SpecError(f"{path}: cannot read the spec file ({type(err).__name__}: {err})") from err
     try:
-        data = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
+        data = parse_json(text, str(path)) if path.suffix == ".json" else parse_yaml(text, str(path))
+    except InputLimitError as err:
+        raise SpecError(str(err)) from None
     except (yaml.YAMLError, json.JSONDecodeError) as err:
         raise SpecError(f"{path}: not valid {'JSON' if path.suffix == '.json' else 'YAML'}: {err}") from err
     return spec_from_dict(data, str(path))

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from core import env
+from core.safeload import load_file
 from ladder import ledger
 
 if TYPE_CHECKING:
@@ -261,7 +262,7 @@ def log_forecast(
         data = forecast
     else:
         c.log_artifact(run_id, str(forecast))
-        data = json.loads(Path(forecast).read_text())
+        data = load_file(forecast, "json")
     final = ((data or {}).get("hero") or {}).get("final_loss") or {}
     from mlflow.entities import Metric
 

@@ -45,14 +45,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
     import tomli as tomllib
 
 from analysis.runs.wandb_runs import WandbDirSource, open_wandb
+from core.safeload import InputLimitError, load_file
 from core.spec import Spec
 from ladder.stack_common import StackConfigError, get as _get, get_int as _int, get_pair as _pair, validated as _validated
 from ladder.stack_levanter import spec_from_levanter
@@ -307,11 +306,9 @@ def load_stack_config(path: str | Path) -> dict:
     if not p.is_file():
         raise StackConfigError(f"{p}: no such config file")
     try:
-        if p.suffix in (".yaml", ".yml"):
-            return yaml.safe_load(p.read_text())
-        if p.suffix == ".toml":
-            return tomllib.loads(p.read_text())
-        return json.loads(p.read_text())
+        return load_file(p)
+    except InputLimitError as e:
+        raise StackConfigError(str(e)) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise StackConfigError(f"{p}: not valid JSON ({e})") from None
     except tomllib.TOMLDecodeError as e:

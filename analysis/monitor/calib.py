@@ -90,6 +90,7 @@ from analysis.forecast.file import Forecast
 from analysis.monitor.series import block_means, residual, series_values, source_eval_names, throughput_ratio
 from analysis.monitor.stats import column, local_spike_z
 from core.fsutil import atomic_write_text
+from core.safeload import load_file
 
 __all__ = ["Calibration", "SeriesCalibration", "SequentialResult", "calibrate", "cusum_threshold", "load_calibration",
            "sequential_test", "SERIES"]
@@ -212,7 +213,7 @@ def load_calibration(path: str | Path) -> Calibration:
     if not path.exists():
         raise ValueError(f"{path}: no such calibration file")
     try:
-        d = json.loads(path.read_text())
+        d = load_file(path, "json")
     except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
     try:

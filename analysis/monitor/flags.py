@@ -9,6 +9,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.safeload import load_file
+
 __all__ = ["SEVERITY_RANK", "Flag", "MonitorReport", "MonitorSettings", "Severity"]
 
 Severity = Literal["info", "warning", "critical"]
@@ -91,7 +93,7 @@ class MonitorSettings(BaseModel):
             if not p.exists():
                 raise ValueError(f"{p}: no such monitor settings file")
             try:
-                loaded = yaml.safe_load(p.read_text()) or {}
+                loaded = load_file(p, "yaml") or {}
             except yaml.YAMLError as e:
                 raise ValueError(f"{p}: not valid YAML: {e}") from None
             if not isinstance(loaded, dict):

@@ -36,6 +36,8 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from core.safeload import InputLimitError, load_file
+
 __all__ = ["ALIASES", "CANONICAL", "PRESETS", "MetricNames", "MetricNamesError", "load_metric_names", "matches", "mlflow_legal"]
 
 # The one alias table: this project's metric -> the names other tools commonly export it under (a CSV's
@@ -243,7 +245,9 @@ def load_metric_names(arg: str | Path | None) -> MetricNames | None:
             f"--metric-names {arg}: not a preset ({', '.join(sorted(PRESETS))}) and no such YAML file"
         )
     try:
-        raw = yaml.safe_load(p.read_text()) or {}
+        raw = load_file(p, "yaml") or {}
+    except InputLimitError as e:
+        raise MetricNamesError(str(e)) from None
     except yaml.YAMLError as e:
         raise MetricNamesError(f"{p}: not valid YAML ({str(e).splitlines()[0]})") from None
     if not isinstance(raw, dict):

@@ -38,6 +38,7 @@ import pandas as pd
 
 from analysis.runs.names import ALIASES, MetricNames, matches
 from analysis.runs.metrics import MetricsError, finish_frame
+from core.safeload import parse_json
 
 __all__ = ["WANDB_PREFIX", "WandbApiSource", "WandbDirSource", "open_wandb", "read_log_records", "resolve_wandb_log"]
 
@@ -135,6 +136,8 @@ def resolve_wandb_log(path: str | Path) -> Path:
 
 
 def _value(text: str) -> float | None:
+    if text.lstrip()[:1] in ("[", "{"):
+        return None  # media, histograms, tables: not a curve (and not decoded: it may nest arbitrarily)
     try:
         v = json.loads(text)
     except (json.JSONDecodeError, ValueError):
@@ -239,7 +242,7 @@ class WandbDirSource:
                 for item in rec.run.config.update:
                     key = ".".join(item.nested_key) if item.nested_key else item.key
                     try:
-                        self.config[key] = json.loads(item.value_json)
+                        self.config[key] = parse_json(item.value_json, f"{self.log}: config {key}")
                     except json.JSONDecodeError:
                         self.config[key] = item.value_json
             elif kind == "exit":

@@ -21,6 +21,7 @@ from rich.console import Console
 from rich.table import Table
 
 from core.fsutil import json_safe
+from core.safeload import InputLimitError, load_file
 from ladder.errors import LadderError
 from analysis.runs.csvio import TableError, read_table
 from analysis.laws.isoflop import IsoflopError, fit_isoflop, group_budgets
@@ -319,7 +320,9 @@ def register(app: typer.Typer) -> None:
                               "--where read a --csv FILE; give one")
         classes = {"law": LawFit, "envelope": EnvelopeFit, "moe": MoELawFit}
         try:
-            doc = json.loads(fit_file.read_text())
+            doc = load_file(fit_file, "json")
+        except InputLimitError as e:
+            raise LadderError(str(e)) from None
         except json.JSONDecodeError as e:
             raise LadderError(f"{fit_file}: not valid JSON ({e})") from None
         if isinstance(doc, dict) and "fits" in doc:

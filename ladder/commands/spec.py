@@ -8,6 +8,7 @@ from typing import Optional
 
 import typer
 from core.fsutil import atomic_write_text
+from core.safeload import parse_yaml
 from core.costs import fmt_count, param_counts
 from ladder.stack_config import STACKS, detect_stack, load_stack_config, spec_from_stack
 
@@ -16,18 +17,16 @@ spec_app = typer.Typer(help="Specs for runs this project did not launch.", no_ar
 
 def parse_sets(pairs: list[str] | None) -> dict:
     """["data.total_tokens=1e12", "hardware.n_gpus=64"] -> {dotted: value} (YAML scalars)."""
-    import yaml
-
     out = {}
     for p in pairs or []:
         if "=" not in p:
             raise ValueError(f"--set {p!r}: expected FIELD=VALUE, e.g. --set data.total_tokens=1000000000")
         k, v = p.split("=", 1)
-        out[k.strip()] = _value(v.strip(), yaml)
+        out[k.strip()] = _value(v.strip(), f"--set {k.strip()}")
     return out
 
 
-def _value(v: str, yaml):
+def _value(v: str, origin: str):
     """A number where it reads as one (1e12 is 10**12, a whole number), else a YAML scalar."""
     try:
         return int(v)
@@ -37,7 +36,7 @@ def _value(v: str, yaml):
         x = float(v)
         return int(x) if x.is_integer() and "e" in v.lower() else x
     except ValueError:
-        return yaml.safe_load(v)
+        return parse_yaml(v, origin)
 
 
 @spec_app.command("from-run")
