@@ -27,19 +27,22 @@ Options (Marin's contingency plan):
 - Token drops over budget (monitor flag `token_drops`): `capacity` raises both capacity factors
   (memory per GPU from core.costs; refused when it no longer fits hardware.hbm_gb), `dropless`
   switches to ragged dispatch, `sequence_balance` balances the router per sequence.
-- Divergence (NaN or inf, the run's status "diverged", a loss jump, grad norm past its critical
-  threshold; spikes and grad-norm growth alone are not enough): rewind to the last kept checkpoint
-  before the onset (the first trigger, or a spike / grad-norm warning shortly before it), the run's
-  own or, when it keeps none that early, one of the run it continues (lineage.parent_id, found
-  through its seed checkpoint's `initialised_from` or the ledger; the option's lineage then names
-  that run and its row its run dir), and continue with `rewind_zloss` (logit z-loss raised
-  to 1e-4, or x10 when already there), `rewind_lower_lr` (peak LR x `lr_factor`; note the new
-  spec's schedule then describes the steps before the rewind at the lower peak too: those steps
-  come from the parent checkpoint) or `rewind_redraw`. The data pipeline cannot skip batches (a
-  step's batch is a function of (seed, step, mixture) and the spec has no offset), so the offending
-  batches are not skipped and no skip option is offered (the replan says so): `rewind_redraw`
-  re-draws every batch from the resume step on with a new data seed instead (the seed also keys the
-  initial weights, which the checkpoint replaces, and the held-out eval batches).
+- A critical flag (any but token drops and a failed run: analysis.replan.rewind): rewind to the
+  latest kept checkpoint strictly before the onset of the earliest one (its evidence's onset_step
+  where the monitor estimated one, the calibrated sequential tests; else its first step), the
+  run's own or, when it keeps none that early, one of the run it continues (lineage.parent_id,
+  found through its seed checkpoint's `initialised_from` or the ledger; the option's lineage then
+  names that run and its row its run dir); the row names the checkpoint (step and directory), the
+  onset and the flag. With no kept checkpoint before the onset anywhere there is no rewind
+  option, and the replan's notes and recommendation say why. The rewinds continue with
+  `rewind_zloss` (logit z-loss raised to 1e-4, or x10 when already there), `rewind_lower_lr`
+  (peak LR x `lr_factor`; note the new spec's schedule then describes the steps before the rewind
+  at the lower peak too: those steps come from the parent checkpoint) or `rewind_redraw`. The data
+  pipeline cannot skip batches (a step's batch is a function of (seed, step, mixture) and the spec
+  has no offset), so the offending batches are not skipped and no skip option is offered (the
+  replan says so): `rewind_redraw` re-draws every batch from the resume step on with a new data
+  seed instead (the seed also keys the initial weights, which the checkpoint replaces, and the
+  held-out eval batches).
 - `enable_context`: the next gated stage of data.context_stages, when its gate (e.g.
   "drop_frac <= 0.07") holds on the measured drop fraction (mean of the last 20 points).
 
@@ -53,7 +56,7 @@ import math
 
 import numpy as np
 
-from analysis.monitor.divergence import divergence_onset
+from analysis.replan.rewind import critical_onset, no_rewind_reason, rewind_point
 from analysis.replan.run_forecaster import Forecaster, curve_forecaster
 from analysis.replan.specs import derive, shorten_spec
 from analysis.replan.state import (Option, Replan, ReplanError, RunState, _iso, _timing,  # noqa: F401 (the replanner's names)
@@ -62,6 +65,7 @@ from core import costs
 from core.spec import Spec
 
 FIRST_QUARTER = 0.25
+DATA_KINDS = ("train_eval_divergence", "repeated_batch")  # critical flags that point at the data: re-draw it
 
 
 def make_replan(
@@ -172,37 +176,39 @@ def make_replan(
             options.append(_drop_option(st, "sequence_balance", "balance the router per sequence", why, join, deadline,
                                         forecaster, {"model.balance_scope": "sequence"}))
 
-    # divergence
-    onset = divergence_onset(st.report, spec.total_steps)
-    bad = onset[1] if onset else None
+    # divergence: rewind to the latest checkpoint before the earliest critical onset
+    onset = critical_onset(st.report)
+    bad = onset.flag if onset else None
+    no_rewind = None
     if onset is not None:
-        fault = onset[0]
-        join, src_dir, src_id = st.rewind_point(fault)
-        where = (f"checkpoint {join}" + (f" of run {src_id}, which this run continues" if src_id else "") if join
-                 else "step 0 (no kept checkpoint precedes the fault: a fresh start)")
-        src = (src_dir, src_id)
-        why = (f"{bad.kind} at step {bad.first_step} ({bad.evidence.get('text', '')})"
-               + (f", trouble from step {fault}" if fault != bad.first_step else "") + f"; rewind to {where}")
-        z = spec.optim.z_loss
-        new_z = 1e-4 if z < 1e-4 else z * 10
-        options.append(_rewind_option(st, "rewind_zloss", f"rewind to {join}, z-loss {z:g} -> {new_z:g}", why, join,
-                                      deadline, forecaster, {"optim.z_loss": new_z}, src=src))
-        new_lr = spec.optim.peak_lr * lr_factor
-        options.append(_rewind_option(
-            st, "rewind_lower_lr", f"rewind to {join}, peak LR {spec.optim.peak_lr:g} -> {new_lr:g}", why, join,
-            deadline, forecaster, {"optim.peak_lr": new_lr},
-            note="the new peak applies from the resume step; earlier steps come from the parent checkpoint", src=src))
-        options.append(_rewind_option(
-            st, "rewind_redraw", f"rewind to {join}, re-draw the data from there (seed {spec.seed} -> {spec.seed + 1})",
-            why, join, deadline, forecaster, {"seed": spec.seed + 1},
-            note="a new data seed replaces every batch from the resume step (and the held-out eval batches)", src=src))
-        notes.append("skipping the offending batches is not possible: the data pipeline has no offset (a step's "
-                     "batch is a function of seed, step and mixture), so no skip option is offered; "
-                     "rewind_redraw draws other batches instead")
-        if st.checkpoints and join == 0 and st.checkpoints[0] > 0:
-            notes.append(f"kept checkpoints {st.checkpoints} all follow the first flag at step {fault}"
-                         + (", and so do those of the runs it continues" if st.ancestors else "")
-                         + ": the rewind restarts from step 0")
+        point = rewind_point(st, onset.step)
+        if point is None:
+            no_rewind = no_rewind_reason(st, onset)
+            notes.append(no_rewind)
+        else:
+            join = point.step
+            text = bad.evidence.get("text", "") if isinstance(bad.evidence, dict) else ""
+            why = (f"{onset.describe()}" + (f" ({text})" if text else "")
+                   + f"; rewind to {point.describe()}, the latest kept before the onset")
+            src = (point.run_dir, point.spec_id, point.path)
+            z = spec.optim.z_loss
+            new_z = 1e-4 if z < 1e-4 else z * 10
+            options.append(_rewind_option(st, "rewind_zloss", f"rewind to checkpoint {join}, z-loss {z:g} -> {new_z:g}",
+                                          why, join, deadline, forecaster, {"optim.z_loss": new_z}, src=src))
+            new_lr = spec.optim.peak_lr * lr_factor
+            options.append(_rewind_option(
+                st, "rewind_lower_lr", f"rewind to checkpoint {join}, peak LR {spec.optim.peak_lr:g} -> {new_lr:g}", why,
+                join, deadline, forecaster, {"optim.peak_lr": new_lr},
+                note="the new peak applies from the resume step; earlier steps come from the parent checkpoint", src=src))
+            options.append(_rewind_option(
+                st, "rewind_redraw",
+                f"rewind to checkpoint {join}, re-draw the data from there (seed {spec.seed} -> {spec.seed + 1})",
+                why, join, deadline, forecaster, {"seed": spec.seed + 1},
+                note="a new data seed replaces every batch from the resume step (and the held-out eval batches)",
+                src=src))
+            notes.append("skipping the offending batches is not possible: the data pipeline has no offset (a step's "
+                         "batch is a function of seed, step and mixture), so no skip option is offered; "
+                         "rewind_redraw draws other batches instead")
 
     # context-length gate
     gate = context_gate(st)
@@ -223,7 +229,7 @@ def make_replan(
     notes += _uninformative(st, options)
     for o in options:
         _check_kept(spec, o)
-    rec, text = _recommend(st, options, deadline, bad, drops)
+    rec, text = _recommend(st, options, deadline, bad, drops, no_rewind)
     return Replan(st, deadline, options, rec, text, gate, notes)
 
 
@@ -309,33 +315,38 @@ def _drop_option(st, kind, title, why, join, deadline, forecaster, changes, note
     return opt
 
 
-def _rewind_option(st, kind, title, why, join, deadline, forecaster, changes, note="", src=(None, None)) -> Option:
-    """src: (run dir, spec id) of the earlier run in the lineage whose checkpoint `join` is, or Nones."""
+def _rewind_option(st, kind, title, why, join, deadline, forecaster, changes, note="", src=(None, None, None)) -> Option:
+    """src: (run dir, spec id) of the earlier run in the lineage whose checkpoint `join` is (Nones
+    for the run's own), and the checkpoint's directory (None where the checkpoints are assumed)."""
     new = derive(st.spec, kind, why + f"; {title}", join, resumes=src[1], **changes)
-    opt = Option(kind, title, new, join, why + f"; {title}", note=note, resume_dir=src[0])
+    opt = Option(kind, title, new, join, why + f"; {title}", note="; ".join(x for x in (why, note) if x),
+                 resume_dir=src[0], resume_checkpoint=src[2])
     _timing(opt, st, join, deadline)
     if forecaster:
         opt.forecast = forecaster(st, new, join)
     return opt
 
 
-def _recommend(st: RunState, options: list[Option], deadline, bad, drops) -> tuple[int | None, str]:
+def _recommend(st: RunState, options: list[Option], deadline, bad, drops, no_rewind=None) -> tuple[int | None, str]:
     by = {o.kind: i for i, o in enumerate(options) if o.allowed and o.spec is not None}
     if bad is not None:
         zl = st.spec.optim.z_loss
         gn_kinds = ("grad_norm_spike", "grad_norm_high", "grad_norm_growth", "grad_norm_above_envelope")
-        if zl < 1e-4:
+        if bad.kind in DATA_KINDS:
+            k, why = "rewind_redraw", (f"the critical {bad.kind} flag at step {bad.first_step} points at the data: "
+                                       "replay from before it on other batches")
+        elif zl < 1e-4:
             k, why = "rewind_zloss", (f"the run diverged ({bad.kind} at step {bad.first_step}) with logit z-loss {zl:g}, "
                                       "below the 1e-4 that kept Marin's ladder stable as its horizon grew")
         elif bad.kind in gn_kinds or bad.kind in ("non_finite", "run_diverged", "loss_jump"):
             k, why = "rewind_lower_lr", (f"the run diverged ({bad.kind} at step {bad.first_step}) with z-loss already "
                                          f"{zl:g}: a lower peak LR is the surer fix")
         else:
-            k, why = "rewind_redraw", (f"a loss spike at step {bad.first_step} without grad-norm trouble points at "
-                                       "the data: replay from before it on other batches")
+            k, why = "rewind_redraw", (f"the critical {bad.kind} flag at step {bad.first_step}, without a divergence "
+                                       "or grad-norm trouble, points at the data: replay from before it on other batches")
         if k in by:
             return by[k], f"option {by[k] + 1} ({k}): {why}"
-        return None, why + f" (the {k} option is not available)"
+        return None, why + (f"; {no_rewind}" if no_rewind else f" (the {k} option is not available)")
     if drops is not None:
         for k in ("capacity", "dropless", "sequence_balance"):
             if k in by:

@@ -73,24 +73,11 @@ class RunState:
         fall = float(loss[0] - np.mean(loss[-5:]))
         return fall if fall > 0 else None
 
-    def latest_checkpoint(self, before: int | None = None) -> int:
-        """Newest kept checkpoint <= the run's progress (strictly before `before` when given);
-        0 (a fresh start from the spec's seed) when none is kept."""
-        limit = self.done_steps if before is None else before - 1
-        ok = [c for c in self.checkpoints if c <= limit]
+    def latest_checkpoint(self) -> int:
+        """Newest kept checkpoint <= the run's progress; 0 (a fresh start from the spec's seed) when
+        none is kept. (A rewind's checkpoint: analysis.replan.rewind.)"""
+        ok = [c for c in self.checkpoints if c <= self.done_steps]
         return max(ok) if ok else 0
-
-    def rewind_point(self, before: int) -> tuple[int, Path | None, str | None]:
-        """Where a rewind to before step `before` resumes: the newest kept checkpoint of this run
-        strictly before it; else of a run it continues (lineage), with that run's dir and spec id;
-        else step 0 (a fresh start)."""
-        own = self.latest_checkpoint(before=before)
-        if own:
-            return own, None, None
-        for step, run_dir, spec_id in self.ancestors:
-            if 0 < step < before:
-                return step, run_dir, spec_id
-        return 0, None, None
 
     @classmethod
     def build(cls, df: pd.DataFrame, spec: Spec, ref: RunRef | None = None, *, tokens_per_s: float | None = None,
@@ -143,7 +130,8 @@ class Option:
     meets_deadline: bool | None = None
     memory_gb: float | None = None
     path: str | None = None
-    resume_dir: Path | None = None  # the run whose checkpoint it resumes, when not the replanned run's own
+    resume_dir: Path | None = None  # the run dir of the checkpoint it resumes, when its lineage names another run
+    resume_checkpoint: Path | None = None  # the checkpoint directory it resumes from, where known
 
     def row(self, n: int) -> dict[str, Any]:
         fc = self.forecast or {}
@@ -152,6 +140,7 @@ class Option:
             "spec_id": self.spec.id if self.spec else None, "spec_path": self.path,
             "resume_step": self.resume_step,
             "resume_run_dir": str(self.resume_dir) if self.resume_dir else None,
+            "resume_checkpoint": str(self.resume_checkpoint) if self.resume_checkpoint else None,
             "total_steps": self.spec.total_steps if self.spec else None,
             "tokens": self.spec.data.total_tokens if self.spec else None,
             "finish": self.finish, "meets_deadline": self.meets_deadline, "device_hours": self.device_hours,

@@ -151,57 +151,92 @@ def test_a_replan_forecast_interval_as_wide_as_the_fall_so_far_says_so(shortened
         assert wide == said, (o, fall, plan["notes"])
 
 
-@pytest.mark.slow
-def test_injected_lr_spike_is_flagged_within_steps_and_the_rewind_resumes_before_it(live_run, tmp_path):
-    parent, parent_dir, _ = live_run
-    fault_step = 70
-    # The fault: from checkpoint 70 the peak LR jumps 30x with z-loss off.
-    faulty = parent.replace(**{"optim.peak_lr": 0.1, "optim.z_loss": 0.0, "lineage.parent_id": parent.id,
-                               "lineage.resume_step": fault_step, "lineage.reason": "injected fault"})
-    run_dir = tmp_path / "faulty"
-    init_from_checkpoint(run_dir, parent_dir / "checkpoints" / step_dir_name(fault_step), metrics_from=parent_dir)
-    save_spec(faulty, run_dir / "spec.yaml")
-    train(faulty, run_dir, stop_after=fault_step + 25)
+FAULT_STEP = 70
 
-    report = monitor(read_metrics_frame(run_dir), faulty)
+
+@pytest.fixture(scope="module")
+def faulty(live_run, tmp_path_factory):
+    """A continuation of the live run from its checkpoint 70 with the fault injected there (peak LR
+    30x, z-loss off), trained to step 95, and `ladder replan` of it. Returns (faulty spec, its run
+    dir, plan JSON, tmp dir)."""
+    parent, parent_dir, _ = live_run
+    tmp = tmp_path_factory.mktemp("faulty")
+    faulty = parent.replace(**{"optim.peak_lr": 0.1, "optim.z_loss": 0.0, "lineage.parent_id": parent.id,
+                               "lineage.resume_step": FAULT_STEP, "lineage.reason": "injected fault"})
+    run_dir = tmp / "faulty"
+    init_from_checkpoint(run_dir, parent_dir / "checkpoints" / step_dir_name(FAULT_STEP), metrics_from=parent_dir)
+    save_spec(faulty, run_dir / "spec.yaml")
+    train(faulty, run_dir, stop_after=FAULT_STEP + 25)
+    r = ladder("replan", run_dir, "--spec", run_dir / "spec.yaml", "--out", tmp / "plan", "--json", cwd=tmp)
+    assert r.returncode == 0, r.stderr
+    return faulty, run_dir, json.loads(r.stdout), tmp
+
+
+@pytest.mark.slow
+def test_injected_lr_spike_is_flagged_within_three_steps_of_the_fault_and_compare_exits_critical(live_run, faulty):
+    parent, parent_dir, _ = live_run
+    spec, run_dir, _, tmp = faulty
+    report = monitor(read_metrics_frame(run_dir), spec)
     # The parent's own early noise (512-token batches) may already be flagged before the fault;
     # what the fault adds must be flagged within three steps of it, and nothing new before it.
     before = {(f.kind, f.first_step) for f in monitor(read_metrics_frame(parent_dir), parent).flags}
     new = [f for f in report.flags if f.severity in ("warning", "critical") and (f.kind, f.first_step) not in before]
     first = min(f.first_step for f in new)
-    assert fault_step <= first <= fault_step + 3, [(f.kind, f.first_step) for f in report.flags]
+    assert FAULT_STEP <= first <= FAULT_STEP + 3, [(f.kind, f.first_step) for f in report.flags]
     assert report.critical
-
-    r = ladder("compare", run_dir, cwd=tmp_path)
+    r = ladder("compare", run_dir, cwd=tmp)
     assert r.returncode == 3, r.stdout + r.stderr
 
-    r = ladder("replan", run_dir, "--spec", run_dir / "spec.yaml", "--out", tmp_path / "plan", "--json", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    plan = json.loads(r.stdout)
+
+@pytest.mark.slow
+def test_the_rewind_of_an_injected_fault_resumes_from_the_latest_checkpoint_before_its_critical_onset(live_run, faulty):
+    """The faulty run keeps its seed checkpoint 70 (a copy of the parent's, from before the fault's
+    first step) and 80, 90; the parent keeps 40..60 before the branch. A critical onset after step
+    70 rewinds to the seed copy in the faulty run's dir, its lineage naming the parent (whose
+    weights it holds); one at 70 (the seed's weights already produced it) to the parent's 60."""
+    from analysis.replan.rewind import critical_onset
+
+    parent, parent_dir, _ = live_run
+    spec, run_dir, plan, _ = faulty
+    onset = critical_onset(monitor(read_metrics_frame(run_dir), spec))
+    assert onset is not None and onset.step >= FAULT_STEP
+    want = (70, run_dir, str(run_dir), parent.id) if onset.step > FAULT_STEP else (60, parent_dir, str(parent_dir), parent.id)
     rewinds = [o for o in plan["options"] if o["kind"].startswith("rewind_")]
     assert {o["kind"] for o in rewinds} == {"rewind_zloss", "rewind_lower_lr", "rewind_redraw"}
     for o in rewinds:
-        # the faulty run keeps no checkpoint before its first (the fault's), so the rewind resumes
-        # from one of the run it continues, and its lineage names that run
         s = load_spec(o["spec_path"])
-        assert 0 < s.lineage.resume_step == o["resume_step"] < fault_step
-        assert s.lineage.parent_id == parent.id and o["resume_run_dir"] == str(parent_dir)
-        assert (parent_dir / "checkpoints" / step_dir_name(s.lineage.resume_step)).exists()
-    assert load_spec(next(o for o in rewinds if o["kind"] == "rewind_zloss")["spec_path"]).optim.z_loss == 1e-4
-    # the engine takes the rewind as a continuation of the parent: seeded from the parent's checkpoint,
-    # it trains on at the lower peak LR, its curve the parent's before the join
-    lower = next(o for o in rewinds if o["kind"] == "rewind_lower_lr")
+        assert (o["resume_step"], s.lineage.resume_step) == (want[0], want[0])
+        assert o["resume_checkpoint"] == str(want[1] / "checkpoints" / step_dir_name(want[0]))
+        assert (o["resume_run_dir"], s.lineage.parent_id) == (want[2], want[3])
+        assert f"onset at step {onset.step}" in o["reason"] and onset.flag.kind in o["reason"]
+
+
+@pytest.mark.slow
+def test_a_divergence_with_z_loss_off_recommends_the_z_loss_rewind_and_says_batches_cannot_be_skipped(faulty):
+    _, _, plan, _ = faulty
+    z = next(o for o in plan["options"] if o["kind"] == "rewind_zloss")
+    assert load_spec(z["spec_path"]).optim.z_loss == 1e-4
+    assert plan["recommended"] == z["n"] and "rewind_zloss" in plan["recommendation"]
+    assert any("skipping the offending batches is not possible" in n for n in plan["notes"])
+
+
+@pytest.mark.slow
+def test_the_lower_lr_rewind_continues_from_its_checkpoint_at_the_lower_peak(faulty, tmp_path):
+    """Seeded from the option's checkpoint, the engine trains on at the lower peak LR, its curve
+    before the join the one of the run whose checkpoint it is."""
+    spec, run_dir, plan, _ = faulty
+    lower = next(o for o in plan["options"] if o["kind"] == "rewind_lower_lr")
     new, join = load_spec(lower["spec_path"]), lower["resume_step"]
+    src = Path(lower["resume_run_dir"] or run_dir)
     child = tmp_path / "child"
-    init_from_checkpoint(child, parent_dir / "checkpoints" / step_dir_name(join), metrics_from=parent_dir)
+    init_from_checkpoint(child, lower["resume_checkpoint"], metrics_from=src)
     save_spec(new, child / "spec.yaml")
     train(new, child, stop_after=join + 2)
     recs = read_metrics(child)
     assert [m["step"] for m in recs] == list(range(join + 3))
-    assert [m["loss"] for m in recs[:join]] == [m["loss"] for m in read_metrics(parent_dir)[:join]]
+    assert [m["loss"] for m in recs[:join]] == [m["loss"] for m in read_metrics(src)[:join]]
+    assert new.optim.peak_lr == spec.optim.peak_lr * 0.5
     np.testing.assert_allclose([m["lr"] for m in recs[join:]], lr_at(new, np.arange(join, join + 3)), rtol=1e-12)
-    assert "rewind_zloss" in plan["recommendation"]  # z-loss was off
-    assert any("skipping the offending batches is not possible" in n for n in plan["notes"])
 
 
 # ---- bad input: a clear error and nothing written -------------------------------------------
