@@ -2,7 +2,9 @@
 the hero's own schedule, and a grad-norm envelope; a typed value (HeroForecast) whose JSON is
 forecast.json.
 
-- Final loss: the compute envelope L(C) = E + A*C^-alpha fitted on one point per rung family (runs
+- Final loss, on a ladder that trains sizes at several budgets (a grid): L(N, D) over every family
+  (analysis.forecast.grid). On one line of runs:
+  the compute envelope L(C) = E + A*C^-alpha fitted on one point per rung family (runs
   that differ only in their seed, at their mean final eval loss: analysis.runs.replicates), with the
   interval of analysis.forecast.final_loss: parametric-bootstrap fit variance + the hero's measurement
   variance (the replicates' seed spread and the eval standard error) + the ladder's leave-one-out
@@ -29,6 +31,10 @@ the others). `warnings` names what a reader must know: the law's and the curve m
 warnings, rungs that repeated data or whose eval loss parts from their train loss (memorisation), a
 NaN final eval.
 
+Before any of it, the regime check (analysis.forecast.regime) reads the rungs' curves; its verdict
+and the two routes side by side (the law's final loss, the curve model's own) are
+analysis.forecast.verdicts'.
+
 The rungs (RungRun) and the final-loss forecast live in analysis.forecast.rungs; this module keeps
 the trajectory, the grad-norm envelope and the forecast that puts them together.
 
@@ -46,7 +52,8 @@ import numpy as np
 import pandas as pd
 
 from analysis import fitwarn
-from analysis.forecast import gradnorm, grid, regime
+from analysis.forecast import gradnorm, grid
+from analysis.forecast.verdicts import regime_verdict, routes
 from analysis.laws import backtest as law_backtest
 from analysis.runs import replicates
 from analysis.curves.fit import Curve, fit_curves
@@ -399,50 +406,6 @@ def _envelope_route(rungs: list[RungRun], hero: Spec) -> tuple[dict, dict, dict 
     return final, law, bt, law_level, list(law_fit.warnings)
 
 
-def law_token_slope(law: dict, hero: Spec) -> float:
-    """The law's -dlnL/dln(tokens) at the hero: at its size for L(N, D); along the ladder's line
-    (tokens per parameter fixed, so compute grows as tokens squared) for L(C)."""
-    if law["kind"] == "size_tokens":
-        N, D = grid.hero_point(hero)
-        L = law["E"] + law["A"] * N ** -law["alpha"] + law["B"] * D ** -law["beta"]
-        return law["beta"] * law["B"] * D ** -law["beta"] / L
-    C = costs.total_flops(hero)
-    return 2 * law["alpha"] * law["A"] * C ** -law["alpha"] / (law["E"] + law["A"] * C ** -law["alpha"])
-
-
-def _regime(rungs: list[RungRun], hero: Spec, law: dict, final: dict) -> dict[str, Any]:
-    """The regime check on the rungs (analysis.forecast.regime); where it warns, the final-loss interval
-    says it is not to be trusted (`ladder forecast --strict` refuses it)."""
-    found = regime.regime_check(rungs, law_slope=law_token_slope(law, hero), law_label=law["label"])
-    final["regime_ok"] = not found
-    if found:
-        final["caveat"] = ("the rungs are not in the hero's regime (regime.warnings): the interval's coverage is not what "
-                           "its backtest says, and the forecast is not to be trusted")
-    return {"warnings": [w.to_dict() for w in found], "kinds": list(regime.KINDS),
-            "method": "analysis.forecast.regime: every rung's local loss slope in tokens (a transition's bump, rungs that "
-                      "end before or inside it), final-loss slopes against compute, the law's slope in tokens against "
-                      "the largest rung's late curve, and the ladder's design (one tokens-per-parameter line)"}
-
-
-def _routes(final: dict, traj: dict) -> list[str]:
-    """The two routes to the hero's final loss side by side: the law's and the curve model's own (its
-    trajectory's end before it was moved onto the law's level, in eval terms). Where the curve model's
-    lies outside the law's interval, the interval widens to hold both and a warning says so."""
-    rho = traj["train_eval_ratio"]
-    own = (final["mean"] * rho - traj["shift"]) / rho
-    final["routes"] = {"law": final["mean"], "curve_model": own, "rel_difference": own / final["mean"] - 1,
-                       "method": "the curve model's hero trajectory ends at curve_model (eval terms, before it is "
-                                 "shifted onto the law's level); the interval holds both"}
-    if final["lo"] <= own <= final["hi"]:
-        return []
-    lo, hi = final["lo"], final["hi"]
-    final["lo"], final["hi"] = min(lo, own), max(hi, own)
-    final["routes"]["widened_from"] = [lo, hi]
-    return [f"two routes disagree: the law forecasts {final['mean']:.4f} ({lo:.4f} to {hi:.4f}), the curve model "
-            f"{own:.4f} ({100 * (own / final['mean'] - 1):+.1f}%); the interval widens to {final['lo']:.4f} to "
-            f"{final['hi']:.4f} to hold both, and the trajectory is the curve model's shifted by {traj['shift']:+.4f}"]
-
-
 def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviations: bool = STREAM_DEVIATIONS) -> HeroForecast:
     if len(rungs) < 3:
         raise ValueError(f"forecast needs at least 3 finished rungs with eval losses, found {len(rungs)}")
@@ -476,12 +439,12 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
         grad_norm=grad_norm_envelope(rungs, hero),
     )
     fc.warnings += law_warnings
-    fc.regime = _regime(rungs, hero, law, final)
+    fc.regime = regime_verdict(rungs, hero, law, final)
     fc.warnings += [f"regime: {w['kind']}: {w['message']}" for w in fc.regime["warnings"]]
     try:
         fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, law_level, stream_deviations)
         fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]
-        fc.warnings += _routes(fc.hero["final_loss"], fc.trajectory)
+        fc.warnings += routes(fc.hero["final_loss"], fc.trajectory)
     except Exception as e:  # the final-loss forecast stands on its own; say why the curve model is missing
         fc.curve_model_error = f"{type(e).__name__}: {e}"
         fc.trajectory = scaled_rung_trajectory(rungs, hero, law_level)

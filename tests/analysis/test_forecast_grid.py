@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from analysis.forecast.grid import K_NEAR, GridPoint, fit_grid_law, is_grid
-from analysis.forecast.hero import _routes
+from analysis.forecast.verdicts import routes as _routes
 from analysis.runs.replicates import Noise
 
 TRUE = dict(E=1.2, A=60.0, alpha=0.3, B=400.0, beta=0.3)
