@@ -414,7 +414,8 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
         raise ValueError(f"forecast needs at least {MIN_FIT} rung sizes (families of seeds), found "
                          f"{len(replicates.group(rungs))}: {', '.join(r.spec.name for r in rungs)}")
     pts, _ = grid.grid_points(rungs)
-    if grid.is_grid(pts):  # sizes at several budgets: L(N, D) over every family (analysis.forecast.grid)
+    too_few = grid.is_grid(pts) and len(pts) < grid.MIN_POINTS
+    if grid.is_grid(pts) and not too_few:  # sizes at several budgets: L(N, D) over every family (analysis.forecast.grid)
         gf = grid.grid_forecast(rungs, hero, costs.total_flops(hero) / costs.tokens(hero))
         final, law, bt, law_level, law_warnings, final_cov = gf.final, gf.law, gf.backtest, gf.level, gf.warnings, gf.coverage
     else:  # one line of runs: the compute envelope L(C) (analysis.forecast.final_loss)
@@ -439,6 +440,10 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
         grad_norm=grad_norm_envelope(rungs, hero),
     )
     fc.warnings += law_warnings
+    if too_few:
+        fc.warnings.append(f"the rungs vary size and tokens independently, but L(N, D) needs at least {grid.MIN_POINTS} "
+                           f"families and the ladder has {len(pts)}: the forecast fits L(C) on them instead, which "
+                           "reads budgets of one size as sizes")
     fc.regime = regime_verdict(rungs, hero, law, final)
     fc.warnings += [f"regime: {w['kind']}: {w['message']}" for w in fc.regime["warnings"]]
     try:

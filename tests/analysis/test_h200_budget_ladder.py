@@ -103,3 +103,15 @@ def test_the_forecasts_interval_holds_the_mean_of_the_heros_committed_seeds(fore
 def test_the_regime_check_finds_the_budget_ladder_in_the_heros_regime(forecast):
     assert forecast["regime"]["warnings"] == []
     assert forecast["hero"]["final_loss"]["regime_ok"] is True
+
+
+def test_a_grid_too_small_for_the_law_of_size_and_tokens_says_so_and_fits_the_envelope(budget_root):
+    from analysis.forecast.hero import forecast as hero_forecast
+    from ladder.commands.forecast import finished_rungs
+
+    exp = load_experiment(EXPERIMENT)
+    rungs, _ = finished_rungs(budget_root, exp)
+    five = [r for r in rungs if r.spec.name not in ("d384-t9", "d384-t12", "d384-t6-seed1")]
+    fc = hero_forecast(exp.name, five, exp.hero).to_dict()
+    assert fc["law"]["kind"] == "compute"
+    assert any("L(N, D) needs at least 6 families and the ladder has 5" in w for w in fc["warnings"])
