@@ -119,7 +119,10 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
 
 def _print_design(d: dict, console: Console) -> None:
     sizes = "; ".join(f"{k} at {', '.join(f'{b:.3g}' for b in v)}" for k, v in d["budgets"].items())
-    kind = ("a grid: sizes vary at fixed tokens and tokens at fixed size, so the forecast fits L(N, D)" if d["grid"]
+    families = sum(len(v) for v in d["budgets"].values())
+    kind = (f"a grid, but L(N, D) needs at least 6 families and it has {families}: the forecast fits L(C)"
+            if d["grid"] and families < 6 else
+            "a grid: sizes vary at fixed tokens and tokens at fixed size, so the forecast fits L(N, D)" if d["grid"]
             else "one tokens-per-parameter line: size is not identified (the forecast fits L(C) only)" if d["one_line"]
             else "too few sizes at several budgets for L(N, D): the forecast fits L(C)")
     console.print(f"design (tokens per active parameter): {sizes}; {kind}.", highlight=False)
