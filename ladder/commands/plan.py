@@ -14,12 +14,12 @@ from core.spec import Spec, load_spec
 from engines.epochs import spec_epochs
 from engines.tokenizer import check_vocab
 from ladder.experiment import check_engine, load_experiment
-from analysis.forecast.grid import MIN_POINTS
 from analysis.runs.replicates import family_key
 from ladder.preflight import memory_problem
 
 
 SPEC_SUFFIXES = (".yaml", ".yml", ".json")
+GRID_MIN_FAMILIES = 6  # analysis.forecast.grid.MIN_POINTS (importing it would bring scipy into the CLI)
 
 
 def plan_rows(experiment: str) -> tuple[list[dict], dict]:
@@ -121,8 +121,8 @@ def render_plan(rows: list[dict], summary: dict, console: Console | None = None)
 def _print_design(d: dict, console: Console) -> None:
     sizes = "; ".join(f"{k} at {', '.join(f'{b:.3g}' for b in v)}" for k, v in d["budgets"].items())
     families = sum(len(v) for v in d["budgets"].values())
-    kind = (f"a grid, but L(N, D) needs at least {MIN_POINTS} families and it has {families}: the forecast fits L(C)"
-            if d["grid"] and families < MIN_POINTS else
+    kind = (f"a grid, but L(N, D) needs at least {GRID_MIN_FAMILIES} families and it has {families}: the forecast fits L(C)"
+            if d["grid"] and families < GRID_MIN_FAMILIES else
             "a grid: sizes vary at fixed tokens and tokens at fixed size, so the forecast fits L(N, D)" if d["grid"]
             else "one tokens-per-parameter line: size is not identified (the forecast fits L(C) only)" if d["one_line"]
             else "too few sizes at several budgets for L(N, D): the forecast fits L(C)")

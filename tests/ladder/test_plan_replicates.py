@@ -48,3 +48,10 @@ def test_the_plan_names_the_rungs_at_another_batch_than_the_heros(tmp_path):
     assert res.returncode == 0, res.stderr
     assert "one tokens-per-parameter line: size is not identified" in res.stdout
     assert "8 rung(s) train at another batch than the hero's 65,536 tokens" in res.stdout
+
+
+def test_the_plans_grid_minimum_is_the_forecasts():
+    from analysis.forecast.grid import MIN_POINTS
+    from ladder.commands.plan import GRID_MIN_FAMILIES
+
+    assert GRID_MIN_FAMILIES == MIN_POINTS
