@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from analysis.forecast.grid import MIN_POINTS
+from ladder.commands.plan import GRID_MIN_FAMILIES
 from tests import cli_fork
 
 REPO = Path(__file__).resolve().parents[2]
@@ -51,7 +53,4 @@ def test_the_plan_names_the_rungs_at_another_batch_than_the_heros(tmp_path):
 
 
 def test_the_plans_grid_minimum_is_the_forecasts():
-    from analysis.forecast.grid import MIN_POINTS
-    from ladder.commands.plan import GRID_MIN_FAMILIES
-
     assert GRID_MIN_FAMILIES == MIN_POINTS
