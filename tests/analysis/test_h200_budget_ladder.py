@@ -14,8 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from analysis.forecast.hero import forecast as hero_forecast
 from core.rundir import RunDir
 from core.spec import load_spec
+from ladder.commands.forecast import finished_rungs
 from ladder.experiment import load_experiment
 from tests.support import FIT_ATOL, FIT_RTOL
 from tests import cli_fork
@@ -106,9 +108,6 @@ def test_the_regime_check_finds_the_budget_ladder_in_the_heros_regime(forecast):
 
 
 def test_a_grid_too_small_for_the_law_of_size_and_tokens_says_so_and_fits_the_envelope(budget_root):
-    from analysis.forecast.hero import forecast as hero_forecast
-    from ladder.commands.forecast import finished_rungs
-
     exp = load_experiment(EXPERIMENT)
     rungs, _ = finished_rungs(budget_root, exp)
     five = [r for r in rungs if r.spec.name not in ("d384-t9", "d384-t12", "d384-t6-seed1")]
