@@ -11,6 +11,7 @@ Counting rules (they reproduce Marin's published 535B-A23B figures):
 from __future__ import annotations
 
 import math
+from typing import Hashable, Iterable
 
 from core.spec import HardwareSpec, ModelSpec, Spec
 
@@ -70,6 +71,25 @@ def tokens(spec: Spec) -> int:
 
 def tokens_per_active_param(spec: Spec) -> float:
     return tokens(spec) / param_counts(spec.model)["active"]
+
+
+# budgets (tokens per active parameter) closer than this are one budget: steps are rounded per size
+BUDGET_RTOL = 0.05
+
+
+def same_budget(a: float, b: float) -> bool:
+    return abs(a / b - 1) <= BUDGET_RTOL
+
+
+def budgets_by_size(sized: Iterable[tuple[Hashable, float]]) -> dict[Hashable, list[float]]:
+    """Each size's distinct budgets from (size, tokens per active parameter) pairs, in order of first
+    appearance; a budget within BUDGET_RTOL of one already seen for that size is the same budget."""
+    out: dict[Hashable, list[float]] = {}
+    for size, tpp in sized:
+        seen = out.setdefault(size, [])
+        if not any(same_budget(tpp, b) for b in seen):
+            seen.append(tpp)
+    return out
 
 
 def a2a_bytes_per_token(m: ModelSpec, latent: bool = True, bytes_per_value: int = BYTES_BF16) -> float:

@@ -40,7 +40,6 @@ LEVEL = 0.9
 N_DRAWS = 32  # parametric bootstrap refits
 K_NEAR = 3  # families nearest the hero held out, one at a time, by the backtest
 MIN_POINTS = 6  # the law's 5 parameters and one degree of freedom
-BUDGET_RTOL = 0.05  # budgets (tokens per active parameter) closer than this are one budget
 
 __all__ = ["GridPoint", "GridLaw", "is_grid", "grid_points", "fit_grid_law"]
 
@@ -58,14 +57,8 @@ class GridPoint:
 
 
 def _budgets(points: Sequence[GridPoint]) -> dict[float, list[float]]:
-    """Tokens per active parameter of each size's families, budgets within BUDGET_RTOL merged."""
-    out: dict[float, list[float]] = {}
-    for p in points:
-        tpp = p.D / p.N
-        seen = out.setdefault(p.N, [])
-        if not any(abs(tpp / b - 1) < BUDGET_RTOL for b in seen):
-            seen.append(tpp)
-    return out
+    """Tokens per active parameter of each size's families (core.costs.budgets_by_size)."""
+    return costs.budgets_by_size((p.N, p.D / p.N) for p in points)
 
 
 def is_grid(points: Sequence[GridPoint]) -> bool:
@@ -109,9 +102,7 @@ class GridLaw:
 
     @property
     def backtest_var(self) -> float:
-        if not self.backtest:
-            return 0.0
-        return max(0.0, float(np.mean([b["log_error"] ** 2 - b["measurement_var"] for b in self.backtest])))
+        return _excess_var(self.backtest)
 
     def interval(self, N: float, D: float, level: float | None = None, target_var: float | None = None,
                  backtest_var: float | None = None) -> dict[str, Any]:
@@ -144,6 +135,24 @@ class GridLaw:
                 "backtest": self.backtest}
 
 
+def _without(points: Sequence[GridPoint], held: GridPoint, fit: LawFit) -> np.ndarray | None:
+    """The law's parameters refitted without `held` (from the full fit), None where it cannot be."""
+    rest = [p for p in points if p.name != held.name]
+    if len(rest) < MIN_POINTS - 1:
+        return None
+    try:
+        return _theta(_fit(rest, start=fit.params))
+    except FitError:
+        return None
+
+
+def _excess_var(rows: Sequence[dict[str, Any]]) -> float:
+    """What held-out log errors leave beyond their own measurement variance: max(0, mean(e^2 - m))."""
+    if not rows:
+        return 0.0
+    return max(0.0, float(np.mean([b["log_error"] ** 2 - b["measurement_var"] for b in rows])))
+
+
 def _nearest(points: Sequence[GridPoint], N: float, D: float, k: int) -> list[GridPoint]:
     return sorted(points, key=lambda p: math.hypot(math.log(p.N / N), math.log(p.D / D)))[:k]
 
@@ -170,18 +179,14 @@ def fit_grid_law(points: Sequence[GridPoint], noise: replicates.Noise, hero_N: f
             continue
     bt = []
     for held in _nearest(points, hero_N, hero_D, K_NEAR):
-        rest = [p for p in points if p.name != held.name]
-        if len(rest) < MIN_POINTS - 1:
+        sub = _without(points, held, fit)
+        if sub is None:
             continue
-        try:
-            sub = _fit(rest, start=fit.params)
-        except FitError:
-            continue
-        pred = math.exp(_log_pred(_theta(sub), held.N, held.D))
+        pred = math.exp(_log_pred(sub, held.N, held.D))
         bt.append({"held_out": held.name, "members": list(held.members), "active_params": held.N, "tokens": held.D,
                    "predicted": pred, "actual": held.loss, "rel_error": pred / held.loss - 1,
                    "log_error": math.log(pred / held.loss), "measurement_var": held.var,
-                   "hero_from_rest": math.exp(_log_pred(_theta(sub), hero_N, hero_D))})
+                   "hero_from_rest": math.exp(_log_pred(sub, hero_N, hero_D))})
     if len(bt) < K_NEAR:
         warnings.append(f"L(N, D) interval: only {len(bt)} of the {K_NEAR} families nearest the hero could be "
                         "held out and refitted: its backtest term is less certain than its dof says")
@@ -216,8 +221,7 @@ def _held_interval(law: GridLaw, b: dict[str, Any]) -> dict[str, Any]:
     """The held-out family's prediction with the method's interval: the sub-fit's mean, the full law's
     fit variance, the family mean's measurement variance and the other held-out points' backtest term."""
     others = [o for o in law.backtest if o["held_out"] != b["held_out"]]
-    bvar = max(0.0, float(np.mean([o["log_error"] ** 2 - o["measurement_var"] for o in others]))) if others else 0.0
-    iv = law.interval(b["active_params"], b["tokens"], target_var=b["measurement_var"], backtest_var=bvar)
+    iv = law.interval(b["active_params"], b["tokens"], target_var=b["measurement_var"], backtest_var=_excess_var(others))
     scale = b["predicted"] / iv["mean"]
     return {"held_out": b["held_out"], "members": b["members"], "predicted": b["predicted"], "lo": iv["lo"] * scale,
             "hi": iv["hi"] * scale, "actual": b["actual"], "rel_error": b["rel_error"],
@@ -229,14 +233,10 @@ def every_family_backtest(law: GridLaw) -> dict[str, Any]:
     the whole grid, beside the nearest families' that set the interval."""
     rows = []
     for held in law.points:
-        rest = [p for p in law.points if p.name != held.name]
-        if len(rest) < MIN_POINTS - 1:
+        sub = _without(law.points, held, law.fit)
+        if sub is None:
             continue
-        try:
-            sub = _fit(rest, start=law.fit.params)
-        except FitError:
-            continue
-        pred = math.exp(_log_pred(_theta(sub), held.N, held.D))
+        pred = math.exp(_log_pred(sub, held.N, held.D))
         rows.append({"held_out": held.name, "predicted": pred, "actual": held.loss, "rel_error": pred / held.loss - 1})
     errs = np.array([r["rel_error"] for r in rows])
     return {"points": rows, "n": len(rows), "rms_rel_error": float(np.sqrt(np.mean(errs ** 2))) if len(rows) else None,
@@ -244,8 +244,7 @@ def every_family_backtest(law: GridLaw) -> dict[str, Any]:
             "method": "each family from all the others (L(N, D) refitted; point predictions)"}
 
 
-def grid_forecast(rungs: Sequence[Any], hero: Spec, flops_per_token: float) -> GridForecast:
-    points, nz = grid_points(rungs)
+def grid_forecast(points: Sequence[GridPoint], nz: replicates.Noise, hero: Spec, flops_per_token: float) -> GridForecast:
     N, D = hero_point(hero)
     law = fit_grid_law(points, nz, N, D)
     iv = law.interval(N, D)

@@ -413,10 +413,10 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
     if len(replicates.group(rungs)) < MIN_FIT:
         raise ValueError(f"forecast needs at least {MIN_FIT} rung sizes (families of seeds), found "
                          f"{len(replicates.group(rungs))}: {', '.join(r.spec.name for r in rungs)}")
-    pts, _ = grid.grid_points(rungs)
+    pts, nz = grid.grid_points(rungs)
     too_few = grid.is_grid(pts) and len(pts) < grid.MIN_POINTS
     if grid.is_grid(pts) and not too_few:  # sizes at several budgets: L(N, D) over every family (analysis.forecast.grid)
-        gf = grid.grid_forecast(rungs, hero, costs.total_flops(hero) / costs.tokens(hero))
+        gf = grid.grid_forecast(pts, nz, hero, costs.total_flops(hero) / costs.tokens(hero))
         final, law, bt, law_level, law_warnings, final_cov = gf.final, gf.law, gf.backtest, gf.level, gf.warnings, gf.coverage
     else:  # one line of runs: the compute envelope L(C) (analysis.forecast.final_loss)
         final, law, bt, law_level, law_warnings = _envelope_route(rungs, hero)

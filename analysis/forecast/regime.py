@@ -38,7 +38,6 @@ BASE_WINDOW = (1 / 10, 1 / 2.5)  # baseline: median slope over the factor-4 in t
 BUMP_MARGIN = 0.1  # a bump rises >= 0.1 above its baseline: 4x the binned-slope noise, under half the copying bump
 END_EXCESS = 0.5  # back from the bump once the excess has fallen to half its peak (past its falling half-maximum)
 PAST_PEAK = 1.5  # ... and no sooner than 1.5x the peak's tokens: the bump's rise from half-maximum spans about that
-LINE_RTOL = 0.05  # families within 5% in tokens per active parameter sit on one line (budgets are rounded)
 MIN_LINE = 3  # slopes steepening needs two successive slopes, so three families
 Z_STEEPEN = 2.0  # steepening beyond 2 standard errors of the measured noise (one-sided, ~2%)
 LATE_WINDOW = (0.5, 0.8)  # a run's late slope: tokens from half its end to before the last 20%, where the LR anneal steepens it
@@ -153,7 +152,7 @@ def _steepening(fams, nz) -> list[RegimeWarning]:
     C = {f.name: costs.total_flops(f.spec) for f in fams}
     lines: list[list] = []
     for f in sorted(fams, key=lambda f: tpp[f.name]):
-        if lines and abs(tpp[f.name] / tpp[lines[-1][0].name] - 1) <= LINE_RTOL:
+        if lines and costs.same_budget(tpp[f.name], tpp[lines[-1][0].name]):
             lines[-1].append(f)
         else:
             lines.append([f])
@@ -211,7 +210,7 @@ def regime_check(rungs: Sequence, *, law_slope: float | None = None, law_label: 
                 f"the law's slope -dlnL/dlnT at the hero{label}, {law_slope:.3f}, is steeper than the largest rung "
                 f"{big.name}'s own late-curve slope {late:.3f} by more than {LAW_MARGIN}", tuple(big.names)))
     tpps = [costs.tokens_per_active_param(f.spec) for f in fams]
-    if len(fams) > 1 and max(tpps) / min(tpps) - 1 <= LINE_RTOL:
+    if len(fams) > 1 and costs.same_budget(max(tpps), min(tpps)):
         out.append(RegimeWarning(
             "size_not_identified",
             f"all {len(fams)} rung families sit at {np.median(tpps):.3g} tokens per active parameter: size and "

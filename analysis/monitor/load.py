@@ -42,7 +42,6 @@ The flags:
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -71,15 +70,7 @@ def check_sequential_load(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     """analysis.monitor.seq.check_sequential (the false-alarm rate split over every series it
     tests, the load included), with the load's flags named for what they mean: above its band is
     `expert_load_imbalance`, below it (better balanced than healthy runs) is for the record."""
-    cal = c.calibration
-    if cal is not None and LOAD in cal.series:
-        # the load's healthy sd floored at load_min_sd: a busiest expert within that share of the
-        # healthy runs' load is no fault a mesh feels, however alike the healthy runs happened to be
-        sc = cal.series[LOAD]
-        sd = np.fmax(np.asarray(sc.sd, dtype=np.float64), c.cfg.load_min_sd).tolist()
-        cal = replace(cal, series={**cal.series, LOAD: replace(sc, sd=sd)})
-        c = replace(c, calibration=cal)
-    flags, summary = check_sequential(c)
+    flags, summary = check_sequential(c)  # the load's healthy sd floored at load_min_sd there
     out = []
     for f in flags:
         if f.kind == f"{LOAD}_below_band":

@@ -16,6 +16,9 @@ from analysis.monitor.checks import RunCurves
 from analysis.monitor.stats import column, json_num
 from analysis.monitor.flags import Flag
 
+# a series whose healthy sd has its own floor (a MonitorSettings field) instead of min_sd: a busiest expert
+# within load_min_sd of the healthy runs' load is no fault a mesh feels, however alike those runs were
+_SD_FLOOR = {"expert_load_max": "load_min_sd"}
 # what each series' departure means; a data fault shows first in the train/eval gap
 _WHAT = {"loss": "train loss", "grad_norm": "grad norm", "eval_loss": "held-out eval loss",
          "router_entropy": "router entropy", "train_eval_gap": "eval loss / train loss"}
@@ -41,7 +44,8 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     alpha = cfg.false_alarm_rate / max(2 * len(present), 1)
     for series, (steps, v) in present.items():
         col = stem = series
-        res = sequential_test(steps, v, series, cal, c.forecast, alpha, cfg.min_sd)
+        floor = getattr(cfg, _SD_FLOOR[series]) if series in _SD_FLOOR else cfg.min_sd
+        res = sequential_test(steps, v, series, cal, c.forecast, alpha, floor)
         if res is None or not res.tested:
             continue
         last = np.flatnonzero(np.isfinite(res.u))

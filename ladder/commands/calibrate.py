@@ -14,13 +14,11 @@ from rich.console import Console
 from analysis.monitor.calib import calibrate
 from analysis.monitor.flags import MonitorSettings
 from analysis.monitor.watch import load_forecast
-from analysis.runs.metrics import read_metrics_frame
 from analysis.runs.replicates import family_key
-from core.rundir import METRICS_FILE
-from ladder.commands.forecast import analysis_dir
+from ladder.commands.forecast import analysis_dir, finished_runs
 from ladder.errors import LadderError
 from ladder.experiment import load_experiment
-from ladder.ledger import is_finished, ladder_root, run_dir_for
+from ladder.ledger import ladder_root
 
 CALIBRATION_FILE = "calibration.json"
 
@@ -29,14 +27,8 @@ def healthy_replicates(root: Path, exp) -> list[tuple[str, object, object]]:
     """(name, metrics frame, spec) of every finished run of the experiment that differs from its hero
     only in the seed (the hero itself among them)."""
     key = family_key(exp.hero)
-    out = []
-    for spec in exp.all_specs():
-        if family_key(spec) != key:
-            continue
-        d = run_dir_for(root, exp.name, spec)
-        if is_finished(d, spec):
-            out.append((spec.name, read_metrics_frame(d / METRICS_FILE), spec))
-    return out
+    done, _ = finished_runs(root, exp, [s for s in exp.all_specs() if family_key(s) == key])
+    return [(spec.name, frame, spec) for spec, _, frame in done]
 
 
 def register(app: typer.Typer) -> None:

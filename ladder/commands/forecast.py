@@ -75,16 +75,23 @@ def check_losses_fall(rungs) -> None:
                           f"check their learning rates and token budgets, or rerun the rungs that stand out")
 
 
+def finished_runs(root: Path, exp, specs) -> tuple[list[tuple], list[str]]:
+    """([(spec, run dir, metrics frame)] of the specs whose runs finished, [names of the others])."""
+    done, missing = [], []
+    for spec in specs:
+        d = run_dir_for(root, exp.name, spec)
+        if is_finished(d, spec):
+            done.append((spec, d, read_metrics_frame(d / METRICS_FILE)))
+        else:
+            missing.append(spec.name)
+    return done, missing
+
+
 def finished_rungs(root: Path, exp, holdout: str | None = None):
     from analysis.forecast.hero import RungRun
 
-    rungs, missing = [], []
-    for spec in exp.rungs:
-        d = run_dir_for(root, exp.name, spec)
-        if not is_finished(d, spec):
-            missing.append(spec.name)
-            continue
-        rungs.append(RungRun(spec, d, read_metrics_frame(d / METRICS_FILE)))
+    done, missing = finished_runs(root, exp, exp.rungs)
+    rungs = [RungRun(spec, d, frame) for spec, d, frame in done]
     if holdout:
         by_flops = sorted(rungs, key=lambda r: r.flops)
         target = by_flops[-1].spec.name if holdout.upper() == "LAST" and by_flops else holdout

@@ -63,18 +63,14 @@ def plan_rows(experiment: str) -> tuple[list[dict], dict]:
 def ladder_design(rungs: list[Spec], hero: Spec | None) -> dict:
     """The ladder's design as the forecast will read it: each size's budgets (tokens per active
     parameter), whether sizes and tokens vary independently (a grid: L(N, D) is identified) or all
-    runs sit on one tokens-per-parameter line (only L(C)), and the rungs whose batch or LR rule
-    differs from the hero's."""
-    budgets: dict[str, list[float]] = {}
-    for s in rungs:
-        key = f"d{s.model.d_model}/{s.model.n_layers}"
-        tpp = costs.tokens_per_active_param(s)
-        if not any(abs(tpp / b - 1) < 0.05 for b in budgets.setdefault(key, [])):
-            budgets[key].append(tpp)
+    runs sit on one tokens-per-parameter line (only L(C)), and the rungs whose batch differs from
+    the hero's."""
+    budgets = costs.budgets_by_size((f"d{s.model.d_model}/{s.model.n_layers}", costs.tokens_per_active_param(s))
+                                    for s in rungs)
     multi = sum(len(b) >= 2 for b in budgets.values())
     firsts = [b[0] for b in budgets.values()]
     out = {"budgets": {k: sorted(v) for k, v in budgets.items()}, "grid": multi >= 2,
-           "one_line": all(len(b) == 1 for b in budgets.values()) and max(firsts) / min(firsts) < 1.05}
+           "one_line": all(len(b) == 1 for b in budgets.values()) and costs.same_budget(max(firsts), min(firsts))}
     if hero is not None:
         hb = hero.data.batch_size * hero.data.seq_len
         out["hero_batch_tokens"] = hb
