@@ -46,6 +46,7 @@ from engines.torch.experts import CastKernels, kernels_here
 from engines.torch.model import Block, MoETransformer, attention_mask, objective, rope_tables
 from engines.torch.kernels.tf32 import mm_tf32
 from engines.torch.kernels.topk import topk_indices
+from engines.torch.loss import head_losses, token_losses
 
 
 def fast_path_enabled(device: torch.device, options: EngineOptions) -> bool:
@@ -231,16 +232,18 @@ def block_forward(block, w, x_BSD, cos, sin, mask_SS, cdt, o: TorchKernels):
     return moe_residual(block, w, x_BSD, cdt, o)
 
 
-def head_losses(x_BSD, final_norm, lm_head, targets_BS, cdt, o: TorchKernels):
-    """(mean CE, mean squared log-partition) of the output; logits never leave this function."""
-    h = _rms(x_BSD, final_norm.weight, final_norm.eps).to(cdt)
-    logits_BSV = h @ lm_head.to(cdt)  # lm_head: the fp32 master or its working copy
-    if o.xent == "triton" and xent.kernels_usable(h):
-        return xent.head_losses(logits_BSV.flatten(0, 1), targets_BS.flatten())
-    logits_BSV = logits_BSV.float()
-    lse_BS = torch.logsumexp(logits_BSV, -1)
-    ce = (lse_BS - logits_BSV.gather(-1, targets_BS.unsqueeze(-1)).squeeze(-1)).mean()
-    return ce, lse_BS.square().mean()
+def head_logits(x_BSD, final_norm, lm_head, cdt):
+    """The output logits [B, S, V] in cdt (lm_head: the fp32 master or its working copy)."""
+    return _rms(x_BSD, final_norm.weight, final_norm.eps).to(cdt) @ lm_head.to(cdt)
+
+
+def output_losses(x_BSD, final_norm, lm_head, targets_BS, cdt, o: TorchKernels):
+    """(mean CE, mean squared log-partition) of the output (engines/torch/loss.head_losses, by the
+    Triton kernels where o.xent says so and they run); logits never leave this function."""
+    logits_BSV = head_logits(x_BSD, final_norm, lm_head, cdt)
+    if o.xent == "triton" and xent.kernels_usable(logits_BSV):
+        return head_losses(logits_BSV.flatten(0, 1), targets_BS.flatten(), kernel=True)
+    return head_losses(logits_BSV, targets_BS)
 
 
 # ---- the loss ------------------------------------------------------------------------------------
@@ -270,7 +273,7 @@ class FastLoss:
         self.cdt = working.dtype if working is not None else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
         mode = compile or (self.options.compile if device.type == "cuda" else "none")
-        self._block, self._attn, self._moe_route, self._head = block_forward, None, None, head_losses
+        self._block, self._attn, self._moe_route, self._head = block_forward, None, None, output_losses
         self._cudagraphs = mode == "block-cudagraphs"
         if mode in ("block", "block-cudagraphs"):
             # CUDA graphs replay the step's ~1,500 kernels without kernel-to-kernel launch gaps;
@@ -280,11 +283,11 @@ class FastLoss:
                 for leaf in working.working().values():
                     torch._dynamo.mark_static_address(leaf)
             self._block = torch.compile(block_forward, dynamic=False, **kw)
-            self._head = torch.compile(head_losses, dynamic=False, **kw)
+            self._head = torch.compile(output_losses, dynamic=False, **kw)
         elif mode == "dense":  # all but the expert dispatch (collectives, host sizes stay eager)
             self._attn = torch.compile(attention_residual, dynamic=False)
             self._moe_route = torch.compile(moe_route, dynamic=False)
-            self._head = torch.compile(head_losses, dynamic=False)
+            self._head = torch.compile(output_losses, dynamic=False)
         elif mode != "none":
             raise ValueError(f"unknown compile mode {mode!r} (block, block-cudagraphs, dense or none)")
         self._tables: dict = {}
@@ -380,10 +383,8 @@ class FastLoss:
             x_BSD, _, lm_head = self._trunk(model, inputs_BS)
             out = []
             for x_bSD, t_bS in zip(x_BSD.split(rows), targets_BS.split(rows)):
-                h = _rms(x_bSD, model.final_norm.weight, model.final_norm.eps).to(self.cdt)
-                logits_bSV = (h @ lm_head.to(self.cdt)).float()
-                lse_bS = torch.logsumexp(logits_bSV, -1)
-                out.append((lse_bS - logits_bSV.gather(-1, t_bS.unsqueeze(-1)).squeeze(-1)).mean(-1))
+                ce_bS, _ = token_losses(head_logits(x_bSD, model.final_norm, lm_head, self.cdt), t_bS)
+                out.append(ce_bS.mean(-1))
         return torch.cat(out)
 
     def __call__(self, model: MoETransformer, tokens_BS1: torch.Tensor, optim):

@@ -49,6 +49,7 @@ from core.spec import ModelSpec
 from engines.params import init_arrays, tensor_shapes
 from engines.torch.dispatch import local_dispatcher
 from engines.torch.experts import ModuleKernels
+from engines.torch.loss import head_losses
 
 # ---- parameters ---------------------------------------------------------------------------------
 
@@ -346,9 +347,7 @@ def loss_terms(model: MoETransformer, tokens_BS1: torch.Tensor, optim) -> tuple[
     """(total objective, metrics as 0-d tensors + per-layer expert loads)."""
     inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
     logits_BSV, st = model(inputs_BS)
-    lse_BS = torch.logsumexp(logits_BSV, -1)
-    ce = (lse_BS - logits_BSV.gather(-1, targets_BS.unsqueeze(-1)).squeeze(-1)).mean()
-    z = lse_BS.square().mean()
+    ce, z = head_losses(logits_BSV, targets_BS)
     return objective(ce, z, st, optim)
 
 

@@ -28,6 +28,7 @@ from engines.data import TokenStream
 from engines.options import EngineOptions
 from engines.torch.experts import kernels_here
 from engines.torch.fast import ASSUMED_MFU, FastLoss, fast_path_enabled, working_copies_enabled
+from engines.torch.loss import token_losses
 from engines.torch.master import GuardedAdamW, MasterAdamW
 from engines.torch.model import MoETransformer, init_params, loss_terms, move_router_bias
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS
@@ -268,8 +269,7 @@ def reference_eval_losses(model: MoETransformer, batches, device: torch.device, 
         for chunk in _stacks(batches, stack):
             x_NS1 = torch.from_numpy(np.concatenate(chunk)).to(device, dtype=torch.long)
             logits_NSV, _ = model(x_NS1[:, :-1])
-            lse_NS = torch.logsumexp(logits_NSV.float(), -1)
-            ce_NS = lse_NS - logits_NSV.float().gather(-1, x_NS1[:, 1:].unsqueeze(-1)).squeeze(-1)
+            ce_NS, _ = token_losses(logits_NSV, x_NS1[:, 1:])
             means += [ce.mean() for ce in torch.split(ce_NS, [len(b) for b in chunk])]
     model.train()
     return torch.stack(means).cpu().tolist() if means else []

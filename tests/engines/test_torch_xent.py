@@ -29,6 +29,7 @@ _KERNELS = """
 import sys
 import torch
 from engines.torch.kernels import xent as X
+from engines.torch.loss import head_losses
 dev = sys.argv[1]
 torch.manual_seed(0)
 # (the interpreter's bf16 arithmetic is not the GPU's: fp16 stands in for it there)
@@ -55,7 +56,9 @@ if dev == "cuda":
     lse = torch.logsumexp(leaf, -1)
     ce, z = (lse - leaf.gather(-1, tgt[:, None])[:, 0]).mean(), lse.square().mean()
     (0.7 * ce + 1.3 * z).backward()
-    for fn in (X.head_losses, torch.compile(X.head_losses)):
+    def kernel_losses(logits_TV, tgt_T):
+        return head_losses(logits_TV, tgt_T, kernel=True)
+    for fn in (kernel_losses, torch.compile(kernel_losses)):
         leaf2 = logits.clone().requires_grad_(True)
         ce2, z2 = fn(leaf2, tgt)
         (0.7 * ce2 + 1.3 * z2).backward()

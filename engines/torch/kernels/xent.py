@@ -1,5 +1,6 @@
-"""The output head's two losses from 16-bit logits as two Triton kernels (fast.FastOptions.xent =
-"triton"): mean cross-entropy and mean squared log-partition (the z-loss term).
+"""The output head's two losses from 16-bit logits as two Triton kernels (TorchKernels.xent =
+"triton"; engines/torch/loss.head_losses with kernel=True calls them): mean cross-entropy and mean
+squared log-partition (the z-loss term).
 
 Inductor computes them in a logsumexp reduction over the [T, V] logits and, in the backward, one
 pointwise kernel for their gradient: 0.88 and 1.48 ms a step on an H200 at the bench shape (T
@@ -129,12 +130,3 @@ class HeadLosses(torch.autograd.Function):
         logits_TV, tgt_T, lse_T = ctx.saved_tensors
         g_2 = torch.stack([g_ce, g_z]).float()
         return torch.ops.moe_ladder.xent_bwd(logits_TV, tgt_T, lse_T, g_2), None
-
-
-def head_losses(logits_TV: torch.Tensor, tgt_T: torch.Tensor, use_kernels: bool = True):
-    """(mean cross-entropy, mean squared log-partition) of the logits: the kernels where they run
-    (contiguous logits), else the torch form through autograd."""
-    if use_kernels and kernels_usable(logits_TV):
-        return HeadLosses.apply(logits_TV.contiguous(), tgt_T.contiguous())
-    lse_T, tgt_logit_T = xent_fwd_torch(logits_TV, tgt_T)
-    return (lse_T - tgt_logit_T).mean(), lse_T.square().mean()
