@@ -40,6 +40,8 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
+from core.costs import flops_per_token
+from core.spec import Spec
 from engines.options import EngineOptions, TorchKernels
 from engines.torch.kernels import adamw_kernel, xent
 from engines.torch.experts import CastKernels, kernels_here
@@ -75,6 +77,22 @@ def working_copies_enabled(device: torch.device, options: EngineOptions, expecte
     if kernels_here(options.torch_kernels).adamw == "triton" and adamw_kernel.triton is not None:
         return True  # MasterAdamW's own kernel: nothing to compile, so no warm-up to repay
     return expected_seconds is None or expected_seconds >= WORKING_COPIES_MIN_SECONDS
+
+
+def working_dtype(spec: Spec, device: torch.device, options: EngineOptions) -> torch.dtype | None:
+    """The dtype of the working copies the step's forward reads (MasterAdamW writes them:
+    engines/torch/master.build_optimizer), or None: the forward reads the fp32 masters (casting
+    them where it computes in 16 bits). bf16 on the CUDA fast path where working_copies_enabled,
+    from the run's expected duration at the spec's hardware (each of its GPUs does its share; each
+    pays the compile). A spec with bf16 moments always has them (only MasterAdamW stores moments
+    off the parameters' dtype): bf16, or fp32 copies on the CPU."""
+    if spec.optim.moments == "bf16":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    flops = float(flops_per_token(spec, spec.data.seq_len)) * spec.data.total_tokens
+    hw = spec.hardware
+    rate = ASSUMED_MFU * hw.peak_flops * max(hw.n_gpus, 1)
+    expected_s = flops / rate if flops > 0 and rate > 0 else None
+    return torch.bfloat16 if working_copies_enabled(device, options, expected_s) else None
 
 
 # ---- pieces --------------------------------------------------------------------------------------

@@ -1,5 +1,8 @@
-"""AdamW over fp32 master weights that writes the 16-bit working copies of the matrices in the same
-pass: the optimizer of the torch engine's GPU fast path (engines/torch/fast.py).
+"""The torch engine's optimizers and their one builder (build_optimizer, for the one-device step
+and every layout's): AdamW with decoupled weight decay on matrices and expert stacks only.
+
+MasterAdamW: AdamW over fp32 master weights that writes the 16-bit working copies of the matrices
+in the same pass: the optimizer of the torch engine's GPU fast path (engines/torch/fast.py).
 
 With plain fp32 parameters, a bf16 step pays on every matrix: a cast to bf16 in the forward, a
 bf16 -> fp32 cast of its gradient in the backward, clip_grad_norm_'s multiply over the fp32
@@ -34,8 +37,8 @@ import torch
 
 from engines.torch.kernels import adamw_kernel
 from engines.torch.kernels.adamw_kernel import adamw_launch, kernel_usable
+from core.spec import BF16_MOMENTS_MAX_BETA2, OptimSpec
 from engines.torch.model import MoETransformer
-from core.spec import BF16_MOMENTS_MAX_BETA2
 
 
 def default_kernel() -> str:
@@ -284,3 +287,41 @@ class GuardedAdamW(torch.optim.AdamW):
             return super().step()
         finally:
             self.found_inf = None
+
+
+# ---- the builder ---------------------------------------------------------------------------------
+
+
+def decay_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """AdamW's two parameter groups: matrices and expert stacks (ndim >= 2) decay, norms and other
+    vectors do not; each in the model's parameter order."""
+    params = list(model.parameters())
+    return [{"params": [p for p in params if p.ndim >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+
+
+def build_optimizer(model: torch.nn.Module, optim: OptimSpec, *, working: torch.dtype | None = None,
+                    kernel: str | None = None, sharded: torch.device | None = None) -> torch.optim.Optimizer:
+    """The AdamW of a step (optim: the spec's peak LR, betas, eps, weight decay and moments dtype).
+
+    working: the dtype of the working copies the forward reads (the step decides it:
+    engines/torch/fast.working_dtype): MasterAdamW, its update by `kernel` (default_kernel()).
+    Without them: torch's AdamW. One device (sharded None): GuardedAdamW, torch's fused kernel,
+    whose step takes the step's finiteness on the device (the update is queued before the step is
+    read). A layout's FSDP2-sharded parameters on `sharded` (their device): torch's AdamW, fused on a
+    GPU, foreach elsewhere, stepped by the caller only after a finite step. Moments are fp32, or
+    bf16 (optim.moments) where MasterAdamW keeps them: any other optimizer refuses bf16 moments."""
+    o = optim
+    groups = decay_groups(model, o.weight_decay)
+    hyper = {"lr": o.peak_lr, "betas": (o.beta1, o.beta2), "eps": o.eps}
+    if working is not None:
+        if sharded is not None:
+            raise ValueError("MasterAdamW's working copies are a one-device optimizer's (no sharded parameters)")
+        return MasterAdamW(model, groups, **hyper, kernel=kernel, dtype=working,
+                           moments=torch.bfloat16 if o.moments == "bf16" else torch.float32)
+    if o.moments != "fp32":  # only MasterAdamW stores moments off the parameters' dtype
+        raise ValueError("optim.moments bf16 needs the torch engine's MasterAdamW; this trainer uses torch's "
+                         "AdamW, whose moments take the fp32 parameters' dtype")
+    if sharded is None:
+        return GuardedAdamW(groups, **hyper)
+    return torch.optim.AdamW(groups, **hyper, **({"fused": True} if sharded.type == "cuda" else {"foreach": True}))

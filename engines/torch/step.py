@@ -1,6 +1,7 @@
 """The torch engine's step on one device (engines/trainer.py's step module, TorchStep) and the step
-helpers the bench drives it with: the optimizer, the loss (the reference forward, or the fast one
-of engines/torch/fast.py, chosen when the step is built), launching a step without waiting for it,
+helpers the bench drives it with: the loss (the reference forward, or the fast one of
+engines/torch/fast.py, chosen when the step is built, and what it reads: fast.working_dtype), the
+optimizer (engines/torch/master.build_optimizer, the one builder), launching a step without waiting for it,
 queueing its update and reading its metrics back with the step's one host sync.
 
 Nothing in a step is random (no dropout; the token stream is counter-based), so a checkpoint's
@@ -27,9 +28,9 @@ from core.spec import Spec
 from engines.data import TokenStream
 from engines.options import EngineOptions
 from engines.torch.experts import kernels_here
-from engines.torch.fast import ASSUMED_MFU, FastLoss, fast_path_enabled, working_copies_enabled
+from engines.torch.fast import FastLoss, fast_path_enabled, working_dtype
 from engines.torch.loss import token_losses
-from engines.torch.master import GuardedAdamW, MasterAdamW
+from engines.torch.master import MasterAdamW, build_optimizer
 from engines.torch.model import MoETransformer, init_params, loss_terms, move_router_bias
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS
 
@@ -53,49 +54,12 @@ def cpu_threads(spec: Spec, options: EngineOptions | None = None) -> int | None:
     return 1 if step_flops < 2e10 else None
 
 
-def build_optimizer(model: MoETransformer, spec: Spec, working: bool | None = None,
-                    options: EngineOptions | None = None) -> torch.optim.Optimizer:
-    """AdamW with decoupled weight decay on matrices and expert stacks only (never norms), whose
-    update is skipped on the device when the step is not finite (the loop reads the step later).
-
-    On the CUDA fast path, for runs long enough to repay its compile (working None: decided by
-    engines/torch/fast.working_copies_enabled from the run's expected duration at the spec's
-    hardware), it is MasterAdamW (engines/torch/master.py): the same update on the fp32 masters,
-    also writing the bf16 working copies the fast forward reads; elsewhere torch's fused AdamW
-    (GuardedAdamW). A spec with bf16 moments always gets MasterAdamW (fp32 copies on the CPU)."""
-    options = options or EngineOptions()
-
-    decay = [p for _, p in model.named_parameters() if p.ndim >= 2]
-    no_decay = [p for _, p in model.named_parameters() if p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": spec.optim.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    o = spec.optim
-    cuda = all(p.is_cuda for p in model.parameters())
-    if o.moments == "bf16":  # only MasterAdamW stores moments off the parameters' dtype
-        if working is False:
-            raise ValueError("optim.moments bf16 needs the torch engine's MasterAdamW; this trainer "
-                             "uses torch's fused AdamW, whose moments take the fp32 parameters' dtype")
-        working = True
-    if working is None:
-        flops = _flops_per_token(spec, spec.data.seq_len) * spec.data.total_tokens
-        hw = spec.hardware  # each of the run's GPUs does its share; the compile is paid by each
-        rate = ASSUMED_MFU * hw.peak_flops * max(hw.n_gpus, 1)
-        expected_s = flops / rate if flops > 0 and rate > 0 else None
-        working = cuda and working_copies_enabled(next(model.parameters()).device, options, expected_s)
-    if working:
-        return MasterAdamW(model, groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                           kernel=kernels_here(options.torch_kernels).adamw,
-                           dtype=torch.bfloat16 if cuda else torch.float32,
-                           moments=torch.bfloat16 if o.moments == "bf16" else torch.float32)
-    return GuardedAdamW(groups, lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps)
-
-
-def make_loss_fn(model: MoETransformer, device: torch.device, opt: torch.optim.Optimizer | None = None,
+def make_loss_fn(model: MoETransformer, device: torch.device, working: MasterAdamW | None = None,
                  options: EngineOptions | None = None):
-    """The step's objective: the fast path on CUDA (engines/torch/fast.py; reading `opt`'s working
-    copies when it keeps them), else model.loss_terms under autocast (bf16 on a GPU, which the
-    fast path turned off then; fp32 on the CPU)."""
+    """The step's objective: the fast path on CUDA (engines/torch/fast.py; reading the working
+    copies of `working`, the step's MasterAdamW, when it keeps them), else model.loss_terms under
+    autocast (bf16 on a GPU, which the fast path turned off then; fp32 on the CPU)."""
     options = options or EngineOptions()
-    working = opt if isinstance(opt, MasterAdamW) else None
     if fast_path_enabled(device, options) or working is not None:
         return FastLoss(model, device, kernels_here(options.torch_kernels), working=working)
     cuda = device.type == "cuda"
@@ -289,11 +253,15 @@ class TorchStep:
         # GPU the host learns when a step ended only at its read, so it is the time between reads
         self.synchronous = device.type == "cpu"
         self.model = MoETransformer(spec.model).to(device)
-        self.opt = build_optimizer(self.model, spec, options=self.options)
+        # what the forward reads: working copies in this dtype (written by MasterAdamW) or the masters
+        self.working = working_dtype(spec, device, self.options)
+        self.opt = build_optimizer(self.model, spec.optim, working=self.working,
+                                   kernel=kernels_here(self.options.torch_kernels).adamw)
         self.loss_fn = None
 
     def _ready(self) -> None:
-        self.loss_fn = make_loss_fn(self.model, self.device, self.opt, self.options)
+        self.loss_fn = make_loss_fn(self.model, self.device, self.opt if self.working is not None else None,
+                                    self.options)
 
     def init_fresh(self) -> None:
         self.model.load_numpy(init_params(self.spec.model, self.spec.seed))
@@ -333,7 +301,7 @@ class TorchStep:
 
     def describe(self) -> dict:
         return {**describe_options(self.options, self.device, fast_path_enabled(self.device, self.options),
-                                   isinstance(self.opt, MasterAdamW)),
+                                   self.working is not None),
                 "torch_dispatch": dispatcher_name(self.model)}
 
     def finish(self, first_step: int, steps: int) -> None:

@@ -6,9 +6,11 @@ import pytest
 import torch
 
 from engines.data import TokenStream
+from engines.options import EngineOptions
+from engines.torch.experts import kernels_here
+from engines.torch.master import build_optimizer
 from engines.torch.step import (
     HostCopy,
-    build_optimizer,
     finish_step,
     launch_step,
     make_loss_fn,
@@ -72,7 +74,8 @@ def test_bf16_fast_step_matches_the_fp32_path(dispatch, experts, router, kernels
     after = []
     for fast_step in (False, True):
         spec, model, x = _setup(dispatch)
-        opt = build_optimizer(model, spec, working=fast_step, options=options)
+        opt = build_optimizer(model, spec.optim, working=torch.bfloat16 if fast_step else None,
+                              kernel=kernels_here(options.torch_kernels).adamw)
         fn = make_loss_fn(model, x.device, opt, options) if fast_step else loss_terms
         vals, out = launch_step(model, fn, x, spec, opt)
         finish_step(model, opt, vals, out, spec)
@@ -94,8 +97,9 @@ def test_a_host_copy_is_read_without_waiting_for_kernels_queued_after_it():
 @pytest.mark.parametrize("working", [True, False], ids=["MasterAdamW", "GuardedAdamW"])
 def test_a_fast_step_is_queued_without_a_host_sync(working):
     spec, model, x = _setup("dropless")
-    opt = build_optimizer(model, spec, working=working)
-    fn = make_loss_fn(model, x.device, opt)
+    opt = build_optimizer(model, spec.optim, working=torch.bfloat16 if working else None,
+                          kernel=kernels_here(EngineOptions().torch_kernels).adamw)
+    fn = make_loss_fn(model, x.device, opt if working else None)
     stream = TokenStream.from_spec(spec)
     assert read_step(opt, queue_update(model, opt, *launch_step(model, fn, x, spec, opt), spec))[1]  # compiles
     torch.cuda.synchronize()

@@ -24,8 +24,8 @@ _SCRIPT = """
 import sys
 import torch
 from engines.data import TokenStream
-from engines.torch.step import build_optimizer, launch_step, make_loss_fn, read_step, queue_update
-from engines.torch.master import MasterAdamW, adamw_group_kernels_, weight_layout
+from engines.torch.step import launch_step, make_loss_fn, read_step, queue_update
+from engines.torch.master import MasterAdamW, adamw_group_kernels_, build_optimizer, weight_layout
 from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec
 
@@ -41,7 +41,7 @@ runs = []
 for kernel in ("compile", "triton"):
     model = MoETransformer(spec.model).to(dev)
     model.load_numpy(init_params(spec.model, spec.seed))
-    plain = build_optimizer(model, spec, working=False)
+    plain = build_optimizer(model, spec.optim)
     opt = MasterAdamW(model, plain.param_groups, lr=spec.optim.peak_lr, betas=(spec.optim.beta1, spec.optim.beta2),
                       eps=spec.optim.eps, dtype=dtype, compile=False, kernel=kernel,
                       moments=moments)

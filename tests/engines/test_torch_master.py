@@ -8,16 +8,16 @@ import pytest
 import torch
 
 from engines.data import TokenStream
+from engines.options import EngineOptions
 from engines.torch.step import (
-    build_optimizer,
     finish_step,
     launch_step,
     make_loss_fn,
     optimizer_from_numpy,
     optimizer_to_numpy,
 )
-from engines.torch.fast import FastLoss
-from engines.torch.master import MasterAdamW, foreach_norms, weight_layout
+from engines.torch.fast import FastLoss, working_dtype
+from engines.torch.master import MasterAdamW, build_optimizer, foreach_norms, weight_layout
 from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec
 
@@ -33,7 +33,7 @@ def _model():
 
 
 def _master(model, dtype=torch.float32, moments=torch.float32):
-    plain = build_optimizer(model, SPEC, working=False)
+    plain = build_optimizer(model, SPEC.optim)
     return MasterAdamW(model, plain.param_groups, lr=SPEC.optim.peak_lr,
                        betas=(SPEC.optim.beta1, SPEC.optim.beta2), eps=SPEC.optim.eps, dtype=dtype,
                        moments=moments)
@@ -53,7 +53,7 @@ def _train(model, opt, loss_fn, steps, start=0):
 
 def test_fp32_working_copies_train_exactly_like_adamw_with_clipping():
     ref = _model()
-    ref_opt = build_optimizer(ref, SPEC, working=False)
+    ref_opt = build_optimizer(ref, SPEC.optim)
     ref_norms = _train(ref, ref_opt, FastLoss(ref, torch.device("cpu")), 5)
     model = _model()
     opt = _master(model)
@@ -147,14 +147,15 @@ def test_bf16_moments_are_the_fp32_update_rounded_and_stay_bf16_across_a_resume(
 def test_a_spec_with_bf16_moments_trains_with_them_and_a_trainer_that_cannot_refuses():
     spec = SPEC.replace(**{"optim.moments": "bf16"})
     model = _model()
-    opt = build_optimizer(model, spec)  # on the CPU too (fp32 working copies)
+    working = working_dtype(spec, torch.device("cpu"), EngineOptions())  # on the CPU too (fp32 working copies)
+    opt = build_optimizer(model, spec.optim, working=working)
     assert isinstance(opt, MasterAdamW) and opt.dtype == torch.float32
     norms = _train(model, opt, make_loss_fn(model, torch.device("cpu"), opt), 2)
     assert np.isfinite(norms).all()
     assert {st["exp_avg"].dtype for st in opt.state.values()} == {torch.bfloat16}
     assert {st["exp_avg_sq"].dtype for st in opt.state.values()} == {torch.bfloat16}
     with pytest.raises(ValueError, match="optim.moments bf16 needs the torch engine's MasterAdamW"):
-        build_optimizer(_model(), spec, working=False)  # (as the expert-parallel trainer asks)
+        build_optimizer(_model(), spec.optim)  # (torch's AdamW, as the expert-parallel trainer's)
 
 
 def test_bf16_moments_refuse_a_beta2_whose_updates_round_away():

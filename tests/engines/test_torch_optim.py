@@ -5,7 +5,8 @@ import numpy as np
 import torch
 
 from engines.data import TokenStream
-from engines.torch.step import build_optimizer, optimizer_from_numpy, optimizer_to_numpy
+from engines.torch.master import build_optimizer
+from engines.torch.step import optimizer_from_numpy, optimizer_to_numpy
 from engines.torch.model import MoETransformer, init_params, loss_terms
 from ladder.presets import micro_spec
 
@@ -16,7 +17,7 @@ def test_update_from_a_saved_state_is_the_adamw_formula():
     o, lr = spec.optim, 1e-3
     model = MoETransformer(spec.model)
     model.load_numpy(init_params(spec.model, 0))
-    opt = build_optimizer(model, spec)
+    opt = build_optimizer(model, spec.optim)
     for step in range(3):
         for g in opt.param_groups:
             g["lr"] = lr
@@ -28,7 +29,7 @@ def test_update_from_a_saved_state_is_the_adamw_formula():
 
     fresh = MoETransformer(spec.model)
     fresh.load_numpy(params)
-    opt2 = build_optimizer(fresh, spec)
+    opt2 = build_optimizer(fresh, spec.optim)
     optimizer_from_numpy(fresh, opt2, state)
     for g in opt2.param_groups:
         g["lr"] = lr
@@ -55,8 +56,8 @@ def test_a_non_finite_step_changes_neither_weights_moments_step_count_nor_router
     stream = TokenStream.from_spec(spec)
     model = MoETransformer(spec.model)
     model.load_numpy(init_params(spec.model, 0))
-    opt = build_optimizer(model, spec)
-    loss_fn = make_loss_fn(model, torch.device("cpu"), opt)
+    opt = build_optimizer(model, spec.optim)
+    loss_fn = make_loss_fn(model, torch.device("cpu"))
     x = torch.from_numpy(stream.batch(0)).long()
     assert finish_step(model, opt, *launch_step(model, loss_fn, x, spec, opt), spec)[1]
     before = {k: v.copy() for k, v in {**model.to_numpy(), **optimizer_to_numpy(model, opt)}.items()}

@@ -34,6 +34,7 @@ from engines.checkpoint import CheckpointError, load_checkpoint, missing_parent_
 from engines.data import TokenStream
 from engines.options import EngineOptions
 from engines.torch.experts import kernels_here
+from engines.torch.master import build_optimizer
 from engines.torch.model import init_params, move_router_bias
 from engines.torch.parallel.checkpoint import (
     SHARDED,
@@ -64,21 +65,6 @@ ENGINE_NAME = "torch"
 SUMMARY_FILE = "mesh.json"
 
 
-def build_optimizer(model, spec: Spec, device: torch.device | None = None) -> torch.optim.AdamW:
-    """AdamW with decoupled weight decay on matrices and expert stacks only, as the one-device
-    engine; on a GPU torch's fused kernel (one launch a dtype and device over the sharded fp32
-    parameters), elsewhere foreach."""
-    decay = [p for p in model.parameters() if p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.ndim < 2]
-    o = spec.optim
-    if o.moments != "fp32":
-        raise LayoutError("optim.moments bf16 is not supported over processes: the sharded AdamW keeps fp32 moments")
-    return torch.optim.AdamW([{"params": decay, "weight_decay": o.weight_decay},
-                              {"params": no_decay, "weight_decay": 0.0}],
-                             lr=o.peak_lr, betas=(o.beta1, o.beta2), eps=o.eps,
-                             **({"fused": True} if device is not None and device.type == "cuda" else {"foreach": True}))
-
-
 class ParallelStep:
     """The step module (engines/trainer.py) of a rank of the layout: its shards and its tokens;
     every rank computes the same global values. Each step is read before the next is launched
@@ -93,8 +79,10 @@ class ParallelStep:
         self.options = options or EngineOptions()
         self.lead = layout.rank == 0
         self.devices = layout.world
+        if spec.optim.moments != "fp32":  # (MasterAdamW alone keeps bf16 moments: no layout has it)
+            raise LayoutError("optim.moments bf16 is not supported over processes: the sharded AdamW keeps fp32 moments")
         self.model = build_sharded_model(spec.model, layout, kernels_here(self.options.torch_kernels))
-        self.opt = build_optimizer(self.model, spec, layout.device)
+        self.opt = build_optimizer(self.model, spec.optim, sharded=layout.device)
 
     def init_fresh(self) -> None:
         load_full(self.model, init_params(self.spec.model, self.spec.seed), self.layout)
