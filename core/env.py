@@ -12,9 +12,10 @@ flag, or a list of settings `key=value[,key=value...]` that a typed reader valid
                                       torch_fast, torch_master, torch_compile, torch_ep, jax_mgpu,
                                       jax_mgpu_tiles, cpu_threads
     MOE_LADDER_LIMITS        settings Limits below: ray_timeout_s, claim_stale_s, shard_chunk_bytes
-    MOE_LADDER_DEBUG         1        the CLI shows an internal error's traceback
+    MOE_LADDER_DEBUG         1        the CLI shows a user error's traceback too (a bug's it always shows)
 
-A bad value is an EnvError (a ValueError) whose one-line message names the variable and the key.
+A bad value is an EnvError (a core.errors.InputError: one line, exit 2) whose message names the
+variable and the key.
 """
 
 from __future__ import annotations
@@ -25,11 +26,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
+from core.errors import InputError
+
 PREFIX = "MOE_LADDER_"
 NAMES = ("ROOT", "TRACKING_URI", "CACHE", "CORPUS", "TOKENIZERS", "OPTIONS", "LIMITS", "DEBUG")
 
 
-class EnvError(ValueError):
+class EnvError(InputError):
     """An environment variable with a value it does not take; the message names it."""
 
 

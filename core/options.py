@@ -37,6 +37,7 @@ from typing import Any, Literal, Mapping
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from core import env as environment
+from core.errors import InputError
 
 CompileMode = Literal["block-cudagraphs", "block", "dense", "none"]
 EPLayout = Literal["auto", "emulate", "processes"]
@@ -144,7 +145,7 @@ class Options(_Section):
             raise OptionsError(f"{name} {key}={raw!r}: {choices_message(e)}") from None
 
 
-class OptionsError(ValueError):
+class OptionsError(InputError):
     """An option with a value it does not take; the message names the option."""
 
 

@@ -31,6 +31,8 @@ from typing import Any
 
 import yaml
 
+from core.errors import InputError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -45,7 +47,7 @@ __all__ = ["MAX_ALIASES", "MAX_BYTES", "MAX_DEPTH", "MAX_NODES", "InputLimitErro
            "parse_toml", "parse_yaml", "read_text"]
 
 
-class InputLimitError(ValueError):
+class InputLimitError(InputError):
     """A file beyond one of this module's limits; the message names the file and the limit."""
 
 

@@ -19,6 +19,7 @@ import yaml
 from pydantic import (BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, ValidationError, ValidationInfo,
                       field_validator, model_serializer, model_validator)
 
+from core.errors import InputError
 from core.fsutil import atomic_write_text
 from core.options import Options
 from core.safeload import InputLimitError, parse_json, parse_yaml, read_text
@@ -368,7 +369,7 @@ class Spec(_Frozen):
         return Spec.model_validate(data)
 
 
-class SpecError(ValueError):
+class SpecError(InputError):
     """A spec file that cannot be read; the message names the file and the problem."""
 
 

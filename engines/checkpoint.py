@@ -66,6 +66,7 @@ from typing import Callable
 import numpy as np
 from safetensors.numpy import load_file, save_file
 
+from core.errors import InputError
 from core.fsutil import atomic_write_text, file_mode
 from core.rundir import METRICS_FILE, RunDir
 
@@ -82,7 +83,7 @@ RECOVERY_HINT = ("move that checkpoint directory aside to resume from an older o
                  "or start the run over with --no-resume")
 
 
-class CheckpointError(ValueError):
+class CheckpointError(InputError):
     """A checkpoint that cannot be used; the message names it and says why."""
 
 

@@ -30,12 +30,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from core.errors import InputError
+
 
 def capacities(n_tokens: int, top_k: int, n_experts: int, ep: int, n_waves: int,
                cf_send: float, cf_recv: float) -> tuple[int, int]:
     """(C_send rows per (src, dst) pool per wave, C_recv rows per expert)."""
     if n_tokens % ep:
-        raise ValueError(f"capacity dispatch needs the tokens of a step ({n_tokens}) divisible by ep_size ({ep})")
+        raise InputError(f"capacity dispatch needs the tokens of a step ({n_tokens}) divisible by ep_size ({ep})")
     c_send = math.ceil(cf_send * (n_tokens // ep) * top_k / ep / n_waves)
     c_recv = math.ceil(cf_recv * n_tokens * top_k / n_experts)
     return c_send, c_recv

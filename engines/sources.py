@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from core import env
+from core.errors import InputError
 from core.spec import SourceSpec
 
 BUILTIN_CODE_CAP = 16 * 2**20
@@ -48,7 +49,7 @@ PACKAGE_PARTS = {"packages_python": "python", "packages_docs": "docs", "packages
 _EXCLUDED_DIRS = {"site-packages", "dist-packages", "__pycache__", "test", "tests", "idle_test"}
 
 
-class DataError(ValueError):
+class DataError(InputError):
     """A data source that cannot be read; the message names the source."""
 
 

@@ -36,6 +36,7 @@ from typing import Iterable, Sequence
 import numpy as np
 
 from core import env
+from core.errors import InputError
 from core.fsutil import atomic_write_text
 from core.spec import Spec
 
@@ -48,7 +49,7 @@ HOW_TO_GET = {
 }
 
 
-class TokenizerError(ValueError):
+class TokenizerError(InputError):
     """A tokenizer that cannot be found or read; the message names the file."""
 
 

@@ -67,7 +67,7 @@ class Experiment:
         for s in self.all_specs():
             if s.name == name:
                 return s
-        raise KeyError(f"experiment {self.name!r} has no spec named {name!r}")
+        raise SpecError(f"experiment {self.name!r} has no spec named {name!r}")
 
 
 def replicate(spec: Spec, seed: int) -> Spec:

@@ -5,12 +5,13 @@ from __future__ import annotations
 import math
 from typing import Any
 
+from core.errors import InputError
 from core.spec import Spec, SpecError, spec_from_dict
 
 __all__ = ["StackConfigError", "get", "get_int", "get_pair", "validated"]
 
 
-class StackConfigError(ValueError):
+class StackConfigError(InputError):
     """A stack config that cannot become a spec; the message names the file and field."""
 
 

@@ -32,6 +32,7 @@ import tomlkit
 import yaml
 
 from core.spec import Spec
+from ladder.stack_common import StackConfigError
 
 __all__ = ["STACK_SUFFIX", "stack_form"]
 
@@ -177,4 +178,4 @@ def stack_form(stack: str, cfg: dict, spec: Spec, resume_step: int | None = None
         return _levanter(cfg, spec, resume_step)
     if stack == "torchtitan":
         return _torchtitan(cfg, spec, resume_step, text)
-    raise ValueError(f"no stack form for {stack!r} (known: {', '.join(STACK_SUFFIX)})")
+    raise StackConfigError(f"no stack form for {stack!r} (known: {', '.join(STACK_SUFFIX)})")

@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Iterator
 
+from core.errors import InputError
 from core.rundir import METRICS_FILE, parse_metrics_lines
 from core.spec import Spec
 from engines.base import StepMetrics
@@ -47,7 +48,7 @@ STOP_FILE = "stop"  # written when the launcher's consumer goes away: the worker
 STOP_WAIT_S = 60.0
 
 
-class LaunchError(ValueError):
+class LaunchError(InputError):
     """A multi-worker spec that cannot be launched; the message says why."""
 
 

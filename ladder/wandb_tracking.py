@@ -23,6 +23,7 @@ from pathlib import Path
 from core.fsutil import atomic_write_text
 from core.rundir import iter_run_dirs, parse_metrics_lines
 from core.spec import load_spec
+from ladder.errors import LadderError
 
 __all__ = ["WandbSync", "sync_to_wandb"]
 
@@ -58,12 +59,12 @@ def sync_to_wandb(root: str | Path, experiment: str | None = None, project: str 
     try:
         import wandb
     except ImportError:
-        raise ValueError("W&B tracking needs the wandb package: pip install 'moe-ladder[wandb]'") from None
+        raise LadderError("W&B tracking needs the wandb package: pip install 'moe-ladder[wandb]'") from None
 
     root = Path(root)
     mode = mode or os.environ.get("WANDB_MODE") or "offline"
     if mode not in ("offline", "online"):
-        raise ValueError(f"--wandb-mode {mode!r}: offline or online")
+        raise LadderError(f"--wandb-mode {mode!r}: offline or online")
     runs_root = root / "runs"
     exps = [runs_root / experiment] if experiment else sorted(p for p in runs_root.iterdir() if p.is_dir()) \
         if runs_root.is_dir() else []

@@ -15,10 +15,12 @@ from typing import Any
 
 import numpy as np
 
+from core.errors import InputError
+
 __all__ = ["Curve", "CurveError", "CurveFitError", "check_steps", "dense_lr", "lr_per_step_from_samples"]
 
 
-class CurveError(ValueError):
+class CurveError(InputError):
     """Curves or schedules that cannot be used as given; the message names the problem."""
 
 

@@ -3,11 +3,12 @@
     fc = load_forecast("forecast.json")   # Forecast: the loss trajectory with its band, the grad-norm
                                           # envelope when there is one, the hero and the curve model
 
-Every problem raises ValueError naming the file and the field.
+Every problem raises ForecastError (an InputError: one line, exit 2) naming the file and the field.
 """
 
 from __future__ import annotations
 
+import gzip
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +16,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["Forecast", "load_forecast"]
+from core.errors import InputError
+from core.safeload import MAX_BYTES
+
+__all__ = ["Forecast", "ForecastError", "load_forecast"]
+
+
+class ForecastError(InputError):
+    """A forecast that cannot be made from these rungs, or a forecast file that cannot be read."""
 
 
 @dataclass
@@ -39,33 +47,46 @@ class Forecast:
 
 def _arr(d: dict, key: str, where: str, path: Path) -> np.ndarray:
     if key not in d:
-        raise ValueError(f"{path}: forecast has no {where}.{key}")
+        raise ForecastError(f"{path}: forecast has no {where}.{key}")
     try:
         a = np.asarray([np.nan if v is None else v for v in d[key]], dtype=np.float64)
     except (TypeError, ValueError):
-        raise ValueError(f"{path}: forecast {where}.{key} is not a list of numbers") from None
+        raise ForecastError(f"{path}: forecast {where}.{key} is not a list of numbers") from None
     return a
+
+
+def read_maybe_gzip(path: Path, limit: int = MAX_BYTES) -> str:
+    """A file's text, gunzipped when its name ends in .gz (a committed forecast is compressed),
+    refused past `limit` bytes either way."""
+    with (gzip.open(path, "rb") if path.suffix == ".gz" else open(path, "rb")) as f:
+        data = f.read(limit + 1)
+    if len(data) > limit:
+        raise ForecastError(f"{path}: more than {limit} bytes{' uncompressed' if path.suffix == '.gz' else ''} "
+                            f"(the limit for a forecast file)")
+    return data.decode("utf-8")
 
 
 def load_forecast(path: str | Path) -> Forecast:
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{path}: no such forecast file")
+        raise ForecastError(f"{path}: no such forecast file")
     try:
-        raw = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raw = json.loads(read_maybe_gzip(path))
+    except (UnicodeDecodeError, json.JSONDecodeError, gzip.BadGzipFile, EOFError) as e:
+        raise ForecastError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict) or "trajectory" not in raw:
-        raise ValueError(f"{path}: not a forecast (no 'trajectory' section)")
+        raise ForecastError(f"{path}: not a forecast (no 'trajectory' section)")
     tr = raw["trajectory"]
+    if not isinstance(tr, dict):
+        raise ForecastError(f"{path}: not a forecast (its 'trajectory' is not a mapping)")
     step = _arr(tr, "step", "trajectory", path)
     loss = _arr(tr, "loss", "trajectory", path)
     lo = _arr(tr, "lo", "trajectory", path)
     hi = _arr(tr, "hi", "trajectory", path)
     if not (len(step) == len(loss) == len(lo) == len(hi)) or len(step) < 2:
-        raise ValueError(f"{path}: trajectory step/loss/lo/hi must be lists of one length >= 2")
+        raise ForecastError(f"{path}: trajectory step/loss/lo/hi must be lists of one length >= 2")
     if np.any(np.diff(step) <= 0):
-        raise ValueError(f"{path}: trajectory steps must be strictly increasing")
+        raise ForecastError(f"{path}: trajectory steps must be strictly increasing")
     tokens = _arr(tr, "tokens", "trajectory", path) if "tokens" in tr else None
     fc = Forecast(str(path), step, tokens, loss, lo, hi, hero=raw.get("hero") or {}, curve_model=raw.get("curve_model"), raw=raw)
     gn = raw.get("grad_norm")

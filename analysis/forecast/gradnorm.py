@@ -27,6 +27,8 @@ from typing import Any, Sequence
 import numpy as np
 from scipy.stats import norm
 
+from analysis.forecast.file import ForecastError
+
 LEVEL = 0.9
 PRIOR_EXTRAP_SD = 0.25  # log grad norm per e-fold of size, when no backtest is possible
 MIN_SCATTER = 0.05  # log-space floor of the per-bin scatter (a line through two points has none)
@@ -124,7 +126,7 @@ def _extrap_sd(nested: list[dict[str, Any]]) -> tuple[float, str]:
 def envelope(rungs: Sequence[RungGrad], hero_size: float, hero_steps: int, n_bins: int = 50,
              level: float = LEVEL) -> dict[str, Any]:
     if not rungs:
-        raise ValueError("a grad-norm envelope needs at least one rung with grad norms")
+        raise ForecastError("a grad-norm envelope needs at least one rung with grad norms")
     mean_B, sd_B = _predict(rungs, hero_size, n_bins)
     nested = _nested(rungs, n_bins)
     c, how = _extrap_sd(nested)

@@ -53,6 +53,7 @@ import pandas as pd
 
 from analysis import fitwarn
 from analysis.forecast import gradnorm, grid
+from analysis.forecast.file import ForecastError
 from analysis.forecast.verdicts import regime_verdict, routes
 from analysis.laws import backtest as law_backtest
 from analysis.runs import replicates
@@ -408,10 +409,10 @@ def _envelope_route(rungs: list[RungRun], hero: Spec) -> tuple[dict, dict, dict 
 
 def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviations: bool = STREAM_DEVIATIONS) -> HeroForecast:
     if len(rungs) < 3:
-        raise ValueError(f"forecast needs at least 3 finished rungs with eval losses, found {len(rungs)}")
+        raise ForecastError(f"forecast needs at least 3 finished rungs with eval losses, found {len(rungs)}")
     fingerprint = replicates.check_yardstick(rungs)
     if len(replicates.group(rungs)) < MIN_FIT:
-        raise ValueError(f"forecast needs at least {MIN_FIT} rung sizes (families of seeds), found "
+        raise ForecastError(f"forecast needs at least {MIN_FIT} rung sizes (families of seeds), found "
                          f"{len(replicates.group(rungs))}: {', '.join(r.spec.name for r in rungs)}")
     pts, nz = grid.grid_points(rungs)
     too_few = grid.is_grid(pts) and len(pts) < grid.MIN_POINTS

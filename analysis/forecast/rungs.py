@@ -12,6 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
+from analysis.forecast.file import ForecastError
 from analysis.forecast.final_loss import MIN_FIT, FinalLaw, Point, fit_final_law
 from analysis.forecast.final_loss import coverage as final_coverage
 from analysis.runs import replicates
@@ -45,7 +46,7 @@ class RungRun:
     def final_loss(self) -> float:
         row = self._final_row()
         if row is None:
-            raise ValueError(f"rung {self.spec.name}: no eval loss in {self.run_dir}")
+            raise ForecastError(f"rung {self.spec.name}: no eval loss in {self.run_dir}")
         return float(row["eval_loss"])
 
     @property

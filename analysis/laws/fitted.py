@@ -14,12 +14,14 @@ from typing import Any, ClassVar, Sequence
 import numpy as np
 from scipy.special import ndtri  # the normal quantile (scipy.stats costs a CLI run ~0.4 s to import)
 
+from core.errors import InputError
+
 __all__ = ["HUBER_DELTA", "FitError", "LawFit", "EnvelopeFit", "MoELawFit", "compute_optimal"]
 
 HUBER_DELTA = 1e-3
 
 
-class FitError(ValueError):
+class FitError(InputError):
     """The data cannot be fitted (too few points, no spread) or the fit did not converge."""
 
 

@@ -19,11 +19,12 @@ from typing import Any
 import numpy as np
 
 from analysis import fitwarn
+from core.errors import InputError
 
 __all__ = ["IsoflopError", "IsoflopFit", "group_budgets", "fit_isoflop"]
 
 
-class IsoflopError(ValueError):
+class IsoflopError(InputError):
     """Data that cannot give IsoFLOP minima; the message says why."""
 
 

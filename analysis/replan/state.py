@@ -19,11 +19,12 @@ import pandas as pd
 
 from analysis.monitor.watch import Forecast, MonitorReport, MonitorSettings, measured_tokens_per_s, monitor, planned_tokens_per_s
 from analysis.runs.metrics import RunRef, ancestor_checkpoints
+from core.errors import InputError
 from core.fsutil import atomic_write_text
 from core.spec import Spec, save_spec
 
 
-class ReplanError(ValueError):
+class ReplanError(InputError):
     """A replan that cannot be made from this input; nothing has been written."""
 
 

@@ -24,10 +24,12 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from core.errors import InputError
+
 __all__ = ["TableError", "read_table"]
 
 
-class TableError(ValueError):
+class TableError(InputError):
     """A CSV that cannot be used as given; the message says which file, column and row."""
 
 

@@ -29,6 +29,7 @@ import pandas as pd
 
 from analysis.runs.names import ALIASES, MetricNames
 from core import env
+from core.errors import InputError
 from core.rundir import METRICS_FILE, iter_run_dirs, parse_metrics_lines
 from core.schedule import lr_at
 from core.spec import load_spec
@@ -38,7 +39,7 @@ __all__ = ["MetricsError", "RunRef", "read_metrics_frame", "finish_frame", "toke
            "resolve_run", "check_spec_matches"]
 
 
-class MetricsError(ValueError):
+class MetricsError(InputError):
     """A metrics file that cannot be read as a run's curve; the message names file and problem."""
 
 

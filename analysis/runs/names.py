@@ -36,6 +36,7 @@ import numpy as np
 import pandas as pd
 import yaml
 
+from core.errors import InputError
 from core.safeload import InputLimitError, load_file
 
 __all__ = ["ALIASES", "CANONICAL", "PRESETS", "MetricNames", "MetricNamesError", "load_metric_names", "matches", "mlflow_legal"]
@@ -61,7 +62,7 @@ CANONICAL = tuple(ALIASES)
 Reduce = Literal["mean", "first"]
 
 
-class MetricNamesError(ValueError):
+class MetricNamesError(InputError):
     """A metric-name map that cannot be used; the message names the file or preset and the key."""
 
 

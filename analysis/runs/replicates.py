@@ -25,13 +25,14 @@ from typing import Any, Protocol, Sequence
 
 import numpy as np
 
+from core.errors import InputError
 from core.rundir import RunDir
 from core.spec import Spec
 
 __all__ = ["YardstickError", "Family", "Noise", "eval_fingerprint", "check_yardstick", "family_key", "group", "noise"]
 
 
-class YardstickError(ValueError):
+class YardstickError(InputError):
     """Runs scored on different eval sets cannot share a law."""
 
 

@@ -34,6 +34,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from core.spec import OptimSpec, Spec
 from engines.base import StepMetrics, emulated_ep_note
+from engines.checkpoint import CheckpointError
 from engines.jax.fast import load_tiles
 from engines.jax.model import ModelConfig, init_params, param_shapes
 from engines.jax.moe import EP_AXIS, capacities
@@ -118,10 +119,10 @@ def state_from_arrays(cfg: ModelConfig, tx: optax.GradientTransformation, model:
     shapes = param_shapes(cfg)
     missing = sorted(set(shapes) - set(model))
     if missing:
-        raise ValueError(f"{origin}: checkpoint lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}")
+        raise CheckpointError(f"{origin}: checkpoint lacks {missing[:4]}{' ...' if len(missing) > 4 else ''}")
     for k, s in shapes.items():
         if tuple(model[k].shape) != s:
-            raise ValueError(f"{origin}: {k} has shape {tuple(model[k].shape)}, the spec needs {s}")
+            raise CheckpointError(f"{origin}: {k} has shape {tuple(model[k].shape)}, the spec needs {s}")
     params = {k: jnp.asarray(model[k], jnp.float32) for k in shapes if not is_buffer(k)}
     buffers = {k: jnp.asarray(model[k], jnp.float32) for k in shapes if is_buffer(k)}
     opt_state = tx.init(params)

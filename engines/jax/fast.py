@@ -21,6 +21,8 @@ import jax.numpy as jnp
 from jax import lax
 from pydantic import BaseModel, ConfigDict, PositiveInt, ValidationError, field_validator
 
+from core.options import OptionsError
+
 MGPU = {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1}
 MGPU_CONFIGS = (
     {"block_m": 128, "block_n": 128, "block_k": 64, "max_concurrent_steps": 4, "grid_block_n": 1},
@@ -78,12 +80,12 @@ class TunedTile(BaseModel):
 @lru_cache(maxsize=None)
 def load_tiles(path: str) -> dict[tuple[str, int, int], dict[str, int]]:
     """A tile file's entries ({"tiles": [TunedTile, ...]}) as MGPU_TUNED's keys and values; a file
-    that cannot be read or does not fit raises ValueError naming the file and the entry."""
+    that cannot be read or does not fit raises OptionsError naming the file and the entry."""
     try:
         raw = json.loads(Path(path).read_text())
         entries = [TunedTile.model_validate(e) for e in raw["tiles"]]
     except (OSError, ValueError, KeyError, TypeError, ValidationError) as err:
-        raise ValueError(f"MOE_LADDER_OPTIONS jax_mgpu_tiles={path}: not a tile file of bench/tune_mgpu.py "
+        raise OptionsError(f"MOE_LADDER_OPTIONS jax_mgpu_tiles={path}: not a tile file of bench/tune_mgpu.py "
                          f"({type(err).__name__}: {err})") from None
     return {(e.op, e.m, e.n): dict(e.config) for e in entries}
 

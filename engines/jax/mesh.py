@@ -33,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from core.errors import InputError
 from core.spec import Spec
 from engines.jax.engine import EXPERT_SUFFIXES, JaxStep, configure_jax, state_from_arrays
 from engines.jax.model import ModelConfig, init_params
@@ -43,7 +44,7 @@ from engines.options import EngineOptions
 DATA_AXIS = "data"
 
 
-class MeshLayoutError(ValueError):
+class MeshLayoutError(InputError):
     """A spec that cannot be laid out on the (data, expert) mesh; the message says why."""
 
 

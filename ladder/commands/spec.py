@@ -7,9 +7,11 @@ from pathlib import Path
 from typing import Optional
 
 import typer
+import yaml
 from core.fsutil import atomic_write_text
 from core.safeload import parse_yaml
 from core.costs import fmt_count, param_counts
+from ladder.errors import LadderError
 from ladder.stack_config import STACKS, detect_stack, load_stack_config, spec_from_stack
 
 spec_app = typer.Typer(help="Specs for runs this project did not launch.", no_args_is_help=True)
@@ -20,7 +22,7 @@ def parse_sets(pairs: list[str] | None) -> dict:
     out = {}
     for p in pairs or []:
         if "=" not in p:
-            raise ValueError(f"--set {p!r}: expected FIELD=VALUE, e.g. --set data.total_tokens=1000000000")
+            raise LadderError(f"--set {p!r}: expected FIELD=VALUE, e.g. --set data.total_tokens=1000000000")
         k, v = p.split("=", 1)
         out[k.strip()] = _value(v.strip(), f"--set {k.strip()}")
     return out
@@ -36,7 +38,11 @@ def _value(v: str, origin: str):
         x = float(v)
         return int(x) if x.is_integer() and "e" in v.lower() else x
     except ValueError:
+        pass
+    try:
         return parse_yaml(v, origin)
+    except yaml.YAMLError as e:
+        raise LadderError(f"{origin}={v!r}: not a YAML value ({str(e).splitlines()[0]})") from None
 
 
 @spec_app.command("from-run")
@@ -56,9 +62,9 @@ def from_run_cmd(
     What the config leaves out takes the stack's own default; every field that has no place in a
     spec is named in one warning line."""
     if stack != "auto" and stack not in STACKS:
-        raise ValueError(f"--stack {stack!r}: known stacks are auto, {', '.join(STACKS)}")
+        raise LadderError(f"--stack {stack!r}: known stacks are auto, {', '.join(STACKS)}")
     if out.is_dir():
-        raise ValueError(f"--out {out}: is a directory; give the spec file's path")
+        raise LadderError(f"--out {out}: is a directory; give the spec file's path")
     cfg = load_stack_config(config)
     if stack == "auto":
         stack = detect_stack(cfg, str(config))
