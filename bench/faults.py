@@ -38,8 +38,10 @@ throughput flags are not counted (the row says so), and the faults whose flag is
 other work (a CI machine's CPUs): no run's throughput flags are counted, the healthy replicates'
 included, and throughput_drop is refused.
 
-The hook is engines.trainer.FaultHook (`fault=` of the Trainer, never set in a real run); the spec
-changes are ordinary specs, run under their own ids.
+A hook is a Trainer callback (engines.trainer.Callback, `callbacks=` of the Trainer, none in a
+real run), built by the suite with the step module and token stream it hands the Trainer: it
+changes what a step reads (its batch, its LR) or the module's state (save_arrays/load_arrays),
+never the Trainer's own state. The spec changes are ordinary specs, run under their own ids.
 
 The detection table (OUT/faults.json and OUT/faults.md): for each fault its onset, the first
 step a warning or critical flag was raised, the flag, its worst severity, and the delay as a share
@@ -51,6 +53,7 @@ step `compare --follow` would have printed it at.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import shutil
@@ -74,10 +77,11 @@ from core.spec import Spec, load_spec, save_spec
 import torch
 
 from engines.base import DivergedError
+from engines.data import TokenStream
 from engines.options import EngineOptions
 from engines.torch.engine import TorchStep, cpu_threads, default_device
 from engines.registry import get_engine
-from engines.trainer import Trainer
+from engines.trainer import Callback, Trainer
 from ladder.experiment import load_experiment
 from ladder.presets import micro_spec
 
@@ -89,97 +93,108 @@ __all__ = ["FAULTS", "Fault", "run_suite", "main"]
 
 @dataclass
 class Fault:
-    """A fault: a spec change and/or a hook (built for the run's spec, onset step and total steps)."""
+    """A fault: a spec change and/or a hook: hook(spec, onset, module, stream) -> the run's
+    Callback (module and stream: the step module and token stream the run's Trainer is given)."""
 
     name: str
     what: str
     spec_change: Callable[[Spec, int], dict[str, Any]] | None = None
-    hook: Callable[[Spec, int], Callable] | None = None
+    hook: Callable[[Spec, int, Any, Any], Callback] | None = None
     from_start: bool = False  # the configuration itself is the fault: its onset is step 0
     gross: bool = False  # must be caught within 2% of training (else 10%)
     critical: bool = False  # must be critical
+
+
+class Hook(Callback):
+    """A fault's Trainer callback: fn(step, batch, lr) -> (batch, lr) before each step."""
+
+    def __init__(self, fn: Callable[[int, np.ndarray, float], tuple[np.ndarray, float]]):
+        self.fn = fn
+
+    def pre_step(self, step: int, batch_BS1: np.ndarray, lr: float) -> tuple[np.ndarray, float]:
+        return self.fn(step, batch_BS1, lr)
 
 
 def _router_names(params: dict) -> list[str]:
     return [k for k in params if k.endswith("moe.router") or k.endswith("moe.router_bias")]
 
 
-def _hook_lr_spike(spec: Spec, onset: int):
+def _hook_lr_spike(spec: Spec, onset: int, module, stream) -> Hook:
     """From the onset the step module trains unclipped (its spec's grad_clip 1e6: the torch step reads
     it every step), and the LR is x30 for 5 steps."""
-    def hook(step, batch, lr, trainer):
-        if step == onset and hasattr(trainer.module, "spec"):
-            trainer.module.spec = trainer.module.spec.replace(**{"optim.grad_clip": 1e6})
+    def hook(step, batch, lr):
+        if step == onset and hasattr(module, "spec"):
+            module.spec = module.spec.replace(**{"optim.grad_clip": 1e6})
         return batch, (lr * 30.0 if onset <= step < onset + 5 else lr)
-    return hook
+    return Hook(hook)
 
 
-def _hook_looped(spec: Spec, onset: int):
-    def hook(step, batch, lr, trainer):
+def _hook_looped(spec: Spec, onset: int, module, stream) -> Hook:
+    def hook(step, batch, lr):
         if step < onset:
             return batch, lr
-        return trainer.stream.batch(onset + (step - onset) % 2), lr
-    return hook
+        return stream.batch(onset + (step - onset) % 2), lr
+    return Hook(hook)
 
 
-def _hook_corrupt(spec: Spec, onset: int):
+def _hook_corrupt(spec: Spec, onset: int, module, stream) -> Hook:
     rng = np.random.default_rng(1234)
 
-    def hook(step, batch, lr, trainer):
+    def hook(step, batch, lr):
         if step != onset:
             return batch, lr
         return rng.integers(0, spec.model.vocab_size, size=batch.shape).astype(batch.dtype), lr
-    return hook
+    return Hook(hook)
 
 
-def _hook_router(spec: Spec, onset: int):
-    def hook(step, batch, lr, trainer):
+def _hook_router(spec: Spec, onset: int, module, stream) -> Hook:
+    def hook(step, batch, lr):
         if step == onset:
-            params, opt = trainer.module.save_arrays()
+            params, opt = module.save_arrays()
             params = {k: (v * 30.0 if k in _router_names(params) else v) for k, v in params.items()}
-            trainer.module.load_arrays(params, opt, "fault: router weights x30")
+            module.load_arrays(params, opt, "fault: router weights x30")
         return batch, lr
-    return hook
+    return Hook(hook)
 
 
-def _hook_nan(spec: Spec, onset: int):
-    def hook(step, batch, lr, trainer):
+def _hook_nan(spec: Spec, onset: int, module, stream) -> Hook:
+    def hook(step, batch, lr):
         return batch, (float("nan") if step == onset else lr)
-    return hook
+    return Hook(hook)
 
 
 def _back(spec: Spec) -> int:
     return max(1, round(0.10 * spec.total_steps))
 
 
-def _hook_stale(spec: Spec, onset: int):
+def _hook_stale(spec: Spec, onset: int, module, stream) -> Hook:
     saved: dict[str, Any] = {}
 
-    def hook(step, batch, lr, trainer):
+    def hook(step, batch, lr):
         if step == 0:  # copies: a module may hand out views of its live tensors
-            params, opt = trainer.module.save_arrays()
+            params, opt = module.save_arrays()
             saved["state"] = ({k: np.array(v, copy=True) for k, v in params.items()},
                               {k: np.array(v, copy=True) for k, v in opt.items()})
         if step == onset and "state" in saved:
             params, opt = saved.pop("state")
-            trainer.module.load_arrays(params, opt, f"fault: the initial state at step {onset}")
+            module.load_arrays(params, opt, f"fault: the initial state at step {onset}")
         return batch, lr
-    return hook
+    return Hook(hook)
 
 
-def _hook_replay(spec: Spec, onset: int):
+def _hook_replay(spec: Spec, onset: int, module, stream) -> Hook:
     back = min(_back(spec), onset)  # never before step 0
 
-    def hook(step, batch, lr, trainer):
-        return (trainer.stream.batch(step - back) if step >= onset else batch), lr
-    return hook
+    def hook(step, batch, lr):
+        return (stream.batch(step - back) if step >= onset else batch), lr
+    return Hook(hook)
 
 
-def _hook_slow(spec: Spec, onset: int):
+def _hook_slow(spec: Spec, onset: int, module, stream) -> Hook:
     times: list[float] = []
     last = [time.perf_counter()]
 
-    def hook(step, batch, lr, trainer):
+    def hook(step, batch, lr):
         now = time.perf_counter()
         if step < onset:
             times.append(now - last[0])
@@ -187,7 +202,7 @@ def _hook_slow(spec: Spec, onset: int):
             time.sleep(9.0 * float(np.median(times[1:] or times)))
         last[0] = time.perf_counter()
         return batch, lr
-    return hook
+    return Hook(hook)
 
 
 def _mixture_switch(spec: Spec, onset: int) -> dict[str, Any]:
@@ -250,8 +265,9 @@ def reusable(spec: Spec, run_dir: Path, stop: int, what: str) -> str | None:
 
 def train_run(spec: Spec, run_dir: Path, stop: int, hook=None, what: str = "healthy", reuse: bool = False) -> str:
     """Train `spec` in `run_dir` up to step `stop` (a fresh start); 'stopped', 'diverged' or
-    'finished'. reuse: keep an earlier run of the same spec and fault that got as far (to judge a
-    changed monitor on the same runs)."""
+    'finished'. hook(module, stream): the fault's Trainer callback, given the step module and
+    token stream the Trainer trains with. reuse: keep an earlier run of the same spec and fault
+    that got as far (to judge a changed monitor on the same runs)."""
     state = reusable(spec, run_dir, stop, what) if reuse else None
     if state is not None:
         return state
@@ -260,7 +276,10 @@ def train_run(spec: Spec, run_dir: Path, stop: int, hook=None, what: str = "heal
     run_dir.mkdir(parents=True)
     save_spec(spec, run_dir / "spec.yaml")
     (run_dir / "fault.txt").write_text(what)
-    trainer = Trainer(spec, run_dir, step_module(spec), stop_after=stop, fault=hook)
+    module = step_module(spec)
+    stream = TokenStream.from_spec(spec) if hook is not None else None  # (None: the Trainer opens the spec's)
+    callbacks = [hook(module, stream)] if hook is not None else []
+    trainer = Trainer(spec, run_dir, module, stop_after=stop, stream=stream, callbacks=callbacks)
     try:
         for _ in trainer.fit(resume=False):
             pass
@@ -383,7 +402,7 @@ def train_faults_only(hero: Spec, out: Path, only: tuple[str, ...], stop_frac: f
     for f in [f for f in FAULTS if f.name in only]:
         at = 0 if f.from_start else onset
         spec = hero.replace(**f.spec_change(hero, at)) if f.spec_change else hero
-        hook = f.hook(spec, at) if f.hook else None
+        hook = functools.partial(f.hook, spec, at) if f.hook else None
         t0 = time.time()
         state = train_run(spec, Path(out) / "runs" / f.name, stop, hook, what=f"{f.name} from step {at}", reuse=reuse)
         print(f"{f.name}: {state} in {time.time() - t0:.0f} s", flush=True)
@@ -471,7 +490,7 @@ def run_suite(hero: Spec, out: Path, *, forecast: Forecast | None = None, seeds:
     for f in chosen:
         at = 0 if f.from_start else onset
         spec = hero.replace(**f.spec_change(hero, at)) if f.spec_change else hero
-        hook = f.hook(spec, at) if f.hook else None
+        hook = functools.partial(f.hook, spec, at) if f.hook else None
         t0 = time.time()
         try:
             if judge_only or f.name in shared:  # trained already (a subprocess that crashed is not retrained here)

@@ -23,8 +23,9 @@ does everything around the steps, the same way for each of them:
                         and the final estimate one quantity and the final is marked eval_final
     divergence          a non-finite step is recorded, status.json says "diverged" and the run
                         raises DivergedError; nothing after the last checkpoint is ever saved
-    fault hook          `fault` (bench/faults.py only; None in every real run): a deliberate
-                        fault the monitor is measured on, applied to what a step reads (see inject)
+    callbacks           `callbacks` (Callback below, OLMo-core style): called in list order before
+                        each step is launched (the batch it reads and its LR) and after its
+                        record; none in a real run (the fault suite's faults are callbacks)
     status and metrics  status.json (running -> finished | failed | diverged) and metrics.jsonl
                         through core.rundir (MetricsWriter: one record a step, flushed)
 
@@ -40,7 +41,7 @@ import hashlib
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Iterator, Protocol
+from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
 
@@ -204,15 +205,21 @@ def record(step: int, tokens: int, lr: float, m: dict[str, float], tps: float, m
     )
 
 
-class FaultHook(Protocol):
-    """A deliberate fault (bench/faults.py): called before step `step` is launched with the batch
-    it would read and the LR it would use; returns the batch and LR it does read and use. It may
-    act on the trainer too (its module's state through save_arrays/load_arrays, its stream), and
-    is the only way a fault enters a run: the spec, the data pipeline and the step modules are
-    the real ones."""
+class Callback:
+    """A callback of the Trainer (OLMo-core style): the Trainer calls each one in its list, in
+    order, at these points of the loop. Every method's default does nothing, so a callback
+    overrides what it uses. A callback changes a run only through what pre_step returns; what
+    else it needs (the step module, the token stream) it is handed by whoever builds it, never
+    through the Trainer (bench/faults.py builds its faults so)."""
 
-    def __call__(self, step: int, batch_BS1: np.ndarray, lr: float, trainer: "Trainer") -> tuple[np.ndarray, float]:
-        ...
+    def pre_step(self, step: int, batch_BS1: np.ndarray, lr: float) -> tuple[np.ndarray, float]:
+        """Before step `step` is launched: (the batch it reads, the LR it uses), from those it would
+        (the schedule's LR; the rows batch_part names). With lookahead, step s + 1's pre_step may
+        come before step s is read."""
+        return batch_BS1, lr
+
+    def post_step(self, record: StepMetrics) -> None:
+        """After a finite step's record is written (and its eval and checkpoint where due)."""
 
 
 BATCH_HASH_BITS = 52  # a float64 holds it exactly, so trackers that keep floats only keep it too
@@ -226,23 +233,17 @@ def batch_hash(batch_BS1: np.ndarray) -> int:
     return int.from_bytes(digest, "little") & ((1 << BATCH_HASH_BITS) - 1)
 
 
-def inject(fault: FaultHook | None, step: int, batch_BS1: np.ndarray, lr: float, trainer: "Trainer"):
-    """(batch, lr) of step `step` after the fault hook, when there is one (never in a real run)."""
-    if fault is None:
-        return batch_BS1, lr
-    return fault(step, batch_BS1, lr, trainer)
-
-
 class Trainer:
     """Trains `spec` in `run_dir` with `module`'s steps; fit() yields every step's StepMetrics.
 
     stop_after: end this launch after that step of the schedule (with a checkpoint; the LR
     still follows the whole schedule); checkpoints False: write none (benchmarks); stream: the
     token stream (default: the spec's, engines/data.TokenStream; anything with its batch,
-    eval_plan, eval_batch, base_mixture, state and fingerprint); fault: a FaultHook (the fault suite only)."""
+    eval_plan, eval_batch, base_mixture, state and fingerprint); callbacks: Callbacks, called in
+    this order (none in a real run)."""
 
     def __init__(self, spec: Spec, run_dir: str | Path, module: StepModule, stop_after: int | None = None,
-                 checkpoints: bool = True, stream: TokenStream | None = None, fault: "FaultHook | None" = None):
+                 checkpoints: bool = True, stream: TokenStream | None = None, callbacks: Sequence[Callback] = ()):
         self.spec, self.run, self.module = spec, RunDir(run_dir), module
         total = spec.total_steps
         self.end = total if stop_after is None else min(stop_after, total)
@@ -250,7 +251,7 @@ class Trainer:
         self.tokens = 0
         self.stream = stream
         self.last_good: tuple[Path, str] | None = None  # the newest checkpoint known good, and how
-        self.fault = fault
+        self.callbacks = tuple(callbacks)
 
     # ---- cadence -------------------------------------------------------------------------
     def eval_due(self, done: int) -> bool:
@@ -409,7 +410,9 @@ class Trainer:
             else:
                 B = self.stream.batch_size_at(step)
                 batch = self.stream.batch(step, *batch_part(B))
-            batch, lr = inject(self.fault, step, batch, lrs(step), self)
+            lr = lrs(step)
+            for callback in self.callbacks:
+                batch, lr = callback.pre_step(step, batch, lr)
             handle = module.launch(step, batch, lr)
             return handle, lr, B * (batch.shape[1] - 1), batch.shape[1] - 1, time.perf_counter() - t0, batch_hash(batch)
 
@@ -424,6 +427,8 @@ class Trainer:
             mfu = float(flops_per_token(spec, seq)) * tps / (spec.hardware.peak_flops * module.devices)
             rec = record(step, self.tokens, lr, m, tps, mfu, **module.extra(), batch_hash=hashed)
             self._close_step(rec, finite, writer)
+            for callback in self.callbacks:
+                callback.post_step(rec)
             t_prev = time.perf_counter()
             return rec
 

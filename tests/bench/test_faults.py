@@ -105,10 +105,10 @@ def test_the_clip_off_fault_trains_clipped_until_its_onset_and_unclipped_after(t
     hero = tiny_hero()
     fault = next(f for f in FAULTS if f.name == "clip_off_lr_spike")
     assert fault.spec_change is None
-    hook = fault.hook(hero, 10)
-    trainer = SimpleNamespace(module=SimpleNamespace(spec=hero))
-    assert hook(9, "batch", 1.0, trainer) == ("batch", 1.0)
-    assert trainer.module.spec.optim.grad_clip == hero.optim.grad_clip
-    assert hook(10, "batch", 1.0, trainer) == ("batch", 30.0)
-    assert trainer.module.spec.optim.grad_clip == 1e6
-    assert hook(15, "batch", 1.0, trainer) == ("batch", 1.0)
+    module = SimpleNamespace(spec=hero)  # the step module the suite hands the Trainer and the hook
+    hook = fault.hook(hero, 10, module, None)
+    assert hook.pre_step(9, "batch", 1.0) == ("batch", 1.0)
+    assert module.spec.optim.grad_clip == hero.optim.grad_clip
+    assert hook.pre_step(10, "batch", 1.0) == ("batch", 30.0)
+    assert module.spec.optim.grad_clip == 1e6
+    assert hook.pre_step(15, "batch", 1.0) == ("batch", 1.0)
