@@ -285,8 +285,6 @@ class FastLoss:
         # a wrapper (FSDP2) hooks the Experts modules, so their weights are read inside their call;
         # False for a model whose experts sit in their block's unit (default: the blocks are modules)
         self.hooked_experts = self.modules if hooked_experts is None else hooked_experts
-        for blk in model.blocks if self.modules else ():
-            blk.run = self._compute_block
         self.working = working
         self.cdt = working.dtype if working is not None else (
             torch.bfloat16 if device.type == "cuda" else torch.float32)
@@ -326,7 +324,7 @@ class FastLoss:
 
     def _run_block(self, block, w, x_BSD, cos, sin, mask_SS):
         if self.modules:  # the module call: FastBlock.forward runs _compute_block inside the hooks
-            return block(x_BSD, cos, sin, mask_SS)
+            return block(x_BSD, cos, sin, mask_SS, run=self._compute_block)
         return self._compute_block(block, w, x_BSD, cos, sin, mask_SS)
 
     def _compute_block(self, block, w, x_BSD, cos, sin, mask_SS):
@@ -411,14 +409,13 @@ class FastLoss:
 
 
 class FastBlock(Block):
-    """A block whose forward is the fast one (FastLoss sets `run` when the loss is built): the
-    kernels chosen when the model is built, and a module call that a wrapper (FSDP2) hooks, so it
-    holds the block's gathered parameters for exactly as long as the block runs."""
+    """A block whose forward is the fast one, chosen when the model is built: FastLoss hands its
+    block computation in as `run` with each call (the module holds no loss state), and the call is
+    one a wrapper (FSDP2) hooks, so it holds the block's gathered parameters for exactly as long as
+    the block runs."""
 
-    run = None
-
-    def forward(self, x_BSD, cos, sin, mask_SS):
-        return self.run(self, None, x_BSD, cos, sin, mask_SS)
+    def forward(self, x_BSD, cos, sin, mask_SS, run):
+        return run(self, None, x_BSD, cos, sin, mask_SS)
 
 
 def sdpa_backend(name: str | None):

@@ -300,8 +300,13 @@ class MoETransformer(nn.Module):
         self.final_norm = RMSNorm(m.d_model, m.norm_eps)
         self.lm_head = _param(m.d_model, m.vocab_size)
 
-    def forward(self, tokens_BS: torch.Tensor):
-        """Logits [B, S, V] (fp32) and per-layer MoE statistics stacked to [n_layers, ...]."""
+    def forward(self, tokens_BS: torch.Tensor, *args, run=None):
+        """Logits [B, S, V] (fp32) and per-layer MoE statistics stacked to [n_layers, ...]; with
+        `run`, run(self, tokens_BS, *args) instead: another forward of this module tree (a layout's
+        sharded objective, engines/torch/parallel/model.ShardedLoss) as this module's call, which a
+        wrapper hooking the model (FSDP2's root unit) sees as its forward."""
+        if run is not None:
+            return run(self, tokens_BS, *args)
         S = tokens_BS.shape[1]
         cos, sin = rope_tables(S, self.m.head_dim, self.m.rope_theta, tokens_BS.device)
         mask_SS = attention_mask(S, self.m.attention_window, tokens_BS.device)

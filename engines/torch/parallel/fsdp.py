@@ -24,9 +24,9 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from core.spec import ModelSpec
-from engines.options import TorchKernels
 from engines.torch.parallel.layout import Layout
-from engines.torch.parallel.model import ParallelTransformer, gather_experts, is_expert_param
+from engines.torch.model import MoETransformer
+from engines.torch.parallel.model import gather_experts, is_expert_param, layout_model
 
 
 def _summing(module) -> None:
@@ -50,10 +50,11 @@ def gathers_bf16(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def build_sharded_model(m: ModelSpec, mc: Layout, kernels: TorchKernels | None = None) -> ParallelTransformer:
-    """The rank's model with its kernels, sharded, allocated on its device, uninitialised (load_full next)."""
+def build_sharded_model(m: ModelSpec, mc: Layout) -> MoETransformer:
+    """The rank's model (parallel/model.layout_model), sharded, allocated on its device,
+    uninitialised (load_full next)."""
     with torch.device("meta"):
-        model = ParallelTransformer(m, mc, kernels)
+        model = layout_model(m, mc)
     mp = {}
     if gathers_bf16(mc.device):  # inputs (the fp32 residual) are not cast
         mp = {"mp_policy": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
@@ -70,7 +71,7 @@ def build_sharded_model(m: ModelSpec, mc: Layout, kernels: TorchKernels | None =
     return model
 
 
-def reshard(model: ParallelTransformer) -> None:
+def reshard(model: MoETransformer) -> None:
     """Every FSDP2 module back to its shards: the root keeps its parameters gathered after a
     forward without a backward (an eval), and model.parameters() would then name the gathered
     copies, not the sharded parameters the optimizer holds."""
@@ -92,7 +93,7 @@ def _local_of(t: torch.Tensor, full: np.ndarray) -> torch.Tensor:
     return src
 
 
-def load_full(model: ParallelTransformer, arrays: dict[str, np.ndarray], mc: Layout) -> None:
+def load_full(model: MoETransformer, arrays: dict[str, np.ndarray], mc: Layout) -> None:
     """Copy engine-neutral arrays (all experts) into the shards this rank holds; shapes checked."""
     arrays = expert_slice(arrays, model.m, mc)
     own = dict(model.named_parameters()) | dict(model.named_buffers())
@@ -121,7 +122,7 @@ def full_arrays(named: dict[str, torch.Tensor], mc: Layout) -> dict[str, np.ndar
     return gather_experts(mine, mc)
 
 
-def grad_norm_and_clip(model: ParallelTransformer, max_norm: float, extra: torch.Tensor, mc: Layout
+def grad_norm_and_clip(model: MoETransformer, max_norm: float, extra: torch.Tensor, mc: Layout
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """The global gradient norm before clipping (every rank's shards are disjoint: one all-reduce
     of the local squares, which also sums `extra`), then every gradient scaled by
@@ -140,7 +141,7 @@ def grad_norm_and_clip(model: ParallelTransformer, max_norm: float, extra: torch
     return norm, flat[1:]
 
 
-def held_bytes(model: ParallelTransformer, opt: torch.optim.Optimizer) -> dict[str, int]:
+def held_bytes(model: MoETransformer, opt: torch.optim.Optimizer) -> dict[str, int]:
     """Bytes this rank holds between steps: its parameter shards (plus the replicated buffers)
     and its optimizer state's shards."""
     reshard(model)

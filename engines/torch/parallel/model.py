@@ -1,10 +1,13 @@
-"""The MoE transformer of a spec on a layout: this rank's experts, its tokens, and its share of
-the step's objective, computed by the fast forward (engines/torch/fast.py) on every layout.
+"""The MoE transformer of a spec on a layout, by composition: the one model of
+engines/torch/model.py built for this rank (layout_model), and its share of the step's objective
+(ShardedLoss), computed by the fast forward (engines/torch/fast.py) on every layout.
 
 The model is built with its kernels: its blocks are FastBlocks (the fast forward as each block's
 module call, so FSDP2 gathers a block's parameters in its forward hook, and the experts' over the
-data group for exactly as long as the dispatch), its Experts modules hold the layout's dispatcher
-(engines/torch/parallel/dispatch.py: PooledWave or Ragged, given the layout's process groups).
+data group for exactly as long as the dispatch), its Experts modules hold this rank's experts and
+the layout's dispatcher (engines/torch/parallel/dispatch.py: PooledWave or Ragged, given the
+layout's process groups). The loss runs as the model's own call (model(tokens, ..., run=loss)), so
+FSDP2's root unit gathers the embedding, final norm and head around it.
 On a GPU the dense parts are compiled (the dispatch, with its collectives and host sizes, stays
 eager; with ep 1 and dropless dispatch there is none, and each block compiles whole) and the
 matmuls run in bf16 (FSDP2's bf16 gathers); on the CPU everything runs in fp32.
@@ -38,33 +41,41 @@ def is_expert_param(name: str) -> bool:
     return EXPERT_MARK in name
 
 
-class ParallelTransformer(MoETransformer):
-    """The spec's model with this rank's experts and the layout's dispatcher, its loss the fast
-    forward; forward(tokens_bS1, optim, n_tokens) -> (this rank's share of the objective,
-    {"global": forward metrics summed over every rank, "aux_r", "total_r", "load_LE"})."""
+def layout_model(m: ModelSpec, layout: Layout) -> MoETransformer:
+    """The spec's model on this rank: FastBlocks, and in each block this rank's share of the routed
+    experts (E / ep of them) behind the layout's dispatcher."""
+    model = MoETransformer(m, block=FastBlock)
+    if m.dispatch == "capacity":
+        dispatcher = PooledWave(m, layout.expert_group, layout.data_group, layout.d)
+    elif layout.ep == 1:
+        dispatcher = LocalDropless(m)
+    else:
+        dispatcher = Ragged(m, layout.expert_group)
+    for blk in model.blocks:
+        blk.moe.experts = Experts(m.n_routed_experts // layout.ep, m.expert_dim, m.expert_hidden, dispatcher)
+    return model
 
-    def __init__(self, m: ModelSpec, layout: Layout, kernels: TorchKernels | None = None):
-        super().__init__(m, block=FastBlock)
+
+class ShardedLoss:
+    """This rank's share of the step's objective: the fast forward of a layout_model (sharded by
+    FSDP2 or not) and model.sharded_objective. Run as the model's call, model(tokens_bS1, optim,
+    n_tokens, run=loss) -> (this rank's share of the objective, {"global": forward metrics summed
+    over every rank, "aux_r", "total_r", "load_LE"})."""
+
+    def __init__(self, model: MoETransformer, layout: Layout, kernels: TorchKernels | None = None):
         self.layout = layout
-        if m.dispatch == "capacity":
-            dispatcher = PooledWave(m, layout.expert_group, layout.data_group, layout.d)
-        elif layout.ep == 1:
-            dispatcher = LocalDropless(m)
-        else:
-            dispatcher = Ragged(m, layout.expert_group)
-        for blk in self.blocks:
-            blk.moe.experts = Experts(m.n_routed_experts // layout.ep, m.expert_dim, m.expert_hidden, dispatcher)
         o = kernels_here(kernels or TorchKernels())
+        m = model.m
         cuda = layout.device.type == "cuda"
         # ep 1 dropless: no collective inside a block, so the whole block compiles (the experts
         # then sit in their block's FSDP2 unit: engines/torch/parallel/fsdp.py)
         whole = layout.ep == 1 and m.dispatch == "dropless"
         mode = ("block" if whole else "dense") if cuda and o.compile != "none" else "none"
-        self.loss = FastLoss(self, layout.device, o, compile=mode, hooked_experts=layout.ep > 1)
+        self.fast = FastLoss(model, layout.device, o, compile=mode, hooked_experts=layout.ep > 1)
 
-    def forward(self, tokens_bS1: torch.Tensor, optim, n_tokens: int):
-        ce, z, st = self.loss.forward(self, tokens_bS1)
-        return sharded_objective(ce, z, st, optim, self.m, n_tokens, self.layout.world, all_reduce_sum)
+    def __call__(self, model: MoETransformer, tokens_bS1: torch.Tensor, optim, n_tokens: int):
+        ce, z, st = self.fast.forward(model, tokens_bS1)
+        return sharded_objective(ce, z, st, optim, model.m, n_tokens, self.layout.world, all_reduce_sum)
 
 
 def step_metrics(out: dict, aux: torch.Tensor, total: torch.Tensor) -> dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ from engines.torch.parallel.fsdp import (
     reshard,
 )
 from engines.torch.parallel.layout import Layout, LayoutError, check_layout
-from engines.torch.parallel.model import is_expert_param, step_metrics
+from engines.torch.parallel.model import ShardedLoss, is_expert_param, step_metrics
 from engines.torch.step import cpu_threads, describe_options, dispatcher_name
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS, RunHistoryError, Trainer, check_same_run
 
@@ -81,7 +81,8 @@ class ParallelStep:
         self.devices = layout.world
         if spec.optim.moments != "fp32":  # (MasterAdamW alone keeps bf16 moments: no layout has it)
             raise LayoutError("optim.moments bf16 is not supported over processes: the sharded AdamW keeps fp32 moments")
-        self.model = build_sharded_model(spec.model, layout, kernels_here(self.options.torch_kernels))
+        self.model = build_sharded_model(spec.model, layout)
+        self.loss = ShardedLoss(self.model, layout, kernels_here(self.options.torch_kernels))
         self.opt = build_optimizer(self.model, spec.optim, sharded=layout.device)
 
     def init_fresh(self) -> None:
@@ -116,7 +117,7 @@ class ParallelStep:
         x = torch.from_numpy(batch_BS1).to(lay.device, dtype=torch.long)
         for g in opt.param_groups:
             g["lr"] = lr
-        total_r, out = model(x, spec.optim, n_tok)
+        total_r, out = model(x, spec.optim, n_tok, run=self.loss)
         total_r.backward()
         grad_norm, sums = grad_norm_and_clip(model, spec.optim.grad_clip,
                                              torch.stack([out["aux_r"], out["total_r"]]), lay)
@@ -139,7 +140,7 @@ class ParallelStep:
         with torch.no_grad():
             for batch in batches:
                 x = torch.from_numpy(self.layout.local_batch(batch)).to(self.layout.device, dtype=torch.long)
-                _, out = self.model(x, self.spec.optim, batch.shape[0] * (batch.shape[1] - 1))
+                _, out = self.model(x, self.spec.optim, batch.shape[0] * (batch.shape[1] - 1), run=self.loss)
                 losses.append(out["global"]["loss"])
         reshard(self.model)
         return torch.stack(losses).float().cpu().tolist() if losses else []
