@@ -20,7 +20,8 @@ does everything around the steps, the same way for each of them:
                         mixture with the same weights in both, each with its standard error
                         (score_eval); eval_loss_periodic is the periodic sample's value at every
                         eval, the final one included (scored there too), so the periodic curve
-                        and the final estimate one quantity and the final is marked eval_final
+                        and the final estimate one quantity and the final is marked eval_final;
+                        eval_periodic_windows (the sample's windows a source) says which sample
     divergence          a non-finite step is recorded, status.json says "diverged" and the run
                         raises DivergedError; nothing after the last checkpoint is ever saved
     callbacks           `callbacks` (Callback below, OLMo-core style): called in list order before
@@ -286,7 +287,8 @@ class Trainer:
     def evaluate(self, final: bool) -> dict:
         """Score the fixed eval set: every window when final, else run.eval_batches groups a source
         (its stratified sample); eval_loss_periodic is the sample's value at the final eval too."""
-        periodic = self.stream.eval_plan(self.spec.run.eval_batches * EVAL_ROWS)
+        k = self.spec.run.eval_batches * EVAL_ROWS
+        periodic = self.stream.eval_plan(k)
         out = self._score(periodic)
         out["eval_loss_periodic"] = out["eval_loss"]
         if final:
@@ -295,6 +297,7 @@ class Trainer:
                                                       for a, b in zip(plan, periodic))
             out = (dict(out) if same else self._score(plan)) | {"eval_loss_periodic": out["eval_loss"]}
         out["eval_final"] = final
+        out["eval_periodic_windows"] = k  # the sample's size a source: periodic levels compare on the same sample
         return out
 
     def _options(self) -> dict:

@@ -107,13 +107,27 @@ EXPERIMENT_KIND_TAG = "mlflow.experimentKind"
 EXPERIMENT_KIND = "custom_model_development"
 
 
+TRAINING_VIEW = "workflowType=machine_learning"
+
+
 def ui_url(base: str, exp_id: str | None = None) -> str:
     """The MLflow UI's page of an experiment, in its training view. MLflow 3 opens an experiment in
     the workflow type kept in the browser (GenAI by default: traces) whatever the experiment-kind
     tag; the page's `workflowType` query parameter (server/js .../ExperimentPageWorkflowTypeContext:
     genai | machine_learning) sets it, so the link says machine_learning."""
     base = base.rstrip("/")
-    return f"{base}/#/experiments/{exp_id}?workflowType=machine_learning" if exp_id else base
+    return f"{base}/#/experiments/{exp_id}?{TRAINING_VIEW}" if exp_id else base
+
+
+def run_path(exp_id: str, run_id: str, charts: bool = False) -> str:
+    """A run's page (its "Model metrics" charts with `charts`) in the training view, relative to the
+    UI's root. Without the query parameter MLflow 3.17 shows a run as a GenAI "Evaluation" (its
+    side bar traces, sessions and judges; checked in headless Chromium, tests/ladder/test_mlflow_ui.py)."""
+    return f"#/experiments/{exp_id}/runs/{run_id}{'/model-metrics' if charts else ''}?{TRAINING_VIEW}"
+
+
+def run_ui_url(base: str, exp_id: str, run_id: str, charts: bool = False) -> str:
+    return f"{base.rstrip('/')}/{run_path(exp_id, run_id, charts)}"
 
 
 NOTE_TAG = "mlflow.note.content"  # the experiment page shows it as the experiment's description
@@ -137,7 +151,7 @@ def write_experiment_note(uri: str, exp_id: str) -> None:
     for r in runs:
         t = r.data.tags
         state = t.get("ladder.state") or r.info.status.lower()
-        lines.append(f"| [{t.get('rung', r.info.run_name)}](#/experiments/{exp_id}/runs/{r.info.run_id}) | "
+        lines.append(f"| [{t.get('rung', r.info.run_name)}]({run_path(exp_id, r.info.run_id, charts=True)}) | "
                      f"{t.get('role', '')} | {t.get('engine', '')} | {state} | {t.get('spec_id', '')} |")
     c.set_experiment_tag(exp_id, NOTE_TAG, "\n".join(lines) + "\n")
 

@@ -51,6 +51,7 @@ SENTINEL_KEY = "loss"
 MAX_METRICS_PER_BATCH = 1000  # MLflow's log_batch limit
 MAX_PARAMS_PER_BATCH = 100
 NOT_METRICS = {"step", "time", "extra"}
+NOT_METRIC_EXTRAS = {"eval_periodic_windows"}  # a constant of the run (its periodic eval's sample size)
 MLFLOW_STATUS = {"finished": "FINISHED", "failed": "FAILED", "diverged": "FAILED", "interrupted": "KILLED"}
 
 log = logging.getLogger("ladder.tracking")
@@ -91,7 +92,7 @@ def record_metrics(rec: dict) -> list[tuple[str, float]]:
             continue
         out.append((name(k), float(v)))
     for k, v in (rec.get("extra") or {}).items():
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and k not in NOT_METRIC_EXTRAS:
             out.append((name(k) if k not in rec else f"extra.{k}", float(v)))
     return out
 

@@ -2,7 +2,7 @@
 
     cal = calibrate(healthy_frames, total_steps, forecast=None)   # Calibration
     cal.save("calibration.json"); cal = load_calibration("calibration.json")
-    seq = sequential_test(steps, values, "loss", cal, forecast, alpha)     # SequentialResult
+    seq = sequential_test(steps, values, "loss", cal, forecast, alpha)     # analysis.monitor.seq
 
 A flag is worth reading only if healthy runs do not raise it. So the width the monitor allows at
 each stretch of training is measured on healthy runs of the same spec (replicates with other
@@ -70,7 +70,10 @@ analysis.monitor.load). A calibration file written before a series was added has
 it: the series is then simply not judged calibrated (its uncalibrated rules still apply).
 
 A calibration file records what it was made from (the runs, their spec ids, the forecast's path,
-creation time and hero spec id); the monitor refuses one made against another forecast.
+creation time and hero spec id, the runs' common spec and how their periodic evals were sampled);
+the monitor refuses one made against another forecast, and analysis.monitor.scope says how it
+applies to the run judged (a replicate, a branch, another spec; eval-loss series only on the same
+eval sample).
 """
 
 from __future__ import annotations
@@ -87,13 +90,17 @@ import numpy as np
 import pandas as pd
 
 from analysis.forecast.file import Forecast
-from analysis.monitor.series import block_means, residual, series_values, source_eval_names, throughput_ratio
+from analysis.runs.replicates import family_key
+from analysis.monitor.series import (UNMARKED, block_means, eval_sample, is_eval_series, residual, series_values,
+                                     source_eval_names, throughput_ratio)
+from analysis.monitor.scope import spec_fields
 from analysis.monitor.stats import column, local_spike_z
+from core.errors import InputError
 from core.fsutil import atomic_write_text
+from core.spec import Spec
 from core.safeload import load_file
 
-__all__ = ["Calibration", "SeriesCalibration", "SequentialResult", "calibrate", "cusum_threshold", "load_calibration",
-           "sequential_test", "SERIES"]
+__all__ = ["Calibration", "SeriesCalibration", "calibrate", "cusum_threshold", "load_calibration", "own_change", "SERIES"]
 
 SERIES = ("loss", "grad_norm", "eval_loss", "router_entropy", "train_eval_gap", "expert_load_max")
 SPIKE_SERIES = ("loss", "grad_norm")
@@ -161,6 +168,20 @@ class Calibration:
     drop_frac_max: float | None = None  # the largest token-drop fraction (send + recv) a healthy run showed past the transient
     method: str = "healthy replicates: per-block mean and spread of the log residual; AR(1)-whitened CUSUM"
     extra: dict[str, Any] = field(default_factory=dict)
+    # how the healthy runs' periodic evals were sampled (analysis.monitor.series.eval_sample); a file
+    # written before it was recorded was made on unmarked runs
+    eval_sample: str | None = UNMARKED
+    family: str | None = None  # the healthy runs' spec with seed and name set aside (analysis.runs.replicates.family_key)
+    spec: dict[str, Any] | None = None  # that spec's compared fields (analysis.monitor.scope.spec_fields)
+
+    def eval_sample_differs(self, df: pd.DataFrame) -> str | None:
+        """Why the run's periodic eval levels do not compare with the healthy runs' (None when they do)."""
+        run = eval_sample(df)
+        if run is None or run == (self.eval_sample or UNMARKED):
+            return None
+        return (f"the run's periodic evals are sampled {run}, the calibration's healthy runs' {self.eval_sample or UNMARKED} "
+                f"(a different sample has another level): its eval-loss series are not judged against the calibration; "
+                f"calibrate on replicates trained by the same code")
 
     @property
     def edges_array(self) -> np.ndarray:
@@ -182,11 +203,11 @@ class Calibration:
             return
         want = self.forecast or {}
         if forecast is None:
-            raise ValueError(f"{where} was made against the forecast {want.get('path')} (hero spec "
+            raise InputError(f"{where} was made against the forecast {want.get('path')} (hero spec "
                              f"{want.get('hero_spec_id')}); pass it with --forecast")
         got = _forecast_id(forecast)
         if (want.get("created"), want.get("hero_spec_id")) != (got["created"], got["hero_spec_id"]):
-            raise ValueError(f"{where} was made against the forecast created {want.get('created')} for spec "
+            raise InputError(f"{where} was made against the forecast created {want.get('created')} for spec "
                              f"{want.get('hero_spec_id')}, not {forecast.path} (created {got['created']}, "
                              f"spec {got['hero_spec_id']}); calibrate again against this forecast")
 
@@ -211,21 +232,21 @@ def _forecast_id(forecast: Forecast) -> dict[str, Any]:
 def load_calibration(path: str | Path) -> Calibration:
     path = Path(path)
     if not path.exists():
-        raise ValueError(f"{path}: no such calibration file")
+        raise InputError(f"{path}: no such calibration file")
     try:
         d = load_file(path, "json")
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        raise InputError(f"{path}: not valid JSON ({e})") from None
     try:
         series = {k: SeriesCalibration(**{f: (np.nan if v is None else v) if not isinstance(v, list) else
                                           [np.nan if x is None else x for x in v] for f, v in s.items()})
                   for k, s in d["series"].items()}
         cal = Calibration(**{**{k: v for k, v in d.items() if k != "series"}, "series": series})
     except (KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a monitor calibration ({e})") from None
+        raise InputError(f"{path}: not a monitor calibration ({e})") from None
     B = len(cal.edges) - 1
     if B < 1 or any(len(s.mu) != B or len(s.sd) != B for s in cal.series.values()):
-        raise ValueError(f"{path}: calibration blocks do not match its edges")
+        raise InputError(f"{path}: calibration blocks do not match its edges")
     return cal
 
 
@@ -343,14 +364,18 @@ def _series_calibration(runs: Sequence[tuple[np.ndarray, np.ndarray]], series: s
                              rho=rho, change_sd=change_sd, change_lambda=change_lambda, runs=R, dof=dof, widen=widen * scale)
 
 
-def own_change(u: np.ndarray, lam: float) -> np.ndarray:
+def own_change(u: np.ndarray, lam: float, restart: int | None = None) -> np.ndarray:
     """Per block: the one-step prediction error of the run's own level, u_b - l_{b-1}, with the
     level l exponentially smoothed (l_b = l_{b-1} + lam (u_b - l_{b-1}), l = 0 before the first
-    block: the healthy mean); NaN where u is."""
+    block: the healthy mean); NaN where u is. From block `restart` on (a branch's own spec) the
+    level starts again at the first value there: the branch's own course is judged, not its step
+    away from its parent at the join."""
     out = np.full(len(u), np.nan)
     level = 0.0
     for b in range(len(u)):
         if np.isfinite(u[b]):
+            if restart is not None and b >= restart:
+                level, restart = u[b], None
             out[b] = u[b] - level
             level += lam * out[b]
     return out
@@ -361,13 +386,20 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
               spike_sigma: float = 7.0, throughput_points: int = 20) -> Calibration:
     """A calibration from healthy runs [(name, metrics frame, spec or None)] of one spec."""
     if len(healthy) < 2:
-        raise ValueError(f"a calibration needs at least 2 healthy runs (got {len(healthy)}): their spread is the band")
+        raise InputError(f"a calibration needs at least 2 healthy runs (got {len(healthy)}): their spread is the band")
     B = max(1, min(n_blocks, total_steps))
     edges = np.unique(np.round(np.linspace(0, total_steps, B + 1)).astype(np.int64))
     series: dict[str, SeriesCalibration] = {}
     # the fixed series, and the held-out eval loss of each source when every healthy run logs it
     per_source = sorted(set.intersection(*[set(source_eval_names(df)) for _, df, _ in healthy]))
+    samples = sorted({s for _, df, _ in healthy if (s := eval_sample(df)) is not None})
+    sample = samples[0] if len(samples) == 1 else None
+    if len(samples) > 1:  # their levels do not pool
+        warnings.warn(f"the healthy runs' periodic evals were sampled differently ({', '.join(samples)}): "
+                      f"the eval-loss series are left out of the calibration")
     for name in (*SERIES, *per_source):
+        if is_eval_series(name) and len(samples) > 1:
+            continue
         runs = [sv for _, df, _ in healthy if (sv := series_values(df, name)) is not None]
         if len(runs) >= 2:
             series[name] = _series_calibration(runs, name, edges, forecast, spike_window, spike_min_history)
@@ -403,85 +435,15 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
                        forecast=_forecast_id(forecast) if forecast is not None else None, runs=runs_meta,
                        transient_end_step=int(transient), tokens_per_s=float(np.median(tps)) if tps else None,
                        throughput_min_ratio=float(np.nanmin(np.concatenate(ratios))) if ratios else None,
-                       drop_frac_max=max(drops) if drops else None)
+                       drop_frac_max=max(drops) if drops else None, eval_sample=sample,
+                       **_family(healthy))
 
 
-@dataclass
-class SequentialResult:
-    """One series' test: per block u, e, S+ and S- (the larger of the two tests' sums over their
-    thresholds: an alarm is S > h = 1), and the first alarm each way."""
-
-    u: np.ndarray
-    e: np.ndarray
-    s_up: np.ndarray
-    s_down: np.ndarray
-    h: float
-    k: float
-    tested: int
-    alarm_up: int | None  # block index
-    alarm_down: int | None
-    onset_up: int | None
-    onset_down: int | None
-    m: np.ndarray  # the run's block means
-    mu: np.ndarray
-    sd: np.ndarray
-    test_up: str | None = None  # which test alarmed: "level" or "change"
-    test_down: str | None = None
-
-
-def tolerance(rho: float, alpha: float) -> tuple[float, float]:
-    """(z_tol, k'): the level a healthy run may hold and the CUSUM reference value in units of
-    the block noise (module docstring)."""
-    z_tol = NormalDist().inv_cdf(1 - alpha)
-    return z_tol, K_REF + z_tol * math.sqrt(rho / (1 - rho))
-
-
-def sequential_test(steps: np.ndarray, values: np.ndarray, series: str, cal: Calibration,
-                    forecast: Forecast | None, alpha: float, min_sd: float = 0.0) -> SequentialResult | None:
-    """The test of one series; alpha is this series' share of the false-alarm rate for one
-    direction (split evenly between the level tolerance and the CUSUM threshold)."""
-    sc = cal.series.get(series)
-    if sc is None or not len(steps):
-        return None
-    edges = cal.edges_array
-    r = residual(series, steps, values, forecast)
-    m, _, _ = block_means(steps, r, edges, complete_to=int(steps[-1]))
-    mu, sd = sc.arrays()
-    sd = np.maximum(sd, min_sd)
-    u = (m - mu) / sd
-    B = len(u)
-    rho = float(sc.rho)
-    _, k = tolerance(rho, alpha / 4)
-    # h for the worst level the tolerance allows: there the increments e - k have the mean -K_REF
-    h = cusum_threshold(max(int(np.sum(np.isfinite(mu) & np.isfinite(sd))), 1), alpha / 4, K_REF)
-    noise = math.sqrt(1 - rho)
-    e = u / noise
-    # the change test: u against the run's own recent level, in healthy sds of that difference
-    c = own_change(u, float(sc.change_lambda)) / np.maximum(np.asarray(sc.change_sd, dtype=np.float64), 1e-12)
-    h_change = cusum_threshold(max(int(np.sum(np.isfinite(mu) & np.isfinite(sd))), 1), alpha / 2, K_REF)
-    s_up, s_dn = np.zeros(B), np.zeros(B)
-    alarm = {"up": None, "down": None}
-    onset = {"up": None, "down": None}
-    test = {"up": None, "down": None}
-    state = {("level", "up"): 0.0, ("level", "down"): 0.0, ("change", "up"): 0.0, ("change", "down"): 0.0}
-    zero = {key: 0 for key in state}
-    tested = 0
-    for b in range(B):
-        if np.isfinite(e[b]):
-            tested += 1
-        for name, x, kk, hh in (("level", e[b], k, h), ("change", c[b], K_REF, h_change)):
-            if not np.isfinite(x):
-                continue
-            for side, sign in (("up", 1.0), ("down", -1.0)):
-                key = (name, side)
-                state[key] = max(0.0, state[key] + sign * x - kk)
-                if state[key] == 0.0:
-                    zero[key] = b + 1
-                if alarm[side] is None and state[key] > hh:
-                    alarm[side], onset[side], test[side] = b, min(zero[key], b), name
-        s_up[b] = max(state[("level", "up")] / max(h, 1e-12), state[("change", "up")] / max(h_change, 1e-12))
-        s_dn[b] = max(state[("level", "down")] / max(h, 1e-12), state[("change", "down")] / max(h_change, 1e-12))
-    alarm_up, alarm_dn, onset_up, onset_dn = alarm["up"], alarm["down"], onset["up"], onset["down"]
-    return SequentialResult(u=u, e=e, s_up=s_up, s_down=s_dn, h=1.0, k=k, tested=tested, alarm_up=alarm_up,
-                            alarm_down=alarm_dn, onset_up=onset_up, onset_down=onset_dn, m=m, mu=mu, sd=sd,
-                            test_up=test["up"], test_down=test["down"])
+def _family(healthy: Sequence[tuple[str, pd.DataFrame, Any]]) -> dict[str, Any]:
+    """The healthy runs' common spec (family key and compared fields); none without specs or when
+    they differ beyond the seed."""
+    specs = [spec for _, _, spec in healthy if isinstance(spec, Spec)]
+    keys = {family_key(s) for s in specs}
+    if len(specs) < len(healthy) or len(keys) != 1:
+        return {"family": None, "spec": None}
+    return {"family": keys.pop(), "spec": spec_fields(specs[0])}

@@ -12,15 +12,17 @@ import pandas as pd
 
 from analysis.forecast.file import Forecast
 from analysis.monitor.calib import Calibration
-from analysis.runs.metrics import frame_tokens_per_step
+from analysis.monitor.scope import Scope
+from analysis.runs.metrics import LR_AGREED_POINTS, frame_tokens_per_step, lr_departure
 from analysis.monitor.stats import (column, first_run, interp_inside, iso_utc, json_num, local_spike_z,
                                     measured_tokens_per_s, olmo_spike_score, planned_tokens_per_s, rolling_median)
 from analysis.monitor.flags import Flag, MonitorSettings
 from core.spec import Spec
 
 
-CALIBRATE_HINT = ("to calibrate, train two or more healthy seeds of the hero's spec and pass bench/faults.py's "
-                  "calibration.json with --calibration")
+CALIBRATE_HINT = ("to calibrate, train two or more healthy seeds of the hero's spec (ladder.experiment.replicate) "
+                  "and run `ladder calibrate EXPERIMENT`: it writes calibration.json beside the forecast, where "
+                  "compare finds it")
 
 
 @dataclass
@@ -40,6 +42,7 @@ class RunCurves:
     after_warm: np.ndarray  # past the early transient
     calibration: Calibration | None = None
     transient_end: int = 0
+    scope: Scope | None = None  # how the calibration applies to this run (analysis.monitor.scope)
 
     @property
     def n(self) -> int:
@@ -60,6 +63,23 @@ def check_non_finite(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
                 "text": f"{name} is {v[i]} at step {steps[i]} ({int(bad.sum())} non-finite point(s))",
                 "metric": name, "count": int(bad.sum()), "last_finite_step": json_num(steps[i - 1]) if i else None}))
     return flags, {}
+
+
+def check_lr_schedule(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
+    """`lr_off_schedule` (critical): the logged LR followed the spec's schedule and then left it
+    (analysis.runs.metrics.lr_departure; an LR off the schedule from its first points is another
+    spec, refused where the run is read)."""
+    if c.spec is None:
+        return [], {}
+    dep = lr_departure(c.spec, c.df)
+    if dep is None or dep["agreed_before"] < LR_AGREED_POINTS:
+        return [], {}
+    ratio = dep["lr"] / dep["schedule"] if dep["schedule"] else float("inf")
+    return [Flag("lr_off_schedule", "critical", dep["step"], {
+        "text": f"the logged LR left the spec's schedule at step {dep['step']} ({dep['lr']:.6g} against "
+                f"{dep['schedule']:.6g}, {ratio:.3g}x) after following it for {dep['agreed_before']} points: the "
+                f"optimizer is not running the spec (a scheduler or resume fault), or the spec given is not the run's",
+        "lr": json_num(dep["lr"]), "schedule": json_num(dep["schedule"]), "ratio": json_num(ratio)})], {}
 
 
 def check_run_status(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:

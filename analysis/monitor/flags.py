@@ -9,6 +9,7 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from core.errors import InputError
 from core.safeload import load_file
 
 __all__ = ["SEVERITY_RANK", "Flag", "MonitorReport", "MonitorSettings", "Severity"]
@@ -91,13 +92,13 @@ class MonitorSettings(BaseModel):
         if path is not None:
             p = Path(path)
             if not p.exists():
-                raise ValueError(f"{p}: no such monitor settings file")
+                raise InputError(f"{p}: no such monitor settings file")
             try:
                 loaded = load_file(p, "yaml") or {}
             except yaml.YAMLError as e:
-                raise ValueError(f"{p}: not valid YAML: {e}") from None
+                raise InputError(f"{p}: not valid YAML: {e}") from None
             if not isinstance(loaded, dict):
-                raise ValueError(f"{p}: monitor settings must be a mapping of threshold names to values")
+                raise InputError(f"{p}: monitor settings must be a mapping of threshold names to values")
             data.update(loaded)
         data.update(overrides or {})
         try:
@@ -107,7 +108,7 @@ class MonitorSettings(BaseModel):
             for err in e.errors():
                 loc = ".".join(str(x) for x in err["loc"]) or "(settings)"
                 parts.append(f"{loc}: {err['msg']}")
-            raise ValueError("invalid monitor settings: " + "; ".join(parts)) from None
+            raise InputError("invalid monitor settings: " + "; ".join(parts)) from None
 
 
 @dataclass

@@ -5,13 +5,16 @@ analysis.monitor.watch documents every flag; analysis.monitor.calib the calibrat
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from analysis.monitor.calib import sequential_test
-from analysis.monitor.series import eval_series, series_values, throughput_ratio
+from analysis.monitor.calib import K_REF, Calibration, cusum_threshold, own_change
+from analysis.forecast.file import Forecast
+from analysis.monitor.series import block_means, eval_series, is_eval_series, residual, series_values, throughput_ratio
 from analysis.monitor.checks import RunCurves
 from analysis.monitor.stats import column, json_num
 from analysis.monitor.flags import Flag
@@ -39,13 +42,19 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     flags: list[Flag] = []
     summary: dict[str, Any] = {}
     edges = cal.edges_array
-    present = {name: sv for name in cal.series if (sv := series_values(c.df, name)) is not None}
+    scope = c.scope
+    skip_eval = scope is not None and scope.eval_skipped is not None
+    present = {name: sv for name in cal.series
+               if not (skip_eval and is_eval_series(name)) and (sv := series_values(c.df, name)) is not None}
+    if skip_eval:
+        summary["eval_not_calibrated"] = scope.eval_skipped
+    level_until = scope.level_until_step if scope is not None else None
     # the run's false-alarm rate, split evenly over the series tested and their two directions
     alpha = cfg.false_alarm_rate / max(2 * len(present), 1)
     for series, (steps, v) in present.items():
         col = stem = series
         floor = getattr(cfg, _SD_FLOOR[series]) if series in _SD_FLOOR else cfg.min_sd
-        res = sequential_test(steps, v, series, cal, c.forecast, alpha, floor)
+        res = sequential_test(steps, v, series, cal, c.forecast, alpha, floor, level_until_step=level_until)
         if res is None or not res.tested:
             continue
         last = np.flatnonzero(np.isfinite(res.u))
@@ -160,3 +169,90 @@ def check_throughput_drop(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
         "text": f"tokens/s fell to {ratio[j]:.0%} of the run's own earlier rate (median of the last {k} points "
                 f"against the median before them; threshold {frac:.0%} from {why})",
         "ratio": json_num(ratio[j]), "threshold": json_num(frac)})], {}
+
+
+@dataclass
+class SequentialResult:
+    """One series' test: per block u, e, S+ and S- (the larger of the two tests' sums over their
+    thresholds: an alarm is S > h = 1), and the first alarm each way."""
+
+    u: np.ndarray
+    e: np.ndarray
+    s_up: np.ndarray
+    s_down: np.ndarray
+    h: float
+    k: float
+    tested: int
+    alarm_up: int | None  # block index
+    alarm_down: int | None
+    onset_up: int | None
+    onset_down: int | None
+    m: np.ndarray  # the run's block means
+    mu: np.ndarray
+    sd: np.ndarray
+    test_up: str | None = None  # which test alarmed: "level" or "change"
+    test_down: str | None = None
+
+
+def tolerance(rho: float, alpha: float) -> tuple[float, float]:
+    """(z_tol, k'): the level a healthy run may hold and the CUSUM reference value in units of
+    the block noise (module docstring)."""
+    z_tol = NormalDist().inv_cdf(1 - alpha)
+    return z_tol, K_REF + z_tol * math.sqrt(rho / (1 - rho))
+
+
+def sequential_test(steps: np.ndarray, values: np.ndarray, series: str, cal: Calibration,
+                    forecast: Forecast | None, alpha: float, min_sd: float = 0.0,
+                    level_until_step: int | None = None) -> SequentialResult | None:
+    """The test of one series; alpha is this series' share of the false-alarm rate for one
+    direction (split evenly between the level tolerance and the CUSUM threshold). With
+    level_until_step (a branch's join, analysis.monitor.scope) the level test reads the blocks that
+    end by that step only; the change test reads every block, its own level starting again at the
+    first block after it."""
+    sc = cal.series.get(series)
+    if sc is None or not len(steps):
+        return None
+    edges = cal.edges_array
+    r = residual(series, steps, values, forecast)
+    m, _, _ = block_means(steps, r, edges, complete_to=int(steps[-1]))
+    mu, sd = sc.arrays()
+    sd = np.maximum(sd, min_sd)
+    u = (m - mu) / sd
+    B = len(u)
+    rho = float(sc.rho)
+    _, k = tolerance(rho, alpha / 4)
+    # h for the worst level the tolerance allows: there the increments e - k have the mean -K_REF
+    h = cusum_threshold(max(int(np.sum(np.isfinite(mu) & np.isfinite(sd))), 1), alpha / 4, K_REF)
+    noise = math.sqrt(1 - rho)
+    e = u / noise
+    # the change test: u against the run's own recent level, in healthy sds of that difference
+    restart = None if level_until_step is None else int(np.searchsorted(edges[1:] - 1, level_until_step, side="right"))
+    c = own_change(u, float(sc.change_lambda), restart) / np.maximum(np.asarray(sc.change_sd, dtype=np.float64), 1e-12)
+    h_change = cusum_threshold(max(int(np.sum(np.isfinite(mu) & np.isfinite(sd))), 1), alpha / 2, K_REF)
+    s_up, s_dn = np.zeros(B), np.zeros(B)
+    alarm = {"up": None, "down": None}
+    onset = {"up": None, "down": None}
+    test = {"up": None, "down": None}
+    state = {("level", "up"): 0.0, ("level", "down"): 0.0, ("change", "up"): 0.0, ("change", "down"): 0.0}
+    zero = {key: 0 for key in state}
+    tested = 0
+    for b in range(B):
+        if np.isfinite(e[b]):
+            tested += 1
+        level_x = e[b] if level_until_step is None or edges[b + 1] - 1 <= level_until_step else np.nan
+        for name, x, kk, hh in (("level", level_x, k, h), ("change", c[b], K_REF, h_change)):
+            if not np.isfinite(x):
+                continue
+            for side, sign in (("up", 1.0), ("down", -1.0)):
+                key = (name, side)
+                state[key] = max(0.0, state[key] + sign * x - kk)
+                if state[key] == 0.0:
+                    zero[key] = b + 1
+                if alarm[side] is None and state[key] > hh:
+                    alarm[side], onset[side], test[side] = b, min(zero[key], b), name
+        s_up[b] = max(state[("level", "up")] / max(h, 1e-12), state[("change", "up")] / max(h_change, 1e-12))
+        s_dn[b] = max(state[("level", "down")] / max(h, 1e-12), state[("change", "down")] / max(h_change, 1e-12))
+    alarm_up, alarm_dn, onset_up, onset_dn = alarm["up"], alarm["down"], onset["up"], onset["down"]
+    return SequentialResult(u=u, e=e, s_up=s_up, s_down=s_dn, h=1.0, k=k, tested=tested, alarm_up=alarm_up,
+                            alarm_down=alarm_dn, onset_up=onset_up, onset_down=onset_dn, m=m, mu=mu, sd=sd,
+                            test_up=test["up"], test_down=test["down"])

@@ -29,13 +29,38 @@ import pandas as pd
 from analysis.forecast.file import Forecast
 from analysis.monitor.stats import column
 
-__all__ = ["block_means", "eval_series", "reference", "residual", "series_values", "source_eval_names", "throughput_ratio"]
+__all__ = ["EVAL_SERIES", "UNMARKED", "block_means", "eval_sample", "eval_series", "is_eval_series", "reference", "residual", "series_values", "source_eval_names", "throughput_ratio"]
 
 
 def _col(df: pd.DataFrame, name: str) -> np.ndarray | None:
     """A column by its name, or as the trainer's extras carry it (extra.<name>)."""
     v = column(df, name)
     return v if v is not None else column(df, f"extra.{name}")
+
+
+# the series whose level is the periodic eval's: they compare across runs only on the same sample
+EVAL_SERIES = ("eval_loss", "train_eval_gap")
+UNMARKED = "unmarked"  # records that do not say how their periodic evals were sampled
+
+
+def is_eval_series(series: str) -> bool:
+    return series in EVAL_SERIES or series.startswith("eval_loss/")
+
+
+def eval_sample(df: pd.DataFrame) -> str | None:
+    """How a run's periodic evals were sampled, from its records: "stratified:<k>" (each source's
+    stratified sample of k windows, engines.evalset.periodic_windows: the trainer logs
+    eval_periodic_windows at every eval), "unmarked" for records that do not say (runs from before
+    the stratified sample scored a prefix of each source, which sits below the final eval; another
+    stack's export), None without any eval. Two runs' periodic eval levels compare only when
+    these agree."""
+    ev = eval_series(df)[0]
+    if ev is None or not np.isfinite(ev).any():
+        return None
+    k = _col(df, "eval_periodic_windows")
+    if k is None or not np.isfinite(k).any():
+        return UNMARKED
+    return f"stratified:{int(np.nanmax(k))}"
 
 
 def eval_series(df: pd.DataFrame) -> tuple[np.ndarray | None, np.ndarray | None]:

@@ -21,6 +21,9 @@ The kinds, with their severities:
 
 - `non_finite` (critical): a NaN or inf loss or grad norm.
 - `run_diverged` / `run_failed` (critical): the run's status.json says so.
+- `lr_off_schedule` (critical): the logged LR followed the spec's schedule, then left it (a
+  scheduler fault, a resume at the wrong step, a spike); an LR off it from the first points is
+  another spec, refused where the run is read (analysis.runs.metrics.check_spec_matches).
 - `train_eval_divergence` (critical): held-out eval loss risen over its running minimum (by
   `eval_rise_sigma` x its standard error where the records carry eval_loss_se, else by
   `eval_rise_rel`) while the train loss near it fell, at `eval_rise_points` consecutive eval
@@ -76,6 +79,10 @@ The kinds, with their severities:
   or the spec's hardware at its expected MFU), with the projected finish at the measured rate.
 - `forecast_spec_mismatch` (info): the forecast was made for another spec id than the run's.
 
+With a calibration the summary's `calibration_scope` says how it applies to the run
+(analysis.monitor.scope: a replicate, a branch, another spec, and whether the eval-loss series are
+judged: only on the healthy runs' eval sample, else `eval_not_calibrated` says why).
+
 The early transient (where grad-norm, spike, drop and entropy tests wait): the settings'
 `ignore_first_steps`; else where the calibration's healthy runs stop spiking (the first 5 clean
 stretches in a row end it); else the later of the spec's
@@ -98,10 +105,11 @@ import pandas as pd
 
 from analysis.forecast.file import Forecast, load_forecast
 from analysis.monitor.calib import Calibration, load_calibration
-from analysis.monitor.checks import (RunCurves, check_band, check_grad_norm, check_loss_jump, check_non_finite,
-                                     check_repeated_batches, check_router_entropy, check_run_status, check_spikes,
-                                     check_throughput, check_token_drops)
+from analysis.monitor.checks import (RunCurves, check_band, check_grad_norm, check_loss_jump, check_lr_schedule,
+                                     check_non_finite, check_repeated_batches, check_router_entropy, check_run_status,
+                                     check_spikes, check_throughput, check_token_drops)
 from analysis.monitor.load import check_expert_load, check_sequential_load
+from analysis.monitor.scope import calibration_scope
 from analysis.monitor.seq import check_throughput_drop, check_train_eval
 from analysis.monitor.stats import (column, json_num, measured_tokens_per_s, olmo_spike_score, planned_tokens_per_s,
                                     spec_warmup_steps)
@@ -113,7 +121,7 @@ __all__ = ["CHECKS", "Calibration", "Flag", "Forecast", "MonitorReport", "Monito
            "planned_tokens_per_s", "spec_warmup_steps", "transient_end"]
 
 # One function per flag family, in the order their flags and summaries are gathered.
-CHECKS = (check_non_finite, check_run_status, check_repeated_batches, check_band, check_sequential_load, check_train_eval,
+CHECKS = (check_non_finite, check_run_status, check_lr_schedule, check_repeated_batches, check_band, check_sequential_load, check_train_eval,
           check_loss_jump, check_spikes, check_grad_norm, check_token_drops, check_router_entropy, check_expert_load,
           check_throughput, check_throughput_drop)
 
@@ -152,10 +160,11 @@ def monitor(
         calibration.check_forecast(forecast)
     steps = df["step"].to_numpy(dtype=np.int64)
     skip, skip_from = transient_end(spec, forecast, calibration, cfg)
+    scope = calibration_scope(calibration, spec, df) if calibration is not None else None
     curves = RunCurves(df=df, spec=spec, forecast=forecast, cfg=cfg, status=status,
                        now=_time.time() if now is None else now, plan_tokens_per_s=plan_tokens_per_s, steps=steps,
                        loss=df["loss"].to_numpy(dtype=np.float64), grad_norm=column(df, "grad_norm"),
-                       after_warm=steps >= skip, calibration=calibration, transient_end=skip)
+                       after_warm=steps >= skip, calibration=calibration, transient_end=skip, scope=scope)
     flags: list[Flag] = []
     found: dict = {}
     for check in CHECKS:
@@ -181,6 +190,7 @@ def _summarise(c: RunCurves, flags: list[Flag], found: dict) -> tuple[list[Flag]
         "spike_score": {},
         "transient_end_step": int(c.transient_end),
         "calibrated": c.calibration is not None,
+        "calibration_scope": c.scope.to_dict() if c.scope is not None else None,
         **found,
     }
     return flags, summary, cfg.model_dump()

@@ -36,7 +36,7 @@ from core.spec import load_spec
 from engines.checkpoint import list_checkpoints
 
 __all__ = ["MetricsError", "RunRef", "read_metrics_frame", "finish_frame", "tokens_from_spec", "resolve_metrics_path",
-           "resolve_run", "check_spec_matches"]
+           "resolve_run", "check_spec_matches", "lr_departure", "LR_AGREED_POINTS"]
 
 
 class MetricsError(InputError):
@@ -390,10 +390,39 @@ def resolve_run(run: str | None = None, metrics: str | Path | None = None, root:
     return RunRef(run, resolve_metrics_path(run_dir), run_dir, spec, sid)
 
 
+# A logged LR that followed the spec's schedule for this many points before it departed is the
+# spec's run with a fault in its optimizer (the monitor's lr_off_schedule), not another spec.
+LR_AGREED_POINTS = 5
+
+
+def lr_departure(spec: Any, df: pd.DataFrame) -> dict[str, Any] | None:
+    """Where the logged LR first departs from the spec's schedule (from its lineage.resume_step on:
+    the records before it are the parent's), or None: {step (as shown), index, lr, schedule,
+    agreed_before (checked points that agreed before it)}. Exports from elsewhere may log the LR a
+    step early or late, or in float32: those agree."""
+    if "lr" not in df.columns:
+        return None
+    shown = df["step"].to_numpy()
+    steps = shown - first_step(df)
+    lr = df["lr"].to_numpy(dtype=np.float64)
+    ok = np.isfinite(lr) & (steps >= (spec.lineage.resume_step or 0)) & (steps >= 0)
+    want = lr_at(spec, np.maximum(steps, 0))
+    bad = ok & ~np.isclose(lr, want, rtol=1e-3, atol=1e-12)
+    for shift in (-1, 1):
+        bad &= ~np.isclose(lr, lr_at(spec, np.maximum(steps + shift, 0)), rtol=1e-3, atol=1e-12)
+    if not bad.any():
+        return None
+    i = int(np.flatnonzero(bad)[0])
+    return {"step": int(shown[i]), "index": i, "lr": float(lr[i]), "schedule": float(want[i]),
+            "agreed_before": int(np.sum(ok[:i]))}
+
+
 def check_spec_matches(spec: Any, df: pd.DataFrame, ref: RunRef | None = None) -> None:
     """Raise MetricsError when `spec` is not the spec the metrics came from: another spec id in the
-    run dir, an LR column that is not this spec's schedule (from its lineage.resume_step on: the
-    records before it are the parent's), tokens per step that differ, or steps past its end."""
+    run dir, an LR column that is not this spec's schedule from its first points (from its
+    lineage.resume_step on: the records before it are the parent's; an LR that followed the
+    schedule for LR_AGREED_POINTS points and then left it is a fault of the run, which the monitor
+    flags), tokens per step that differ, or steps past its end."""
     import numpy as np
 
     origin = ref.label if ref else "the run"
@@ -409,21 +438,12 @@ def check_spec_matches(spec: Any, df: pd.DataFrame, ref: RunRef | None = None) -
             f"spec {spec.name!r} (id {spec.id}) is not the run's: {origin} has step {shown[-1]} but the spec "
             f"ends at step {spec.total_steps - 1 + first}" + (f" (its steps counted from {first})" if first else "")
         )
-    if "lr" in df.columns:
-        lr = df["lr"].to_numpy(dtype=np.float64)
-        # A continuation's records before its resume step are its parent's, under the parent's LR.
-        ok = np.isfinite(lr) & (steps >= (spec.lineage.resume_step or 0)) & (steps >= 0)
-        want = lr_at(spec, np.maximum(steps, 0))
-        # Exports from elsewhere may log the LR a step early or late, or in float32.
-        bad = ok & ~np.isclose(lr, want, rtol=1e-3, atol=1e-12)
-        for shift in (-1, 1):
-            bad &= ~np.isclose(lr, lr_at(spec, np.maximum(steps + shift, 0)), rtol=1e-3, atol=1e-12)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
-            raise MetricsError(
-                f"spec {spec.name!r} (id {spec.id}) is not the run's: at step {shown[i]} {origin} logged lr "
-                f"{lr[i]:.6g} but the spec's schedule gives {want[i]:.6g}"
-            )
+    dep = lr_departure(spec, df)
+    if dep is not None and dep["agreed_before"] < LR_AGREED_POINTS:
+        raise MetricsError(
+            f"spec {spec.name!r} (id {spec.id}) is not the run's: at step {dep['step']} {origin} logged lr "
+            f"{dep['lr']:.6g} but the spec's schedule gives {dep['schedule']:.6g}"
+        )
     tps = frame_tokens_per_step(df)
     if tps is not None and abs(tps - spec.data.tokens_per_step) > 1e-6 * spec.data.tokens_per_step:
         raise MetricsError(

@@ -21,6 +21,7 @@ from rich.table import Table
 from analysis.runs.names import load_metric_names
 from analysis.runs.metrics import check_spec_matches, tokens_from_spec
 from analysis.monitor.watch import SEVERITY_RANK, MonitorSettings, load_calibration, load_forecast, monitor
+from core.errors import InputError
 from core.spec import load_spec
 
 EXIT_WARNING = 1
@@ -35,7 +36,7 @@ def parse_overrides(pairs: list[str] | None) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for p in pairs or []:
         if "=" not in p:
-            raise ValueError(f"--set {p!r}: expected NAME=VALUE, e.g. --set grad_norm_warn=1.5")
+            raise InputError(f"--set {p!r}: expected NAME=VALUE, e.g. --set grad_norm_warn=1.5")
         k, v = p.split("=", 1)
         out[k.strip()] = v.strip()
     return out
@@ -172,9 +173,9 @@ def register(app: typer.Typer) -> None:
             if said:
                 Console(stderr=True).print(said, style="dim", highlight=False, soft_wrap=True)
         if tokens_per_s is not None and tokens_per_s <= 0:
-            raise ValueError(f"--tokens-per-s must be positive (got {tokens_per_s})")
+            raise InputError(f"--tokens-per-s must be positive (got {tokens_per_s})")
         if interval <= 0:
-            raise ValueError(f"--interval must be positive (got {interval})")
+            raise InputError(f"--interval must be positive (got {interval})")
         console = Console(stderr=as_json) if sys.stdout.isatty() or as_json else Console(width=160)
         start = time.monotonic()
         while True:

@@ -11,7 +11,8 @@ import pandas as pd
 import pytest
 
 from analysis.monitor.watch import MonitorSettings, monitor
-from analysis.monitor.calib import Calibration, calibrate, cusum_threshold, load_calibration, sequential_test
+from analysis.monitor.calib import Calibration, calibrate, cusum_threshold, load_calibration
+from analysis.monitor.seq import sequential_test
 from analysis.monitor.series import eval_series, series_values, source_eval_names
 from analysis.forecast.file import load_forecast
 from tests.analysis.test_monitor import forecast_file

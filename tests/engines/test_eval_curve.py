@@ -111,3 +111,8 @@ def test_mlflow_logs_the_final_eval_under_its_own_name(sampled):
     assert all("eval_loss" in m and "eval_loss_final" not in m for m in periodic)
     assert "eval_loss" not in final and final["eval_loss_final"] == sampled[3][-1]["eval_loss"]
     assert final["eval_loss_periodic"] == sampled[3][-1]["extra"]["eval_loss_periodic"]
+
+
+def test_every_eval_record_says_which_periodic_sample_it_scored(sampled):
+    spec, _, _, evals = sampled
+    assert [r["extra"]["eval_periodic_windows"] for r in evals] == [spec.run.eval_batches * EVAL_ROWS] * len(evals)

@@ -23,7 +23,7 @@ def test_the_experiment_description_links_every_specs_run_with_its_state(write_e
     note = exp.tags[tracking.NOTE_TAG]
     for run in tracking.child_runs(uri, "ui"):
         spec = run.data.tags["rung"]
-        assert f"[{spec}](#/experiments/{exp.experiment_id}/runs/{run.info.run_id})" in note
+        assert f"[{spec}](#/experiments/{exp.experiment_id}/runs/{run.info.run_id}/model-metrics?workflowType=machine_learning)" in note
         row = next(ln for ln in note.splitlines() if f"[{spec}]" in ln)
         assert "| finished |" in row
     assert {s.name for s in load_experiment(path).rungs} == {"a", "b"}
