@@ -15,11 +15,12 @@ cpu-4k.json, trained by
 on a corpus built by `ladder data corpus --out CORPUS` on the 2-core development machine. Sizes d24/2,
 d40/2 and d48/3 (10K, 27K and 59K active parameters) at 1x and 2x, 0.5x and 1x, 0.5x and 1x of the
 rule: the rungs span 14x in compute, 61% of the hero's together, and the hero proxy (d64/4, 135K
-active) is 3.6x the largest rung.
+active) is 3.6x the largest rung. The hero at seeds 1 and 2 (extras) are the monitor's healthy
+replicates: `ladder calibrate` makes the calibration `ladder compare` judges the hero by.
 """
 
 from core.costs import param_counts
-from ladder.experiment import Experiment
+from ladder.experiment import Experiment, replicate
 from core.rules import moe_model, run_spec
 
 SEQ, BATCH = 128, 8
@@ -49,4 +50,6 @@ DESIGN = {(24, 2): (1.0, 2.0), (40, 2): (0.5, 1.0), (48, 3): (0.5, 1.0)}
 RUNGS = tuple(proxy(d, layers, multiple=m) for (d, layers), ms in DESIGN.items() for m in ms)
 HERO = proxy(64, 4, role="hero", cpus=2)
 
-EXPERIMENT = Experiment(name="proxy_cpu", rungs=RUNGS, hero=HERO)
+REPLICATES = tuple(replicate(HERO, seed) for seed in (1, 2))
+
+EXPERIMENT = Experiment(name="proxy_cpu", rungs=RUNGS, hero=HERO, extras=REPLICATES)

@@ -23,11 +23,18 @@ from ladder.ledger import ladder_root
 CALIBRATION_FILE = "calibration.json"
 
 
+def healthy_replicate_specs(exp) -> list:
+    """The experiment's specs that differ from its hero only in the seed (the hero left out)."""
+    if exp.hero is None:
+        return []
+    key = family_key(exp.hero)
+    return [s for s in exp.all_specs() if s is not exp.hero and s.name != exp.hero.name and family_key(s) == key]
+
+
 def healthy_replicates(root: Path, exp) -> list[tuple[str, object, object]]:
     """(name, metrics frame, spec) of every finished run of the experiment that differs from its hero
     only in the seed (the hero itself among them)."""
-    key = family_key(exp.hero)
-    done, _ = finished_runs(root, exp, [s for s in exp.all_specs() if family_key(s) == key])
+    done, _ = finished_runs(root, exp, [exp.hero, *healthy_replicate_specs(exp)])
     return [(spec.name, frame, spec) for spec, _, frame in done]
 
 

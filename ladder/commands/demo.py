@@ -1,10 +1,13 @@
 """`ladder demo`: the main job, as the commands a user would type, one after another:
-submit the rungs, forecast the hero, train the hero while `compare --follow` watches it, replan it
-as if its deadline were cut, and write the report."""
+submit the rungs and the hero's replicates (its spec at other seeds, the experiment's extras),
+forecast the hero, calibrate the monitor on the replicates, train the hero while `compare --follow`
+watches it (with the calibration beside the forecast), replan it as if its deadline were cut, and
+write the report."""
 
 from __future__ import annotations
 
 import json
+import re
 import shlex
 import subprocess
 import sys
@@ -13,6 +16,7 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from ladder.commands.calibrate import healthy_replicate_specs
 from ladder.commands.forecast import analysis_dir
 from ladder.experiment import load_experiment
 from ladder.ledger import is_finished, ladder_root, last_metrics, run_dir_for
@@ -54,7 +58,12 @@ def register(app: typer.Typer) -> None:
 
         _ladder("plan", experiment)
         _ladder("submit", experiment)
+        replicates = [s.name for s in healthy_replicate_specs(exp)]
+        if replicates:
+            _ladder("submit", experiment, "--only", "^(" + "|".join(map(re.escape, replicates)) + ")$")
         _ladder("forecast", experiment)
+        if len(replicates) >= 2:
+            _ladder("calibrate", experiment)
 
         hero_was_done = is_finished(hero_dir, hero)
         log = open(adir / "hero_submit.log", "a")
