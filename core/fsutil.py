@@ -39,7 +39,7 @@ def atomic_writer(path: str | Path) -> Iterator[IO[bytes]]:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException:  # any failure, Ctrl-C included: the temp file goes and the error goes on
         Path(tmp).unlink(missing_ok=True)
         raise
 

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Callable
 
 import numpy as np
+from safetensors import SafetensorError
 from safetensors.numpy import load_file, save_file
 
 from core.errors import InputError
@@ -272,7 +273,7 @@ def save_checkpoint(run_dir: str | Path, step: int, params: dict[str, np.ndarray
             _fsync_file(tmp / f)
         _fsync_dir(tmp)
         publish_dir(tmp, final)
-    except BaseException as err:
+    except BaseException as err:  # any failure, Ctrl-C included: the partial directory goes, the error goes on
         shutil.rmtree(tmp, ignore_errors=True)
         if _no_space(err):
             raise _space_error(root, step, need + SPACE_MARGIN, None) from err
@@ -382,7 +383,7 @@ def load_checkpoint(path: str | Path, verify: bool = True) -> tuple[dict[str, np
     try:
         params = load_file(str(path / MODEL_FILE))
         opt = load_file(str(path / OPTIM_FILE))
-    except Exception as err:  # safetensors raises its own error type for a damaged file
+    except (SafetensorError, OSError) as err:  # a damaged file (safetensors' own error type), an unreadable one
         raise CheckpointError(f"{path}: cannot read checkpoint: {err}; {RECOVERY_HINT}") from err
     return params, opt, state if state is not None else _read_state(path)
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import csv
 import glob
 import hashlib
 import json
@@ -90,7 +91,7 @@ def package_owners(roots: list[Path]) -> dict[str, tuple[str, str]]:
             name, lic = dist.metadata["Name"], _dist_licence(dist.metadata)
             for f in dist.files or ():
                 owners.setdefault(os.path.realpath(dist.locate_file(f)), (name, lic))
-        except Exception:  # a broken RECORD or metadata file: its files get no hint
+        except (OSError, ValueError, csv.Error):  # a broken RECORD or metadata file: its files get no hint
             continue
     for lst in glob.glob("/var/lib/dpkg/info/*.list"):
         pkg = Path(lst).stem.split(":")[0]

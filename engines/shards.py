@@ -244,7 +244,7 @@ def _prepare_parts(source, tok, files, out_dir, workers, progress, vocab_limit) 
                     done_bytes += sizes[i]
                     if progress:
                         progress(done_bytes, total)
-            except BaseException:
+            except BaseException:  # a failed chunk, Ctrl-C: the chunks not started yet are cancelled, the error goes on
                 for f in futures:
                     f.cancel()
                 raise

@@ -173,20 +173,25 @@ def _read_jsonl(source: SourceSpec, path: Path, key: str) -> Iterator[bytes]:
 
 
 def _read_parquet(source: SourceSpec, path: Path) -> Iterator[bytes]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    def unreadable(why: object) -> DataError:
+        return DataError(f"data source {source.name!r}: cannot read column {source.text_key!r} from {path}: {why}")
+
     try:
-        batches = pq.ParquetFile(path).iter_batches(batch_size=1024, columns=[source.text_key])
-        for batch in batches:
+        pf = pq.ParquetFile(path)
+        names = pf.schema_arrow.names
+        if source.text_key not in names:
+            raise unreadable(f"no such column (the file has {', '.join(names) or 'none'})")
+        for batch in pf.iter_batches(batch_size=1024, columns=[source.text_key]):
             for t in batch.column(0).to_pylist():
+                if t and not isinstance(t, str):
+                    raise unreadable(f"a value is {type(t).__name__}, not text")
                 if t:
                     yield t.encode()
-    except DataError:
-        raise
-    except Exception as err:  # pyarrow raises several types for a missing column or a bad file
-        raise DataError(
-            f"data source {source.name!r}: cannot read column {source.text_key!r} from {path}: {err}"
-        ) from err
+    except (pa.ArrowException, OSError) as err:  # a damaged or truncated file, an unreadable one
+        raise unreadable(err) from err
 
 
 _SPACE = b" \t\r\n\x0b\x0c"

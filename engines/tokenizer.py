@@ -140,7 +140,8 @@ def _load_file(path: str, size: int, mtime_ns: int, name: str) -> Tokenizer:
     raw = Path(path).read_bytes()
     try:
         hf = HFTokenizer.from_str(raw.decode())
-    except Exception as err:  # the Rust side raises a bare Exception for a malformed file
+    except Exception as err:  # the Rust side raises a bare Exception (no narrower type) for a malformed file;
+        # decode a UnicodeDecodeError: nothing else runs here
         first = str(err).splitlines()[0] if str(err) else type(err).__name__
         raise TokenizerError(f"tokenizer file {path} is not a valid tokenizer.json ({first})") from err
     vocab = hf.get_vocab(with_added_tokens=True)

@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any, Iterator, Protocol, Sequence
 
 import numpy as np
+from pydantic import ValidationError
 
 from core.costs import flops_per_token
 from core.rundir import RunDir
@@ -168,7 +169,7 @@ def check_same_run(spec: Spec, info: dict, path: Path) -> None:
         try:
             if spec.replace(engine=other).id == ckpt_id:
                 return
-        except Exception:  # the other engine is not installed here: the ids cannot match
+        except ValidationError:  # the spec is not valid under the other engine: the ids cannot match
             pass
     raise CheckpointError(
         f"{path} belongs to spec {ckpt_id}, not this spec ({spec.id}); use another --run-dir, "
@@ -439,7 +440,7 @@ class Trainer:
             yield from lookahead_steps(start, self.end, launch, read, self.settles)
         except DivergedError:
             raise
-        except BaseException as err:
+        except BaseException as err:  # any end of the steps but divergence (a bug, Ctrl-C): recorded, re-raised
             if not isinstance(err, GeneratorExit):
                 self._status("failed", error=f"{type(err).__name__}: {err}")
             raise

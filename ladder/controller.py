@@ -108,7 +108,7 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
     except (KeyboardInterrupt, StopRequested):
         state, note = "interrupted", "cancelled"
         write_status(rd, "failed", reason="interrupted", step=last.step if last else None)
-    except Exception as err:
+    except Exception as err:  # the worker's boundary: any failure (a bug too, traceback kept) fails this run alone
         state, note = "failed", f"{type(err).__name__}: {err}"
         if read_status(rd).get("state") in ("running", "pending"):
             write_status(rd, "failed", error=note, traceback=traceback.format_exc()[-4000:])
@@ -133,7 +133,7 @@ def _node_id() -> str | None:
         if not ray.is_initialized():  # (the runtime context would start a local Ray)
             return None
         return ray.get_runtime_context().get_node_id()
-    except Exception:
+    except (ImportError, RuntimeError):  # RuntimeError: Ray shut down since the check
         return None
 
 
@@ -173,7 +173,7 @@ def _local_resources() -> dict[str, float]:
         import torch
 
         gpus = torch.cuda.device_count()
-    except Exception:  # no torch, or no driver: no GPUs to offer
+    except (ImportError, RuntimeError):  # no torch, or a broken driver: no GPUs to offer
         pass
     return {"CPU": float(os.cpu_count() or 1), "GPU": float(gpus)}
 
@@ -472,7 +472,7 @@ def _cancel(inflight: dict, root: str, owner: str) -> None:
         for ref in refs:
             try:
                 ray.cancel(ref)
-            except Exception:
+            except (ray.exceptions.RayError, ValueError):  # a task already gone, Ray's refusal: the wait covers it
                 pass
         if refs:
             ray.wait(refs, num_returns=len(refs), timeout=15)

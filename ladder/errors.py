@@ -69,7 +69,7 @@ def run_cli(app) -> int:
     except KeyboardInterrupt:
         err.print("interrupted")
         return 130
-    except Exception as e:
+    except Exception as e:  # the CLI's last boundary: click's errors by name; anything else is a bug, shown in full
         # click's exceptions, or those of the copy of click that typer ships (typer._click): by name
         kinds = {c.__name__ for c in type(e).__mro__}
         if "UsageError" in kinds:

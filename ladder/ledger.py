@@ -204,7 +204,7 @@ def records(
             continue
         try:
             spec = load_spec(d / SPEC_FILE)
-        except Exception as err:  # a hand-edited or foreign dir: show it, do not crash the table
+        except SpecError as err:  # a hand-edited or foreign dir: show it, do not crash the table
             out.append(
                 RunRecord(exp, d.name, "?", "?", "?", "failed", None, 0, None, None, str(d), detail=f"unreadable spec: {err}")
             )

@@ -40,7 +40,7 @@ def local_gpus() -> int:
         return 0
     try:
         return torch.cuda.device_count()
-    except Exception:  # a broken driver offers no GPU
+    except RuntimeError:  # a broken driver offers no GPU
         return 0
 
 

@@ -149,7 +149,7 @@ class LocalRay:
             try:
                 ray.init(address="local", num_cpus=num_cpus, _node_ip_address="127.0.0.1", **kwargs)
                 break
-            except BaseException as err:
+            except BaseException as err:  # any failed start, Ctrl-C too: its processes go; retried or re-raised
                 ray.shutdown()
                 kill_new_ray_processes(before)
                 late = isinstance(err, Exception) and _NODE_LATE in str(err)

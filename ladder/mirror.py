@@ -45,7 +45,7 @@ def catch_up(console: Console, root: Path, tracking_uri: str | None, exp: Experi
             sent += t.upload()
             t.set_final("finished")
         console.print(f"uploaded {sent} missing metric values of {len(backlog)} finished run(s) to MLflow", highlight=False)
-    except Exception as err:
+    except tracking.store_errors() as err:
         console.print(
             f"warning: {len(backlog)} finished run(s) are not fully in MLflow at {uri} ({type(err).__name__}); "
             f"`ladder sync {exp.name}` uploads them when it is reachable",
@@ -68,7 +68,7 @@ class Mirror:
                 self.uri, exp, specs, {"owner": owner, "host": socket.gethostname(), "pid": str(os.getpid()),
                  "pid_start": ledger._proc_start(os.getpid()) or "", "argv": shlex.join(sys.argv)[:490]}
             )
-        except Exception as err:
+        except tracking.store_errors() as err:
             console.print(
                 f"warning: MLflow at {self.uri} is unreachable ({type(err).__name__}); training goes on, metrics.jsonl "
                 "keeps everything, and `ladder sync` uploads it later",
@@ -105,5 +105,5 @@ class Mirror:
         if self.sub is not None:
             try:
                 tracking.end_submission(self.sub, status)
-            except Exception:
+            except tracking.store_errors():
                 pass  # the parent run's status is cosmetic; the runs themselves are in the run dirs

@@ -77,6 +77,15 @@ def bounded_http_retries() -> None:
     os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "10")
 
 
+def store_errors() -> tuple[type[Exception], ...]:
+    """What an MLflow store out of reach raises (analysis.runs.sources.STORE_ERRORS: MLflow's own
+    error, SQLAlchemy's, OSError), for an except clause: its module, with mlflow, is imported only when
+    an error is matched, so that the CLI starts without mlflow."""
+    from analysis.runs.sources import STORE_ERRORS
+
+    return STORE_ERRORS
+
+
 @lru_cache(maxsize=8)
 def client(uri: str) -> "MlflowClient":
     os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # stdout is for `ladder runs --json`
@@ -163,8 +172,8 @@ def experiment_id(uri: str, name: str) -> str:
         try:
             return c.create_experiment(name, artifact_location=_artifact_location(uri),
                                        tags={EXPERIMENT_KIND_TAG: EXPERIMENT_KIND})
-        except Exception:
-            exp = c.get_experiment_by_name(name)  # created concurrently by another process
+        except store_errors():  # RESOURCE_ALREADY_EXISTS, say: created concurrently by another process
+            exp = c.get_experiment_by_name(name)
             if exp is None:
                 raise
     if exp.lifecycle_stage == "deleted":

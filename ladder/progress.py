@@ -53,9 +53,11 @@ class Reporter:
         if self.sink is None or (not force and now - self._last < self.every_s):
             return
         self._last = now
+        import ray  # the worker's Ray, loaded already (the CLI, which imports this module, does not load it)
+
         try:
             self.sink.report.remote(self.key, update)
-        except Exception:
+        except ray.exceptions.RayError:  # the sink actor gone (fire-and-forget: a lost report only delays the bar)
             pass
 
 

@@ -45,6 +45,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover
@@ -313,5 +315,5 @@ def load_stack_config(path: str | Path) -> dict:
         raise StackConfigError(f"{p}: not valid JSON ({e})") from None
     except tomllib.TOMLDecodeError as e:
         raise StackConfigError(f"{p}: not valid TOML ({e})") from None
-    except Exception as e:  # yaml.YAMLError
+    except (yaml.YAMLError, OSError) as e:
         raise StackConfigError(f"{p}: not readable ({str(e).splitlines()[0]})") from None

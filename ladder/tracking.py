@@ -26,6 +26,7 @@ import logging
 import sys
 import threading
 import time
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterable
@@ -38,7 +39,7 @@ from ladder.mlflow_store import (EXPERIMENT_KIND, EXPERIMENT_KIND_TAG, NOTE_TAG,
                                  Submission, bounded_http_retries, check_store_writable, client, close_dead_submissions,
                                  default_tracking_uri, end_submission, experiment_id, latest_parent_run,
                                  log_artifact_to_parent, log_forecast, prepare_store, resolve_tracking_uri,
-                                 start_submission, ui_url, write_experiment_note)
+                                 start_submission, store_errors, ui_url, write_experiment_note)
 from ladder.mlflow_store import truncate as _truncate
 from core.spec import load_spec
 
@@ -186,7 +187,7 @@ class RunTracker:
                 run = c.get_run(known)
                 if run.info.lifecycle_stage == "active":
                     return known
-            except Exception as err:  # a store that no longer has it: fall back to the tag
+            except store_errors() as err:  # a store that no longer has it: fall back to the tag
                 if "RESOURCE_DOES_NOT_EXIST" not in str(err) and "not found" not in str(err).lower():
                     raise
         runs = c.search_runs(
@@ -251,7 +252,7 @@ class RunTracker:
             nonlocal batch, sent
             try:
                 client(self.uri).log_batch(run_id, metrics=batch)
-            except Exception:
+            except Exception:  # any failure of the batch, re-raised: first note what did land
                 self._record_synced()  # what earlier batches of this call did land
                 self.synced_step = None  # this one may or may not have: ask before resending
                 raise
@@ -307,7 +308,10 @@ class RunTracker:
                 print(f"[ladder] tracking for {self.spec.name} recovered", file=sys.stderr)
             self.error = None
             return True
-        except Exception as err:  # MLflow down, a locked SQLite, a network error: training goes on
+        except Exception as err:  # the uploader thread must not die: MLflow down, a locked SQLite, a network error
+            # (store_errors) are expected; anything else is a bug, reported with its traceback, and training goes on
+            if not isinstance(err, store_errors()):
+                traceback.print_exc()
             if self.error is None:
                 print(
                     f"[ladder] tracking for {self.spec.name} unavailable ({type(err).__name__}: {str(err)[:200]}); "
@@ -449,7 +453,7 @@ def sync_runs(root: str | Path | None = None, experiment: str | None = None, tra
             tracker.upload()
             tracker.set_final(state)
             results.append(SyncResult(exp, spec.name, str(d), tracker.run_id, tracker.uploaded, rec.state))
-        except Exception as err:
+        except store_errors() as err:  # this run's upload failed: noted in its row, the others go on
             results.append(SyncResult(exp, spec.name, str(d), tracker.run_id, tracker.uploaded, rec.state, f"{type(err).__name__}: {err}"))
     return results
 

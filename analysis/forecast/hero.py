@@ -56,7 +56,9 @@ from analysis.forecast import gradnorm, grid
 from analysis.forecast.file import ForecastError
 from analysis.forecast.verdicts import regime_verdict, routes
 from analysis.laws import backtest as law_backtest
+from analysis.laws.fitted import FitError
 from analysis.runs import replicates
+from analysis.curves.data import CurveError
 from analysis.curves.fit import Curve, fit_curves
 from analysis.forecast.final_loss import MIN_FIT
 from analysis.forecast.rungs import (LEVEL, RungRun, backtest, final_interval, final_law,  # noqa: F401 (the forecast's names)
@@ -451,14 +453,15 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
         fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, law_level, stream_deviations)
         fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]
         fc.warnings += routes(fc.hero["final_loss"], fc.trajectory)
-    except Exception as e:  # the final-loss forecast stands on its own; say why the curve model is missing
+    except CurveError as e:  # a curve fit that cannot be made (CurveFitError among them): the final-loss
+        # forecast stands on its own; say why the curve model is missing
         fc.curve_model_error = f"{type(e).__name__}: {e}"
         fc.trajectory = scaled_rung_trajectory(rungs, hero, law_level)
         fc.warnings.append(f"no curve model ({fc.curve_model_error}): the trajectory is the largest rung's, scaled")
     fc.coverage = {"final_loss": final_cov, "grad_norm": fc.grad_norm.get("backtest")}
     try:
         fc.coverage["trajectory"] = trajectory_coverage(rungs, stream_deviations)
-    except Exception as e:  # a backtest that cannot be made is reported, not fatal
+    except (CurveError, FitError) as e:  # a backtest that cannot be made (no law, no curve fit) is reported, not fatal
         fc.coverage["trajectory"] = {"error": f"{type(e).__name__}: {e}"}
     calibrate_trajectory(fc.trajectory, fc.coverage["trajectory"])
     fc.warnings += calibration_warnings(fc.coverage["trajectory"])

@@ -34,6 +34,7 @@ os.environ.setdefault("MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT", "true")  # stdou
 from mlflow import MlflowClient  # noqa: E402
 from mlflow.exceptions import MlflowException  # noqa: E402
 from mlflow.utils.search_utils import SearchUtils  # noqa: E402
+from sqlalchemy.exc import SQLAlchemyError  # noqa: E402 (mlflow's SQL store)
 
 from analysis.runs.names import ALIASES, MetricNames, matches  # noqa: E402
 from analysis.runs.metrics import MetricsError, RunRef, finish_frame, read_metrics_frame, resolve_run  # noqa: E402
@@ -44,6 +45,9 @@ __all__ = ["MLFLOW_PREFIX", "FileSource", "MlflowSource", "open_source"]
 
 MLFLOW_PREFIX = "mlflow:"
 PAGE_SIZE = 5000
+# what an MLflow store out of reach raises: MLflow's own error (its client wraps a refused connection,
+# a locked SQLite), SQLAlchemy's for a damaged SQLite file, OSError (requests' network errors)
+STORE_ERRORS = (MlflowException, SQLAlchemyError, OSError)
 NO_SUCH_RUN = ("RESOURCE_DOES_NOT_EXIST", "INVALID_PARAMETER_VALUE")  # MLflow's codes for a run id it does not hold
 MLFLOW_STATE = {"RUNNING": "running", "SCHEDULED": "running", "FINISHED": "finished", "FAILED": "failed",
                 "KILLED": "interrupted"}
@@ -109,7 +113,7 @@ class MlflowSource:
                 raise MetricsError(f"{self.label}: no such run at {self.uri} ({_first_line(e)})") from None
             raise MetricsError(f"{self.label}: {self.uri} did not answer as an MLflow tracking server "
                                f"({_first_line(e)})") from None
-        except Exception as e:  # a store that cannot be opened
+        except (SQLAlchemyError, OSError) as e:  # a store that cannot be opened (a damaged SQLite file, a network error)
             raise MetricsError(f"{self.label}: cannot reach the tracking server {self.uri} ({_first_line(e)})") from None
 
     @property
@@ -167,7 +171,7 @@ class MlflowSource:
                 self._fetch(k)
         except MetricsError:
             raise
-        except Exception as e:  # the server went away mid-watch: what was read is kept, the next read resumes
+        except STORE_ERRORS as e:  # the server went away mid-watch: what was read is kept, the next read resumes
             raise MetricsError(f"{self.label}: reading {self.uri} failed ({_first_line(e)})") from None
         return self._frame(keys)
 
@@ -205,7 +209,7 @@ class MlflowSource:
     def _artifact_spec(self) -> Any:
         try:
             names = [a.path for a in self.client.list_artifacts(self.run_id)]
-        except Exception:
+        except STORE_ERRORS:  # artifacts out of reach: the run is read without its spec
             return None
         hit = next((n for n in names if fnmatch.fnmatch(n, "spec.y*ml")), None)
         if hit is None:

@@ -204,11 +204,12 @@ class WandbDirSource:
 
     def __post_init__(self) -> None:
         try:
+            from google.protobuf.message import DecodeError  # wandb's dependency
             from wandb.proto import wandb_internal_pb2  # wandb's own record schema
         except ImportError:
             raise MetricsError(f"{self.label}: reading W&B runs needs the wandb package: "
                                "pip install 'moe-ladder[wandb]'") from None
-        self._pb = wandb_internal_pb2
+        self._pb, self._decode_error = wandb_internal_pb2, DecodeError
         self.log = resolve_wandb_log(self.path)
 
     @property
@@ -222,7 +223,7 @@ class WandbDirSource:
             rec = self._pb.Record()
             try:
                 rec.ParseFromString(raw)
-            except Exception as e:  # google.protobuf.message.DecodeError
+            except self._decode_error as e:
                 raise MetricsError(f"{self.log}: record {self.records_read + 1} is not a W&B record ({e})") from None
             self.records_read += 1
             kind = rec.WhichOneof("record_type")
@@ -292,10 +293,12 @@ class WandbApiSource:
         except ImportError:
             raise MetricsError(f"{self.label}: reading W&B runs needs the wandb package: "
                                "pip install 'moe-ladder[wandb]'") from None
+        # wandb's own errors (CommError, no API key: UsageError), requests' network errors (OSError)
+        self._api_errors = (wandb.errors.Error, OSError)
         try:
             self.api = wandb.Api(timeout=30)
             self._run = self.api.run(self.path)
-        except Exception as e:  # wandb.errors.CommError, no API key, no such run
+        except (*self._api_errors, ValueError) as e:  # ValueError: no such run (RunNotFoundError), a malformed path
             raise MetricsError(f"{self.label}: cannot read the run from W&B ({_first_line(e)})") from None
         self.config = dict(self._run.config or {})
 
@@ -318,7 +321,7 @@ class WandbApiSource:
                 self.rows_fetched += 1
         except MetricsError:
             raise
-        except Exception as e:  # the server went away mid-watch: keep what was read
+        except self._api_errors as e:  # the server went away mid-watch: keep what was read
             raise MetricsError(f"{self.label}: reading from W&B failed ({_first_line(e)})") from None
         return self._history.frame(self.label, self.names, self.columns)
 

@@ -156,7 +156,7 @@ def _on_hopper() -> bool:
     try:
         dev = jax.devices()[0]
         return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9")
-    except Exception:
+    except RuntimeError:  # no backend can start here (jaxlib's XlaRuntimeError is one)
         return False
 
 

@@ -120,7 +120,7 @@ def _dense_schedule(source: str) -> np.ndarray:
         return np.asarray(lr_at(spec, np.arange(spec.total_steps)), dtype=np.float64)
     try:
         df = pd.read_csv(path)
-    except Exception as e:
+    except (ValueError, OSError) as e:  # pandas' ParserError and EmptyDataError are ValueErrors, as is a UnicodeDecodeError
         raise LadderError(f"--schedule {source}: not a readable per-step LR file ({e})") from None
     df.columns = [str(c).strip() for c in df.columns]
     if "lr" in df.columns:
@@ -146,7 +146,7 @@ def _read_curve(path: Path, need_loss: bool, params: float | None = None, schedu
 
     try:
         header = pd.read_csv(path, nrows=0).columns if path.is_file() else []
-    except Exception:
+    except (ValueError, OSError):  # no header to read: read_table below says what is wrong with the file
         header = []
     header = [str(c).strip() for c in header]
     has_loss = "loss" in header

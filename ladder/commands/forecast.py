@@ -21,7 +21,7 @@ from core.safeload import InputLimitError, load_file
 from core.rundir import METRICS_FILE
 from ladder.experiment import load_experiment
 from analysis.runs.replicates import YardstickError, family_key
-from ladder.tracking import log_artifact_to_parent, log_forecast
+from ladder.tracking import log_artifact_to_parent, log_forecast, store_errors
 
 
 def analysis_dir(root: Path, experiment: str) -> Path:
@@ -251,7 +251,7 @@ def register(app: typer.Typer) -> None:
             try:
                 log_forecast(exp, path, tracking_uri, r)
                 log_artifact_to_parent(exp, out / "law.png", None, tracking_uri, r)
-            except Exception as e:  # the forecast file is the record; tracking can catch up later
+            except store_errors() as e:  # the forecast file is the record; tracking can catch up later
                 Console(stderr=True).print(f"warning: could not log the forecast to MLflow: {e}", style="yellow")
         if _print_forecast(fc, exp.name, rungs, path, as_json, done=False):
             return
@@ -303,7 +303,7 @@ def register(app: typer.Typer) -> None:
             try:
                 for f in sorted(Path(out).iterdir()):
                     log_artifact_to_parent(exp, f, "report", tracking_uri, r)
-            except Exception as e:  # the report on disk is the record
+            except store_errors() as e:  # the report on disk is the record
                 Console(stderr=True).print(f"warning: could not attach the report to MLflow: {e}", style="yellow")
         summary = json.loads((Path(out) / "summary.json").read_text())
         Console().print(summary["verdict"], highlight=False)

@@ -9,7 +9,7 @@ import typer
 from ladder.commands.status import experiment_name
 from ladder.errors import LadderError
 from ladder.ledger import ladder_root
-from ladder.tracking import check_store_writable, resolve_tracking_uri, sync_runs
+from ladder.tracking import check_store_writable, resolve_tracking_uri, store_errors, sync_runs
 from ladder.wandb_tracking import sync_to_wandb
 
 
@@ -49,7 +49,7 @@ def register(app: typer.Typer) -> None:
             results = sync_runs(r, experiment_name(experiment), uri)
         except LadderError:
             raise
-        except Exception as err:
+        except store_errors() as err:
             raise LadderError(f"cannot reach MLflow at {uri}: {type(err).__name__}: {str(err)[:300]}") from err
         t = Table(title=f"sync to {uri}")
         for col in ("experiment", "spec", "state", "uploaded", "mlflow run", "note"):
