@@ -21,14 +21,13 @@ from rich.console import Console
 from rich.table import Table
 
 from core.fsutil import json_safe
-from core.safeload import InputLimitError, load_file
 from ladder.errors import LadderError
 from analysis.runs.csvio import TableError, read_table
 from analysis.laws.isoflop import IsoflopError, fit_isoflop, group_budgets
 from ladder.law_table import WHERE_HELP, Where, apply_where, load_table, parse_where, validate_table, where_json
 
 # The analysis modules (scipy, matplotlib) load when a law command runs, not with every `ladder` command.
-_KINDS = ("law", "envelope", "moe")
+
 
 def _fit_or_explain(fn, file: Path, *args, **kwargs):
     from analysis.laws.fit import FitError
@@ -147,22 +146,6 @@ def _csv_points(file: Path, params_col, total_col, tokens_col, flops_col, actual
         raise LadderError(str(e)) from None
     col = {k: df[v].to_numpy(dtype=np.float64) for k, v in named.items()}
     return col.get("N"), col.get("N_total"), col.get("D"), col.get("C"), col.get("actual")
-
-
-def _score(predictions: list[dict], actual: np.ndarray) -> dict:
-    """Each prediction against its measured loss, and the summary: mean and worst relative error,
-    how many measured losses fall inside their interval."""
-    rel = []
-    inside = 0
-    for r, a in zip(predictions, actual):
-        r["actual"] = float(a)
-        r["error"] = r["loss"] - float(a)
-        r["rel_error"] = r["error"] / float(a)
-        r["inside"] = bool(r["lo"] <= a <= r["hi"])
-        rel.append(abs(r["rel_error"]))
-        inside += r["inside"]
-    return {"n": len(rel), "mean_abs_rel_error": float(np.mean(rel)), "max_abs_rel_error": float(np.max(rel)),
-            "inside": inside, "coverage": inside / len(rel)}
 
 
 def register(app: typer.Typer) -> None:
@@ -310,7 +293,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """Predict a saved fit at held-out points, with prediction intervals; with --csv and --actual-col,
         score it on measured losses (error per row, mean and worst relative error, interval coverage)."""
-        from analysis.laws.fit import EnvelopeFit, FitError, LawFit, MoELawFit
+        from analysis.laws.predict import predict_saved_fit, read_saved_fit
 
         if csv is not None and any(v for v in (params, total_params, tokens, flops)):
             raise LadderError("give either --csv FILE with its columns or --params/--tokens/--flops values, not both")
@@ -318,24 +301,7 @@ def register(app: typer.Typer) -> None:
                             or where):
             raise LadderError("--params-col, --tokens-col, --flops-col, --total-params-col, --actual-col and "
                               "--where read a --csv FILE; give one")
-        classes = {"law": LawFit, "envelope": EnvelopeFit, "moe": MoELawFit}
-        try:
-            doc = load_file(fit_file, "json")
-        except InputLimitError as e:
-            raise LadderError(str(e)) from None
-        except json.JSONDecodeError as e:
-            raise LadderError(f"{fit_file}: not valid JSON ({e})") from None
-        if isinstance(doc, dict) and "fits" in doc:
-            raise LadderError(f"{fit_file}: holds several fits; save one (a single --loss-col) to predict from it")
-        kind = doc.get("kind") if isinstance(doc, dict) else None
-        if kind not in _KINDS:
-            raise LadderError(f"{fit_file}: not a law fit (no 'kind' of {', '.join(_KINDS)}; refit with this version)")
-        if level is not None and not 0 < level < 1:
-            raise LadderError(f"--level must be in (0, 1), got {level}")
-        try:
-            fit = classes[kind].from_dict(doc)
-        except FitError as e:
-            raise LadderError(f"{fit_file}: {e}") from None
+        doc, fit = read_saved_fit(fit_file, level)
         actual = None
         if csv is not None:
             N, Nt, D, C, actual = _csv_points(csv, params_col, total_col, tokens_col, flops_col, actual_col,
@@ -344,38 +310,8 @@ def register(app: typer.Typer) -> None:
             N, Nt, D, C = (_positive_list(n, v) for n, v in
                            (("--params", params), ("--total-params", total_params), ("--tokens", tokens),
                             ("--flops", flops)))
-        try:
-            if kind == "envelope":
-                if C is None or any(x is not None for x in (N, Nt, D)):
-                    raise LadderError("an envelope fit predicts from --flops C alone")
-                rows = {"C": C}
-                p = fit.predict(C, level=level)
-            else:
-                if N is None or (D is None) == (C is None):
-                    raise LadderError("give --params N and exactly one of --tokens D or --flops C")
-                N_b, second = np.broadcast_arrays(N, D if D is not None else C)
-                D_b = second if D is not None else second / (6.0 * N_b)
-                rows = {"N": N_b, "D": D_b}
-                if kind == "moe":
-                    if Nt is None:
-                        raise LadderError("the MoE law needs --total-params too")
-                    rows["N_total"] = np.broadcast_to(Nt, N_b.shape)
-                    p = fit.predict(N_b, rows["N_total"], D_b, level=level)
-                else:
-                    p = fit.predict(N_b, D_b, level=level)
-        except ValueError as e:
-            if isinstance(e, LadderError):
-                raise
-            raise LadderError(f"cannot broadcast the given values: {e}") from None
-        n = len(np.atleast_1d(p["loss"]))
-        out = {"fit": str(fit_file), "law": doc.get("law"), "level": level or fit.level,
-               "interval": doc.get("interval"), "warnings": list(fit.warnings) + (
-                   [] if fit.converged else ["the saved fit did not converge"]),
-               "predictions": [{**{k: float(np.atleast_1d(v)[i]) for k, v in rows.items()},
-                                "loss": float(np.atleast_1d(p["loss"])[i]), "lo": float(np.atleast_1d(p["lo"])[i]),
-                                "hi": float(np.atleast_1d(p["hi"])[i])} for i in range(n)]}
+        rows, out = predict_saved_fit(doc, fit, fit_file, N, Nt, D, C, level, actual)
         if actual is not None:
-            out["score"] = _score(out["predictions"], actual)
             out["data"] = {"file": str(csv), "actual_col": actual_col, "where": where_json(parse_where(where))}
         out = json_safe(out)
         if as_json:
