@@ -407,7 +407,7 @@ def mesh_of_one(spec):
 
 
 def run_torch_mesh(spec, batches, warmup, options: dict | None = None, engine: dict | None = None,
-                   profile_steps: int = 0):
+                   profile_steps: int = 0, dense: str = "fsdp"):
     """The torch row's model and batches trained through the multi-process layout's step module
     (engines/torch/parallel/step.ParallelStep: FSDP2, the layout's dispatcher, the fast forward of
     engines/torch/parallel/model.py, torch's fused AdamW on the fp32 shards, gathered in bf16 on a GPU; the
@@ -416,19 +416,25 @@ def run_torch_mesh(spec, batches, warmup, options: dict | None = None, engine: d
     multiple of ep; the one-device engine's emulated shards are its own dispatcher's, not the
     layout's), so the expert group is a group of one: every expert on this device, the dropless
     dispatch local (no exchange), FSDP2's collectives over the one rank. Its loop is the step module's own:
-    each step read before the next is launched (ParallelStep.lookahead is False)."""
+    each step read before the next is launched (ParallelStep.lookahead is False).
+    dense "replicate": the layout's other dense sharding (engines/torch/parallel/replicate.py), the
+    one-device step module (TorchStep) on this rank of the layout, with its lookahead."""
     import tempfile
 
     import torch
 
     from engines.torch.parallel.step import ParallelStep
+    from engines.torch.step import TorchStep
 
     opts = torch_options(options, engine)
     layout, close = mesh_of_one(spec)
     try:
         torch._dynamo.reset()
         with tempfile.TemporaryDirectory(prefix="torch_mesh_") as run_dir:
-            step = ParallelStep(spec, layout, Path(run_dir), opts)
+            if dense == "replicate":
+                step = TorchStep(spec, layout.device, opts, layout=layout, run_dir=Path(run_dir))
+            else:
+                step = ParallelStep(spec, layout, Path(run_dir), opts)
             launch, read = peak_lr_steps(step, spec)
             out, dt, t_warm = timed_loop(launch, read, batches, warmup, sync, lookahead=step.lookahead)
             info = {"options": opts.to_dict(), "engine": dict(engine or {}), "describe": step.describe(),
@@ -772,6 +778,13 @@ def main(argv=None) -> int:
         # the same model through the multi-process layout's step module as a process group of one
         # (run_torch_mesh: FSDP2 over one rank, the layout's dispatcher, the fast forward)
         "torch_mesh": (run_torch_mesh, {}), "torch_mesh_cap": (run_torch_mesh, {}),
+        # the layout with its dense parameters replicated (the default where they fit a GPU): the
+        # one-device step module on a rank of a 1 x 1 mesh, the working copies as the torch row's
+        "torch_layout": (run_torch_mesh, {"dense": "replicate", "engine": {"torch_master": True}}),
+        "torch_layout_cap": (run_torch_mesh, {"dense": "replicate", "engine": {"torch_master": True}}),
+        # the one-device engine emulating 4 expert shards (capacity dispatch by the pooled-wave
+        # rules per shard pair: what a dp 1 x ep 4 layout computes, on one device)
+        "torch_ep4_cap": (run_torch, {"engine": {"torch_master": True}, "model": {"ep_size": 4}}),
         "torch_eager": (run_torch, {"options": {"compile": "none"}}),
         "torch_dense": (run_torch, {"options": {"compile": "dense"}}),
         "torch_cudnn": (run_torch, {"options": {"attn_backend": "cudnn"}}),
@@ -845,6 +858,8 @@ def main(argv=None) -> int:
         "olmo-core": (run_peer, {"peer": "olmo-core"}), "torchtitan": (run_peer, {"peer": "torchtitan"}),
         # OLMo-core's first MoE (capacity experts by torch.bmm), where its current one cannot run
         "olmo-core_v1": (run_peer, {"peer": "olmo-core_v1"}),
+        # its dropless MoE (MoEType.dropless: the grouped_gemm extension, built on the GPU machine)
+        "olmo-core_v1_dropless": (run_peer, {"peer": "olmo-core_v1", "dropless": True}),
         "jax_bf16moments": (run_jax, {"optim": {"moments": "bf16"}}),
         # the expert matmuls with one Mosaic-GPU tile configuration (fast.MGPU) instead of the
         # per-matmul ones tuned by bench/tune_mgpu.py
@@ -880,7 +895,8 @@ def main(argv=None) -> int:
             kw = dict(kw)
             cap = name.endswith("_cap")
             spec = make_spec(n_total, seq=seq, batch=batch, engine="jax" if name.startswith("jax") else "torch",
-                             optim=kw.pop("optim", None), **{**model, "dispatch": "capacity" if cap else "dropless"})
+                             optim=kw.pop("optim", None),
+                             **{**model, **kw.pop("model", {}), "dispatch": "capacity" if cap else "dropless"})
             if DEVICE == "cpu" and name.split("_")[0] in PEERS:  # CUDA only (bench/peers.py): meta rows above
                 continue
             if name in profiled and runner in (run_torch, run_torch_mesh):

@@ -276,9 +276,12 @@ def fresh_olmo_world_mesh() -> None:
     parallel._WORLD_MESH = None
 
 
-def olmo_v1_trainer(spec, device: str, compile_: bool = True):
-    """(launch, read, info): OLMo-core's first MoE (capacity experts) through its
+def olmo_v1_trainer(spec, device: str, compile_: bool = True, dropless: bool = False):
+    """(launch, read, info): OLMo-core's first MoE (capacity experts, or with `dropless` its
+    dropless experts through the grouped_gemm extension, as its MoE docs recommend) through its
     TransformerTrainModule at the settings of its OLMoE recipe, where they can run here."""
+    if dropless:
+        import grouped_gemm  # noqa: F401  (pip install grouped_gemm: compiled with nvcc against torch)
     from olmo_core.config import DType
     from olmo_core.distributed.parallel import DataParallelType
     from olmo_core.nn.attention.backend import AttentionBackendName
@@ -293,7 +296,8 @@ def olmo_v1_trainer(spec, device: str, compile_: bool = True):
     cfg = TransformerConfig.llama_like_moe(
         d_model=m.d_model, vocab_size=m.vocab_size, n_layers=m.n_layers, n_heads=m.n_heads,
         n_kv_heads=m.n_kv_heads, head_dim=m.head_dim, num_experts=m.n_routed_experts, top_k=m.top_k,
-        expert_hidden_size=m.expert_hidden, dropless=False, capacity_factor=OLMO_V1["capacity_factor"],
+        expert_hidden_size=m.expert_hidden, dropless=dropless,
+        capacity_factor=None if dropless else OLMO_V1["capacity_factor"],
         lb_loss_weight=OLMO_V1["lb_loss_weight"], z_loss_weight=OLMO_V1["z_loss_weight"], reordered_norm=True,
         attn_backend=AttentionBackendName.torch)
     torch.manual_seed(spec.seed)
@@ -310,7 +314,11 @@ def olmo_v1_trainer(spec, device: str, compile_: bool = True):
         z_loss_multiplier=OLMO_V1["z_loss_multiplier"], max_grad_norm=o.grad_clip,
     ).build(model, device=torch.device(device))
     launch, read = olmo_steps(tm, B * S, device)
-    info = {"params": int(cfg.num_params), "config": olmo_v1_settings(m, S), "compile": compile_ and device == "cuda",
+    config = olmo_v1_settings(m, S)
+    if dropless:
+        config["dispatch"] = "dropless (MoEType.dropless: grouped_gemm.ops.gmm over the tokens sorted by expert)"
+        config.pop("why_not_dropless")
+    info = {"params": int(cfg.num_params), "config": config, "compile": compile_ and device == "cuda",
             "num_flops_per_token": int(tm.model.num_flops_per_token(S))}
     return launch, read, info
 

@@ -9,8 +9,8 @@ flag, or a list of settings `key=value[,key=value...]` that a typed reader valid
     MOE_LADDER_CORPUS        path     the built-in corpus (default $MOE_LADDER_CACHE/corpus)
     MOE_LADDER_TOKENIZERS    path     where a named tokenizer is looked for first
     MOE_LADDER_OPTIONS       settings the engine options over a spec's own (core/options.Options.from_env):
-                                      torch_fast, torch_master, torch_compile, torch_ep, jax_mgpu,
-                                      jax_mgpu_tiles, cpu_threads
+                                      torch_fast, torch_master, torch_compile, torch_ep, torch_dense,
+                                      jax_mgpu, jax_mgpu_tiles, cpu_threads
     MOE_LADDER_LIMITS        settings Limits below: ray_timeout_s, claim_stale_s, shard_chunk_bytes
     MOE_LADDER_DEBUG         1        the CLI shows a user error's traceback too (a bug's it always shows)
 

@@ -28,6 +28,7 @@ resolved to are recorded in its status.json and every checkpoint's state.json.
     torch_master    1 | 0 (unset: per run)                 bf16 working copies written by the optimizer
     torch_compile   block-cudagraphs | block | dense | none  (TorchKernels.compile)
     torch_ep        auto | emulate | processes             an ep_size > 1 spec in processes or emulated
+    torch_dense     auto | replicate | fsdp                a layout's dense parameters (replicate.dense_sharding)
     jax_mgpu        1 | default | 0                        Mosaic-GPU ragged dots: tuned tiles, one tile, off
     jax_mgpu_tiles  a path                                 a tile file of bench/tune_mgpu.py
     cpu_threads     a count                                torch threads of a CPU run
@@ -53,6 +54,7 @@ from core.errors import InputError
 
 CompileMode = Literal["block-cudagraphs", "block", "dense", "none"]
 EPLayout = Literal["auto", "emulate", "processes"]
+DenseSharding = Literal["auto", "replicate", "fsdp"]
 MGPUMode = Literal["1", "default", "0"]
 AttnBackend = Literal["cudnn", "flash", "efficient", "math"]
 Triton = Literal["triton", "inductor"]
@@ -180,6 +182,10 @@ class EngineOptions:
     torch_fast: bool = env_key(True)
     torch_master: Optional[bool] = env_key(None)  # None: decided per run (engines/torch/fast.working_copies_enabled)
     torch_ep: EPLayout = env_key("auto")
+    # a layout's dense parameters: "replicate" (whole on every rank, the one-device step on each),
+    # "fsdp" (sharded by FSDP2) or "auto" (replicate on a GPU where the rank's state fits:
+    # engines/torch/parallel/replicate.dense_sharding)
+    torch_dense: DenseSharding = env_key("auto")
     torch_kernels: TorchKernels = field(default_factory=TorchKernels)
     jax_mgpu: MGPUMode = env_key("1")
     jax_mgpu_tiles: Optional[str] = env_key(None)

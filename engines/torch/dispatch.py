@@ -8,9 +8,7 @@ expert layout).
 Every dispatcher is called as dispatcher(kern, x_TL, expert_TK, gate_TK) and returns (y, n_send,
 n_recv): y is y_TKL, every assignment's expert output in (token, slot) order (zeros for a dropped
 one), or y_TL, already summed with its gates (CastKernels with the gather kernels); n_send and
-n_recv are the assignments dropped at the sender and the receiver (float 0-d tensors). `sharded`
-says whether a step's tokens are spread over ranks (the balancing loss then needs each rank's
-router probability sums).
+n_recv are the assignments dropped at the sender and the receiver (float 0-d tensors).
 
 - Dropless: the assignments sorted by expert, one grouped SwiGLU, the inverse permutation.
 - Capacity: the pooled-wave semantics written out in engines/dispatch_ref.py (sender pools per
@@ -82,7 +80,6 @@ def capacity_rows(m: ModelSpec, expert_TK: torch.Tensor):
 class Dropless:
     """Every assignment reaches its expert: sorted by expert, one grouped SwiGLU, unsorted."""
 
-    sharded = False
 
     def __init__(self, m: ModelSpec):
         self.m = m
@@ -101,7 +98,6 @@ class Dropless:
 class Capacity:
     """The pooled-wave rules with the model.ep_size shards emulated on this device."""
 
-    sharded = False
 
     def __init__(self, m: ModelSpec):
         self.m = m

@@ -237,8 +237,6 @@ def moe_residual(block, w, x_BSD, cdt, o: TorchKernels, route=None):
     stats["drop_send"] = n_send / (T * K)
     stats["drop_recv"] = n_recv / (T * K)
     stats["n_send"], stats["n_recv"] = n_send, n_recv
-    if block.moe.experts.dispatcher.sharded and block.moe.m.balance_scope == "batch":
-        stats["probs_sum"] = block.moe.router_probs(h_TD).sum(0)
     return moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt), stats
 
 

@@ -175,6 +175,10 @@ class MasterAdamW(torch.optim.Optimizer):
             self.refresh()
         return self._leaves
 
+    def with_working_copy(self) -> list[torch.nn.Parameter]:
+        """The master parameters whose gradients land on a working copy's leaf."""
+        return list(self._part)
+
     @torch.no_grad()
     def refresh(self) -> None:
         """Copy every master into its working copy (after the masters were set from outside)."""

@@ -237,17 +237,9 @@ class MoE(nn.Module):
         router_z = torch.logsumexp(logits_TE, -1).square().mean()
         entropy = -(probs_TE * probs_TE.clamp_min(1e-20).log()).sum(-1).mean()
         stats = {"aux": aux, "router_z": router_z, "entropy": entropy.detach(), "load": load_E}
+        if m.balance_scope == "batch":  # a sharded objective's balancing loss sums p over every rank's tokens
+            stats["probs_sum"] = probs_TE.sum(0)
         return expert_TK, gate_TK, stats
-
-    def router_probs(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """The router's probabilities over experts (the balancing loss's p; sigmoid scores
-        normalised per token), as in route, computed again from x_TD: an expert-parallel rank sums
-        them over its tokens for the batch-scope balancing loss."""
-        logits_TE = x_TD.float() @ self.router.float()
-        if self.m.router_kind == "softmax":
-            return torch.softmax(logits_TE, -1)
-        scores_TE = torch.sigmoid(logits_TE)
-        return scores_TE / scores_TE.sum(-1, keepdim=True)
 
     def forward(self, x_TD: torch.Tensor, seq_len: int):
         m = self.m
@@ -262,8 +254,6 @@ class MoE(nn.Module):
         stats["drop_send"] = n_send / (T * K)
         stats["drop_recv"] = n_recv / (T * K)
         stats["n_send"], stats["n_recv"] = n_send, n_recv
-        if self.experts.dispatcher.sharded and m.balance_scope == "batch":
-            stats["probs_sum"] = self.router_probs(x_TD).sum(0)
         return y_TD, stats
 
 

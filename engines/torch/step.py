@@ -1,4 +1,6 @@
-"""The torch engine's step on one device (engines/trainer.py's step module, TorchStep) and the step
+"""The torch engine's step (engines/trainer.py's step module, TorchStep) on one device and on a
+replicated layout (every rank holds the dense parameters and its expert shard whole:
+engines/torch/parallel/replicate.py adds the gradient sums and the global norm), and the step
 helpers the bench drives it with: the loss (the reference forward, or the fast one of
 engines/torch/fast.py, chosen when the step is built, and what it reads: fast.working_dtype), the
 optimizer (engines/torch/master.build_optimizer, the one builder), launching a step without waiting for it,
@@ -19,9 +21,11 @@ A NaN or inf loss or grad norm makes the optimizer skip that step's update on th
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from core.costs import flops_per_token
 from core.spec import Spec
@@ -31,7 +35,11 @@ from engines.torch.experts import kernels_here
 from engines.torch.fast import FastLoss, fast_path_enabled, working_dtype
 from engines.torch.loss import token_losses
 from engines.torch.master import MasterAdamW, build_optimizer
-from engines.torch.model import MoETransformer, init_params, loss_terms, move_router_bias
+from engines.torch.model import Block, MoETransformer, init_params, loss_terms, move_router_bias
+from engines.torch.parallel import replicate
+from engines.torch.parallel.layout import Layout, check_layout
+from engines.torch.parallel.model import ShardedLoss, layout_model, step_metrics
+from engines.torch.parallel.summary import write_summary
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS
 
 
@@ -240,19 +248,26 @@ def reference_eval_losses(model: MoETransformer, batches, device: torch.device, 
 
 
 class TorchStep:
-    """The torch engine's step module (engines/trainer.py) on one device."""
+    """The torch engine's step module (engines/trainer.py) on one device, or on one rank of a
+    replicated layout (`layout`: the layout's model, this rank's rows, its share of the objective,
+    the gradient sums; the same optimizer, compiled blocks and lookahead)."""
 
     engine = "torch"
-    devices = 1
-    lead = True
     lookahead = True
 
-    def __init__(self, spec: Spec, device: torch.device, options: EngineOptions | None = None):
+    def __init__(self, spec: Spec, device: torch.device, options: EngineOptions | None = None,
+                 layout: Layout | None = None, run_dir: Path | None = None):
         self.spec, self.device, self.options = spec, device, options or EngineOptions()
+        self.layout, self.run_dir = layout, run_dir
+        self.lead = layout is None or layout.rank == 0
+        self.devices = 1 if layout is None else layout.world
         # CPU ops run as they are launched, so a step's time there is its launch and read; on a
         # GPU the host learns when a step ended only at its read, so it is the time between reads
         self.synchronous = device.type == "cpu"
-        self.model = MoETransformer(spec.model).to(device)
+        if layout is None:
+            self.model = MoETransformer(spec.model).to(device)
+        else:  # plain blocks: nothing hooks them, their weights are the optimizer's working copies
+            self.model = layout_model(spec.model, layout, block=Block).to(device)
         # what the forward reads: working copies in this dtype (written by MasterAdamW) or the masters
         self.working = working_dtype(spec, device, self.options)
         self.opt = build_optimizer(self.model, spec.optim, working=self.working,
@@ -260,52 +275,110 @@ class TorchStep:
         self.loss_fn = None
 
     def _ready(self) -> None:
-        self.loss_fn = make_loss_fn(self.model, self.device, self.opt if self.working is not None else None,
-                                    self.options)
+        working = self.opt if self.working is not None else None
+        if self.layout is None:
+            self.loss_fn = make_loss_fn(self.model, self.device, working, self.options)
+        else:
+            self.loss_fn = ShardedLoss(self.model, self.layout, kernels_here(self.options.torch_kernels), working)
+
+    def _local(self, arrays: dict) -> dict:
+        return arrays if self.layout is None else replicate.local_arrays(arrays, self.spec, self.layout)
 
     def init_fresh(self) -> None:
-        self.model.load_numpy(init_params(self.spec.model, self.spec.seed))
+        self.model.load_numpy(self._local(init_params(self.spec.model, self.spec.seed)))
         self._ready()
 
     def load_arrays(self, params: dict, opt: dict, origin: str) -> None:
-        self.model.load_numpy(params)
-        optimizer_from_numpy(self.model, self.opt, opt)
+        self.model.load_numpy(self._local(params))
+        optimizer_from_numpy(self.model, self.opt, self._local(opt))
         self._ready()
 
-    def save_arrays(self) -> tuple[dict, dict]:
-        return self.model.to_numpy(), optimizer_to_numpy(self.model, self.opt)
+    def save_arrays(self) -> tuple[dict, dict] | None:
+        params, opt = self.model.to_numpy(), optimizer_to_numpy(self.model, self.opt)
+        if self.layout is None:
+            return params, opt
+        params, opt = replicate.full_arrays(params, self.layout), replicate.full_arrays(opt, self.layout)
+        return (params, opt) if self.lead else None
+
+    def batch_part(self, batch_size: int) -> tuple[int, int]:
+        """On a layout each rank reads only its own sequences of a step's batch."""
+        if self.layout is None:
+            return 0, 1
+        check_layout(self.spec.model, self.layout.world, batch_size)
+        return self.layout.part, self.layout.world
 
     def launch(self, step: int, batch_BS1: np.ndarray, lr: float) -> HostCopy:
         x = to_device(batch_BS1, self.device)
         for g in self.opt.param_groups:
             g["lr"] = lr
-        vals, out = launch_step(self.model, self.loss_fn, x, self.spec, self.opt)
+        if self.layout is None:
+            vals, out = launch_step(self.model, self.loss_fn, x, self.spec, self.opt)
+        else:
+            vals, out = self._launch_layout(x)
         return queue_update(self.model, self.opt, vals, out, self.spec)
+
+    def _launch_layout(self, x: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """launch_step on a rank: its share of the objective, the gradient sums, the global norm
+        and clip (a multiplier MasterAdamW applies, or the gradients scaled here)."""
+        lay, optim = self.layout, self.spec.optim
+        n_tok = x.shape[0] * lay.world * (x.shape[1] - 1)
+        total_r, out = self.loss_fn(self.model, x, optim, n_tok)
+        total_r.backward()
+        grads = replicate.named_grads(self.model, self.opt)
+        replicate.reduce_grads(grads, lay)
+        norm, sums = replicate.global_norm(grads, torch.stack([out["aux_r"], out["total_r"]]), lay)
+        mult = torch.clamp(optim.grad_clip / (norm + 1e-6), max=1.0)
+        if hasattr(self.opt, "grad_norm_and_scale"):
+            out["clip_mult"] = mult
+        else:
+            torch._foreach_mul_([g for _, g in grads], mult)
+        metrics = step_metrics(out, sums[0], sums[1])
+        return torch.stack([metrics[k].float() for k in METRIC_KEYS] + [norm.float()]), out
 
     def read(self, pending: HostCopy) -> tuple[dict[str, float], bool]:
         return read_step(self.opt, pending)
 
     def eval_losses(self, batches) -> list[float]:
         """Each eval batch's mean CE: on the fast path with dropless dispatch (fast_eval_losses),
-        else through the reference forward (reference_eval_losses)."""
+        else through the reference forward (reference_eval_losses); on a layout each rank scores
+        its rows of each batch and the means are the global ones."""
+        if self.layout is not None:
+            return self._layout_eval_losses(batches)
         if isinstance(self.loss_fn, FastLoss) and self.spec.model.dispatch == "dropless":
             return fast_eval_losses(self.loss_fn, self.model, batches, self.spec.data.batch_size, self.device)
         stack = EVAL_STACK if self.spec.model.dispatch == "dropless" else 1
         return reference_eval_losses(self.model, batches, self.device, stack)
 
+    def _layout_eval_losses(self, batches) -> list[float]:
+        losses = []
+        with torch.no_grad():
+            for batch in batches:
+                x = torch.from_numpy(self.layout.local_batch(batch)).to(self.device, dtype=torch.long)
+                _, out = self.loss_fn(self.model, x, self.spec.optim, batch.shape[0] * (batch.shape[1] - 1))
+                losses.append(out["global"]["loss"])
+        return torch.stack(losses).float().cpu().tolist() if losses else []
+
     def agree(self, value):
-        return value
+        if self.layout is None or self.layout.world == 1:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
 
     def extra(self) -> dict:
-        return {}
+        return {} if self.layout is None else {"mesh": [self.layout.dp, self.layout.ep]}
 
     def describe(self) -> dict:
-        return {**describe_options(self.options, self.device, fast_path_enabled(self.device, self.options),
-                                   self.working is not None),
-                "torch_dispatch": dispatcher_name(self.model)}
+        fast = self.layout is not None or fast_path_enabled(self.device, self.options)
+        out = {**describe_options(self.options, self.device, fast, self.working is not None),
+               "torch_dispatch": dispatcher_name(self.model)}
+        if self.layout is not None:
+            out["torch_dense"] = "replicate"
+        return out
 
     def finish(self, first_step: int, steps: int) -> None:
-        pass
+        if self.layout is not None:
+            write_summary(self.run_dir, self.model, self.opt, self.layout, first_step=first_step, steps=steps)
 
 
 def describe_options(options: EngineOptions, device: torch.device, fast: bool, master: bool) -> dict:

@@ -73,8 +73,8 @@ def test_torch_mesh_trains_the_torch_rows_model_through_the_layouts_step(repeate
         assert r["tokens_per_s"] > 0 and r["losses"] == pytest.approx(torch0["losses"], rel=2e-3)
         assert r["info"]["mesh"] == [1, 1] and r["info"]["backend"] == "gloo" and r["info"]["lookahead"] is False
         assert r["info"]["describe"]["torch_fast"] is True
-    # a group of one holds every expert: dropless needs no exchange (LocalDropless)
-    assert [r["info"]["describe"]["torch_dispatch"] for r in mesh[:2]] == ["LocalDropless", "PooledWave"]
+    # a group of one holds every expert: dropless needs no exchange (the one-device Dropless)
+    assert [r["info"]["describe"]["torch_dispatch"] for r in mesh[:2]] == ["Dropless", "PooledWave"]
     assert "| torch_mesh |" in (out / "table.md").read_text()
 
 

@@ -83,13 +83,13 @@ def test_the_section_and_the_engine_options_are_one_declaration():
 
 
 def test_the_environment_takes_the_keys_the_declaration_marks_and_converts_them_by_type():
-    assert list(ENV_KEYS) == ["torch_fast", "torch_master", "torch_ep", "torch_compile", "jax_mgpu",
+    assert list(ENV_KEYS) == ["torch_fast", "torch_master", "torch_ep", "torch_dense", "torch_compile", "jax_mgpu",
                               "jax_mgpu_tiles", "cpu_threads"]
     assert ENV_KEYS["torch_compile"][0] == ("torch_kernels", "compile")
     got = Options.from_env({"MOE_LADDER_OPTIONS": "torch_fast=0,torch_master=1,cpu_threads=4,jax_mgpu_tiles=t.json"})
     assert got.set_fields() == {"torch_fast": False, "torch_master": True, "cpu_threads": 4, "jax_mgpu_tiles": "t.json"}
     with pytest.raises(OptionsError, match=r"MOE_LADDER_OPTIONS gather='triton': not an option \(choose torch_fast, "
-                                           r"torch_master, torch_ep, torch_compile, jax_mgpu, jax_mgpu_tiles or cpu_threads\)"):
+                                           r"torch_master, torch_ep, torch_dense, torch_compile, jax_mgpu, jax_mgpu_tiles or cpu_threads\)"):
         Options.from_env({"MOE_LADDER_OPTIONS": "gather=triton"})  # a kernel choice the declaration keeps off the env
     with pytest.raises(OptionsError, match=r"MOE_LADDER_OPTIONS cpu_threads='0': must be a count >= 1"):
         Options.from_env({"MOE_LADDER_OPTIONS": "cpu_threads=0"})

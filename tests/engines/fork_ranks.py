@@ -23,9 +23,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def cpu_env() -> dict:
-    """The environment of a rank process: one thread each (ranks share the cores), the repo importable."""
-    return dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_OPTIONS="cpu_threads=1", PYTHONPATH=str(ROOT))
+def cpu_env(options: str = "cpu_threads=1") -> dict:
+    """The environment of a rank process: one thread each (ranks share the cores), the repo
+    importable, $MOE_LADDER_OPTIONS `options`."""
+    return dict(os.environ, OMP_NUM_THREADS="1", MOE_LADDER_OPTIONS=options, PYTHONPATH=str(ROOT))
 
 
 def free_port() -> int:
@@ -34,10 +35,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def drive(module: str, jobs: list, join_s: int, timeout: int) -> list[list[int]]:
+def drive(module: str, jobs: list, join_s: int, timeout: int, options: str = "cpu_threads=1") -> list[list[int]]:
     """Runs the jobs in one driver process; each job's exit codes (the process must itself succeed)."""
     proc = subprocess.run([sys.executable, "-m", "tests.engines.fork_ranks", module, json.dumps(jobs), str(join_s)],
-                          cwd=ROOT, env=cpu_env(), capture_output=True, text=True, timeout=timeout)
+                          cwd=ROOT, env=cpu_env(options), capture_output=True, text=True, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("CODES "))[6:])
 

@@ -23,8 +23,8 @@ emulated shards (engines/torch/dispatch.Capacity), for any dp.
 Ragged (dropless). Counts per (destination, local expert) first, then the rows with variable
 split sizes (one host sync per layer for the sizes); no capacity, so the data split changes
 nothing. With an expert group of one (ep = 1: every expert on every rank, data parallel only)
-nothing is exchanged: LocalDropless, the one-device dispatch with its gather kernels and no host
-sync, takes its place.
+nothing is exchanged: the one-device dispatch (engines/torch/dispatch.Dropless) with its gather
+kernels and no host sync takes its place.
 
 Outputs are copies, never views: FSDP2 hooks the Experts module's output.
 
@@ -42,7 +42,6 @@ import torch.distributed as dist
 
 from core.spec import ModelSpec
 from engines.dispatch_ref import capacities
-from engines.torch.dispatch import Dropless
 from engines.torch.experts import grouped_swiglu, swiglu_padded
 from engines.torch.rows import RowGather, group_counts, partial_inverse, rank_within
 
@@ -146,7 +145,6 @@ class PooledWave:
     d of dp of its source shard (`data_group`: the dp replicas of its expert shard; None for
     dp = 1). C_recv from the step's tokens: every rank holds the same number."""
 
-    sharded = True
 
     def __init__(self, m: ModelSpec, expert_group, data_group=None, d: int = 0):
         self.m, self.expert_group, self.data_group, self.d = m, expert_group, data_group, d
@@ -230,19 +228,10 @@ class RaggedPlan:
     K: int
 
 
-class LocalDropless(Dropless):
-    """Dropless dispatch with every expert on this rank (an expert group of one: ep 1, data
-    parallel only): nothing to exchange, so the one-device dispatch with its gather kernels and no
-    host sync. The step's tokens are still spread over the data ranks (sharded)."""
-
-    sharded = True
-
-
 class Ragged:
     """The dropless dispatcher over the ranks of `expert_group`: every assignment reaches its
     expert through a variable-size all-to-all."""
 
-    sharded = True
 
     def __init__(self, m: ModelSpec, expert_group):
         self.m, self.expert_group = m, expert_group

@@ -31,7 +31,8 @@ from engines.options import TorchKernels
 from engines.torch.experts import kernels_here
 from engines.torch.fast import FastBlock, FastLoss
 from engines.torch.model import Experts, MoETransformer, sharded_objective
-from engines.torch.parallel.dispatch import LocalDropless, PooledWave, Ragged, all_reduce_sum
+from engines.torch.dispatch import Dropless
+from engines.torch.parallel.dispatch import PooledWave, Ragged, all_reduce_sum
 from engines.torch.parallel.layout import Layout
 
 EXPERT_MARK = ".moe.experts."
@@ -41,14 +42,16 @@ def is_expert_param(name: str) -> bool:
     return EXPERT_MARK in name
 
 
-def layout_model(m: ModelSpec, layout: Layout) -> MoETransformer:
-    """The spec's model on this rank: FastBlocks, and in each block this rank's share of the routed
-    experts (E / ep of them) behind the layout's dispatcher."""
-    model = MoETransformer(m, block=FastBlock)
+def layout_model(m: ModelSpec, layout: Layout, block: type = FastBlock) -> MoETransformer:
+    """The spec's model on this rank: its blocks (FastBlocks, whose call FSDP2 hooks, or plain
+    Blocks for a replicated layout, whose fast forward reads the optimizer's working copies), and in
+    each block this rank's share of the routed experts (E / ep of them) behind the layout's
+    dispatcher."""
+    model = MoETransformer(m, block=block)
     if m.dispatch == "capacity":
         dispatcher = PooledWave(m, layout.expert_group, layout.data_group, layout.d)
     elif layout.ep == 1:
-        dispatcher = LocalDropless(m)
+        dispatcher = Dropless(m)  # every expert here: nothing to exchange
     else:
         dispatcher = Ragged(m, layout.expert_group)
     for blk in model.blocks:
@@ -62,16 +65,25 @@ class ShardedLoss:
     n_tokens, run=loss) -> (this rank's share of the objective, {"global": forward metrics summed
     over every rank, "aux_r", "total_r", "load_LE"})."""
 
-    def __init__(self, model: MoETransformer, layout: Layout, kernels: TorchKernels | None = None):
+    def __init__(self, model: MoETransformer, layout: Layout, kernels: TorchKernels | None = None,
+                 working=None):
         self.layout = layout
         o = kernels_here(kernels or TorchKernels())
         m = model.m
         cuda = layout.device.type == "cuda"
-        # ep 1 dropless: no collective inside a block, so the whole block compiles (the experts
-        # then sit in their block's FSDP2 unit: engines/torch/parallel/fsdp.py)
+        # ep 1 dropless: no collective inside a block, so the whole block compiles (under FSDP2 the
+        # experts then sit in their block's unit: engines/torch/parallel/fsdp.py); replicated
+        # blocks (working copies at fixed addresses) are also replayed as CUDA graphs where the
+        # options say so, as on one device
         whole = layout.ep == 1 and m.dispatch == "dropless"
-        mode = ("block" if whole else "dense") if cuda and o.compile != "none" else "none"
-        self.fast = FastLoss(model, layout.device, o, compile=mode, hooked_experts=layout.ep > 1)
+        if not cuda or o.compile == "none":
+            mode = "none"
+        elif not whole:
+            mode = "dense"
+        else:
+            mode = o.compile if working is not None and o.compile != "dense" else "block"
+        self.fast = FastLoss(model, layout.device, o, working=working, compile=mode,
+                             hooked_experts=layout.ep > 1 and working is None)
 
     def __call__(self, model: MoETransformer, tokens_bS1: torch.Tensor, optim, n_tokens: int):
         ce, z, st = self.fast.forward(model, tokens_bS1)

@@ -17,7 +17,6 @@ workers (ladder/train_launch.py), TorchEngine.train through engines/torch/parall
 
 from __future__ import annotations
 
-import resource
 import shutil
 import warnings
 from pathlib import Path
@@ -27,7 +26,6 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from core.fsutil import atomic_write_json
 from core.spec import Spec
 from engines.base import StepMetrics
 from engines.checkpoint import CheckpointError, load_checkpoint, missing_parent_checkpoint, warn_if_other_data
@@ -45,24 +43,22 @@ from engines.torch.parallel.checkpoint import (
     read_state,
     save_sharded,
 )
-from engines.torch.parallel.dispatch import Counters
 from engines.torch.parallel.fsdp import (
     build_sharded_model,
     full_arrays,
     gathers_bf16,
     grad_norm_and_clip,
-    held_bytes,
     load_full,
-    local_tensor,
     reshard,
 )
 from engines.torch.parallel.layout import Layout, LayoutError, check_layout
-from engines.torch.parallel.model import ShardedLoss, is_expert_param, step_metrics
-from engines.torch.step import cpu_threads, describe_options, dispatcher_name
+from engines.torch.parallel.model import ShardedLoss, step_metrics
+from engines.torch.parallel.summary import write_summary
+from engines.torch.parallel.replicate import dense_sharding
+from engines.torch.step import TorchStep, cpu_threads, describe_options, dispatcher_name
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS, RunHistoryError, Trainer, check_same_run
 
 ENGINE_NAME = "torch"
-SUMMARY_FILE = "mesh.json"
 
 
 class ParallelStep:
@@ -225,36 +221,18 @@ class ParallelTrainer(Trainer):
 
 def train_layout(spec: Spec, run_dir: str | Path, layout: Layout, resume: bool = True, stop_after: int | None = None,
                  checkpoints: bool = True, options: EngineOptions | None = None) -> Iterator[StepMetrics]:
-    """Every rank yields every step's StepMetrics (the same global values); rank 0 writes them."""
+    """Every rank yields every step's StepMetrics (the same global values); rank 0 writes them.
+    The dense parameters replicated (the one-device step on each rank, engine-neutral checkpoints:
+    engines/torch/parallel/replicate.py) or sharded by FSDP2 (ParallelStep, sharded checkpoints), as
+    options.torch_dense says (replicate.dense_sharding)."""
     options = options or EngineOptions()
     threads = cpu_threads(spec, options)
     if layout.device.type == "cpu" and threads:
         torch.set_num_threads(threads)
-    module = ParallelStep(spec, layout, Path(run_dir), options)
-    yield from ParallelTrainer(spec, run_dir, module, stop_after=stop_after, checkpoints=checkpoints).fit(resume)
-
-
-def _peak_memory_bytes(device: torch.device) -> int:
-    if device.type == "cuda":
-        return int(torch.cuda.max_memory_allocated(device))
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024  # Linux: KiB
-
-
-def write_summary(run_dir: Path, model, opt, layout: Layout, first_step: int, steps: int) -> None:
-    """run_dir/mesh.json: each rank's place, experts, the bytes it held and the collectives it
-    made in this launch (rank 0 writes it)."""
-    lo, hi = layout.experts(model.m)
-    me = {"rank": layout.rank, "data": layout.d, "expert": layout.e, "experts": [lo, hi],
-          "device": torch.cuda.get_device_name(layout.device) if layout.device.type == "cuda" else "cpu",
-          "expert_rows": {n: int(p.shape[0]) for n, p in model.named_parameters() if is_expert_param(n)},
-          "expert_params": sum(local_tensor(p).numel() for n, p in model.named_parameters() if is_expert_param(n)),
-          "dense_params": sum(local_tensor(p).numel() for n, p in model.named_parameters() if not is_expert_param(n)),
-          **{f"{k}_bytes": v for k, v in held_bytes(model, opt).items()},
-          "peak_memory_bytes": _peak_memory_bytes(layout.device),
-          "all_to_all_calls": Counters.all_to_all, "all_reduce_calls": Counters.all_reduce}
-    ranks = [None] * layout.world
-    dist.all_gather_object(ranks, me)
-    if layout.rank == 0:
-        atomic_write_json(run_dir / SUMMARY_FILE, {
-            "world_size": layout.world, "dp": layout.dp, "ep": layout.ep, "backend": dist.get_backend(),
-            "first_step": first_step, "steps": steps, "ranks": ranks})
+    if dense_sharding(spec, layout, options.torch_dense) == "replicate":
+        step = TorchStep(spec, layout.device, options, layout=layout, run_dir=Path(run_dir))
+        trainer = Trainer(spec, run_dir, step, stop_after=stop_after, checkpoints=checkpoints)
+    else:
+        module = ParallelStep(spec, layout, Path(run_dir), options)
+        trainer = ParallelTrainer(spec, run_dir, module, stop_after=stop_after, checkpoints=checkpoints)
+    yield from trainer.fit(resume)
