@@ -24,9 +24,11 @@ torchrun on one host, Ray Train across hosts (ladder/train_launch.py).
 
 from __future__ import annotations
 
+import errno
 import ipaddress
 import os
 import socket
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -150,12 +152,30 @@ def loopback_store(rank: int, world: int) -> dist.TCPStore | None:
     if rank != 0:
         return dist.TCPStore(addr, port, world, False, timeout=default_pg_timeout)
     # the store's server (libuv) takes the descriptor over and closes it: Python lets go of it
-    fd = socket.create_server((addr, port), family=socket.AF_INET6 if ":" in addr else socket.AF_INET).detach()
+    fd = _listen((addr, port)).detach()
     try:
         return dist.TCPStore(addr, port, world, True, timeout=default_pg_timeout, master_listen_fd=fd, use_libuv=True)
     except BaseException:
         os.close(fd)
         raise
+
+
+BIND_TRIES, BIND_WAIT_S = 40, 0.25
+
+
+def _listen(address: tuple[str, int]) -> socket.socket:
+    """A socket listening on `address`. The launcher chose the port free a moment before; another
+    process may hold it briefly in between (a probe for a free port binds and closes one), so a
+    port in use is tried again for up to BIND_TRIES * BIND_WAIT_S seconds before the error stands."""
+    family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+    for attempt in range(BIND_TRIES):
+        try:
+            return socket.create_server(address, family=family)
+        except OSError as err:
+            if err.errno != errno.EADDRINUSE or attempt == BIND_TRIES - 1:
+                raise
+            time.sleep(BIND_WAIT_S)
+    raise AssertionError("unreachable")
 
 
 def join_process_group(dev: torch.device, rank: int, world: int) -> None:
