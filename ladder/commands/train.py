@@ -60,12 +60,12 @@ def register(app: typer.Typer) -> None:
             raise LadderError(f"{run_dir} is being trained by another process ({holder.get('host')} pid "
                               f"{holder.get('pid')}); wait for it to end, or stop it first")
         try:
+            records = _while_claimed(eng.train(spec, run_dir, resume=not no_resume), claim, run_dir)
             if quiet:
-                for last in eng.train(spec, run_dir, resume=not no_resume):
-                    if claim.lost:
-                        raise LadderError(f"{run_dir}: another process took this run dir over; stopped")
+                for last in records:
+                    pass
             else:
-                last = _with_progress(eng.train(spec, run_dir, resume=not no_resume), spec, console)
+                last = _with_progress(records, spec, console)
         except DivergedError as err:
             console.print(f"[red]diverged:[/red] {err}", highlight=False)
             raise typer.Exit(3)
@@ -79,6 +79,15 @@ def register(app: typer.Typer) -> None:
             f"{spec.name}: finished step {last.step + 1}/{spec.total_steps}, loss {last.loss:.4f}{ev} -> {run_dir}",
             highlight=False,
         )
+
+
+def _while_claimed(records, claim, run_dir):
+    """The engine's records while this process holds the run dir's claim; a lost claim (another
+    process judged this one dead and took the run over) stops the training at the next step."""
+    for rec in records:
+        if claim.lost:
+            raise LadderError(f"{run_dir}: another process took this run dir over; stopped")
+        yield rec
 
 
 def _with_progress(records, spec, console):

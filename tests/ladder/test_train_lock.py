@@ -4,6 +4,7 @@ the run dir out."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -14,7 +15,8 @@ from pathlib import Path
 import pytest
 
 from core.rundir import RunDir
-from core.spec import save_spec
+from core.spec import load_spec, save_spec
+from ladder.ledger import _lock_path
 from tests.support import tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -59,3 +61,23 @@ def test_a_second_train_on_a_run_dir_is_refused_and_a_killed_holder_does_not_loc
     finally:
         third.send_signal(signal.SIGKILL)
         third.wait()
+
+
+def test_a_train_with_its_progress_bar_stops_when_another_process_takes_its_claim_over(tmp_path):
+    spec_path = save_spec(tiny_spec("taken", steps=3000, checkpoint_every=5), tmp_path / "s.yaml")
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "ladder.cli", "train", str(spec_path), "--run-dir", str(run_dir)],
+                            cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+                            text=True, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        _rows_past(run_dir, 3, proc)
+        lock = _lock_path(run_dir, load_spec(spec_path).id)
+        taken = {**json.loads(lock.read_text()), "owner": "another", "token": "0" * 16, "pid": 1}
+        lock.write_text(json.dumps(taken))  # what a process that judged this one dead writes
+        _, err = proc.communicate(timeout=300)  # the claim's heartbeat (5 s) sees it is lost
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 2, err[-3000:]
+    assert "another process took this run dir over; stopped" in err.strip().splitlines()[-1]
