@@ -269,8 +269,8 @@ def ladder(name: str, path: Path, boot: int) -> None:
         try:  # (as the hero's), without and with the stream deviations of the smaller rungs
             base, held = largest_family_out(rungs)
             mean, lo, hi, _ = final_interval(base, held[0].flops)
-            traj, _, _ = trajectory_forecast(base, held[0].spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
-                                             stream_deviations=stream)
+            traj = trajectory_forecast(base, held[0].spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
+                                       stream_deviations=stream).band
             _trajectory_row(name, f"train curve of {held[0].spec.name} from the smaller rungs",
                             "curve model on L(C)'s final loss" + (" + stream deviations" if stream else ""), traj, held[0])
         except Exception as err:

@@ -46,7 +46,7 @@ from __future__ import annotations
 import datetime as _dt
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pandas as pd
@@ -114,8 +114,17 @@ def train_eval_ratio(rungs: list[RungRun]) -> float:
     return float(tail.mean()) / big.final_loss
 
 
+class Trajectory(NamedTuple):
+    """What trajectory_forecast returns: the hero's band (the forecast file's `trajectory`), the
+    fitted curve model (`curve_model`) and each rung's fitted curve (`rung_fits`)."""
+
+    band: dict
+    curve_model: dict
+    rung_fits: dict
+
+
 def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
-                        stream_deviations: bool = STREAM_DEVIATIONS) -> tuple[dict, dict, dict]:
+                        stream_deviations: bool = STREAM_DEVIATIONS) -> Trajectory:
     """Hero train loss per step from the curve model, aligned to the final-loss forecast; the band
     holds the final interval (opening with progress) and the step-to-step noise of the rungs. With
     stream_deviations, the steps whose tokens the rungs read carry the rungs' per-step deviations there
@@ -182,7 +191,7 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
             "method": "curve model" + (" + stream deviations" if stream["covered_steps"] else "")}
     model = fit.to_dict()
     model["clock_tokens_per_step"] = ref  # the fit's step is this many tokens (a run of k x as many: step x k)
-    return traj, model, rung_fits
+    return Trajectory(traj, model, rung_fits)
 
 
 def misfit_profile(misfit: list[tuple[np.ndarray, np.ndarray]], frac_T: np.ndarray) -> np.ndarray:
@@ -249,8 +258,8 @@ def trajectory_coverage(rungs: list[RungRun], stream_deviations: bool = STREAM_D
     else:
         iv = final_law(base).interval(target.flops, target_var=0.0)
     mean, lo, hi = iv["mean"], iv["lo"], iv["hi"]
-    traj, _, _ = trajectory_forecast(base, target.spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
-                                     stream_deviations)
+    traj = trajectory_forecast(base, target.spec, {"mean": mean, "lo": lo, "hi": hi, "level": LEVEL},
+                               stream_deviations).band
     p, l, h, y = on_run_steps(traj, target)
     cov = on_run_covered(traj, target)
     out = law_backtest.summarise(p, l, h, y)
