@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
+from scipy.stats import norm
 
 from analysis.forecast.file import Forecast
 from analysis.monitor.calib import Calibration
@@ -96,6 +97,15 @@ def check_run_status(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     return flags, {}
 
 
+def gross_false_alarm(widths: float, level: float = 0.9) -> float:
+    """The chance that one healthy point lies beyond the band by `widths` band widths on one side,
+    were the forecast's `level` interval a calibrated normal band: its half width is z sigma, so
+    the gross line sits z (1 + 2 widths) sigma from the centre (4.9 sigma, 4e-7, at one width of a
+    90% band)."""
+    z = norm.ppf(0.5 + level / 2)
+    return float(norm.sf(z * (1 + 2 * widths)))
+
+
 def check_band(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     """`loss_above_band` / `loss_below_band` against the forecast band (without a calibration: the
     band is the forecast's interval, not healthy runs' spread, so outside it is info and beyond it
@@ -137,7 +147,8 @@ def check_band(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
                 "text": f"loss {word} the forecast band for {cfg.band_k} consecutive points from step {steps[a]} "
                         f"({sm[a]:.4f} vs band [{lo[a]:.4f}, {hi[a]:.4f}])"
                         + (f", beyond it by {cfg.band_gross_widths:g} band width(s) (the band is the forecast's "
-                           f"interval, uncalibrated: {CALIBRATE_HINT})" if rg else
+                           f"interval, uncalibrated; were it a calibrated 90% band, a healthy point would lie this far "
+                           f"out with probability {gross_false_alarm(cfg.band_gross_widths):.1e}: {CALIBRATE_HINT})" if rg else
                            " (the forecast's interval, not calibrated on healthy runs of this spec: for the record; "
                            f"a warning beyond it by {cfg.band_gross_widths:g} band width(s); {CALIBRATE_HINT})")
                         + f"; {int(mask.sum())} point(s) {word} in all",

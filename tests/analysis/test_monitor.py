@@ -97,6 +97,19 @@ def test_loss_above_band_needs_k_consecutive_points(tmp_path):
     assert f5.first_step == 154
 
 
+def test_an_uncalibrated_gross_departure_is_a_warning_that_states_its_false_alarm_rate(tmp_path):
+    steps = np.arange(0, 200)
+    base = 2 + 3 * np.exp(-steps / 50)
+    fc = load_forecast(forecast_file(tmp_path / "f.json", steps, base, 0.01))
+    loss = base.copy()
+    loss[150:160] *= 1.10  # far beyond the band's 1% half width: beyond it by more than one band width
+    f = flag(monitor(pd.DataFrame({"step": steps, "loss": loss}), forecast=fc), "loss_above_band")
+    assert f.severity == "warning" and f.first_step == 152
+    # one band width beyond a 90% band: 1.645 * 3 = 4.93 sigma, one side
+    assert "uncalibrated" in f.evidence["text"] and "probability 4.0e-07" in f.evidence["text"]
+    assert "ladder calibrate" in f.evidence["text"]
+
+
 # ---- synthetic runs -------------------------------------------------------------------------
 
 
