@@ -53,6 +53,12 @@ def runs(tmp_path_factory):
             [2, _args(root, "dp2")], [4, _args(root, "dp2ep2")]]
     codes = drive("engines.torch.parallel.train", jobs, join_s=120, timeout=400, options=OPTIONS)
     assert codes == [[0, 0], [0, 0], [0, 0], [0, 0, 0, 0]]
+    # the same ep2 spec stopped after step 3 under FSDP2 (a sharded checkpoint), continued replicated
+    save_spec(CASES["ep2"][0], root / "switch.yaml")
+    assert drive("engines.torch.parallel.train", [[2, _args(root, "switch", "--steps", "3")]], join_s=120,
+                 timeout=400, options="cpu_threads=1 torch_dense=fsdp") == [[0, 0]]
+    assert drive("engines.torch.parallel.train", [[2, _args(root, "switch")]], join_s=120, timeout=400,
+                 options=OPTIONS) == [[0, 0]]
     return root
 
 
@@ -69,6 +75,19 @@ def test_replicated_ranks_give_the_single_process_losses_and_gradient_norms(runs
         np.testing.assert_allclose([r[key] for r in ranks], [r[key] for r in single], rtol=2e-5, err_msg=key)
     np.testing.assert_allclose([r["eval_loss"] for r in ranks if r["eval_loss"] is not None],
                                [r["eval_loss"] for r in single if r["eval_loss"] is not None], rtol=2e-5)
+
+
+def test_a_run_sharded_by_fsdp2_continues_replicated_from_its_exported_checkpoint(runs):
+    single = read_metrics(runs / "ep2-single")
+    switched = read_metrics(runs / "switch-ranks")
+    assert [r["step"] for r in switched] == list(range(6))
+    np.testing.assert_allclose([r["loss"] for r in switched], [r["loss"] for r in single], rtol=2e-5)
+    np.testing.assert_allclose([r["grad_norm"] for r in switched], [r["grad_norm"] for r in single], rtol=2e-5)
+    assert read_status(runs / "switch-ranks")["options"]["torch_dense"] == "replicate"
+    # it resumed from the export of the sharded step 3 (a fresh start would have saved step 0)
+    ckpts = runs / "switch-ranks" / "checkpoints"
+    _, _, info = load_checkpoint(ckpts / "step_00000003")
+    assert "sharded" in info["exported_from"] and not (ckpts / "step_00000000").exists()
 
 
 def test_the_run_says_it_ran_replicated_on_its_mesh(runs):

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from core.spec import Spec
 from engines.base import StepMetrics
-from engines.checkpoint import CheckpointError, load_checkpoint, missing_parent_checkpoint, warn_if_other_data
+from engines.checkpoint import (CheckpointError, latest_checkpoint, load_checkpoint, missing_parent_checkpoint,
+                                warn_if_other_data)
 from engines.data import TokenStream
 from engines.options import EngineOptions
 from engines.torch.experts import kernels_here
@@ -36,6 +37,7 @@ from engines.torch.master import build_optimizer
 from engines.torch.model import init_params, move_router_bias
 from engines.torch.parallel.checkpoint import (
     SHARDED,
+    export,
     load_moments,
     load_sharded,
     newest_intact_sharded,
@@ -219,6 +221,18 @@ class ParallelTrainer(Trainer):
         return path
 
 
+def export_newer_sharded(run_dir: Path, layout: Layout) -> None:
+    """A replicated run resumes from engine-neutral checkpoints: where an FSDP2 launch of it left a
+    sharded checkpoint newer than its newest engine-neutral one, the lead exports that first."""
+    if layout.rank == 0:
+        sharded = newest_intact_sharded(run_dir, warn=warnings.warn)
+        neutral = latest_checkpoint(run_dir)
+        if sharded is not None and (neutral is None or int(sharded.name[5:]) > int(neutral.name[5:])):
+            export(run_dir, int(sharded.name[5:]))
+    if layout.world > 1:
+        dist.barrier()
+
+
 def train_layout(spec: Spec, run_dir: str | Path, layout: Layout, resume: bool = True, stop_after: int | None = None,
                  checkpoints: bool = True, options: EngineOptions | None = None) -> Iterator[StepMetrics]:
     """Every rank yields every step's StepMetrics (the same global values); rank 0 writes them.
@@ -230,6 +244,8 @@ def train_layout(spec: Spec, run_dir: str | Path, layout: Layout, resume: bool =
     if layout.device.type == "cpu" and threads:
         torch.set_num_threads(threads)
     if dense_sharding(spec, layout, options.torch_dense) == "replicate":
+        if resume:
+            export_newer_sharded(Path(run_dir), layout)
         step = TorchStep(spec, layout.device, options, layout=layout, run_dir=Path(run_dir))
         trainer = Trainer(spec, run_dir, step, stop_after=stop_after, checkpoints=checkpoints)
     else:
