@@ -51,6 +51,13 @@ dispatcher, the fast forward) in this process as a torch.distributed group of on
 gloo on the CPU, a TCPStore on 127.0.0.1 at a free port; torn down after the variant): one process
 is a 1 x 1 (data x expert) mesh, so every expert sits on this device and the all-to-alls run over a
 group of one. Against `torch` it prices what the layout's step costs before any second GPU.
+`torch_layout` (and `torch_layout_cap`) is the same with the layout's dense parameters replicated
+(torch_dense=replicate, the default on a GPU where they fit): the one-device step module TorchStep
+on the rank of a 1 x 1 mesh, its gradient sums (engines/torch/parallel/replicate.py) a no-op there.
+`torch_ep4_cap` is the one-device engine on the spec with model.ep_size 4 in capacity mode: the four
+expert shards of a dp 1 x ep 4 layout emulated on one device. `olmo-core_v1_dropless` is OLMo-core's
+first MoE in its dropless mode, through the grouped_gemm extension (built with nvcc on the GPU
+machine: `pip install grouped_gemm`, or `python setup.py build_ext --inplace` from its sdist).
 
 Results are appended to <out>/results.jsonl as each variant finishes (so a run cut short keeps what
 it measured) and the tables are written to <out>/table.md after every variant. The column "vs
@@ -634,7 +641,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=10, help="timed steps per variant")
     ap.add_argument("--warmup", type=int, default=3, help="untimed steps first (compilation included)")
     ap.add_argument("--only", default="ref,torch,torch_cap,jax,jax_cap",
-                    help="comma list of: ref, olmo-core, olmo-core_v1, torchtitan, torch, torch_cap, torch_mesh, torch_mesh_cap, jax, jax_cap, torch_eager, torch_dense, "
+                    help="comma list of: ref, olmo-core, olmo-core_v1, olmo-core_v1_dropless, torchtitan, torch, torch_cap, torch_mesh, torch_mesh_cap, torch_layout, torch_layout_cap, torch_ep4_cap, jax, jax_cap, torch_eager, torch_dense, "
                          "torch_cudnn, torch_castmasters, torch_inductorgather, torch_cudagraphs, torch_compileadam, torch_torchdw, torch_fusedswiglu, torch_fusedgather, torch_fp32router, torch_inductorswiglu, torch_bf16moments, torch_ropebhsq, torch_inductorxent, torch_combinekernel, torch_combinebf16, torch_combinegraphs, torch_nographs, torch_block1024, torch_bf16graphs, torch_maskattn, torch_maskattn_cap, torch_torchtopk, torch_flexcausal, jax_bf16moments, jax_defaulttiles, jax_cublas, jax_xlaloss, jax_castweights, jax_before, jax_autodiffexperts, jax_allbefore, jax_gathergates")
     ap.add_argument("--repeat", type=int, default=1,
                     help="run the --only list this many times over, interleaved (run-to-run spread)")
