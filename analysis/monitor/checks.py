@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Any
 
 import numpy as np
 import pandas as pd
-from scipy.stats import norm
 
 from analysis.forecast.file import Forecast
 from analysis.monitor.calib import Calibration
@@ -102,8 +102,8 @@ def gross_false_alarm(widths: float, level: float = 0.9) -> float:
     were the forecast's `level` interval a calibrated normal band: its half width is z sigma, so
     the gross line sits z (1 + 2 widths) sigma from the centre (4.9 sigma, 4e-7, at one width of a
     90% band)."""
-    z = norm.ppf(0.5 + level / 2)
-    return float(norm.sf(z * (1 + 2 * widths)))
+    z = NormalDist().inv_cdf(0.5 + level / 2)
+    return 1.0 - NormalDist().cdf(z * (1 + 2 * widths))
 
 
 def check_band(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
