@@ -38,34 +38,36 @@ def healthy_replicates(root: Path, exp) -> list[tuple[str, object, object]]:
     return [(spec.name, frame, spec) for spec, _, frame in done]
 
 
+def calibrate_cmd(
+    experiment: str = typer.Argument(..., help="experiment file whose hero's replicates are the healthy runs"),
+    root: Optional[str] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
+    forecast: Optional[str] = typer.Option(None, "--forecast", help="the forecast to calibrate against (default: "
+                                           "the experiment's forecast.json)"),
+    settings_path: Optional[str] = typer.Option(None, "--settings", help="YAML of monitor thresholds"),
+) -> None:
+    """The monitor's calibration from the hero's finished replicates, written beside the forecast."""
+    exp = load_experiment(experiment)
+    if exp.hero is None:
+        raise LadderError(f"{experiment}: the experiment has no hero to calibrate the monitor for")
+    r = ladder_root(root)
+    fc_path = Path(forecast) if forecast else analysis_dir(r, exp.name) / "forecast.json"
+    if not fc_path.exists():
+        raise LadderError(f"{fc_path}: no forecast to calibrate against (run `ladder forecast {experiment}` first)")
+    fc = load_forecast(str(fc_path))
+    runs = healthy_replicates(r, exp)
+    if len(runs) < 2:
+        raise LadderError(f"a calibration needs at least 2 finished runs of the hero's spec at different seeds, found "
+                          f"{len(runs)} ({', '.join(n for n, _, _ in runs) or 'none'}): declare replicates "
+                          f"(ladder.experiment.replicate) and train them (`ladder submit {experiment} --only '^{exp.hero.name}'`)")
+    s = MonitorSettings.load(settings_path, {})
+    cal = calibrate(runs, exp.hero.total_steps, fc, spike_window=s.spike_local_window,
+                    spike_min_history=s.spike_min_history, spike_sigma=s.spike_sigma,
+                    throughput_points=s.throughput_points)
+    path = cal.save(fc_path.parent / CALIBRATION_FILE)
+    Console().print(f"calibrated the monitor on {len(runs)} healthy runs ({', '.join(n for n, _, _ in runs)}) "
+                    f"against {fc_path}: {len(cal.series)} series, early transient to step {cal.transient_end_step}; "
+                    f"wrote {path} (`ladder compare RUN --forecast {fc_path}` uses it)", highlight=False, soft_wrap=True)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("calibrate")
-    def calibrate_cmd(
-        experiment: str = typer.Argument(..., help="experiment file whose hero's replicates are the healthy runs"),
-        root: Optional[str] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
-        forecast: Optional[str] = typer.Option(None, "--forecast", help="the forecast to calibrate against (default: "
-                                               "the experiment's forecast.json)"),
-        settings_path: Optional[str] = typer.Option(None, "--settings", help="YAML of monitor thresholds"),
-    ) -> None:
-        """The monitor's calibration from the hero's finished replicates, written beside the forecast."""
-        exp = load_experiment(experiment)
-        if exp.hero is None:
-            raise LadderError(f"{experiment}: the experiment has no hero to calibrate the monitor for")
-        r = ladder_root(root)
-        fc_path = Path(forecast) if forecast else analysis_dir(r, exp.name) / "forecast.json"
-        if not fc_path.exists():
-            raise LadderError(f"{fc_path}: no forecast to calibrate against (run `ladder forecast {experiment}` first)")
-        fc = load_forecast(str(fc_path))
-        runs = healthy_replicates(r, exp)
-        if len(runs) < 2:
-            raise LadderError(f"a calibration needs at least 2 finished runs of the hero's spec at different seeds, found "
-                              f"{len(runs)} ({', '.join(n for n, _, _ in runs) or 'none'}): declare replicates "
-                              f"(ladder.experiment.replicate) and train them (`ladder submit {experiment} --only '^{exp.hero.name}'`)")
-        s = MonitorSettings.load(settings_path, {})
-        cal = calibrate(runs, exp.hero.total_steps, fc, spike_window=s.spike_local_window,
-                        spike_min_history=s.spike_min_history, spike_sigma=s.spike_sigma,
-                        throughput_points=s.throughput_points)
-        path = cal.save(fc_path.parent / CALIBRATION_FILE)
-        Console().print(f"calibrated the monitor on {len(runs)} healthy runs ({', '.join(n for n, _, _ in runs)}) "
-                        f"against {fc_path}: {len(cal.series)} series, early transient to step {cal.transient_end_step}; "
-                        f"wrote {path} (`ladder compare RUN --forecast {fc_path}` uses it)", highlight=False, soft_wrap=True)
+    app.command("calibrate")(calibrate_cmd)

@@ -132,108 +132,110 @@ def beside_forecast(forecast_path: Path, fc) -> tuple[object | None, str | None]
     return cal, f"calibration: {path} ({len(cal.runs)} healthy runs: {', '.join(r['name'] for r in cal.runs)})"
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("compare")
-    def compare_cmd(
-        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, a run directory, mlflow:RUN_ID, wandb:DIR "
-                                            "(a W&B run directory) or wandb:ENTITY/PROJECT/RUN_ID"),
-        metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV (step, loss, ...)"),
-        forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json from `ladder forecast`"),
-        calibration: Optional[str] = typer.Option(
-            None, "--calibration", help="calibration.json from `ladder calibrate` or bench/faults.py (healthy replicates): "
-            "the band and the sequential test's spread per stretch of training (default: the calibration.json beside "
-            "--forecast, when it was made against that forecast)"),
-        quiet: bool = typer.Option(False, "--quiet", "-q", help="print only warnings and criticals (for CI and cron); "
-                                   "the exit status says the worst severity"),
-        spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec (default: the run's own spec.yaml)"),
-        follow: bool = typer.Option(False, "--follow", help="re-read as the run grows until it finishes"),
-        interval: float = typer.Option(10.0, "--interval", help="seconds between reads with --follow"),
-        max_wait: Optional[float] = typer.Option(None, "--max-wait", help="stop following after this many seconds"),
-        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-        png: Optional[str] = typer.Option(None, "--png", help="write the live curve over the forecast band here"),
-        settings_path: Optional[str] = typer.Option(None, "--settings", help="YAML of monitor thresholds"),
-        overrides: Optional[list[str]] = typer.Option(None, "--set", help="threshold override NAME=VALUE (repeatable)"),
-        tokens_per_s: Optional[float] = typer.Option(None, "--tokens-per-s", help="planned throughput"),
-        loss_col: Optional[str] = typer.Option(None, "--loss-col", help="the CSV's loss column, if not a usual name"),
-        metric_names: Optional[str] = typer.Option(
-            None, "--metric-names", help="the stack's metric names: olmo-core, levanter, marin, torchtitan, or a YAML map"),
-        tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI of an mlflow:RUN_ID"),
-        root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
-    ) -> None:
-        """Flag where a run leaves its forecast: band, spikes, grad norm, drops, router entropy, NaN, throughput."""
-        from analysis.monitor.plot import plot_report
+def compare_cmd(
+    run: Optional[str] = typer.Argument(None, help="spec id in the ledger, a run directory, mlflow:RUN_ID, wandb:DIR "
+                                        "(a W&B run directory) or wandb:ENTITY/PROJECT/RUN_ID"),
+    metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV (step, loss, ...)"),
+    forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json from `ladder forecast`"),
+    calibration: Optional[str] = typer.Option(
+        None, "--calibration", help="calibration.json from `ladder calibrate` or bench/faults.py (healthy replicates): "
+        "the band and the sequential test's spread per stretch of training (default: the calibration.json beside "
+        "--forecast, when it was made against that forecast)"),
+    quiet: bool = typer.Option(False, "--quiet", "-q", help="print only warnings and criticals (for CI and cron); "
+                               "the exit status says the worst severity"),
+    spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec (default: the run's own spec.yaml)"),
+    follow: bool = typer.Option(False, "--follow", help="re-read as the run grows until it finishes"),
+    interval: float = typer.Option(10.0, "--interval", help="seconds between reads with --follow"),
+    max_wait: Optional[float] = typer.Option(None, "--max-wait", help="stop following after this many seconds"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    png: Optional[str] = typer.Option(None, "--png", help="write the live curve over the forecast band here"),
+    settings_path: Optional[str] = typer.Option(None, "--settings", help="YAML of monitor thresholds"),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="threshold override NAME=VALUE (repeatable)"),
+    tokens_per_s: Optional[float] = typer.Option(None, "--tokens-per-s", help="planned throughput"),
+    loss_col: Optional[str] = typer.Option(None, "--loss-col", help="the CSV's loss column, if not a usual name"),
+    metric_names: Optional[str] = typer.Option(
+        None, "--metric-names", help="the stack's metric names: olmo-core, levanter, marin, torchtitan, or a YAML map"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI of an mlflow:RUN_ID"),
+    root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
+) -> None:
+    """Flag where a run leaves its forecast: band, spikes, grad norm, drops, router entropy, NaN, throughput."""
+    from analysis.monitor.plot import plot_report
 
-        settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
-        fc = load_forecast(forecast) if forecast else None
-        cal = load_calibration(calibration) if calibration else None
-        if cal is not None:
-            cal.check_forecast(fc, where=str(calibration))
-        elif forecast:  # `ladder calibrate` writes calibration.json beside the forecast it was made against
-            cal, said = beside_forecast(Path(forecast), fc)
-            if said:
-                Console(stderr=True).print(said, style="dim", highlight=False, soft_wrap=True)
-        if tokens_per_s is not None and tokens_per_s <= 0:
-            raise InputError(f"--tokens-per-s must be positive (got {tokens_per_s})")
-        if interval <= 0:
-            raise InputError(f"--interval must be positive (got {interval})")
-        console = Console(stderr=as_json) if sys.stdout.isatty() or as_json else Console(width=160)
-        start = time.monotonic()
-        while True:
-            try:
-                src, df, spec = open_inputs(run, metrics, spec_path, root, loss_col, tracking_uri, metric_names)
-                break
-            except ValueError as e:
-                # --follow on a run that has not logged yet: wait for its first records
-                waiting = follow and any(w in str(e) for w in ("no metrics.jsonl", "no metric records", "no step with a loss",
-                                                               "no metric this project reads", "no such W&B run directory",
-                                                               "no run-<id>.wandb here"))
-                if not waiting or (max_wait is not None and time.monotonic() - start >= max_wait):
-                    raise
-                if not quiet:
-                    console.print(f"[dim]waiting for the run's first metrics ({e})[/]", highlight=False)
-                time.sleep(interval)
-        announce = Announcer(console, quiet)
-        last_step = None
-        while True:
-            with np.errstate(all="ignore"):  # NaN and inf points are flags, not numpy's warnings on stderr
-                report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=src.status(),
-                                 calibration=cal)
-            if follow:
-                announce(report)
-                state = src.status().get("state")
-                if not quiet and report.summary.get("step") != last_step:
-                    console.print(f"[dim]step {report.summary.get('step')} ({state or 'no status'})[/]", highlight=False)
-                last_step = report.summary.get("step")
-                done = state in TERMINAL_STATES
-                timed_out = max_wait is not None and time.monotonic() - start >= max_wait
-                if not (done or timed_out):
-                    time.sleep(interval)
-                    try:
-                        df = src.read()
-                    except ValueError as e:  # a tracking server restarting: keep the last frame, try again
-                        console.print(f"[dim]{e}; trying again in {interval:g} s[/]", highlight=False)
-                        continue
-                    if spec is not None:
-                        df = tokens_from_spec(df, spec)
-                    continue
+    settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
+    fc = load_forecast(forecast) if forecast else None
+    cal = load_calibration(calibration) if calibration else None
+    if cal is not None:
+        cal.check_forecast(fc, where=str(calibration))
+    elif forecast:  # `ladder calibrate` writes calibration.json beside the forecast it was made against
+        cal, said = beside_forecast(Path(forecast), fc)
+        if said:
+            Console(stderr=True).print(said, style="dim", highlight=False, soft_wrap=True)
+    if tokens_per_s is not None and tokens_per_s <= 0:
+        raise InputError(f"--tokens-per-s must be positive (got {tokens_per_s})")
+    if interval <= 0:
+        raise InputError(f"--interval must be positive (got {interval})")
+    console = Console(stderr=as_json) if sys.stdout.isatty() or as_json else Console(width=160)
+    start = time.monotonic()
+    while True:
+        try:
+            src, df, spec = open_inputs(run, metrics, spec_path, root, loss_col, tracking_uri, metric_names)
             break
+        except ValueError as e:
+            # --follow on a run that has not logged yet: wait for its first records
+            waiting = follow and any(w in str(e) for w in ("no metrics.jsonl", "no metric records", "no step with a loss",
+                                                           "no metric this project reads", "no such W&B run directory",
+                                                           "no run-<id>.wandb here"))
+            if not waiting or (max_wait is not None and time.monotonic() - start >= max_wait):
+                raise
+            if not quiet:
+                console.print(f"[dim]waiting for the run's first metrics ({e})[/]", highlight=False)
+            time.sleep(interval)
+    announce = Announcer(console, quiet)
+    last_step = None
+    while True:
+        with np.errstate(all="ignore"):  # NaN and inf points are flags, not numpy's warnings on stderr
+            report = monitor(df, spec, fc, settings, plan_tokens_per_s=tokens_per_s, status=src.status(),
+                             calibration=cal)
+        if follow:
+            announce(report)
+            state = src.status().get("state")
+            if not quiet and report.summary.get("step") != last_step:
+                console.print(f"[dim]step {report.summary.get('step')} ({state or 'no status'})[/]", highlight=False)
+            last_step = report.summary.get("step")
+            done = state in TERMINAL_STATES
+            timed_out = max_wait is not None and time.monotonic() - start >= max_wait
+            if not (done or timed_out):
+                time.sleep(interval)
+                try:
+                    df = src.read()
+                except ValueError as e:  # a tracking server restarting: keep the last frame, try again
+                    console.print(f"[dim]{e}; trying again in {interval:g} s[/]", highlight=False)
+                    continue
+                if spec is not None:
+                    df = tokens_from_spec(df, spec)
+                continue
+        break
+    if png:
+        with np.errstate(all="ignore"):
+            plot_report(df, report, fc, png, title=f"{src.label}: worst flag {report.worst or 'none'}")
+    if as_json:
+        described = src.describe()
+        print(json.dumps({"run": src.label, **({"metrics": described["metrics"]} if "metrics" in described else {}),
+                          "source": described, **report.to_dict(),
+                          **({"png": str(Path(png))} if png else {})}, indent=2, default=str))
+    elif quiet:
+        if not follow:
+            Announcer(console, quiet)(report)
+    else:
+        render(report, console, f"compare: {src.label}")
         if png:
-            with np.errstate(all="ignore"):
-                plot_report(df, report, fc, png, title=f"{src.label}: worst flag {report.worst or 'none'}")
-        if as_json:
-            described = src.describe()
-            print(json.dumps({"run": src.label, **({"metrics": described["metrics"]} if "metrics" in described else {}),
-                              "source": described, **report.to_dict(),
-                              **({"png": str(Path(png))} if png else {})}, indent=2, default=str))
-        elif quiet:
-            if not follow:
-                Announcer(console, quiet)(report)
-        else:
-            render(report, console, f"compare: {src.label}")
-            if png:
-                console.print(f"plot: {png}", soft_wrap=True, highlight=False)
-        code = EXIT_BY_SEVERITY[report.worst]
-        if code:
-            # SystemExit, not typer.Exit: the CLI runs click with standalone_mode=False, which turns an
-            # Exit into a return value and loses its code.
-            raise SystemExit(code)
+            console.print(f"plot: {png}", soft_wrap=True, highlight=False)
+    code = EXIT_BY_SEVERITY[report.worst]
+    if code:
+        # SystemExit, not typer.Exit: the CLI runs click with standalone_mode=False, which turns an
+        # Exit into a return value and loses its code.
+        raise SystemExit(code)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("compare")(compare_cmd)

@@ -192,164 +192,165 @@ def _pct(v) -> str:
     return "-" if v is None else f"{100 * v:.3f}%"
 
 
+def fit_cmd(
+    ctx: typer.Context,
+    _train: list[str] = typer.Option(None, "--train", metavar="A.csv [B.csv ...]",
+                                     help="curves to fit (step, lr, loss; params optional)"),
+    _predict: list[str] = typer.Option(None, "--predict", metavar="X.csv [Y.csv ...]",
+                                       help="curves to predict (step, lr; loss optional, then scored)"),
+    _params: list[str] = typer.Option(None, "--params", metavar="FILE=N | N",
+                                      help="a file's parameter count (N alone: every file without one)"),
+    _schedule: list[str] = typer.Option(None, "--schedule", metavar="FILE=SPEC.yaml | FILE=LR.csv",
+                                        help="a file's dense per-step schedule"),
+    out: Path = typer.Option(None, "--out", help="directory for the predicted curves (DIR/<name>.csv)"),
+    as_json: bool = typer.Option(False, "--json", help="print fitted parameters and per-file errors as JSON"),
+    model: str = typer.Option("mpl", "--model", help="mpl (Multi-Power Law) or lra (Tissue et al. baseline)"),
+    bands: bool = typer.Option(False, "--bands", help="add lo, hi columns (90% band, 32 bootstrap refits, "
+                                                      "calibrated leave-one-curve-out)"),
+    size_prior: str = typer.Option("kaplan-floor", "--size-prior",
+                                    help="one training size: kaplan-floor, kaplan or chinchilla"),
+    png: Path = typer.Option(None, "--png", help="write a plot of the curves, fits and bands here"),
+) -> None:
+    """Fit a loss-curve model to --train A.csv [B.csv ...] and predict --predict X.csv [Y.csv ...].
+
+    Curve CSVs have columns step, lr, loss (loss optional in predicted files) and optionally params (parameter count, the same on every row).
+
+    --params FILE=N gives a file its size (--params N: every file without one); --schedule FILE=SPEC.yaml or FILE=LR.csv gives it a dense per-step schedule.
+
+    The lr column samples the schedule at the logged steps: linear between samples, a linear warmup from 0 at step 0 before the first.
+
+    Curves of several sizes fit a size law; a predicted file's params says which size to predict.
+    """
+    from analysis import fitplots
+    from analysis.curves.fit import MODELS, SIZE_PRIORS, CurveError, fit_curves, relative_errors
+
+    values = {o: not p.is_flag for p in ctx.command.params if p.param_type_name == "option"
+              for o in p.opts if o not in _LIST_OPTIONS}
+    lists = _split_lists(ctx.meta.get("ladder.raw_args", list(ctx.args)), values)
+    train, predict = [Path(p) for p in lists["--train"]], [Path(p) for p in lists["--predict"]]
+    if not train:
+        raise LadderError("give the curves to fit: --train A.csv [B.csv ...]")
+    if predict and out is None:
+        raise LadderError("give --out DIR for the predicted curves")
+    if model not in MODELS:
+        raise LadderError(f"--model must be one of {', '.join(MODELS)}, got {model!r}")
+    if size_prior not in SIZE_PRIORS:
+        raise LadderError(f"--size-prior must be one of {', '.join(SIZE_PRIORS)}, got {size_prior!r}")
+    names = [p.name for p in predict]
+    dup = sorted({n for n in names if names.count(n) > 1})
+    if dup:
+        raise LadderError(f"two --predict files share the name {dup[0]!r}: their outputs would collide in --out")
+    if out is not None:
+        if out.exists() and not out.is_dir():
+            raise LadderError(f"--out {out}: exists and is not a directory")
+        inputs = {p.resolve() for p in train + predict}
+        for p in predict:
+            if (out / p.name).resolve() in inputs:
+                raise LadderError(f"--out {out}: writing {p.name} there would overwrite an input file")
+    files = train + predict
+    sizes = {f: _params_value(v, v) for f, v in _per_file(lists["--params"], files, "--params").items()}
+    scheds = {}
+    for f, src in _per_file(lists["--schedule"], files, "--schedule").items():
+        scheds[f] = _dense_schedule(src)
+
+    train_curves = [_read_curve(p, True, sizes.get(p), scheds.get(p)) for p in train]
+    pred_curves = [_read_curve(p, False, sizes.get(p), scheds.get(p)) for p in predict]
+    try:
+        fit = fit_curves(train_curves, model=model, n_boot=32 if bands else 0, size_prior=size_prior)
+    except CurveError as e:
+        raise LadderError(str(e)) from None
+
+    results, plots = [], []
+    for c in train_curves:
+        plots.append({"name": c.name, "step": c.step, "loss": c.loss, "pred": fit.predict_curve(c), "train": True})
+    warnings = list(fit.warnings)
+    for path, c in zip(predict, pred_curves):
+        try:
+            pred = fit.predict_curve(c)
+        except CurveError as e:
+            raise LadderError(f"{path}: {e}") from None
+        cols = {"step": c.step, "lr": c.lr_per_step[c.step]}
+        if c.loss is not None:
+            cols["loss"] = c.loss
+        cols["pred"] = pred
+        r = {"file": str(path), "n": len(c.step), "params": c.params}
+        if bands:
+            lo, hi = fit.band(c.step, c.lr_per_step, params=c.params)
+            cols["lo"], cols["hi"] = lo, hi
+            r["band_rel_width"] = float(np.mean((hi - lo) / pred))
+            if c.loss is not None:
+                r["coverage"] = float(np.mean((c.loss >= lo) & (c.loss <= hi)))
+        r["out"] = str(_write_csv(out / path.name, cols))
+        if c.loss is not None:
+            r.update(relative_errors(pred, c.loss))
+            r["mean_signed_rel_err"] = float(np.mean((pred - c.loss) / c.loss))
+        pw = fit.predict_warnings(c.params)
+        if pw:
+            r["warnings"] = pw
+            warnings += [f"{path.name}: {w}" for w in pw]
+        results.append(r)
+        plots.append({"name": c.name, "step": c.step, "loss": c.loss, "pred": pred,
+                      "lo": cols.get("lo"), "hi": cols.get("hi")})
+
+    d = fit.to_dict()
+    doc = {
+        "model": model,
+        "params": fit.params,
+        "curve_params": None if fit.law_kind != "none" else fit.curve_params(),
+        "size_model": d.get("size_law") or d.get("size_prior"),
+        "converged": fit.converged,
+        "warnings": warnings,
+        "fit": {k: v for k, v in fit.info.items() if k != "train"},
+        "train": [{"file": str(p), **t} for p, t in zip(train, fit.info["train"])],
+        "predict": results,
+    }
+    if bands:
+        doc["band"] = {"level": 0.9, "method": d["band_method"], "calibration": fit.calibration}
+    with_loss = [r for r in results if "mean_rel_err" in r]
+    if with_loss:
+        doc["predict_summary"] = {
+            "mean_rel_err": float(np.mean([r["mean_rel_err"] for r in with_loss])),
+            "max_rel_err": float(max(r["max_rel_err"] for r in with_loss)),
+            "mean_of_file_max_rel_err": float(np.mean([r["max_rel_err"] for r in with_loss])),
+        }
+        if bands:
+            doc["predict_summary"]["coverage"] = float(
+                np.sum([r["coverage"] * r["n"] for r in with_loss]) / np.sum([r["n"] for r in with_loss]))
+            doc["predict_summary"]["band_rel_width"] = float(np.mean([r["band_rel_width"] for r in with_loss]))
+    if png is not None:
+        doc["png"] = str(fitplots.plot_curves(plots, png, f"{model} fit"))
+    doc = json_safe(doc)
+    if as_json:
+        print(json.dumps(doc, indent=2))
+        return
+    console = Console()
+    t = Table(title=f"{model} fit ({fit.info['n_points']} points, {fit.info['seconds']:.1f} s, "
+                    f"converged {fit.converged})", header_style="bold")
+    t.add_column("parameter")
+    t.add_column("value", justify="right")
+    for k, v in fit.params.items():
+        t.add_row(k, f"{v:.5g}")
+    console.print(t)
+    if results:
+        t = Table(header_style="bold")
+        heads = ["file", "points", "mean rel. err", "max rel. err"] + (["90% band holds", "band width"] if bands else [])
+        for col in heads + ["written"]:
+            t.add_column(col)
+        for r in results:
+            row = [Path(r["file"]).name, str(r["n"]), _pct(r.get("mean_rel_err")), _pct(r.get("max_rel_err"))]
+            if bands:
+                row += [_pct(r.get("coverage")), _pct(r.get("band_rel_width"))]
+            t.add_row(*row, r["out"])
+        console.print(t)
+    if not warnings:
+        console.print("warnings: none", highlight=False)
+    for w in warnings:
+        console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+
+
 def register(app: typer.Typer) -> None:
     curve_app = typer.Typer(help="Schedule-aware loss-curve models (Multi-Power Law).", no_args_is_help=True)
     app.add_typer(curve_app, name="curve")
-
-    @curve_app.command(
+    curve_app.command(
         "fit", cls=_ListOptionsCommand, context_settings={"allow_extra_args": True, "ignore_unknown_options": True},
-    )
-    def fit_cmd(
-        ctx: typer.Context,
-        _train: list[str] = typer.Option(None, "--train", metavar="A.csv [B.csv ...]",
-                                         help="curves to fit (step, lr, loss; params optional)"),
-        _predict: list[str] = typer.Option(None, "--predict", metavar="X.csv [Y.csv ...]",
-                                           help="curves to predict (step, lr; loss optional, then scored)"),
-        _params: list[str] = typer.Option(None, "--params", metavar="FILE=N | N",
-                                          help="a file's parameter count (N alone: every file without one)"),
-        _schedule: list[str] = typer.Option(None, "--schedule", metavar="FILE=SPEC.yaml | FILE=LR.csv",
-                                            help="a file's dense per-step schedule"),
-        out: Path = typer.Option(None, "--out", help="directory for the predicted curves (DIR/<name>.csv)"),
-        as_json: bool = typer.Option(False, "--json", help="print fitted parameters and per-file errors as JSON"),
-        model: str = typer.Option("mpl", "--model", help="mpl (Multi-Power Law) or lra (Tissue et al. baseline)"),
-        bands: bool = typer.Option(False, "--bands", help="add lo, hi columns (90% band, 32 bootstrap refits, "
-                                                          "calibrated leave-one-curve-out)"),
-        size_prior: str = typer.Option("kaplan-floor", "--size-prior",
-                                        help="one training size: kaplan-floor, kaplan or chinchilla"),
-        png: Path = typer.Option(None, "--png", help="write a plot of the curves, fits and bands here"),
-    ) -> None:
-        """Fit a loss-curve model to --train A.csv [B.csv ...] and predict --predict X.csv [Y.csv ...].
-
-        Curve CSVs have columns step, lr, loss (loss optional in predicted files) and optionally params (parameter count, the same on every row).
-
-        --params FILE=N gives a file its size (--params N: every file without one); --schedule FILE=SPEC.yaml or FILE=LR.csv gives it a dense per-step schedule.
-
-        The lr column samples the schedule at the logged steps: linear between samples, a linear warmup from 0 at step 0 before the first.
-
-        Curves of several sizes fit a size law; a predicted file's params says which size to predict.
-        """
-        from analysis import fitplots
-        from analysis.curves.fit import MODELS, SIZE_PRIORS, CurveError, fit_curves, relative_errors
-
-        values = {o: not p.is_flag for p in ctx.command.params if p.param_type_name == "option"
-                  for o in p.opts if o not in _LIST_OPTIONS}
-        lists = _split_lists(ctx.meta.get("ladder.raw_args", list(ctx.args)), values)
-        train, predict = [Path(p) for p in lists["--train"]], [Path(p) for p in lists["--predict"]]
-        if not train:
-            raise LadderError("give the curves to fit: --train A.csv [B.csv ...]")
-        if predict and out is None:
-            raise LadderError("give --out DIR for the predicted curves")
-        if model not in MODELS:
-            raise LadderError(f"--model must be one of {', '.join(MODELS)}, got {model!r}")
-        if size_prior not in SIZE_PRIORS:
-            raise LadderError(f"--size-prior must be one of {', '.join(SIZE_PRIORS)}, got {size_prior!r}")
-        names = [p.name for p in predict]
-        dup = sorted({n for n in names if names.count(n) > 1})
-        if dup:
-            raise LadderError(f"two --predict files share the name {dup[0]!r}: their outputs would collide in --out")
-        if out is not None:
-            if out.exists() and not out.is_dir():
-                raise LadderError(f"--out {out}: exists and is not a directory")
-            inputs = {p.resolve() for p in train + predict}
-            for p in predict:
-                if (out / p.name).resolve() in inputs:
-                    raise LadderError(f"--out {out}: writing {p.name} there would overwrite an input file")
-        files = train + predict
-        sizes = {f: _params_value(v, v) for f, v in _per_file(lists["--params"], files, "--params").items()}
-        scheds = {}
-        for f, src in _per_file(lists["--schedule"], files, "--schedule").items():
-            scheds[f] = _dense_schedule(src)
-
-        train_curves = [_read_curve(p, True, sizes.get(p), scheds.get(p)) for p in train]
-        pred_curves = [_read_curve(p, False, sizes.get(p), scheds.get(p)) for p in predict]
-        try:
-            fit = fit_curves(train_curves, model=model, n_boot=32 if bands else 0, size_prior=size_prior)
-        except CurveError as e:
-            raise LadderError(str(e)) from None
-
-        results, plots = [], []
-        for c in train_curves:
-            plots.append({"name": c.name, "step": c.step, "loss": c.loss, "pred": fit.predict_curve(c), "train": True})
-        warnings = list(fit.warnings)
-        for path, c in zip(predict, pred_curves):
-            try:
-                pred = fit.predict_curve(c)
-            except CurveError as e:
-                raise LadderError(f"{path}: {e}") from None
-            cols = {"step": c.step, "lr": c.lr_per_step[c.step]}
-            if c.loss is not None:
-                cols["loss"] = c.loss
-            cols["pred"] = pred
-            r = {"file": str(path), "n": len(c.step), "params": c.params}
-            if bands:
-                lo, hi = fit.band(c.step, c.lr_per_step, params=c.params)
-                cols["lo"], cols["hi"] = lo, hi
-                r["band_rel_width"] = float(np.mean((hi - lo) / pred))
-                if c.loss is not None:
-                    r["coverage"] = float(np.mean((c.loss >= lo) & (c.loss <= hi)))
-            r["out"] = str(_write_csv(out / path.name, cols))
-            if c.loss is not None:
-                r.update(relative_errors(pred, c.loss))
-                r["mean_signed_rel_err"] = float(np.mean((pred - c.loss) / c.loss))
-            pw = fit.predict_warnings(c.params)
-            if pw:
-                r["warnings"] = pw
-                warnings += [f"{path.name}: {w}" for w in pw]
-            results.append(r)
-            plots.append({"name": c.name, "step": c.step, "loss": c.loss, "pred": pred,
-                          "lo": cols.get("lo"), "hi": cols.get("hi")})
-
-        d = fit.to_dict()
-        doc = {
-            "model": model,
-            "params": fit.params,
-            "curve_params": None if fit.law_kind != "none" else fit.curve_params(),
-            "size_model": d.get("size_law") or d.get("size_prior"),
-            "converged": fit.converged,
-            "warnings": warnings,
-            "fit": {k: v for k, v in fit.info.items() if k != "train"},
-            "train": [{"file": str(p), **t} for p, t in zip(train, fit.info["train"])],
-            "predict": results,
-        }
-        if bands:
-            doc["band"] = {"level": 0.9, "method": d["band_method"], "calibration": fit.calibration}
-        with_loss = [r for r in results if "mean_rel_err" in r]
-        if with_loss:
-            doc["predict_summary"] = {
-                "mean_rel_err": float(np.mean([r["mean_rel_err"] for r in with_loss])),
-                "max_rel_err": float(max(r["max_rel_err"] for r in with_loss)),
-                "mean_of_file_max_rel_err": float(np.mean([r["max_rel_err"] for r in with_loss])),
-            }
-            if bands:
-                doc["predict_summary"]["coverage"] = float(
-                    np.sum([r["coverage"] * r["n"] for r in with_loss]) / np.sum([r["n"] for r in with_loss]))
-                doc["predict_summary"]["band_rel_width"] = float(np.mean([r["band_rel_width"] for r in with_loss]))
-        if png is not None:
-            doc["png"] = str(fitplots.plot_curves(plots, png, f"{model} fit"))
-        doc = json_safe(doc)
-        if as_json:
-            print(json.dumps(doc, indent=2))
-            return
-        console = Console()
-        t = Table(title=f"{model} fit ({fit.info['n_points']} points, {fit.info['seconds']:.1f} s, "
-                        f"converged {fit.converged})", header_style="bold")
-        t.add_column("parameter")
-        t.add_column("value", justify="right")
-        for k, v in fit.params.items():
-            t.add_row(k, f"{v:.5g}")
-        console.print(t)
-        if results:
-            t = Table(header_style="bold")
-            heads = ["file", "points", "mean rel. err", "max rel. err"] + (["90% band holds", "band width"] if bands else [])
-            for col in heads + ["written"]:
-                t.add_column(col)
-            for r in results:
-                row = [Path(r["file"]).name, str(r["n"]), _pct(r.get("mean_rel_err")), _pct(r.get("max_rel_err"))]
-                if bands:
-                    row += [_pct(r.get("coverage")), _pct(r.get("band_rel_width"))]
-                t.add_row(*row, r["out"])
-            console.print(t)
-        if not warnings:
-            console.print("warnings: none", highlight=False)
-        for w in warnings:
-            console.print(f"[yellow]warning:[/yellow] {w}", highlight=False)
+    )(fit_cmd)

@@ -171,140 +171,143 @@ def _print_coverage(fc: dict, path: Path) -> None:
     c.print(f"wrote {path}", soft_wrap=True, highlight=False)
 
 
-def register(app: typer.Typer) -> None:
-    @app.command("forecast")
-    def forecast_cmd(
-        experiment: Optional[str] = typer.Argument(None, help="experiment file (or give --from-csv and --hero)"),
-        holdout: str = typer.Option(None, "--holdout", help="LAST (or a rung name): refit without it and report its error"),
-        root: str = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
-        tracking_uri: str = typer.Option(None, "--tracking-uri"),
-        no_tracking: bool = typer.Option(False, "--no-tracking", help="do not log to MLflow"),
-        from_csv: Optional[Path] = typer.Option(
-            None, "--from-csv", help="a ladder trained elsewhere: a CSV with one row per rung (name, spec, curve, "
-            "optional final_loss); paths relative to the CSV"),
-        hero_path: Optional[Path] = typer.Option(None, "--hero", help="with --from-csv: the hero's spec YAML"),
-        metric_names: Optional[str] = typer.Option(
-            None, "--metric-names", help="with --from-csv: the curves' metric names (olmo-core, levanter, torchtitan, "
-            "or a YAML map)"),
-        out_dir: Optional[Path] = typer.Option(None, "--out", help="with --from-csv: directory for forecast.json and "
-                                               "law.png (default: beside the CSV)"),
-        as_json: bool = typer.Option(False, "--json", help="print the forecast JSON"),
-        strict: bool = typer.Option(False, "--strict", help="refuse a point forecast (exit 2, nothing written) when the "
-                                    "regime check finds the rungs outside the hero's regime"),
-    ) -> None:
-        """Fit the laws and the curve model on the finished rungs; forecast the hero (forecast.json + plot).
+def forecast_cmd(
+    experiment: Optional[str] = typer.Argument(None, help="experiment file (or give --from-csv and --hero)"),
+    holdout: str = typer.Option(None, "--holdout", help="LAST (or a rung name): refit without it and report its error"),
+    root: str = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
+    tracking_uri: str = typer.Option(None, "--tracking-uri"),
+    no_tracking: bool = typer.Option(False, "--no-tracking", help="do not log to MLflow"),
+    from_csv: Optional[Path] = typer.Option(
+        None, "--from-csv", help="a ladder trained elsewhere: a CSV with one row per rung (name, spec, curve, "
+        "optional final_loss); paths relative to the CSV"),
+    hero_path: Optional[Path] = typer.Option(None, "--hero", help="with --from-csv: the hero's spec YAML"),
+    metric_names: Optional[str] = typer.Option(
+        None, "--metric-names", help="with --from-csv: the curves' metric names (olmo-core, levanter, torchtitan, "
+        "or a YAML map)"),
+    out_dir: Optional[Path] = typer.Option(None, "--out", help="with --from-csv: directory for forecast.json and "
+                                           "law.png (default: beside the CSV)"),
+    as_json: bool = typer.Option(False, "--json", help="print the forecast JSON"),
+    strict: bool = typer.Option(False, "--strict", help="refuse a point forecast (exit 2, nothing written) when the "
+                                "regime check finds the rungs outside the hero's regime"),
+) -> None:
+    """Fit the laws and the curve model on the finished rungs; forecast the hero (forecast.json + plot).
 
-        A ladder whose rungs ran elsewhere: --from-csv LADDER.csv --hero HERO.yaml (specs from
-        `ladder spec from-run`, curves as CSV exports, metrics.jsonl, or wandb:DIR)."""
-        from analysis.forecast.hero import forecast
-        from analysis.report import plot_law
+    A ladder whose rungs ran elsewhere: --from-csv LADDER.csv --hero HERO.yaml (specs from
+    `ladder spec from-run`, curves as CSV exports, metrics.jsonl, or wandb:DIR)."""
+    from analysis.forecast.hero import forecast
+    from analysis.report import plot_law
 
-        if from_csv is not None:
-            if experiment is not None or holdout:
-                raise LadderError("--from-csv forecasts the ladder its CSV lists: give no experiment file nor --holdout")
-            if hero_path is None:
-                raise LadderError("--from-csv needs the hero's spec: --hero HERO.yaml")
-            from ladder.ladder_csv import read_ladder_csv
+    if from_csv is not None:
+        if experiment is not None or holdout:
+            raise LadderError("--from-csv forecasts the ladder its CSV lists: give no experiment file nor --holdout")
+        if hero_path is None:
+            raise LadderError("--from-csv needs the hero's spec: --hero HERO.yaml")
+        from ladder.ladder_csv import read_ladder_csv
 
-            rungs = read_ladder_csv(from_csv, load_metric_names(metric_names))
-            hero = load_spec(hero_path)
-            if len(rungs) < 3:
-                raise LadderError(f"{from_csv}: forecast needs at least 3 rungs, the file lists {len(rungs)}")
-            name = from_csv.stem
-            fc = forecast(name, rungs, hero).to_dict()
-            _refuse_if_strict(fc, strict)
-            out = out_dir or from_csv.parent
-            out.mkdir(parents=True, exist_ok=True)
-            path = atomic_write_json(out / "forecast.json", fc)
-            plan = costs.plan([*(x.spec for x in rungs), hero], hero)
-            plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, fc, None)
-            _print_forecast(fc, name, rungs, path, as_json)
-            return
-        if experiment is None:
-            raise LadderError("give an experiment file, or --from-csv LADDER.csv --hero HERO.yaml")
-        exp = load_experiment(experiment)
-        if exp.hero is None:
-            raise LadderError(f"{experiment}: the experiment has no hero to forecast")
-        r = ladder_root(root)
-        rungs, missing = finished_rungs(r, exp, holdout)
+        rungs = read_ladder_csv(from_csv, load_metric_names(metric_names))
+        hero = load_spec(hero_path)
         if len(rungs) < 3:
-            raise LadderError(f"forecast needs at least 3 finished rungs; unfinished: {', '.join(missing) or 'none'}"
-                              f" (run `ladder submit {experiment}` first)")
-        check_losses_fall(rungs)
-        try:
-            fc = forecast(exp.name, rungs, exp.hero).to_dict()
-        except YardstickError as e:
-            raise LadderError(f"{experiment}: {e}") from None
-        fl = fc["hero"]["final_loss"]
-        if not all(math.isfinite(fl[k]) for k in ("mean", "lo", "hi")):  # nothing written from a failed fit
-            raise LadderError(f"cannot forecast: the law fitted to rungs {', '.join(x.spec.name for x in rungs)} gives "
-                              f"no finite hero loss ({fl['mean']}, interval {fl['lo']} to {fl['hi']})")
+            raise LadderError(f"{from_csv}: forecast needs at least 3 rungs, the file lists {len(rungs)}")
+        name = from_csv.stem
+        fc = forecast(name, rungs, hero).to_dict()
         _refuse_if_strict(fc, strict)
-        if holdout:
-            held = [s for s in exp.rungs if s.name not in {x.spec.name for x in rungs}]
-            fc["holdout"] = [h.name for h in held]
-        out = analysis_dir(r, exp.name)
-        path = atomic_write_json(out / ("forecast.json" if not holdout else "forecast_holdout.json"), fc)
-        plan = costs.plan([*exp.rungs, exp.hero], exp.hero)
+        out = out_dir or from_csv.parent
+        out.mkdir(parents=True, exist_ok=True)
+        path = atomic_write_json(out / "forecast.json", fc)
+        plan = costs.plan([*(x.spec for x in rungs), hero], hero)
         plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, fc, None)
-        if not no_tracking:
-            try:
-                log_forecast(exp, path, tracking_uri, r)
-                log_artifact_to_parent(exp, out / "law.png", None, tracking_uri, r)
-            except store_errors() as e:  # the forecast file is the record; tracking can catch up later
-                Console(stderr=True).print(f"warning: could not log the forecast to MLflow: {e}", style="yellow")
-        if _print_forecast(fc, exp.name, rungs, path, as_json, done=False):
-            return
-        c = Console()
-        if holdout:
-            held = [s for s in exp.rungs if s.name in fc["holdout"]]
-            for s in held:
-                from analysis.forecast.hero import final_interval
+        _print_forecast(fc, name, rungs, path, as_json)
+        return
+    if experiment is None:
+        raise LadderError("give an experiment file, or --from-csv LADDER.csv --hero HERO.yaml")
+    exp = load_experiment(experiment)
+    if exp.hero is None:
+        raise LadderError(f"{experiment}: the experiment has no hero to forecast")
+    r = ladder_root(root)
+    rungs, missing = finished_rungs(r, exp, holdout)
+    if len(rungs) < 3:
+        raise LadderError(f"forecast needs at least 3 finished rungs; unfinished: {', '.join(missing) or 'none'}"
+                          f" (run `ladder submit {experiment}` first)")
+    check_losses_fall(rungs)
+    try:
+        fc = forecast(exp.name, rungs, exp.hero).to_dict()
+    except YardstickError as e:
+        raise LadderError(f"{experiment}: {e}") from None
+    fl = fc["hero"]["final_loss"]
+    if not all(math.isfinite(fl[k]) for k in ("mean", "lo", "hi")):  # nothing written from a failed fit
+        raise LadderError(f"cannot forecast: the law fitted to rungs {', '.join(x.spec.name for x in rungs)} gives "
+                          f"no finite hero loss ({fl['mean']}, interval {fl['lo']} to {fl['hi']})")
+    _refuse_if_strict(fc, strict)
+    if holdout:
+        held = [s for s in exp.rungs if s.name not in {x.spec.name for x in rungs}]
+        fc["holdout"] = [h.name for h in held]
+    out = analysis_dir(r, exp.name)
+    path = atomic_write_json(out / ("forecast.json" if not holdout else "forecast_holdout.json"), fc)
+    plan = costs.plan([*exp.rungs, exp.hero], exp.hero)
+    plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, fc, None)
+    if not no_tracking:
+        try:
+            log_forecast(exp, path, tracking_uri, r)
+            log_artifact_to_parent(exp, out / "law.png", None, tracking_uri, r)
+        except store_errors() as e:  # the forecast file is the record; tracking can catch up later
+            Console(stderr=True).print(f"warning: could not log the forecast to MLflow: {e}", style="yellow")
+    if _print_forecast(fc, exp.name, rungs, path, as_json, done=False):
+        return
+    c = Console()
+    if holdout:
+        held = [s for s in exp.rungs if s.name in fc["holdout"]]
+        for s in held:
+            from analysis.forecast.hero import final_interval
 
-                pred = final_interval(rungs, costs.total_flops(s))
-                c.print(f"holdout {s.name}: predicted {pred[0]:.4f} ({pred[1]:.4f} to {pred[2]:.4f})")
-        _print_coverage(fc, path)
+            pred = final_interval(rungs, costs.total_flops(s))
+            c.print(f"holdout {s.name}: predicted {pred[0]:.4f} ({pred[1]:.4f} to {pred[2]:.4f})")
+    _print_coverage(fc, path)
 
-    @app.command("report")
-    def report_cmd(
-        experiment: str = typer.Argument(..., help="experiment file"),
-        out: str = typer.Option("report", "--out", help="output directory"),
-        root: str = typer.Option(None, "--root"),
-        tracking_uri: str = typer.Option(None, "--tracking-uri"),
-        no_tracking: bool = typer.Option(False, "--no-tracking", help="do not attach the report to the MLflow parent run"),
-    ) -> None:
-        """A self-contained HTML report (plots as PNG files beside it)."""
-        from analysis.report import build_report
 
-        exp = load_experiment(experiment)
-        r = ladder_root(root)
-        specs = [*exp.rungs, *([exp.hero] if exp.hero else [])]
-        plan = costs.plan(specs, exp.hero)
-        runs = {}
-        for s in specs:
-            m = run_dir_for(r, exp.name, s) / METRICS_FILE
-            if m.exists() and m.stat().st_size:
-                runs[s.name] = read_metrics_frame(m)
-        adir = analysis_dir(r, exp.name)
-        forecast = load_analysis_json(adir / "forecast.json")
-        if forecast is not None:
-            check_forecast(forecast, adir / "forecast.json")
-        compare = load_analysis_json(adir / "compare.json") or {}
-        replan = load_analysis_json(adir / "replan.json") or {}
-        flags = [f for f in compare.get("flags", []) if isinstance(f, dict)] if isinstance(compare.get("flags"), list) else []
-        options = replan.get("options", []) if isinstance(replan.get("options"), list) else []
-        rows = [{k: v for k, v in o.items() if not isinstance(v, (dict, list))} for o in options if isinstance(o, dict)]
-        hero_finished = exp.hero is None or is_finished(run_dir_for(r, exp.name, exp.hero), exp.hero)
-        extras = {s.name: read_metrics_frame(run_dir_for(r, exp.name, s) / METRICS_FILE) for s in exp.extras
-                  if is_finished(run_dir_for(r, exp.name, s), s)}
-        page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.get("recommendation"),
-                            hero_finished=hero_finished, extras=extras)
-        if not no_tracking and forecast is not None:
-            try:
-                for f in sorted(Path(out).iterdir()):
-                    log_artifact_to_parent(exp, f, "report", tracking_uri, r)
-            except store_errors() as e:  # the report on disk is the record
-                Console(stderr=True).print(f"warning: could not attach the report to MLflow: {e}", style="yellow")
-        summary = json.loads((Path(out) / "summary.json").read_text())
-        Console().print(summary["verdict"], highlight=False)
-        Console().print(f"report: {page.resolve()}", soft_wrap=True, highlight=False)
+def report_cmd(
+    experiment: str = typer.Argument(..., help="experiment file"),
+    out: str = typer.Option("report", "--out", help="output directory"),
+    root: str = typer.Option(None, "--root"),
+    tracking_uri: str = typer.Option(None, "--tracking-uri"),
+    no_tracking: bool = typer.Option(False, "--no-tracking", help="do not attach the report to the MLflow parent run"),
+) -> None:
+    """A self-contained HTML report (plots as PNG files beside it)."""
+    from analysis.report import build_report
+
+    exp = load_experiment(experiment)
+    r = ladder_root(root)
+    specs = [*exp.rungs, *([exp.hero] if exp.hero else [])]
+    plan = costs.plan(specs, exp.hero)
+    runs = {}
+    for s in specs:
+        m = run_dir_for(r, exp.name, s) / METRICS_FILE
+        if m.exists() and m.stat().st_size:
+            runs[s.name] = read_metrics_frame(m)
+    adir = analysis_dir(r, exp.name)
+    forecast = load_analysis_json(adir / "forecast.json")
+    if forecast is not None:
+        check_forecast(forecast, adir / "forecast.json")
+    compare = load_analysis_json(adir / "compare.json") or {}
+    replan = load_analysis_json(adir / "replan.json") or {}
+    flags = [f for f in compare.get("flags", []) if isinstance(f, dict)] if isinstance(compare.get("flags"), list) else []
+    options = replan.get("options", []) if isinstance(replan.get("options"), list) else []
+    rows = [{k: v for k, v in o.items() if not isinstance(v, (dict, list))} for o in options if isinstance(o, dict)]
+    hero_finished = exp.hero is None or is_finished(run_dir_for(r, exp.name, exp.hero), exp.hero)
+    extras = {s.name: read_metrics_frame(run_dir_for(r, exp.name, s) / METRICS_FILE) for s in exp.extras
+              if is_finished(run_dir_for(r, exp.name, s), s)}
+    page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.get("recommendation"),
+                        hero_finished=hero_finished, extras=extras)
+    if not no_tracking and forecast is not None:
+        try:
+            for f in sorted(Path(out).iterdir()):
+                log_artifact_to_parent(exp, f, "report", tracking_uri, r)
+        except store_errors() as e:  # the report on disk is the record
+            Console(stderr=True).print(f"warning: could not attach the report to MLflow: {e}", style="yellow")
+    summary = json.loads((Path(out) / "summary.json").read_text())
+    Console().print(summary["verdict"], highlight=False)
+    Console().print(f"report: {page.resolve()}", soft_wrap=True, highlight=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("forecast")(forecast_cmd)
+    app.command("report")(report_cmd)

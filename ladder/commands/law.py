@@ -148,233 +148,237 @@ def _csv_points(file: Path, params_col, total_col, tokens_col, flops_col, actual
     return col.get("N"), col.get("N_total"), col.get("D"), col.get("C"), col.get("actual")
 
 
+def fit_cmd(
+    file: Path = typer.Argument(..., help="CSV with one row per training run"),
+    params_col: str = typer.Option(..., "--params-col", help="column of parameter counts N (active ones for MoE)"),
+    total_col: Optional[str] = typer.Option(
+        None, "--total-params-col",
+        help="column of total parameters: fits the MoE law E + A/N^alpha + G/N_total^gamma + B/D^beta",
+    ),
+    tokens_col: Optional[str] = typer.Option(None, "--tokens-col", help="column of training tokens D"),
+    flops_col: Optional[str] = typer.Option(None, "--flops-col", help="column of training FLOPs C (D = C / 6N)"),
+    loss_col: List[str] = typer.Option(..., "--loss-col", help="column of final losses (repeatable: one fit each)"),
+    where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    drop_highest: int = typer.Option(0, "--drop-highest", help="drop the K highest-loss rows first"),
+    bootstrap: int = typer.Option(200, "--bootstrap", help="bootstrap refits for the intervals (0: none)"),
+    level: float = typer.Option(0.95, "--level", help="interval coverage"),
+    seed: int = typer.Option(0, "--seed", help="bootstrap seed"),
+    budget: Optional[List[float]] = typer.Option(
+        None, "--budget", help="FLOP budget C for the compute-optimal N*, D* (repeatable)"
+    ),
+    backtest: bool = typer.Option(True, "--backtest/--no-backtest",
+                                  help="refit on held-out splits and report interval coverage and width"),
+    png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
+) -> None:
+    """Fit L(N, D) = E + A/N^alpha + B/D^beta (Huber on log loss, L-BFGS, bootstrap intervals)."""
+    from analysis.laws import backtest as law_backtest
+    from analysis.laws.fit import fit_law, fit_moe_law
+    if (tokens_col is None) == (flops_col is None):
+        raise LadderError("give exactly one of --tokens-col (D) or --flops-col (C, with D = C / 6N)")
+    _check_common(level, bootstrap)
+    if budget and any(not (c > 0 and math.isfinite(c)) for c in budget):
+        raise LadderError("--budget must be a positive number of FLOPs")
+    if budget and total_col:
+        raise LadderError("--budget needs a fixed sparsity: it is not defined for the --total-params-col law")
+    conds = parse_where(where)
+    second = tokens_col if tokens_col is not None else flops_col
+    cols = {"N": params_col, "D": second, **({"N_total": total_col} if total_col else {})}
+    docs = []
+    for lc in loss_col:
+        df = load_table(file, cols, lc, drop_highest, min_rows=7 if total_col else 5, where=conds)
+        N = df[params_col].to_numpy()
+        D = df[tokens_col].to_numpy() if tokens_col is not None else df[flops_col].to_numpy() / (6.0 * N)
+        L = df[lc].to_numpy()
+        opts = dict(n_bootstrap=bootstrap, level=level, seed=seed)
+        if total_col:
+            Nt = df[total_col].to_numpy()
+            fit = _fit_or_explain(fit_moe_law, file, N, Nt, D, L, **opts)
+            fn, xs = (lambda a, t, d, l, **k: fit_moe_law(a, t, d, l, strict=True, **k)), [N, Nt, D]
+        else:
+            fit = _fit_or_explain(fit_law, file, N, D, L, **opts)
+            fn, xs = law_backtest.fit_n_d, [N, D]
+        d = fit.to_dict()
+        d["data"] = {
+            "file": str(file), "params_col": params_col, "total_params_col": total_col,
+            "tokens_col": tokens_col, "flops_col": flops_col, "where": where_json(conds),
+            "loss_col": lc, "dropped_highest": drop_highest,
+        }
+        if budget:
+            d["compute_optimal"] = [{"C": c, **fit.compute_optimal(c)} for c in budget]
+        if backtest and fit.converged:
+            d["backtest"] = _backtest(fn, xs, L, level, seed, start=fit)
+        path = _png_path(png, lc, len(loss_col) > 1)
+        if path is not None:
+            from analysis import fitplots  # matplotlib only for a plot
+
+            d["png"] = str(fitplots.plot_law_fit(fit, N, D, L, path, f"{fit._LAW}  ({file.name}, {lc})"))
+        docs.append(d)
+
+    def render(d):
+        extra = []
+        if "optimal_N_exponent" in d:
+            extra.append(f"compute-optimal: N* ~ C^{d['optimal_N_exponent']:.3f}, D* ~ C^{d['optimal_D_exponent']:.3f}")
+        for row in d.get("compute_optimal", []):
+            ci = row.get("loss_ci") or [None, None]
+            extra.append(
+                f"C = {row['C']:.3g}: N* = {row['N']:.3g}, D* = {row['D']:.3g}, "
+                f"loss {row['loss']:.4g} [{_fmt(ci[0])}, {_fmt(ci[1])}]"
+            )
+        _render(d, f"{d['law']}  ({file.name}, {d['data']['loss_col']})", extra)
+
+    _emit(docs, as_json, render)
+
+
+def envelope_cmd(
+    file: Path = typer.Argument(..., help="CSV with one row per compute budget (its best run)"),
+    flops_col: str = typer.Option(..., "--flops-col", help="column of training FLOPs C"),
+    loss_col: List[str] = typer.Option(..., "--loss-col", help="column of losses (repeatable: one fit each)"),
+    where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    drop_highest: int = typer.Option(0, "--drop-highest", help="drop the K highest-loss rows first"),
+    bootstrap: int = typer.Option(200, "--bootstrap", help="bootstrap refits for the intervals (0: none)"),
+    level: float = typer.Option(0.95, "--level", help="interval coverage"),
+    seed: int = typer.Option(0, "--seed", help="bootstrap seed"),
+    backtest: bool = typer.Option(True, "--backtest/--no-backtest",
+                                  help="refit on held-out splits and report interval coverage and width"),
+    png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
+) -> None:
+    """Fit the compute envelope L(C) = E + A*C^-alpha."""
+    from analysis.laws import backtest as law_backtest
+    from analysis.laws.fit import fit_envelope
+    _check_common(level, bootstrap)
+    conds = parse_where(where)
+    docs = []
+    for lc in loss_col:
+        df = load_table(file, {"C": flops_col}, lc, drop_highest, min_rows=3, where=conds)
+        C, L = df[flops_col].to_numpy(), df[lc].to_numpy()
+        fit = _fit_or_explain(fit_envelope, file, C, L, n_bootstrap=bootstrap, level=level, seed=seed)
+        d = fit.to_dict()
+        d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": lc, "where": where_json(conds),
+                     "dropped_highest": drop_highest}
+        if backtest and fit.converged:
+            d["backtest"] = _backtest(law_backtest.fit_c, [C], L, level, seed, start=fit)
+        path = _png_path(png, lc, len(loss_col) > 1)
+        if path is not None:
+            from analysis import fitplots  # matplotlib only for a plot
+
+            d["png"] = str(fitplots.plot_envelope_fit(fit, C, L, path, f"{file.name}, {lc}"))
+        docs.append(d)
+    _emit(docs, as_json, lambda d: _render(d, f"{d['law']}  ({file.name}, {d['data']['loss_col']})", []))
+
+
+def predict_cmd(
+    fit_file: Path = typer.Argument(..., help="a fit's JSON (from `ladder law fit/envelope --json`)"),
+    params: Optional[List[float]] = typer.Option(None, "--params", help="parameter count N (repeatable)"),
+    total_params: Optional[List[float]] = typer.Option(None, "--total-params", help="total parameters (MoE law)"),
+    tokens: Optional[List[float]] = typer.Option(None, "--tokens", help="training tokens D (repeatable)"),
+    flops: Optional[List[float]] = typer.Option(None, "--flops", help="training FLOPs C (repeatable; D = C / 6N)"),
+    level: Optional[float] = typer.Option(None, "--level", help="interval coverage (default: the fit's)"),
+    csv: Optional[Path] = typer.Option(None, "--csv", help="predict every row of this CSV (its columns named by "
+                                       "the --*-col options) instead of the values given"),
+    params_col: Optional[str] = typer.Option(None, "--params-col", help="with --csv: column of N"),
+    total_col: Optional[str] = typer.Option(None, "--total-params-col", help="with --csv: column of total parameters"),
+    tokens_col: Optional[str] = typer.Option(None, "--tokens-col", help="with --csv: column of D"),
+    flops_col: Optional[str] = typer.Option(None, "--flops-col", help="with --csv: column of C"),
+    actual_col: Optional[str] = typer.Option(None, "--actual-col", help="with --csv: column of measured losses; "
+                                             "each prediction is scored against it"),
+    where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP + "; with --csv"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Predict a saved fit at held-out points, with prediction intervals; with --csv and --actual-col,
+    score it on measured losses (error per row, mean and worst relative error, interval coverage)."""
+    from analysis.laws.predict import predict_saved_fit, read_saved_fit
+
+    if csv is not None and any(v for v in (params, total_params, tokens, flops)):
+        raise LadderError("give either --csv FILE with its columns or --params/--tokens/--flops values, not both")
+    if csv is None and (any(v is not None for v in (params_col, total_col, tokens_col, flops_col, actual_col))
+                        or where):
+        raise LadderError("--params-col, --tokens-col, --flops-col, --total-params-col, --actual-col and "
+                          "--where read a --csv FILE; give one")
+    doc, fit = read_saved_fit(fit_file, level)
+    actual = None
+    if csv is not None:
+        N, Nt, D, C, actual = _csv_points(csv, params_col, total_col, tokens_col, flops_col, actual_col,
+                                          parse_where(where))
+    else:
+        N, Nt, D, C = (_positive_list(n, v) for n, v in
+                       (("--params", params), ("--total-params", total_params), ("--tokens", tokens),
+                        ("--flops", flops)))
+    rows, out = predict_saved_fit(doc, fit, fit_file, N, Nt, D, C, level, actual)
+    if actual is not None:
+        out["data"] = {"file": str(csv), "actual_col": actual_col, "where": where_json(parse_where(where))}
+    out = json_safe(out)
+    if as_json:
+        print(json.dumps(out, indent=2))
+        return
+    console = Console()
+    t = Table(title=f"{out['law']}  ({fit_file.name})", header_style="bold")
+    cols = list(rows) + ["loss", f"{100 * out['level']:.0f}% interval"] + (["actual", "error"] if actual is not None else [])
+    for c in cols:
+        t.add_column(c, justify="right")
+    for r in out["predictions"]:
+        extra = [_fmt(r["actual"]), f"{100 * r['rel_error']:+.2f}%" + ("" if r["inside"] else " !")] \
+            if actual is not None else []
+        t.add_row(*[f"{r[k]:.4g}" for k in rows], _fmt(r["loss"]), f"[{_fmt(r['lo'])}, {_fmt(r['hi'])}]", *extra)
+    console.print(t)
+    if actual is not None:
+        sc = out["score"]
+        console.print(f"{sc['n']} points: mean |error| {100 * sc['mean_abs_rel_error']:.2f}%, worst "
+                      f"{100 * sc['max_abs_rel_error']:.2f}%; {sc['inside']}/{sc['n']} inside the "
+                      f"{100 * out['level']:.0f}% interval (!: outside)", highlight=False)
+    _render_warnings(console, out["warnings"])
+
+
+def isoflop_cmd(
+    file: Path = typer.Argument(..., help="CSV with one row per training run"),
+    params_col: str = typer.Option(..., "--params-col", help="column of parameter counts N"),
+    flops_col: str = typer.Option(..., "--flops-col", help="column of training FLOPs C"),
+    loss_col: str = typer.Option(..., "--loss-col", help="column of final losses"),
+    where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP),
+    tol: float = typer.Option(0.05, "--group-tol", help="runs within this many decades of C share a budget"),
+    budget: Optional[List[float]] = typer.Option(None, "--budget", help="FLOP budget for N*, D* (repeatable)"),
+    as_json: bool = typer.Option(False, "--json"),
+    png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the profiles and minima here"),
+) -> None:
+    """IsoFLOP profiles (Chinchilla approach 2): a loss minimum per budget, then N*(C) and D*(C)."""
+    from analysis import fitplots
+    if not tol > 0:
+        raise LadderError(f"--group-tol must be positive, got {tol}")
+    df = load_table(file, {"N": params_col, "C": flops_col}, loss_col, 0, min_rows=3, where=parse_where(where))
+    N, C, L = df[params_col].to_numpy(), df[flops_col].to_numpy(), df[loss_col].to_numpy()
+    try:
+        fit = fit_isoflop(N, C, L, tol=tol)
+    except IsoflopError as e:
+        raise LadderError(f"{file}: {e}") from None
+    d = fit.to_dict()
+    d["data"] = {"file": str(file), "params_col": params_col, "flops_col": flops_col, "loss_col": loss_col,
+                 "group_tol": tol}
+    if budget:
+        d["compute_optimal"] = [fit.optimal(float(c)) for c in _positive_list("--budget", budget)]
+    if png is not None:
+        d["png"] = str(fitplots.plot_isoflop(N, C, L, group_budgets(C, tol), fit, png))
+    d = json_safe(d)
+    if as_json:
+        print(json.dumps(d, indent=2))
+        return
+    console = Console()
+    t = Table(title=f"IsoFLOP minima ({file.name})", header_style="bold")
+    for c in ("C", "runs", "N*", "D*", "loss at N*"):
+        t.add_column(c, justify="right")
+    for m in d["minima"]:
+        t.add_row(f"{m['C']:.3g}", str(m["runs"]), f"{m['N']:.3g}", f"{m['D']:.3g}", f"{m['loss']:.4g}")
+    console.print(t)
+    console.print(f"N* ~ C^{d['a']:.3f} (se {_fmt(d['a_se'])}), D* ~ C^{d['b']:.3f}", highlight=False)
+    for r in d.get("compute_optimal", []):
+        console.print(f"C = {r['C']:.3g}: N* = {r['N']:.3g}, D* = {r['D']:.3g}", highlight=False)
+    _render_warnings(console, d["warnings"])
+
+
 def register(app: typer.Typer) -> None:
     law_app = typer.Typer(help="Fit scaling laws to CSV files.", no_args_is_help=True)
     app.add_typer(law_app, name="law")
-
-    @law_app.command("fit")
-    def fit_cmd(
-        file: Path = typer.Argument(..., help="CSV with one row per training run"),
-        params_col: str = typer.Option(..., "--params-col", help="column of parameter counts N (active ones for MoE)"),
-        total_col: Optional[str] = typer.Option(
-            None, "--total-params-col",
-            help="column of total parameters: fits the MoE law E + A/N^alpha + G/N_total^gamma + B/D^beta",
-        ),
-        tokens_col: Optional[str] = typer.Option(None, "--tokens-col", help="column of training tokens D"),
-        flops_col: Optional[str] = typer.Option(None, "--flops-col", help="column of training FLOPs C (D = C / 6N)"),
-        loss_col: List[str] = typer.Option(..., "--loss-col", help="column of final losses (repeatable: one fit each)"),
-        where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP),
-        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-        drop_highest: int = typer.Option(0, "--drop-highest", help="drop the K highest-loss rows first"),
-        bootstrap: int = typer.Option(200, "--bootstrap", help="bootstrap refits for the intervals (0: none)"),
-        level: float = typer.Option(0.95, "--level", help="interval coverage"),
-        seed: int = typer.Option(0, "--seed", help="bootstrap seed"),
-        budget: Optional[List[float]] = typer.Option(
-            None, "--budget", help="FLOP budget C for the compute-optimal N*, D* (repeatable)"
-        ),
-        backtest: bool = typer.Option(True, "--backtest/--no-backtest",
-                                      help="refit on held-out splits and report interval coverage and width"),
-        png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
-    ) -> None:
-        """Fit L(N, D) = E + A/N^alpha + B/D^beta (Huber on log loss, L-BFGS, bootstrap intervals)."""
-        from analysis.laws import backtest as law_backtest
-        from analysis.laws.fit import fit_law, fit_moe_law
-        if (tokens_col is None) == (flops_col is None):
-            raise LadderError("give exactly one of --tokens-col (D) or --flops-col (C, with D = C / 6N)")
-        _check_common(level, bootstrap)
-        if budget and any(not (c > 0 and math.isfinite(c)) for c in budget):
-            raise LadderError("--budget must be a positive number of FLOPs")
-        if budget and total_col:
-            raise LadderError("--budget needs a fixed sparsity: it is not defined for the --total-params-col law")
-        conds = parse_where(where)
-        second = tokens_col if tokens_col is not None else flops_col
-        cols = {"N": params_col, "D": second, **({"N_total": total_col} if total_col else {})}
-        docs = []
-        for lc in loss_col:
-            df = load_table(file, cols, lc, drop_highest, min_rows=7 if total_col else 5, where=conds)
-            N = df[params_col].to_numpy()
-            D = df[tokens_col].to_numpy() if tokens_col is not None else df[flops_col].to_numpy() / (6.0 * N)
-            L = df[lc].to_numpy()
-            opts = dict(n_bootstrap=bootstrap, level=level, seed=seed)
-            if total_col:
-                Nt = df[total_col].to_numpy()
-                fit = _fit_or_explain(fit_moe_law, file, N, Nt, D, L, **opts)
-                fn, xs = (lambda a, t, d, l, **k: fit_moe_law(a, t, d, l, strict=True, **k)), [N, Nt, D]
-            else:
-                fit = _fit_or_explain(fit_law, file, N, D, L, **opts)
-                fn, xs = law_backtest.fit_n_d, [N, D]
-            d = fit.to_dict()
-            d["data"] = {
-                "file": str(file), "params_col": params_col, "total_params_col": total_col,
-                "tokens_col": tokens_col, "flops_col": flops_col, "where": where_json(conds),
-                "loss_col": lc, "dropped_highest": drop_highest,
-            }
-            if budget:
-                d["compute_optimal"] = [{"C": c, **fit.compute_optimal(c)} for c in budget]
-            if backtest and fit.converged:
-                d["backtest"] = _backtest(fn, xs, L, level, seed, start=fit)
-            path = _png_path(png, lc, len(loss_col) > 1)
-            if path is not None:
-                from analysis import fitplots  # matplotlib only for a plot
-
-                d["png"] = str(fitplots.plot_law_fit(fit, N, D, L, path, f"{fit._LAW}  ({file.name}, {lc})"))
-            docs.append(d)
-
-        def render(d):
-            extra = []
-            if "optimal_N_exponent" in d:
-                extra.append(f"compute-optimal: N* ~ C^{d['optimal_N_exponent']:.3f}, D* ~ C^{d['optimal_D_exponent']:.3f}")
-            for row in d.get("compute_optimal", []):
-                ci = row.get("loss_ci") or [None, None]
-                extra.append(
-                    f"C = {row['C']:.3g}: N* = {row['N']:.3g}, D* = {row['D']:.3g}, "
-                    f"loss {row['loss']:.4g} [{_fmt(ci[0])}, {_fmt(ci[1])}]"
-                )
-            _render(d, f"{d['law']}  ({file.name}, {d['data']['loss_col']})", extra)
-
-        _emit(docs, as_json, render)
-
-    @law_app.command("envelope")
-    def envelope_cmd(
-        file: Path = typer.Argument(..., help="CSV with one row per compute budget (its best run)"),
-        flops_col: str = typer.Option(..., "--flops-col", help="column of training FLOPs C"),
-        loss_col: List[str] = typer.Option(..., "--loss-col", help="column of losses (repeatable: one fit each)"),
-        where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP),
-        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-        drop_highest: int = typer.Option(0, "--drop-highest", help="drop the K highest-loss rows first"),
-        bootstrap: int = typer.Option(200, "--bootstrap", help="bootstrap refits for the intervals (0: none)"),
-        level: float = typer.Option(0.95, "--level", help="interval coverage"),
-        seed: int = typer.Option(0, "--seed", help="bootstrap seed"),
-        backtest: bool = typer.Option(True, "--backtest/--no-backtest",
-                                      help="refit on held-out splits and report interval coverage and width"),
-        png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the fit here"),
-    ) -> None:
-        """Fit the compute envelope L(C) = E + A*C^-alpha."""
-        from analysis.laws import backtest as law_backtest
-        from analysis.laws.fit import fit_envelope
-        _check_common(level, bootstrap)
-        conds = parse_where(where)
-        docs = []
-        for lc in loss_col:
-            df = load_table(file, {"C": flops_col}, lc, drop_highest, min_rows=3, where=conds)
-            C, L = df[flops_col].to_numpy(), df[lc].to_numpy()
-            fit = _fit_or_explain(fit_envelope, file, C, L, n_bootstrap=bootstrap, level=level, seed=seed)
-            d = fit.to_dict()
-            d["data"] = {"file": str(file), "flops_col": flops_col, "loss_col": lc, "where": where_json(conds),
-                         "dropped_highest": drop_highest}
-            if backtest and fit.converged:
-                d["backtest"] = _backtest(law_backtest.fit_c, [C], L, level, seed, start=fit)
-            path = _png_path(png, lc, len(loss_col) > 1)
-            if path is not None:
-                from analysis import fitplots  # matplotlib only for a plot
-
-                d["png"] = str(fitplots.plot_envelope_fit(fit, C, L, path, f"{file.name}, {lc}"))
-            docs.append(d)
-        _emit(docs, as_json, lambda d: _render(d, f"{d['law']}  ({file.name}, {d['data']['loss_col']})", []))
-
-    @law_app.command("predict")
-    def predict_cmd(
-        fit_file: Path = typer.Argument(..., help="a fit's JSON (from `ladder law fit/envelope --json`)"),
-        params: Optional[List[float]] = typer.Option(None, "--params", help="parameter count N (repeatable)"),
-        total_params: Optional[List[float]] = typer.Option(None, "--total-params", help="total parameters (MoE law)"),
-        tokens: Optional[List[float]] = typer.Option(None, "--tokens", help="training tokens D (repeatable)"),
-        flops: Optional[List[float]] = typer.Option(None, "--flops", help="training FLOPs C (repeatable; D = C / 6N)"),
-        level: Optional[float] = typer.Option(None, "--level", help="interval coverage (default: the fit's)"),
-        csv: Optional[Path] = typer.Option(None, "--csv", help="predict every row of this CSV (its columns named by "
-                                           "the --*-col options) instead of the values given"),
-        params_col: Optional[str] = typer.Option(None, "--params-col", help="with --csv: column of N"),
-        total_col: Optional[str] = typer.Option(None, "--total-params-col", help="with --csv: column of total parameters"),
-        tokens_col: Optional[str] = typer.Option(None, "--tokens-col", help="with --csv: column of D"),
-        flops_col: Optional[str] = typer.Option(None, "--flops-col", help="with --csv: column of C"),
-        actual_col: Optional[str] = typer.Option(None, "--actual-col", help="with --csv: column of measured losses; "
-                                                 "each prediction is scored against it"),
-        where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP + "; with --csv"),
-        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-    ) -> None:
-        """Predict a saved fit at held-out points, with prediction intervals; with --csv and --actual-col,
-        score it on measured losses (error per row, mean and worst relative error, interval coverage)."""
-        from analysis.laws.predict import predict_saved_fit, read_saved_fit
-
-        if csv is not None and any(v for v in (params, total_params, tokens, flops)):
-            raise LadderError("give either --csv FILE with its columns or --params/--tokens/--flops values, not both")
-        if csv is None and (any(v is not None for v in (params_col, total_col, tokens_col, flops_col, actual_col))
-                            or where):
-            raise LadderError("--params-col, --tokens-col, --flops-col, --total-params-col, --actual-col and "
-                              "--where read a --csv FILE; give one")
-        doc, fit = read_saved_fit(fit_file, level)
-        actual = None
-        if csv is not None:
-            N, Nt, D, C, actual = _csv_points(csv, params_col, total_col, tokens_col, flops_col, actual_col,
-                                              parse_where(where))
-        else:
-            N, Nt, D, C = (_positive_list(n, v) for n, v in
-                           (("--params", params), ("--total-params", total_params), ("--tokens", tokens),
-                            ("--flops", flops)))
-        rows, out = predict_saved_fit(doc, fit, fit_file, N, Nt, D, C, level, actual)
-        if actual is not None:
-            out["data"] = {"file": str(csv), "actual_col": actual_col, "where": where_json(parse_where(where))}
-        out = json_safe(out)
-        if as_json:
-            print(json.dumps(out, indent=2))
-            return
-        console = Console()
-        t = Table(title=f"{out['law']}  ({fit_file.name})", header_style="bold")
-        cols = list(rows) + ["loss", f"{100 * out['level']:.0f}% interval"] + (["actual", "error"] if actual is not None else [])
-        for c in cols:
-            t.add_column(c, justify="right")
-        for r in out["predictions"]:
-            extra = [_fmt(r["actual"]), f"{100 * r['rel_error']:+.2f}%" + ("" if r["inside"] else " !")] \
-                if actual is not None else []
-            t.add_row(*[f"{r[k]:.4g}" for k in rows], _fmt(r["loss"]), f"[{_fmt(r['lo'])}, {_fmt(r['hi'])}]", *extra)
-        console.print(t)
-        if actual is not None:
-            sc = out["score"]
-            console.print(f"{sc['n']} points: mean |error| {100 * sc['mean_abs_rel_error']:.2f}%, worst "
-                          f"{100 * sc['max_abs_rel_error']:.2f}%; {sc['inside']}/{sc['n']} inside the "
-                          f"{100 * out['level']:.0f}% interval (!: outside)", highlight=False)
-        _render_warnings(console, out["warnings"])
-
-    @law_app.command("isoflop")
-    def isoflop_cmd(
-        file: Path = typer.Argument(..., help="CSV with one row per training run"),
-        params_col: str = typer.Option(..., "--params-col", help="column of parameter counts N"),
-        flops_col: str = typer.Option(..., "--flops-col", help="column of training FLOPs C"),
-        loss_col: str = typer.Option(..., "--loss-col", help="column of final losses"),
-        where: Optional[List[str]] = typer.Option(None, "--where", help=WHERE_HELP),
-        tol: float = typer.Option(0.05, "--group-tol", help="runs within this many decades of C share a budget"),
-        budget: Optional[List[float]] = typer.Option(None, "--budget", help="FLOP budget for N*, D* (repeatable)"),
-        as_json: bool = typer.Option(False, "--json"),
-        png: Optional[Path] = typer.Option(None, "--png", help="write a plot of the profiles and minima here"),
-    ) -> None:
-        """IsoFLOP profiles (Chinchilla approach 2): a loss minimum per budget, then N*(C) and D*(C)."""
-        from analysis import fitplots
-        if not tol > 0:
-            raise LadderError(f"--group-tol must be positive, got {tol}")
-        df = load_table(file, {"N": params_col, "C": flops_col}, loss_col, 0, min_rows=3, where=parse_where(where))
-        N, C, L = df[params_col].to_numpy(), df[flops_col].to_numpy(), df[loss_col].to_numpy()
-        try:
-            fit = fit_isoflop(N, C, L, tol=tol)
-        except IsoflopError as e:
-            raise LadderError(f"{file}: {e}") from None
-        d = fit.to_dict()
-        d["data"] = {"file": str(file), "params_col": params_col, "flops_col": flops_col, "loss_col": loss_col,
-                     "group_tol": tol}
-        if budget:
-            d["compute_optimal"] = [fit.optimal(float(c)) for c in _positive_list("--budget", budget)]
-        if png is not None:
-            d["png"] = str(fitplots.plot_isoflop(N, C, L, group_budgets(C, tol), fit, png))
-        d = json_safe(d)
-        if as_json:
-            print(json.dumps(d, indent=2))
-            return
-        console = Console()
-        t = Table(title=f"IsoFLOP minima ({file.name})", header_style="bold")
-        for c in ("C", "runs", "N*", "D*", "loss at N*"):
-            t.add_column(c, justify="right")
-        for m in d["minima"]:
-            t.add_row(f"{m['C']:.3g}", str(m["runs"]), f"{m['N']:.3g}", f"{m['D']:.3g}", f"{m['loss']:.4g}")
-        console.print(t)
-        console.print(f"N* ~ C^{d['a']:.3f} (se {_fmt(d['a_se'])}), D* ~ C^{d['b']:.3f}", highlight=False)
-        for r in d.get("compute_optimal", []):
-            console.print(f"C = {r['C']:.3g}: N* = {r['N']:.3g}, D* = {r['D']:.3g}", highlight=False)
-        _render_warnings(console, d["warnings"])
+    law_app.command("fit")(fit_cmd)
+    law_app.command("envelope")(envelope_cmd)
+    law_app.command("predict")(predict_cmd)
+    law_app.command("isoflop")(isoflop_cmd)

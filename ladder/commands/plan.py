@@ -157,31 +157,35 @@ def _print_data(rows: list[dict], console: Console) -> None:
         highlight=False, markup=False)
 
 
+def plan_cmd(
+    experiment: str = typer.Argument(..., help="experiment file (experiments/marin_535b.py), or spec files "
+                                     "(a.yaml or a.yaml,b.yaml)"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+) -> None:
+    """Parameters, tokens, FLOPs, memory, all-to-all traffic and GPU-hours of every rung."""
+    rows, summary = plan_rows(experiment)
+    if as_json:
+        print(json.dumps({**summary, "rungs": rows}, indent=2))
+    else:
+        render_plan(rows, summary)
+
+
+def schema_cmd() -> None:
+    """Print the spec's JSON schema."""
+    print(json.dumps(Spec.model_json_schema(), indent=2))
+
+
+def validate_cmd(path: str = typer.Argument(..., help="spec YAML or JSON")) -> None:
+    """Validate a spec file and print its id."""
+    spec = check_vocab(check_engine(load_spec(path)))
+    print(f"{spec.name}: ok, id {spec.id}, {spec.total_steps} steps")
+    problem = memory_problem(spec)
+    if problem:
+        Console(stderr=True).print(f"warning: {problem}; `ladder train` and `ladder submit` refuse it",
+                                   style="yellow", highlight=False, markup=False)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("plan")
-    def plan_cmd(
-        experiment: str = typer.Argument(..., help="experiment file (experiments/marin_535b.py), or spec files "
-                                         "(a.yaml or a.yaml,b.yaml)"),
-        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-    ) -> None:
-        """Parameters, tokens, FLOPs, memory, all-to-all traffic and GPU-hours of every rung."""
-        rows, summary = plan_rows(experiment)
-        if as_json:
-            print(json.dumps({**summary, "rungs": rows}, indent=2))
-        else:
-            render_plan(rows, summary)
-
-    @app.command("schema")
-    def schema_cmd() -> None:
-        """Print the spec's JSON schema."""
-        print(json.dumps(Spec.model_json_schema(), indent=2))
-
-    @app.command("validate")
-    def validate_cmd(path: str = typer.Argument(..., help="spec YAML or JSON")) -> None:
-        """Validate a spec file and print its id."""
-        spec = check_vocab(check_engine(load_spec(path)))
-        print(f"{spec.name}: ok, id {spec.id}, {spec.total_steps} steps")
-        problem = memory_problem(spec)
-        if problem:
-            Console(stderr=True).print(f"warning: {problem}; `ladder train` and `ladder submit` refuse it",
-                                       style="yellow", highlight=False, markup=False)
+    app.command("plan")(plan_cmd)
+    app.command("schema")(schema_cmd)
+    app.command("validate")(validate_cmd)

@@ -126,78 +126,80 @@ def write_stack_forms(plan, paths: dict[str, str], cfg: dict, config: Path) -> t
     return paths, notes
 
 
+def replan_cmd(
+    run: Optional[str] = typer.Argument(None, help="spec id in the ledger, a run directory, mlflow:RUN_ID, wandb:DIR "
+                                        "or wandb:ENTITY/PROJECT/RUN_ID"),
+    metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV"),
+    spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec YAML (default: the run's own spec.yaml)"),
+    deadline: Optional[str] = typer.Option(None, "--deadline", help="finish by this date (ISO, UTC if no zone)"),
+    days: Optional[float] = typer.Option(None, "--days", help="finish within this many days from now"),
+    tokens_per_s: Optional[float] = typer.Option(None, "--tokens-per-s", help="throughput to plan with (default: measured)"),
+    forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json, for the monitor's band flags"),
+    out: Optional[str] = typer.Option(None, "--out", help="directory for the option specs and replan.json"),
+    force: bool = typer.Option(False, "--force", help="allow a horizon change past the first quarter of the budget"),
+    lr_factor: float = typer.Option(0.5, "--lr-factor", help="peak-LR multiplier of the lower-LR rewind"),
+    settings_path: Optional[str] = typer.Option(None, "--settings", help="YAML of monitor thresholds"),
+    overrides: Optional[list[str]] = typer.Option(None, "--set", help="monitor threshold NAME=VALUE (repeatable)"),
+    loss_col: Optional[str] = typer.Option(None, "--loss-col", help="the CSV's loss column, if not a usual name"),
+    metric_names: Optional[str] = typer.Option(
+        None, "--metric-names", help="the stack's metric names: olmo-core, levanter, marin, torchtitan, or a YAML map"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI of an mlflow:RUN_ID"),
+    as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
+    apply: Optional[int] = typer.Option(None, "--apply", help="submit option N as a continuation of the run"),
+    root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
+    stack_config: Optional[Path] = typer.Option(
+        None, "--stack-config", help="the run's own config (OLMo-core config.json, Levanter YAML, torchtitan "
+        "TOML): each option is also written in that stack's form beside its spec"),
+) -> None:
+    """Options for a live run: keep, shorten the horizon, re-time the mix, fix drops, rewind a divergence."""
+    import time
+
+    from analysis.replan.contingency import ReplanError, RunState, make_replan, parse_deadline, write_replan
+
+    if not 0 < lr_factor < 1:
+        raise LadderError(f"--lr-factor must be between 0 and 1 (got {lr_factor})")
+    if days is not None and not 0 < days <= 36500:
+        raise LadderError(f"--days must be a positive number of days up to 36500 (got {days})")
+    now = time.time()
+    settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
+    due = parse_deadline(deadline, days, now)
+    fc = load_forecast(forecast) if forecast else None
+    ref, df, spec = load_inputs(run, metrics, spec_path, root, loss_col, tracking_uri, metric_names)
+    if spec is None:
+        raise LadderError(f"{run or metrics}: no spec.yaml beside the run; give --spec (`ladder spec from-run` writes one)")
+    try:
+        state = RunState.build(df, spec, ref, tokens_per_s=tokens_per_s, forecast=fc, settings=settings, now=now)
+        plan = make_replan(state, due, force=force, lr_factor=lr_factor)
+    except ReplanError as e:
+        raise LadderError(str(e)) from None
+    if apply is not None:
+        check_apply(plan, apply)
+    if out is None:
+        stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
+        base = ref.run_dir if ref.run_dir is not None else Path(".")
+        out = str(Path(base) / "replans" / stamp)
+    stack_cfg = load_stack_config(stack_config) if stack_config is not None else None
+    paths = write_replan(plan, out)
+    stack_notes: dict[str, list[str]] = {}
+    if stack_cfg is not None:
+        paths, stack_notes = write_stack_forms(plan, paths, stack_cfg, stack_config)
+    console = Console(stderr=True) if as_json else (Console() if sys.stdout.isatty() else Console(width=180))
+    if not as_json:
+        render(plan, console)
+        console.print(f"written: {out}", highlight=False, soft_wrap=True)
+        for path, notes in stack_notes.items():
+            console.print(f"written: {path}" + (f" (not said there: {'; '.join(notes)})" if notes else ""),
+                          highlight=False, soft_wrap=True)
+    applied = apply_option(plan, apply, root, console) if apply is not None else None
+    if as_json:
+        print(json.dumps({**plan.to_dict(), "out": out, "paths": paths, "stack_forms": stack_notes, "applied": applied},
+                         indent=2, default=str))
+    elif applied:
+        console.print(f"applied: option {apply} runs in {applied['run_dir']}"
+                      + ("" if applied["ok"] else " (it did not finish: see `ladder status`)"), highlight=False)
+    if applied is not None and not applied["ok"]:
+        raise SystemExit(1)
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("replan")
-    def replan_cmd(
-        run: Optional[str] = typer.Argument(None, help="spec id in the ledger, a run directory, mlflow:RUN_ID, wandb:DIR "
-                                            "or wandb:ENTITY/PROJECT/RUN_ID"),
-        metrics: Optional[str] = typer.Option(None, "--metrics", help="metrics.jsonl or an exported CSV"),
-        spec_path: Optional[str] = typer.Option(None, "--spec", help="the run's spec YAML (default: the run's own spec.yaml)"),
-        deadline: Optional[str] = typer.Option(None, "--deadline", help="finish by this date (ISO, UTC if no zone)"),
-        days: Optional[float] = typer.Option(None, "--days", help="finish within this many days from now"),
-        tokens_per_s: Optional[float] = typer.Option(None, "--tokens-per-s", help="throughput to plan with (default: measured)"),
-        forecast: Optional[str] = typer.Option(None, "--forecast", help="forecast.json, for the monitor's band flags"),
-        out: Optional[str] = typer.Option(None, "--out", help="directory for the option specs and replan.json"),
-        force: bool = typer.Option(False, "--force", help="allow a horizon change past the first quarter of the budget"),
-        lr_factor: float = typer.Option(0.5, "--lr-factor", help="peak-LR multiplier of the lower-LR rewind"),
-        settings_path: Optional[str] = typer.Option(None, "--settings", help="YAML of monitor thresholds"),
-        overrides: Optional[list[str]] = typer.Option(None, "--set", help="monitor threshold NAME=VALUE (repeatable)"),
-        loss_col: Optional[str] = typer.Option(None, "--loss-col", help="the CSV's loss column, if not a usual name"),
-        metric_names: Optional[str] = typer.Option(
-            None, "--metric-names", help="the stack's metric names: olmo-core, levanter, marin, torchtitan, or a YAML map"),
-        tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="MLflow tracking URI of an mlflow:RUN_ID"),
-        as_json: bool = typer.Option(False, "--json", help="print JSON instead of a table"),
-        apply: Optional[int] = typer.Option(None, "--apply", help="submit option N as a continuation of the run"),
-        root: Optional[str] = typer.Option(None, "--root", help="ledger root (default: the ledger's own)"),
-        stack_config: Optional[Path] = typer.Option(
-            None, "--stack-config", help="the run's own config (OLMo-core config.json, Levanter YAML, torchtitan "
-            "TOML): each option is also written in that stack's form beside its spec"),
-    ) -> None:
-        """Options for a live run: keep, shorten the horizon, re-time the mix, fix drops, rewind a divergence."""
-        import time
-
-        from analysis.replan.contingency import ReplanError, RunState, make_replan, parse_deadline, write_replan
-
-        if not 0 < lr_factor < 1:
-            raise LadderError(f"--lr-factor must be between 0 and 1 (got {lr_factor})")
-        if days is not None and not 0 < days <= 36500:
-            raise LadderError(f"--days must be a positive number of days up to 36500 (got {days})")
-        now = time.time()
-        settings = MonitorSettings.load(settings_path, parse_overrides(overrides))
-        due = parse_deadline(deadline, days, now)
-        fc = load_forecast(forecast) if forecast else None
-        ref, df, spec = load_inputs(run, metrics, spec_path, root, loss_col, tracking_uri, metric_names)
-        if spec is None:
-            raise LadderError(f"{run or metrics}: no spec.yaml beside the run; give --spec (`ladder spec from-run` writes one)")
-        try:
-            state = RunState.build(df, spec, ref, tokens_per_s=tokens_per_s, forecast=fc, settings=settings, now=now)
-            plan = make_replan(state, due, force=force, lr_factor=lr_factor)
-        except ReplanError as e:
-            raise LadderError(str(e)) from None
-        if apply is not None:
-            check_apply(plan, apply)
-        if out is None:
-            stamp = time.strftime("%Y%m%dT%H%M%SZ", time.gmtime(now))
-            base = ref.run_dir if ref.run_dir is not None else Path(".")
-            out = str(Path(base) / "replans" / stamp)
-        stack_cfg = load_stack_config(stack_config) if stack_config is not None else None
-        paths = write_replan(plan, out)
-        stack_notes: dict[str, list[str]] = {}
-        if stack_cfg is not None:
-            paths, stack_notes = write_stack_forms(plan, paths, stack_cfg, stack_config)
-        console = Console(stderr=True) if as_json else (Console() if sys.stdout.isatty() else Console(width=180))
-        if not as_json:
-            render(plan, console)
-            console.print(f"written: {out}", highlight=False, soft_wrap=True)
-            for path, notes in stack_notes.items():
-                console.print(f"written: {path}" + (f" (not said there: {'; '.join(notes)})" if notes else ""),
-                              highlight=False, soft_wrap=True)
-        applied = apply_option(plan, apply, root, console) if apply is not None else None
-        if as_json:
-            print(json.dumps({**plan.to_dict(), "out": out, "paths": paths, "stack_forms": stack_notes, "applied": applied},
-                             indent=2, default=str))
-        elif applied:
-            console.print(f"applied: option {apply} runs in {applied['run_dir']}"
-                          + ("" if applied["ok"] else " (it did not finish: see `ladder status`)"), highlight=False)
-        if applied is not None and not applied["ok"]:
-            raise SystemExit(1)
+    app.command("replan")(replan_cmd)

@@ -68,46 +68,49 @@ def fit_columns(cols: list[str], rows: list[dict[str, str]], width: int) -> list
     return keep
 
 
+def status_cmd(
+    experiment: Optional[str] = typer.Argument(None, help="experiment file (shows pending specs too) or name"),
+    root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="whose MLflow run ids to show"),
+) -> None:
+    """A table of every spec: state, step/total, last loss, tokens/s, MLflow run id."""
+    from rich.console import Console
+    from rich.table import Table
+
+    r = ladder_root(root)
+    recs = records(r, experiment, resolve_tracking_uri(tracking_uri, r))
+    colour = {"finished": "green", "running": "cyan", "failed": "red", "diverged": "magenta", "pending": "dim"}
+    console = Console()
+    cols, rows = status_rows(recs)
+    shown = fit_columns(cols, rows, console.width)
+    t = Table(title=f"ladder runs under {r}", title_justify="left")
+    for col in shown:
+        t.add_column(col, no_wrap=col != "note", overflow="fold" if col == "note" else "ellipsis")
+    for row in rows:
+        t.add_row(*(f"[{colour.get(row['state'], 'white')}]{row['state']}[/]" if c == "state" else row[c] for c in shown))
+    if len(shown) < len(cols) and recs:
+        t.caption = f"not shown at width {console.width}: {', '.join(c for c in cols if c not in shown)} (ladder runs --json has all)"
+    console.print(t if recs else f"no runs under {r}")
+
+
+def runs_cmd(
+    experiment: Optional[str] = typer.Argument(None, help="experiment file or name"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON array on stdout"),
+    root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
+    tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="whose MLflow run ids to show"),
+) -> None:
+    """The ledger for scripts: tab-separated lines, or JSON with --json."""
+    import dataclasses
+
+    r = ladder_root(root)
+    rows = [dataclasses.asdict(x) for x in records(r, experiment, resolve_tracking_uri(tracking_uri, r))]
+    if as_json:
+        typer.echo(json.dumps(rows, indent=1, default=float))
+        return
+    for row in rows:
+        typer.echo("\t".join(str(row[k]) for k in ("experiment", "name", "spec_id", "state", "step", "total_steps", "loss", "run_dir")))
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("status")
-    def status_cmd(
-        experiment: Optional[str] = typer.Argument(None, help="experiment file (shows pending specs too) or name"),
-        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
-        tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="whose MLflow run ids to show"),
-    ) -> None:
-        """A table of every spec: state, step/total, last loss, tokens/s, MLflow run id."""
-        from rich.console import Console
-        from rich.table import Table
-
-        r = ladder_root(root)
-        recs = records(r, experiment, resolve_tracking_uri(tracking_uri, r))
-        colour = {"finished": "green", "running": "cyan", "failed": "red", "diverged": "magenta", "pending": "dim"}
-        console = Console()
-        cols, rows = status_rows(recs)
-        shown = fit_columns(cols, rows, console.width)
-        t = Table(title=f"ladder runs under {r}", title_justify="left")
-        for col in shown:
-            t.add_column(col, no_wrap=col != "note", overflow="fold" if col == "note" else "ellipsis")
-        for row in rows:
-            t.add_row(*(f"[{colour.get(row['state'], 'white')}]{row['state']}[/]" if c == "state" else row[c] for c in shown))
-        if len(shown) < len(cols) and recs:
-            t.caption = f"not shown at width {console.width}: {', '.join(c for c in cols if c not in shown)} (ladder runs --json has all)"
-        console.print(t if recs else f"no runs under {r}")
-
-    @app.command("runs")
-    def runs_cmd(
-        experiment: Optional[str] = typer.Argument(None, help="experiment file or name"),
-        as_json: bool = typer.Option(False, "--json", help="one JSON array on stdout"),
-        root: Optional[Path] = typer.Option(None, "--root", help="ladder root (default $MOE_LADDER_ROOT or ./.ladder)"),
-        tracking_uri: Optional[str] = typer.Option(None, "--tracking-uri", help="whose MLflow run ids to show"),
-    ) -> None:
-        """The ledger for scripts: tab-separated lines, or JSON with --json."""
-        import dataclasses
-
-        r = ladder_root(root)
-        rows = [dataclasses.asdict(x) for x in records(r, experiment, resolve_tracking_uri(tracking_uri, r))]
-        if as_json:
-            typer.echo(json.dumps(rows, indent=1, default=float))
-            return
-        for row in rows:
-            typer.echo("\t".join(str(row[k]) for k in ("experiment", "name", "spec_id", "state", "step", "total_steps", "loss", "run_dir")))
+    app.command("status")(status_cmd)
+    app.command("runs")(runs_cmd)
