@@ -38,7 +38,8 @@ from engines.torch.master import MasterAdamW, build_optimizer
 from engines.torch.model import Block, MoETransformer, init_params, loss_terms, move_router_bias
 from engines.torch.parallel import replicate
 from engines.torch.parallel.layout import Layout, check_layout
-from engines.torch.parallel.model import ShardedLoss, layout_model, step_metrics
+from engines.torch.parallel.fsdp import expert_slice
+from engines.torch.parallel.model import ShardedLoss, gather_experts, layout_eval_losses, layout_model, step_metrics
 from engines.torch.parallel.summary import write_summary
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS
 
@@ -282,7 +283,7 @@ class TorchStep:
             self.loss_fn = ShardedLoss(self.model, self.layout, kernels_here(self.options.torch_kernels), working)
 
     def _local(self, arrays: dict) -> dict:
-        return arrays if self.layout is None else replicate.local_arrays(arrays, self.spec, self.layout)
+        return arrays if self.layout is None else expert_slice(arrays, self.spec.model, self.layout)
 
     def init_fresh(self) -> None:
         self.model.load_numpy(self._local(init_params(self.spec.model, self.spec.seed)))
@@ -294,10 +295,14 @@ class TorchStep:
         self._ready()
 
     def save_arrays(self) -> tuple[dict, dict] | None:
+        """The whole state on the lead: on a layout, data row 0 gathers its expert shards (the
+        other rows hold copies of them) and the others return None."""
+        if self.layout is not None and self.layout.d != 0:
+            return None
         params, opt = self.model.to_numpy(), optimizer_to_numpy(self.model, self.opt)
         if self.layout is None:
             return params, opt
-        params, opt = replicate.full_arrays(params, self.layout), replicate.full_arrays(opt, self.layout)
+        params, opt = gather_experts(params, self.layout), gather_experts(opt, self.layout)
         return (params, opt) if self.lead else None
 
     def batch_part(self, batch_size: int) -> tuple[int, int]:
@@ -324,14 +329,14 @@ class TorchStep:
         n_tok = x.shape[0] * lay.world * (x.shape[1] - 1)
         total_r, out = self.loss_fn(self.model, x, optim, n_tok)
         total_r.backward()
-        grads = replicate.named_grads(self.model, self.opt)
-        replicate.reduce_grads(grads, lay)
-        norm, sums = replicate.global_norm(grads, torch.stack([out["aux_r"], out["total_r"]]), lay)
+        dense, expert = replicate.split_grads(self.model, self.opt)
+        replicate.reduce_grads(dense, expert, lay)
+        norm, sums = replicate.global_norm(dense, expert, torch.stack([out["aux_r"], out["total_r"]]), lay)
         mult = torch.clamp(optim.grad_clip / (norm + 1e-6), max=1.0)
         if hasattr(self.opt, "grad_norm_and_scale"):
             out["clip_mult"] = mult
         else:
-            torch._foreach_mul_([g for _, g in grads], mult)
+            torch._foreach_mul_(dense + expert, mult)
         metrics = step_metrics(out, sums[0], sums[1])
         return torch.stack([metrics[k].float() for k in METRIC_KEYS] + [norm.float()]), out
 
@@ -350,13 +355,7 @@ class TorchStep:
         return reference_eval_losses(self.model, batches, self.device, stack)
 
     def _layout_eval_losses(self, batches) -> list[float]:
-        losses = []
-        with torch.no_grad():
-            for batch in batches:
-                x = torch.from_numpy(self.layout.local_batch(batch)).to(self.device, dtype=torch.long)
-                _, out = self.loss_fn(self.model, x, self.spec.optim, batch.shape[0] * (batch.shape[1] - 1))
-                losses.append(out["global"]["loss"])
-        return torch.stack(losses).float().cpu().tolist() if losses else []
+        return layout_eval_losses(lambda x, n: self.loss_fn(self.model, x, self.spec.optim, n), batches, self.layout)
 
     def agree(self, value):
         if self.layout is None or self.layout.world == 1:

@@ -90,6 +90,18 @@ class ShardedLoss:
         return sharded_objective(ce, z, st, optim, model.m, n_tokens, self.layout.world, all_reduce_sum)
 
 
+def layout_eval_losses(forward, batches, layout: Layout) -> list[float]:
+    """Each eval batch's global mean CE: each rank runs its rows of the batch through
+    forward(tokens_bS1, n_tokens of the whole batch) -> (objective, ShardedLoss's output)."""
+    losses = []
+    with torch.no_grad():
+        for batch in batches:
+            x = torch.from_numpy(layout.local_batch(batch)).to(layout.device, dtype=torch.long)
+            _, out = forward(x, batch.shape[0] * (batch.shape[1] - 1))
+            losses.append(out["global"]["loss"])
+    return torch.stack(losses).float().cpu().tolist() if losses else []
+
+
 def step_metrics(out: dict, aux: torch.Tensor, total: torch.Tensor) -> dict[str, torch.Tensor]:
     """The metrics of model.loss_terms (global) from the sharded objective's output and the
     balancing and total losses summed over the ranks."""

@@ -16,16 +16,14 @@ Shape legend: N a tensor's elements, flattened.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from core.costs import param_counts
 from core.spec import Spec
 from engines.torch.master import MasterAdamW, foreach_norms
-from engines.torch.parallel.fsdp import expert_slice
 from engines.torch.parallel.layout import Layout
-from engines.torch.parallel.model import gather_experts, is_expert_param
+from engines.torch.parallel.model import is_expert_param
 
 # "auto" replicates where the dense state (fp32 masters, moments, bf16 working copies and their
 # gradients: about 20 bytes a parameter) and this rank's experts fit in this share of the device
@@ -44,30 +42,27 @@ def dense_sharding(spec: Spec, layout: Layout, choice: str) -> str:
     counts = param_counts(spec.model)
     expert = counts["routed_experts"]
     held = (counts["total"] - expert + expert // layout.ep) * BYTES_A_PARAMETER
-    free = torch.cuda.get_device_properties(layout.device).total_memory
-    return "replicate" if held <= REPLICATE_MAX_SHARE * free else "fsdp"
+    memory = torch.cuda.get_device_properties(layout.device).total_memory
+    return "replicate" if held <= REPLICATE_MAX_SHARE * memory else "fsdp"
 
 
-def named_grads(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor]]:
-    """(name, gradient) of every tensor the optimizer reads a gradient from, in a fixed order (the
-    same on every rank): MasterAdamW's working-copy leaves and its parameters without one, else
-    the parameters. A missing gradient is made zeros, so every rank reduces the same tensors."""
-    out: list[tuple[str, torch.Tensor]] = []
+def split_grads(model: torch.nn.Module, opt: torch.optim.Optimizer) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """(dense, expert) gradients of every tensor the optimizer reads a gradient from, in a fixed
+    order (the same on every rank): MasterAdamW's working-copy leaves and its parameters without
+    one, else the parameters. A missing gradient is made zeros, so every rank reduces the same
+    tensors."""
+    named: list[tuple[str, torch.Tensor]] = []
+    held: set = set()
     if isinstance(opt, MasterAdamW):
-        for name, leaf in opt.working().items():
-            if leaf.grad is None:
-                leaf.grad = torch.zeros_like(leaf)
-            out.append((name, leaf.grad))
+        named += list(opt.working().items())
         held = set(opt.with_working_copy())
-    else:
-        held = set()
-    for name, p in model.named_parameters():
-        if p in held:
-            continue
-        if p.grad is None:
-            p.grad = torch.zeros_like(p)
-        out.append((name, p.grad))
-    return out
+    named += [(n, p) for n, p in model.named_parameters() if p not in held]
+    dense, expert = [], []
+    for name, t in named:
+        if t.grad is None:
+            t.grad = torch.zeros_like(t)
+        (expert if is_expert_param(name) else dense).append(t.grad)
+    return dense, expert
 
 
 def _sum_into(grads: list[torch.Tensor], group) -> None:
@@ -81,40 +76,26 @@ def _sum_into(grads: list[torch.Tensor], group) -> None:
         g.copy_(part.view_as(g))
 
 
-def reduce_grads(grads: list[tuple[str, torch.Tensor]], layout: Layout) -> None:
+def reduce_grads(dense: list[torch.Tensor], expert: list[torch.Tensor], layout: Layout) -> None:
     """The dense gradients summed over every rank, the experts' over their data group."""
-    if layout.world == 1:
-        return
-    _sum_into([g for n, g in grads if not is_expert_param(n)], layout.flat.get_group())
-    _sum_into([g for n, g in grads if is_expert_param(n)], layout.data_group)
+    if layout.world > 1:
+        _sum_into(dense, layout.flat.get_group())
+        _sum_into(expert, layout.data_group)
 
 
-def global_norm(grads: list[tuple[str, torch.Tensor]], extra: torch.Tensor, layout: Layout
+def _square_sum(grads: list[torch.Tensor], device: torch.device) -> torch.Tensor:
+    return torch.stack(foreach_norms(grads)).pow(2).sum() if grads else torch.zeros((), device=device)
+
+
+def global_norm(dense: list[torch.Tensor], expert: list[torch.Tensor], extra: torch.Tensor, layout: Layout
                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(the global gradient norm of reduced gradients, `extra` summed over every rank) in one
     all-reduce: after reduce_grads the dense gradients are the same on every rank and an expert
     shard's the same on its dp replicas, so the dense squares count 1/world and the experts'
     1/dp from each rank."""
-    def sq(part):
-        norms = foreach_norms([g for _, g in part])
-        return torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=extra.device)
-
-    dense = sq([(n, g) for n, g in grads if not is_expert_param(n)])
-    expert = sq([(n, g) for n, g in grads if is_expert_param(n)])
-    flat = torch.cat([torch.stack([dense / layout.world, expert / layout.dp]).float(), extra.float()])
+    squares = torch.stack([_square_sum(dense, extra.device) / layout.world,
+                           _square_sum(expert, extra.device) / layout.dp])
+    flat = torch.cat([squares.float(), extra.float()])
     if layout.world > 1:
         dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=layout.flat.get_group())
     return (flat[0] + flat[1]).sqrt(), flat[2:]
-
-
-def local_arrays(arrays: dict[str, np.ndarray], spec: Spec, layout: Layout) -> dict[str, np.ndarray]:
-    """Engine-neutral arrays (all experts; weights, or moments named m/..., v/...) cut to this
-    rank's expert shard."""
-    return expert_slice(arrays, spec.model, layout)
-
-
-def full_arrays(arrays: dict[str, np.ndarray], layout: Layout) -> dict[str, np.ndarray] | None:
-    """This rank's arrays with every expert shard gathered: the whole on rank 0, None elsewhere
-    (every rank calls it with the same names)."""
-    out = gather_experts(arrays, layout)
-    return out if layout.rank == 0 else None

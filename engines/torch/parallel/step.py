@@ -54,7 +54,7 @@ from engines.torch.parallel.fsdp import (
     reshard,
 )
 from engines.torch.parallel.layout import Layout, LayoutError, check_layout
-from engines.torch.parallel.model import ShardedLoss, step_metrics
+from engines.torch.parallel.model import ShardedLoss, layout_eval_losses, step_metrics
 from engines.torch.parallel.summary import write_summary
 from engines.torch.parallel.replicate import dense_sharding
 from engines.torch.step import TorchStep, cpu_threads, describe_options, dispatcher_name
@@ -134,14 +134,9 @@ class ParallelStep:
         return handle
 
     def eval_losses(self, batches) -> list[float]:
-        losses = []
-        with torch.no_grad():
-            for batch in batches:
-                x = torch.from_numpy(self.layout.local_batch(batch)).to(self.layout.device, dtype=torch.long)
-                _, out = self.model(x, self.spec.optim, batch.shape[0] * (batch.shape[1] - 1), run=self.loss)
-                losses.append(out["global"]["loss"])
+        losses = layout_eval_losses(lambda x, n: self.model(x, self.spec.optim, n, run=self.loss), batches, self.layout)
         reshard(self.model)
-        return torch.stack(losses).float().cpu().tolist() if losses else []
+        return losses
 
     def agree(self, value):
         box = [value]
