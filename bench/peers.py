@@ -36,6 +36,7 @@ from __future__ import annotations
 import math
 import os
 import socket
+import time
 from typing import Any
 
 import torch
@@ -276,11 +277,25 @@ def fresh_olmo_world_mesh() -> None:
     parallel._WORLD_MESH = None
 
 
+def wait_for_build(timeout_s: float = 900.0) -> None:
+    """Wait for bench/peers_setup.sh's background grouped_gemm build, where it is under way
+    ($GG_DONE names the file it writes when the build ends, with the build's exit status)."""
+    done = os.environ.get("GG_DONE")
+    if not done:
+        return
+    t0 = time.monotonic()
+    while not os.path.exists(done) and time.monotonic() - t0 < timeout_s:
+        time.sleep(2.0)
+    status = open(done).read().strip() if os.path.exists(done) else "not finished"
+    print(f"grouped_gemm build: exit {status} after waiting {time.monotonic() - t0:.0f}s", flush=True)
+
+
 def olmo_v1_trainer(spec, device: str, compile_: bool = True, dropless: bool = False):
     """(launch, read, info): OLMo-core's first MoE (capacity experts, or with `dropless` its
     dropless experts through the grouped_gemm extension, as its MoE docs recommend) through its
     TransformerTrainModule at the settings of its OLMoE recipe, where they can run here."""
     if dropless:
+        wait_for_build()
         import grouped_gemm  # noqa: F401  (pip install grouped_gemm: compiled with nvcc against torch)
     from olmo_core.config import DType
     from olmo_core.distributed.parallel import DataParallelType

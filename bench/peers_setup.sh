@@ -16,8 +16,7 @@
 # Then, on the GPU machine, in the repository root:
 #   source bench/peers_setup.sh            # installs the wheels and starts the grouped_gemm build
 #   python3 bench/engines_h200.py --only torch,torch_layout ...
-#   wait                                   # the build, before a variant that needs grouped_gemm
-#   python3 bench/engines_h200.py --only torch,olmo-core_v1_dropless ...
+#   python3 bench/engines_h200.py --only torch,olmo-core_v1_dropless ...   # waits for the build
 #
 # grouped_gemm is built the way its README installs it (`pip install grouped_gemm`: setup.py,
 # cuBLAS grouped GEMMs, GROUPED_GEMM_CUTLASS off), for the machine's compute capability (9.0 on
@@ -29,5 +28,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
 mkdir -p "$GG_DIR" && tar xzf .gg/grouped_gemm-*.tar.gz -C "$GG_DIR"
 GG_SRC=$(ls -d "$GG_DIR"/grouped_gemm-*/ | head -1)
 export PYTHONPATH="$SITE:$GG_SRC:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+# bench/peers.py waits for $GG_DONE (the build's exit status) before it imports grouped_gemm
+export GG_DONE="$GG_DIR/done"
+rm -f "$GG_DONE"
 ( cd "$GG_SRC" && TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-8} \
-    timeout "${GG_TIMEOUT:-900}" python3 setup.py build_ext --inplace > "${GG_LOG:-/tmp/gg_build.log}" 2>&1 ) &
+    timeout "${GG_TIMEOUT:-900}" python3 setup.py build_ext --inplace > "${GG_LOG:-/tmp/gg_build.log}" 2>&1;
+  echo $? > "$GG_DONE.tmp" && mv "$GG_DONE.tmp" "$GG_DONE" ) &
