@@ -512,6 +512,7 @@ def run_peer(spec, batches, warmup, peer: str, **kw):
         torch._dynamo.config.load_config(saved[0])
         torch._inductor.config.load_config(saved[1])
         torch._dynamo.reset()
+        peers.close_process_group()  # the variants after it (the layouts) set up their own
         gc.collect()
         if DEVICE == "cuda":
             torch.cuda.empty_cache()

@@ -90,6 +90,15 @@ def ensure_process_group(device: str) -> None:
     _PG["backend"] = dist.get_backend()
 
 
+def close_process_group() -> None:
+    """Destroy the group ensure_process_group made, where it made one."""
+    import torch.distributed as dist
+
+    if _PG and dist.is_initialized():
+        dist.destroy_process_group()
+    _PG.clear()
+
+
 # ---- OLMo-core ------------------------------------------------------------------------------------
 
 

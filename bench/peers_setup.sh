@@ -18,9 +18,11 @@
 #   python3 bench/engines_h200.py --only torch,torch_layout ...
 #   python3 bench/engines_h200.py --only torch,olmo-core_v1_dropless ...   # waits for the build
 #
-# grouped_gemm is built the way its README installs it (`pip install grouped_gemm`: setup.py,
-# cuBLAS grouped GEMMs, GROUPED_GEMM_CUTLASS off), for the machine's compute capability (9.0 on
-# Hopper), in place; PYTHONPATH then finds it.
+# grouped_gemm is built the way OLMo-core's own image builds it (its src/Dockerfile:
+# TORCH_CUDA_ARCH_LIST="9.0 10.0" GROUPED_GEMM_CUTLASS=1 pip install grouped_gemm: the CUTLASS
+# grouped kernel, which takes the batch sizes on the GPU as OLMo-core passes them; the default
+# cuBLAS build refuses them), for the machine's compute capability (9.0 on Hopper), in place;
+# PYTHONPATH then finds it.
 SITE=${SITE:-/tmp/site}
 GG_DIR=${GG_DIR:-/tmp/gg}
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
@@ -31,6 +33,6 @@ export PYTHONPATH="$SITE:$GG_SRC:$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFER
 # bench/peers.py waits for $GG_DONE (the build's exit status) before it imports grouped_gemm
 export GG_DONE="$GG_DIR/done"
 rm -f "$GG_DONE"
-( cd "$GG_SRC" && TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-8} \
+( cd "$GG_SRC" && GROUPED_GEMM_CUTLASS=${GROUPED_GEMM_CUTLASS:-1} TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-8} \
     timeout "${GG_TIMEOUT:-900}" python3 setup.py build_ext --inplace > "${GG_LOG:-/tmp/gg_build.log}" 2>&1;
   echo $? > "$GG_DONE.tmp" && mv "$GG_DONE.tmp" "$GG_DONE" ) &
