@@ -868,6 +868,8 @@ def main(argv=None) -> int:
         "olmo-core_v1": (run_peer, {"peer": "olmo-core_v1"}),
         # its dropless MoE (MoEType.dropless: the grouped_gemm extension, built on the GPU machine)
         "olmo-core_v1_dropless": (run_peer, {"peer": "olmo-core_v1", "dropless": True}),
+        # the same without torch.compile (where Inductor fails on its attention at d768)
+        "olmo-core_v1_dropless_eager": (run_peer, {"peer": "olmo-core_v1", "dropless": True, "compile_": False}),
         "jax_bf16moments": (run_jax, {"optim": {"moments": "bf16"}}),
         # the expert matmuls with one Mosaic-GPU tile configuration (fast.MGPU) instead of the
         # per-matmul ones tuned by bench/tune_mgpu.py
