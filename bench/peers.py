@@ -341,7 +341,10 @@ def olmo_v1_trainer(spec, device: str, compile_: bool = True, dropless: bool = F
     config = olmo_v1_settings(m, S)
     if dropless:
         config["dispatch"] = "dropless (MoEType.dropless: grouped_gemm.ops.gmm over the tokens sorted by expert)"
+        config["model"] = ("TransformerConfig.llama_like_moe(dropless=True) (its first MoE, MoEType.dropless: "
+                           "experts by grouped_gemm, built in CUTLASS mode as its image builds it)")
         config.pop("why_not_dropless")
+        config.pop("capacity_factor")
     info = {"params": int(cfg.num_params), "config": config, "compile": compile_ and device == "cuda",
             "num_flops_per_token": int(tm.model.num_flops_per_token(S))}
     return launch, read, info
