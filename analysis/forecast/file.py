@@ -2,6 +2,7 @@
 
     fc = load_forecast("forecast.json")   # Forecast: the loss trajectory with its band, the grad-norm
                                           # envelope when there is one, the hero and the curve model
+    fc.hero.spec_id, fc.hero.tokens_per_step   # ForecastHero: the run the forecast is for
 
 Every problem raises ForecastError (an InputError: one line, exit 2) naming the file and the field.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -19,11 +20,48 @@ import numpy as np
 from core.errors import InputError
 from core.safeload import MAX_BYTES
 
-__all__ = ["Forecast", "ForecastError", "load_forecast"]
+__all__ = ["Forecast", "ForecastError", "ForecastHero", "load_forecast"]
 
 
 class ForecastError(InputError):
     """A forecast that cannot be made from these rungs, or a forecast file that cannot be read."""
+
+
+@dataclass(frozen=True)
+class ForecastHero:
+    """forecast.json's "hero": the run the forecast is for, and its final loss's interval
+    (point, lo, hi and the method's record). A forecast written before a field was recorded reads
+    it as None."""
+
+    spec_id: str | None = None
+    name: str | None = None
+    total_steps: int | None = None
+    tokens_per_step: int | None = None
+    active_params: int | None = None
+    total_params: int | None = None
+    flops: float | None = None
+    final_loss: dict[str, Any] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str | Path = "forecast") -> ForecastHero:
+        """ForecastError naming the field when `d` is not a hero section."""
+        if not isinstance(d, dict):
+            raise ForecastError(f"{path}: forecast hero is not a mapping")
+        kinds = {"spec_id": (str,), "name": (str,), "total_steps": (int,), "tokens_per_step": (int,), "active_params": (int,),
+                 "total_params": (int,), "flops": (int, float), "final_loss": (dict,)}
+        got: dict[str, Any] = {}
+        for f in fields(cls):
+            v = d.get(f.name)
+            if v is None:
+                continue
+            if isinstance(v, bool) or not isinstance(v, kinds[f.name]):
+                raise ForecastError(f"{path}: forecast hero.{f.name} is {type(v).__name__}, not "
+                                    f"{' or '.join(k.__name__ for k in kinds[f.name])}")
+            got[f.name] = v
+        return cls(**got)
 
 
 @dataclass
@@ -40,9 +78,13 @@ class Forecast:
     gn_mean: np.ndarray | None = None
     gn_lo: np.ndarray | None = None
     gn_hi: np.ndarray | None = None
-    hero: dict[str, Any] = field(default_factory=dict)
-    curve_model: dict[str, Any] | None = None
-    raw: dict[str, Any] = field(default_factory=dict)
+    hero: ForecastHero | None = None
+    curve_model: dict[str, Any] | None = None  # read by analysis.curves.CurveFit.from_dict
+    created: str | None = None
+
+    def is_for(self, spec_id: str | None) -> bool:
+        """Whether this forecast was made for the run of this spec id."""
+        return self.hero is not None and spec_id is not None and self.hero.spec_id == spec_id
 
 
 def _arr(d: dict, key: str, where: str, path: Path) -> np.ndarray:
@@ -88,7 +130,13 @@ def load_forecast(path: str | Path) -> Forecast:
     if np.any(np.diff(step) <= 0):
         raise ForecastError(f"{path}: trajectory steps must be strictly increasing")
     tokens = _arr(tr, "tokens", "trajectory", path) if "tokens" in tr else None
-    fc = Forecast(str(path), step, tokens, loss, lo, hi, hero=raw.get("hero") or {}, curve_model=raw.get("curve_model"), raw=raw)
+    hero = ForecastHero.from_dict(raw["hero"], path) if raw.get("hero") else None
+    cm = raw.get("curve_model")
+    if cm is not None and not isinstance(cm, dict):
+        raise ForecastError(f"{path}: forecast curve_model is not a mapping")
+    created = raw.get("created")
+    fc = Forecast(str(path), step, tokens, loss, lo, hi, hero=hero, curve_model=cm,
+                  created=created if isinstance(created, str) else None)
     gn = raw.get("grad_norm")
     if isinstance(gn, dict) and gn.get("step"):
         fc.gn_step = _arr(gn, "step", "grad_norm", path)

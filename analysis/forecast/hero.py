@@ -53,7 +53,7 @@ import pandas as pd
 
 from analysis import fitwarn
 from analysis.forecast import gradnorm, grid
-from analysis.forecast.file import ForecastError
+from analysis.forecast.file import ForecastError, ForecastHero
 from analysis.forecast.verdicts import regime_verdict, routes
 from analysis.laws import backtest as law_backtest
 from analysis.laws.fitted import FitError
@@ -370,7 +370,7 @@ class HeroForecast:
     created: str
     sources: dict[str, Any]
     law: dict[str, Any]
-    hero: dict[str, Any]
+    hero: ForecastHero
     backtest: dict[str, Any] | None
     trajectory: dict[str, Any]
     grad_norm: dict[str, Any]
@@ -383,11 +383,11 @@ class HeroForecast:
 
     @property
     def final_loss(self) -> dict[str, float]:
-        return self.hero["final_loss"]
+        return self.hero.final_loss
 
     def to_dict(self) -> dict[str, Any]:
         d = {"experiment": self.experiment, "created": self.created, "sources": self.sources, "law": self.law,
-             "hero": self.hero, "backtest": self.backtest, "trajectory": self.trajectory,
+             "hero": self.hero.to_dict(), "backtest": self.backtest, "trajectory": self.trajectory,
              "grad_norm": self.grad_norm, "coverage": self.coverage, "regime": self.regime,
              "warnings": list(self.warnings)}
         for k in ("curve_model", "rung_fits", "curve_model_error"):
@@ -443,10 +443,11 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
                  "eval_fingerprint": fingerprint,
                  "measurement": replicates.noise(replicates.group(rungs)).to_dict()},
         law=law,
-        hero={"name": hero.name, "spec_id": hero.id, "total_steps": hero.total_steps,
-              "tokens_per_step": hero.data.tokens_per_step, "active_params": costs.param_counts(hero.model)["active"],
-              "total_params": costs.param_counts(hero.model)["total"], "flops": costs.total_flops(hero),
-              "final_loss": final},
+        hero=ForecastHero(spec_id=hero.id, name=hero.name, total_steps=hero.total_steps,
+                          tokens_per_step=hero.data.tokens_per_step,
+                          active_params=costs.param_counts(hero.model)["active"],
+                          total_params=costs.param_counts(hero.model)["total"], flops=costs.total_flops(hero),
+                          final_loss=final),
         backtest=bt,
         trajectory={},
         grad_norm=grad_norm_envelope(rungs, hero),
@@ -461,7 +462,7 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
     try:
         fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, law_level, stream_deviations)
         fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]
-        fc.warnings += routes(fc.hero["final_loss"], fc.trajectory)
+        fc.warnings += routes(fc.hero.final_loss, fc.trajectory)
     except CurveError as e:  # a curve fit that cannot be made (CurveFitError among them): the final-loss
         # forecast stands on its own; say why the curve model is missing
         fc.curve_model_error = f"{type(e).__name__}: {e}"

@@ -152,6 +152,25 @@ class SeriesCalibration:
         return (np.asarray(self.mu, dtype=np.float64), np.asarray(self.sd, dtype=np.float64))
 
 
+@dataclass(frozen=True)
+class ForecastRef:
+    """The forecast a calibration was made against."""
+
+    path: str
+    created: str | None
+    hero_spec_id: str | None
+
+
+@dataclass(frozen=True)
+class CalibratedRun:
+    """One healthy run a calibration was made from."""
+
+    name: str
+    spec_id: str | None
+    seed: int | None
+    last_step: int
+
+
 @dataclass
 class Calibration:
     """The healthy runs' spread per block for every series, and what it was made from."""
@@ -160,8 +179,8 @@ class Calibration:
     total_steps: int
     series: dict[str, SeriesCalibration]
     reference: str  # "forecast" or "healthy mean"
-    forecast: dict[str, Any] | None  # path, created, hero spec id of the forecast it was made against
-    runs: list[dict[str, Any]]  # name, spec id, seed, last step of each healthy run
+    forecast: ForecastRef | None  # the forecast it was made against
+    runs: list[CalibratedRun]  # the healthy runs
     transient_end_step: int  # where the healthy runs' early spikes and grad-norm excursions end
     tokens_per_s: float | None  # the healthy runs' median throughput
     throughput_min_ratio: float | None = None  # the lowest (recent median / earlier median) tokens/s a healthy run showed
@@ -201,15 +220,15 @@ class Calibration:
         """ValueError when the calibration was made against another forecast (or none was given)."""
         if self.reference != "forecast":
             return
-        want = self.forecast or {}
+        want = self.forecast or ForecastRef("?", None, None)
         if forecast is None:
-            raise InputError(f"{where} was made against the forecast {want.get('path')} (hero spec "
-                             f"{want.get('hero_spec_id')}); pass it with --forecast")
+            raise InputError(f"{where} was made against the forecast {want.path} (hero spec "
+                             f"{want.hero_spec_id}); pass it with --forecast")
         got = _forecast_id(forecast)
-        if (want.get("created"), want.get("hero_spec_id")) != (got["created"], got["hero_spec_id"]):
-            raise InputError(f"{where} was made against the forecast created {want.get('created')} for spec "
-                             f"{want.get('hero_spec_id')}, not {forecast.path} (created {got['created']}, "
-                             f"spec {got['hero_spec_id']}); calibrate again against this forecast")
+        if (want.created, want.hero_spec_id) != (got.created, got.hero_spec_id):
+            raise InputError(f"{where} was made against the forecast created {want.created} for spec "
+                             f"{want.hero_spec_id}, not {forecast.path} (created {got.created}, "
+                             f"spec {got.hero_spec_id}); calibrate again against this forecast")
 
 
 def _json_safe(x):
@@ -224,9 +243,8 @@ def _json_safe(x):
     return x
 
 
-def _forecast_id(forecast: Forecast) -> dict[str, Any]:
-    return {"path": forecast.path, "created": forecast.raw.get("created"),
-            "hero_spec_id": (forecast.hero or {}).get("spec_id")}
+def _forecast_id(forecast: Forecast) -> ForecastRef:
+    return ForecastRef(forecast.path, forecast.created, forecast.hero.spec_id if forecast.hero else None)
 
 
 def load_calibration(path: str | Path) -> Calibration:
@@ -241,7 +259,10 @@ def load_calibration(path: str | Path) -> Calibration:
         series = {k: SeriesCalibration(**{f: (np.nan if v is None else v) if not isinstance(v, list) else
                                           [np.nan if x is None else x for x in v] for f, v in s.items()})
                   for k, s in d["series"].items()}
-        cal = Calibration(**{**{k: v for k, v in d.items() if k != "series"}, "series": series})
+        fc = d.get("forecast")
+        cal = Calibration(**{**{k: v for k, v in d.items() if k not in ("series", "forecast", "runs")},
+                             "series": series, "forecast": ForecastRef(**fc) if fc is not None else None,
+                             "runs": [CalibratedRun(**r) for r in d["runs"]]})
     except (KeyError, TypeError) as e:
         raise InputError(f"{path}: not a monitor calibration ({e})") from None
     B = len(cal.edges) - 1
@@ -428,8 +449,8 @@ def calibrate(healthy: Sequence[tuple[str, pd.DataFrame, Any]], total_steps: int
                 drops.append(float(np.max(d)))
     runs_meta = []
     for name, df, spec in healthy:
-        runs_meta.append({"name": name, "spec_id": getattr(spec, "id", None), "seed": getattr(spec, "seed", None),
-                          "last_step": int(df["step"].iloc[-1])})
+        runs_meta.append(CalibratedRun(name=name, spec_id=getattr(spec, "id", None), seed=getattr(spec, "seed", None),
+                                       last_step=int(df["step"].iloc[-1])))
     return Calibration(edges=edges.tolist(), total_steps=int(total_steps), series=series,
                        reference="forecast" if forecast is not None else "healthy mean",
                        forecast=_forecast_id(forecast) if forecast is not None else None, runs=runs_meta,

@@ -116,7 +116,7 @@ def check_band(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
         return [], band_summary
     flags: list[Flag] = []
     tok = column(df, "tokens")
-    fc_tps = (forecast.hero or {}).get("tokens_per_step")
+    fc_tps = forecast.hero.tokens_per_step if forecast.hero else None
     run_tps = spec.data.tokens_per_step if spec is not None else frame_tokens_per_step(df)
     same_steps = fc_tps is not None and run_tps is not None and abs(float(fc_tps) - float(run_tps)) < 1e-9 * float(fc_tps)
     if (not same_steps and forecast.traj_tokens is not None and tok is not None
@@ -158,7 +158,7 @@ def check_band(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     if len(last_in):
         j = last_in[-1]
         band_summary = {"forecast_loss": json_num(mid[j]), "band_lo": json_num(lo[j]), "band_hi": json_num(hi[j]), "at_step": int(steps[j])}
-    hero_id = (forecast.hero or {}).get("spec_id")
+    hero_id = forecast.hero.spec_id if forecast.hero else None
     if spec is not None and hero_id and hero_id != spec.id:
         flags.append(Flag("forecast_spec_mismatch", "info", int(steps[0]) if n else 0, {
             "text": f"the forecast was made for spec {hero_id}, the run is spec {spec.id}",

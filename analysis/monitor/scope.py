@@ -77,7 +77,7 @@ def spec_differences(calibrated: dict[str, Any], spec: Spec) -> tuple[str, ...]:
 def calibration_scope(cal, spec: Spec | None, df: pd.DataFrame) -> Scope:
     """How the calibration `cal` (analysis.monitor.calib.Calibration) applies to a run of `spec`."""
     eval_skipped = cal.eval_sample_differs(df)
-    names = ", ".join(r.get("name", "?") for r in cal.runs)
+    names = ", ".join(r.name for r in cal.runs)
     base = f"calibrated on {len(cal.runs)} healthy runs ({names})"
     if spec is None:
         return Scope("unknown", f"{base}; applied as is (the run's spec is not known)", eval_skipped=eval_skipped)

@@ -128,7 +128,7 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
     if fc is not None and fc.curve_model:
         try:
             ladder_fit = curves.CurveFit.from_dict(fc.curve_model)
-            ladder_n = (fc.hero or {}).get("active_params")
+            ladder_n = fc.hero.active_params if fc.hero else None
             clock = fc.curve_model.get("clock_tokens_per_step")
             ladder_k = spec.data.tokens_per_step / float(clock) if clock else 1.0
         except errors:
@@ -220,7 +220,7 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
     # the run started) anchors the level; the run's curve model only supplies how the option's
     # schedule moves the loss from the plan's at the same step (an annealing effect, which a curve
     # law gets far better than the level far out), taken as known within +-ANCHOR_CORRECTION_SD.
-    traj = fc if fc is not None and (fc.hero or {}).get("spec_id") == spec.id else None
+    traj = fc if fc is not None and fc.is_for(spec.id) else None
 
     def _anchored(last: np.ndarray, lr_T: np.ndarray, noise_sd: float) -> dict | None:
         if traj is None or last[0] < traj.traj_step[0] or last[-1] > traj.traj_step[-1] or last[-1] >= len(lr_run):

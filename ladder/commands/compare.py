@@ -129,7 +129,7 @@ def beside_forecast(forecast_path: Path, fc) -> tuple[object | None, str | None]
         cal.check_forecast(fc, where=str(path))
     except ValueError as e:
         return None, f"not using {path}: {e}"
-    return cal, f"calibration: {path} ({len(cal.runs)} healthy runs: {', '.join(r['name'] for r in cal.runs)})"
+    return cal, f"calibration: {path} ({len(cal.runs)} healthy runs: {', '.join(r.name for r in cal.runs)})"
 
 
 def compare_cmd(

@@ -14,7 +14,7 @@ from analysis.monitor.watch import MonitorSettings, monitor
 from analysis.monitor.calib import Calibration, calibrate, cusum_threshold, load_calibration
 from analysis.monitor.seq import sequential_test
 from analysis.monitor.series import eval_series, series_values, source_eval_names
-from analysis.forecast.file import load_forecast
+from analysis.forecast.file import ForecastError, load_forecast
 from tests.analysis.test_monitor import forecast_file
 
 TOTAL = 1000
@@ -90,6 +90,7 @@ def test_calibration_round_trips_and_refuses_another_forecast(tmp_path):
     fc = load_forecast(forecast_file(tmp_path / "f.json", t, 2 + 3 * np.exp(-t / 200), 0.05))
     cal = calibrate([(f"h{i}", healthy_run(rng), None) for i in range(3)], TOTAL, forecast=fc)
     back = load_calibration(cal.save(tmp_path / "cal.json"))
+    assert back.runs == cal.runs and back.forecast == cal.forecast
     assert back.edges == cal.edges and np.allclose(back.series["loss"].sd, cal.series["loss"].sd, equal_nan=True)
     back.check_forecast(fc)
     with pytest.raises(ValueError, match="pass it with --forecast"):
@@ -172,3 +173,14 @@ def test_the_eval_series_is_the_periodic_subset_as_the_trainer_records_it():
     assert source_eval_names(df) == ["eval_loss/code"]
     steps, v = series_values(df, "eval_loss/code")
     assert list(steps) == [9, 19] and list(v) == [3.2, 3.1]
+
+
+def test_a_forecast_hero_field_of_the_wrong_type_is_refused_naming_it(tmp_path):
+    t = np.arange(TOTAL)
+    path = forecast_file(tmp_path / "f.json", t, 2 + 3 * np.exp(-t / 200), 0.05)
+    doc = json.loads(path.read_text())
+    assert load_forecast(path).hero.spec_id == "x"
+    doc["hero"]["tokens_per_step"] = "4096"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ForecastError, match=r"hero\.tokens_per_step is str, not int"):
+        load_forecast(path)

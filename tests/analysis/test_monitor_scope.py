@@ -143,4 +143,4 @@ def test_a_gzipped_forecast_reads_as_the_plain_one(tmp_path, forecast):
     plain = tmp_path / "forecast.json"
     plain.write_bytes(gzip.open(LADDER / "budget" / "forecast.json.gz").read())
     again = load_forecast(plain)
-    assert again.raw == forecast.raw and np.array_equal(again.traj_loss, forecast.traj_loss)
+    assert again.hero == forecast.hero and again.created == forecast.created and np.array_equal(again.traj_loss, forecast.traj_loss)
