@@ -3,7 +3,7 @@
     plan      which specs to run (selection, engine override, ledger: finished ones are skipped)
     feasible  refuse at once a resource request no node of the cluster can ever satisfy
     dispatch  submit, stream progress, defer specs another submission holds, collect outcomes
-    train_task  the worker: claim the spec, train it (resuming), mirror metrics to MLflow
+    the worker  ladder.worker.train_task: claim the run dir, train the spec (resuming)
 
 The plan and the feasibility check live in ladder.planning, the submission's MLflow side in
 ladder.mirror; what is done lives in ladder.ledger, the display in ladder.progress, MLflow in
@@ -17,9 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import shlex
-import socket
 import time
-import traceback
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,15 +30,11 @@ from ladder import ledger, localray
 from ladder.errors import LadderError, describe
 from ladder.experiment import Experiment, load_experiment
 from ladder.preflight import check_memory
-from ladder.train_launch import is_multi_worker, train_on_workers
 from core.rundir import RunDir
-from core.spec import Spec
-from engines.checkpoint import resume_step
-from engines.base import DivergedError, read_status, write_status
-from engines.options import EngineOptions, Options
-from engines.registry import get_engine
+from engines.options import Options
 from ladder.local import dispatch_local, infeasible, local_gpus
-from ladder.progress import Reporter, SweepDisplay, progress_sink
+from ladder.progress import SweepDisplay, progress_sink
+from ladder.worker import train_task
 from ladder.tracking import check_store_writable, resolve_tracking_uri
 from ladder.mirror import Mirror, catch_up, untracked
 from ladder.planning import (Planned, check_feasible, plan, plan_table, resources_of,  # noqa: F401 (the controller's names)
@@ -48,102 +42,6 @@ from ladder.planning import (Planned, check_feasible, plan, plan_table, resource
 
 DEFER_POLL_S = 2.0
 STOP_GRACE_S = 10.0  # how long a Ctrl-C waits for workers to stop at a step before ray.cancel
-
-
-# ---- the worker ------------------------------------------------------------------------------------
-class ClaimLost(RuntimeError):
-    pass
-
-
-class StopRequested(Exception):
-    """The submission asked its workers to stop (ledger.request_stop): Ctrl-C on the driver."""
-
-
-def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
-    """Runs on a Ray worker: claim, train with resume, release. (The controller mirrors the
-    run dir into MLflow; the worker only trains.)"""
-    spec = Spec.model_validate_json(spec_json)
-    rd = Path(run_dir)
-    host, pid = socket.gethostname(), os.getpid()
-    node = _node_id()
-    base = {"spec_id": spec.id, "name": spec.name, "host": host, "pid": pid, "node": node}
-    claim = ledger.Claim.acquire(ctx["root"], spec.id, ctx["owner"], node=node, run_dir=run_dir)
-    if claim is None:
-        return {**base, "outcome": "busy", "holder": ledger.live_claim(ctx["root"], spec.id)}
-    report = Reporter(ctx.get("sink"), spec.id)
-    stop = ledger.stop_path(ctx["root"], ctx["owner"])
-    state, note, last, engine_s, first_step = "failed", "", None, 0.0, 0
-    try:
-        if ledger.is_finished(rd, spec):
-            return {**base, "outcome": "skipped", "note": "finished by another submission"}
-        if stop.exists():
-            raise StopRequested()
-        start = resume_step(rd)  # where the run starts: its newest intact checkpoint
-        _append_attempt(rd, {**base, "owner": ctx["owner"], "time": time.time(), "step": start})
-        report({**base, "step": start}, force=True)
-        t0 = time.perf_counter()
-        # the spec's options section with the environment's (read where the submission started) on top
-        options = EngineOptions.for_spec(spec, Options.model_validate(ctx.get("options", {})))
-        steps = (train_on_workers(spec, rd, options=options) if is_multi_worker(spec)  # a Ray Train job
-                 else get_engine(spec.engine, options).train(spec, rd, resume=True))
-        for m in steps:
-            if last is None:
-                first_step = m.step
-            last = m
-            if claim.lost:
-                raise ClaimLost("another submission judged this worker dead and took the spec over")
-            if stop.exists():
-                raise StopRequested()
-            report({**base, "step": m.step + 1, "loss": m.loss, "tokens_per_s": m.tokens_per_s})
-        engine_s = time.perf_counter() - t0
-        state = "finished" if ledger.is_finished(rd, spec) else "failed"
-        if state == "failed":
-            note = f"engine stopped at step {last.step if last else None} of {spec.total_steps}"
-    except DivergedError as err:
-        state, note = "diverged", str(err)
-        if read_status(rd).get("state") != "diverged":
-            write_status(rd, "diverged", reason=str(err), step=last.step if last else None)
-    except ClaimLost as err:
-        state, note = "interrupted", str(err)  # the run dir is the new holder's now: leave it alone
-    except (KeyboardInterrupt, StopRequested):
-        state, note = "interrupted", "cancelled"
-        write_status(rd, "failed", reason="interrupted", step=last.step if last else None)
-    except Exception as err:  # the worker's boundary: any failure (a bug too, traceback kept) fails this run alone
-        state, note = "failed", f"{type(err).__name__}: {err}"
-        if read_status(rd).get("state") in ("running", "pending"):
-            write_status(rd, "failed", error=note, traceback=traceback.format_exc()[-4000:])
-    finally:
-        claim.release()
-    report({**base, "step": (last.step + 1) if last else 0, "loss": last.loss if last else None, "state": state}, force=True)
-    return {
-        **base,
-        "outcome": state,
-        "note": note,
-        "step": None if last is None else last.step,
-        "loss": None if last is None else last.loss,
-        "engine_s": engine_s,
-        "steps_run": 0 if last is None else last.step + 1 - first_step,
-    }
-
-
-def _node_id() -> str | None:
-    try:
-        import ray
-
-        if not ray.is_initialized():  # (the runtime context would start a local Ray)
-            return None
-        return ray.get_runtime_context().get_node_id()
-    except (ImportError, RuntimeError):  # RuntimeError: Ray shut down since the check
-        return None
-
-
-def _append_attempt(run_dir: Path, rec: dict) -> None:
-    """attempts.jsonl: who started (or resumed) this run, when, where, from which step."""
-    import json
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "attempts.jsonl", "a") as f:
-        f.write(json.dumps(rec) + "\n")
 
 
 # ---- dispatch ----------------------------------------------------------------------------------------
@@ -365,7 +263,7 @@ def _dispatch(
         while queue or inflight or deferred:
             while queue and (max_concurrent is None or len(inflight) < max_concurrent):
                 p = queue.pop(0)
-                holder = ledger.live_claim(ctx["root"], p.spec.id)
+                holder = ledger.live_claim(p.run_dir, p.spec.id)
                 if holder is not None and holder.get("owner") != ctx["owner"]:
                     deferred[p.spec.id] = p
                     display.waiting(p.spec.id, f"held by another submission ({holder.get('host')} pid {holder.get('pid')}); waiting")
@@ -397,7 +295,7 @@ def _dispatch(
             if deferred and time.monotonic() - last_poll > DEFER_POLL_S:
                 last_poll = time.monotonic()
                 for sid, p in list(deferred.items()):
-                    if ledger.live_claim(ctx["root"], sid) is not None:
+                    if ledger.live_claim(p.run_dir, sid) is not None:
                         continue
                     del deferred[sid]
                     if ledger.is_finished(p.run_dir, p.spec):

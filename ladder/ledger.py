@@ -7,7 +7,11 @@ Layout under the ladder root (`.ladder/` in the working directory, or --root / $
         spec.yaml                               written by the controller
         metrics.jsonl  status.json  checkpoints/    written by the engine
         tracking.json                           MLflow run id and last uploaded step, per store
-    locks/<spec.id>.lock                        the claim of the worker training that spec
+        locks/<spec.id>.lock                    the claim of the process training that spec there
+    locks/stop-<submission>                     a submission's request that its workers stop
+
+A claim lives in the run dir it guards, so every writer of a run dir (a submission's worker, a
+`ladder train` of the same spec and run dir) takes the same one.
 
 The run dir is the source of truth; MLflow is a view of it that `ladder sync` can rebuild.
 
@@ -278,8 +282,8 @@ def stale_after_s() -> float:
     return env.Limits.from_env().claim_stale_s
 
 
-def _lock_path(root: str | Path, spec_id: str) -> Path:
-    return inside(locks_dir(root), f"{spec_id}.lock")
+def _lock_path(run_dir: str | Path, spec_id: str) -> Path:
+    return inside(locks_dir(run_dir), f"{spec_id}.lock")
 
 
 def stop_path(root: str | Path, owner: str) -> Path:
@@ -338,9 +342,9 @@ def _is_dead(info: dict, mtime: float) -> bool:
     return False
 
 
-def live_claim(root: str | Path, spec_id: str) -> dict | None:
-    """The holder of spec_id's claim if it is alive, else None."""
-    got = _read_lock(_lock_path(root, spec_id))
+def live_claim(run_dir: str | Path, spec_id: str) -> dict | None:
+    """The holder of spec_id's claim on run_dir if it is alive, else None."""
+    got = _read_lock(_lock_path(run_dir, spec_id))
     if got is None or _is_dead(*got):
         return None
     return got[0]
@@ -387,10 +391,11 @@ class Claim:
 
     @classmethod
     def acquire(
-        cls, root: str | Path, spec_id: str, owner: str, heartbeat_s: float = HEARTBEAT_S, **info: Any
+        cls, claim_dir: str | Path, spec_id: str, owner: str, heartbeat_s: float = HEARTBEAT_S, **info: Any
     ) -> "Claim | None":
-        """The claim, or None when a live holder of another submission has it."""
-        path = _lock_path(root, spec_id)
+        """The claim in claim_dir's locks/ (a run dir's), or None when a live holder of another
+        owner has it."""
+        path = _lock_path(claim_dir, spec_id)
         path.parent.mkdir(parents=True, exist_ok=True)
         payload = {
             "spec_id": spec_id,

@@ -167,7 +167,7 @@ def dispatch_local(todo: list, ctx: dict, result: Any, display, mirror) -> None:
     waited: set[str] = set()
     while queue:
         p = queue.pop(0)
-        holder = ledger.live_claim(ctx["root"], p.spec.id)
+        holder = ledger.live_claim(p.run_dir, p.spec.id)
         if holder is not None and holder.get("owner") != ctx["owner"]:
             display.waiting(p.spec.id, f"held by another submission ({holder.get('host')} pid {holder.get('pid')}); waiting")
             if queue or p.spec.id not in waited:

@@ -1,6 +1,6 @@
 """One run of `ladder submit --local`, in its own process: reads its job (spec JSON, run dir, the
 submission's root and owner, the pipe to write the outcome to, the driver's pid) as JSON on stdin,
-trains with the same claim / resume / status handling as a Ray worker (ladder.controller.train_task),
+trains with the same claim / resume / status handling as a Ray worker (ladder.worker.train_task),
 and writes the outcome record to the pipe the job names, which its driver reads.
 
 The worker never outlives its driver: it gets SIGTERM when the driver dies (core/procs.py), which
@@ -18,7 +18,7 @@ import signal
 import sys
 
 from core.procs import die_with_parent
-from ladder.controller import train_task
+from ladder.worker import train_task
 
 _interrupted = False
 

@@ -275,9 +275,9 @@ def test_a_damaged_metrics_file_is_skipped_line_by_line_with_one_warning_naming_
     problems = []
     for (argv, reads), r in zip(readers + trains, results):
         warnings = [ln for ln in r.stderr.splitlines() if "skipped a bad metrics line" in ln]
-        # status and submit read a finished run's last record only, from the file's end: the
-        # bytes appended there are on their way, a line mid-file is not
-        end_reader = argv[0] in ("status", "submit")
+        # status, submit and train (the submission's worker) read a finished run's last record
+        # only, from the file's end: the bytes appended there are on their way, a line mid-file is not
+        end_reader = argv[0] in ("status", "submit", "train")
         want = sorted(where[how] for how in reads if not (how == "mid-file" and end_reader))
         ok = r.returncode == 0 and "Traceback" not in r.stderr and "codec can't decode" not in r.stderr
         named = sorted(next((x for x in where.values() if x in ln), ln) for ln in warnings)

@@ -1,23 +1,26 @@
 """`ladder train SPEC --run-dir DIR`: one spec, in this process, no Ray and no MLflow (the path
-used on a bare GPU machine and in tests). The run dir is the record: metrics.jsonl, status.json,
-checkpoints/; running the same command again resumes from the newest checkpoint. One `ladder train`
-at a time per run dir: it holds a claim (ladder/ledger.py: Claim) in run_dir/locks/ while it
-trains, and a second one is refused in one line naming the holder."""
+used on a bare GPU machine and in tests), through the submission's own worker
+(ladder.worker.run_claimed). The run dir is the record: metrics.jsonl, status.json, checkpoints/;
+running the same command again resumes from the newest checkpoint. One writer at a time per run
+dir: the worker holds the run dir's claim (ladder/ledger.py: Claim) while it trains, so a second
+`ladder train`, or a submission's worker, on the same run dir is refused in one line naming the
+holder."""
 
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Optional
 
 import typer
 from core.spec import load_spec
 from engines.base import DivergedError, read_status
-from engines.options import EngineOptions, Options
-from engines.registry import engine_names, get_engine
-from ladder import ledger
+from engines.options import Options
+from engines.registry import engine_names
 from ladder.errors import LadderError
 from ladder.preflight import check_memory
+from ladder.worker import Attempt, Busy, ClaimLost, run_claimed
 
 
 def train(
@@ -48,30 +51,30 @@ def train(
     if status.get("state") == "diverged" and not (rerun_diverged or no_resume):
         raise LadderError(f"{run_dir} diverged at step {status.get('step')}; train it again on purpose with "
                           "--rerun-diverged (from its newest intact checkpoint) or --no-resume (from scratch)")
-    # the spec's options with the environment's on top, read once, here
-    eng = get_engine(spec.engine, EngineOptions.for_spec(spec, Options.from_env()))
     console = Console(stderr=True)
-    last = None
-    claim = ledger.Claim.acquire(run_dir, spec.id, f"train-{os.getpid()}", run_dir=str(run_dir))
-    if claim is None:
-        holder = ledger.live_claim(run_dir, spec.id) or {}
-        raise LadderError(f"{run_dir} is being trained by another process ({holder.get('host')} pid "
-                          f"{holder.get('pid')}); wait for it to end, or stop it first")
+    # the environment's engine options, read once, here (the worker lays them over the spec's)
+    ctx = {"root": str(run_dir), "owner": f"train-{os.getpid()}", "options": Options.from_env().set_fields(),
+           "resume": not no_resume, "ray_train": False}
+    att = Attempt()
     try:
-        records = _while_claimed(eng.train(spec, run_dir, resume=not no_resume), claim, run_dir)
-        if quiet:
-            for last in records:
-                pass
-        else:
-            last = _with_progress(records, spec, console)
+        with nullcontext(lambda update, force=False: None) if quiet else _progress(spec, console) as report:
+            run_claimed(spec, run_dir, ctx, report, att)
+    except Busy as busy:
+        holder = busy.holder or {}
+        raise LadderError(f"{run_dir} is being trained by another process ({holder.get('host')} pid "
+                          f"{holder.get('pid')}); wait for it to end, or stop it first") from None
+    except ClaimLost as err:
+        raise LadderError(f"{run_dir}: {err}; stopped") from None
     except DivergedError as err:
         console.print(f"[red]diverged:[/red] {err}", highlight=False)
         raise typer.Exit(3)
-    finally:
-        claim.release()
-    if last is None:
+    last = att.last
+    if att.outcome == "skipped":
         console.print(f"{spec.name}: already finished ({run_dir})", highlight=False)
         return
+    if att.outcome != "finished":
+        console.print(f"[red]failed:[/red] {spec.name}: {att.note} ({run_dir})", highlight=False)
+        raise typer.Exit(1)
     ev = f", eval loss {last.eval_loss:.4f}" if last.eval_loss is not None else ""
     console.print(
         f"{spec.name}: finished step {last.step + 1}/{spec.total_steps}, loss {last.loss:.4f}{ev} -> {run_dir}",
@@ -79,36 +82,25 @@ def train(
     )
 
 
-def _while_claimed(records, claim, run_dir):
-    """The engine's records while this process holds the run dir's claim; a lost claim (another
-    process judged this one dead and took the run over) stops the training at the next step."""
-    for rec in records:
-        if claim.lost:
-            raise LadderError(f"{run_dir}: another process took this run dir over; stopped")
-        yield rec
-
-
-def _with_progress(records, spec, console):
+@contextmanager
+def _progress(spec, console):
+    """A progress bar (step, loss, tokens/s) driven by the worker's reports."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    last = None
-    with Progress(
-        TextColumn("[bold]{task.description}"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TextColumn("loss {task.fields[loss]}"),
-        TextColumn("{task.fields[tps]} tok/s"),
-        TimeRemainingColumn(),
-        console=console,
-        transient=False,
-    ) as progress:
+    with Progress(TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("loss {task.fields[loss]}"), TextColumn("{task.fields[tps]} tok/s"),
+                  TimeRemainingColumn(), console=console, transient=False) as progress:
         task = progress.add_task(spec.name, total=spec.total_steps, loss="-", tps="-")
-        for rec in records:
-            if last is None:
-                progress.update(task, completed=rec.step)
-            last = rec
-            progress.update(task, advance=1, loss=f"{rec.loss:.4f}", tps=f"{rec.tokens_per_s:,.0f}")
-    return last
+
+        def report(update: dict, force: bool = False) -> None:
+            fields = {}
+            if update.get("loss") is not None:
+                fields["loss"] = f"{update['loss']:.4f}"
+            if update.get("tokens_per_s") is not None:
+                fields["tps"] = f"{update['tokens_per_s']:,.0f}"
+            progress.update(task, completed=update.get("step", 0), **fields)
+
+        yield report
 
 
 def register(app: typer.Typer) -> None:

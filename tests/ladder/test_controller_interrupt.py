@@ -96,7 +96,7 @@ def story(tmp_path_factory, mlflow_template):
         "stderr": err,
         "states": {n: read_status(d).get("state") for n, d in dirs.items()},
         "reasons": {n: read_status(d).get("reason") for n, d in dirs.items()},
-        "locks": sorted(x.name for x in (root / "locks").glob("*.lock")),
+        "locks": sorted(x.name for x in root.rglob("locks/*.lock")),
         "frame": ledger.runs_frame(root, path),
         "steps": {n: last_step(d) for n, d in dirs.items()},
     }

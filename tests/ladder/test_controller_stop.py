@@ -8,7 +8,7 @@ import time
 
 from engines.base import read_metrics, read_status
 from ladder import ledger
-from ladder.controller import train_task
+from ladder.worker import train_task
 from tests.support import tiny_spec
 
 
@@ -34,7 +34,7 @@ def test_a_stop_request_ends_the_run_at_its_next_step(tmp_path):
     assert out["outcome"] == "interrupted"
     assert read_status(rd)["state"] == "failed" and read_status(rd)["reason"] == "interrupted"
     assert len(read_metrics(rd)) < spec.total_steps
-    assert not list(ledger.locks_dir(tmp_path).glob("*.lock"))  # the claim was released
+    assert not list(ledger.locks_dir(rd).glob("*.lock"))  # the claim was released
 
 
 def test_a_task_started_after_the_request_trains_nothing(tmp_path):

@@ -74,7 +74,7 @@ def test_a_killed_local_worker_resumes_to_the_same_losses(tmp_path):
     deadline = time.time() + 300  # a hang guard
     while time.time() < deadline and not list((d / "checkpoints").glob("*")):
         time.sleep(0.1)
-    worker = ledger.live_claim(root, spec.id)
+    worker = ledger.live_claim(d, spec.id)
     assert worker is not None, "the worker holds a claim while it trains"
     os.kill(int(worker["pid"]), signal.SIGKILL)
     drv.wait(timeout=300)
@@ -95,7 +95,7 @@ def test_local_submit_refuses_a_spec_this_machine_cannot_run(tmp_path):
 
 # what a --local run leaves in its run dir (a worker that could not hand its outcome to its driver
 # used to leave a .outcome.*.json beside them)
-RUN_FILES = {"spec.yaml", "metrics.jsonl", "status.json", "checkpoints", "attempts.jsonl", "worker.log"}
+RUN_FILES = {"spec.yaml", "metrics.jsonl", "status.json", "checkpoints", "attempts.jsonl", "worker.log", "locks"}
 
 
 def _gone(pid: int) -> bool:
@@ -118,7 +118,7 @@ def test_a_killed_local_driver_takes_its_worker_with_it(tmp_path):
     d = ledger.run_dir_for(root, "loc", spec)
     deadline, worker = time.time() + 300, None  # only to catch a hang
     while time.time() < deadline and (worker is None or len(RunDir(d).read_metrics()) < 5) and drv.poll() is None:
-        worker = ledger.live_claim(root, spec.id)
+        worker = ledger.live_claim(d, spec.id)
         time.sleep(0.1)
     assert worker is not None, (d / "worker.log").read_text()[-3000:] if (d / "worker.log").exists() else drv.communicate()[1]
     pid = int(worker["pid"])
@@ -135,7 +135,7 @@ def test_a_killed_local_driver_takes_its_worker_with_it(tmp_path):
     rows = len(RunDir(d).read_metrics())
     time.sleep(2)
     assert len(RunDir(d).read_metrics()) == rows < spec.total_steps
-    assert ledger.live_claim(root, spec.id) is None
+    assert ledger.live_claim(d, spec.id) is None
     status = RunDir(d).read_status()
     assert (status["state"], status["reason"]) == ("failed", "interrupted")
     assert {f.name for f in d.iterdir()} <= RUN_FILES, (d / "worker.log").read_text()[-3000:]
@@ -156,7 +156,7 @@ def test_a_resumed_local_run_says_the_step_it_resumes_from(tmp_path):
     deadline = time.time() + 300  # only to catch a hang
     while time.time() < deadline and len(RunDir(d).read_metrics()) < 15 and drv.poll() is None:
         time.sleep(0.05)
-    worker = ledger.live_claim(root, spec.id)
+    worker = ledger.live_claim(d, spec.id)
     assert worker is not None
     os.kill(int(worker["pid"]), signal.SIGKILL)
     drv.wait(timeout=300)

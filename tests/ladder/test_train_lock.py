@@ -17,6 +17,7 @@ import pytest
 from core.rundir import RunDir
 from core.spec import load_spec, save_spec
 from ladder.ledger import _lock_path
+from ladder.worker import train_task
 from tests.support import tiny_spec
 
 pytestmark = pytest.mark.slow
@@ -80,4 +81,23 @@ def test_a_train_with_its_progress_bar_stops_when_another_process_takes_its_clai
             proc.kill()
             proc.wait()
     assert proc.returncode == 2, err[-3000:]
-    assert "another process took this run dir over; stopped" in err.strip().splitlines()[-1]
+    last = err.strip().splitlines()[-1]
+    assert "another process took this run dir over" in last and last.endswith("stopped"), err[-3000:]
+
+
+def test_a_train_and_a_submissions_worker_on_one_run_dir_exclude_each_other(tmp_path):
+    """`ladder train` runs the submission's worker (ladder.worker.run_claimed), whose claim lives
+    in the run dir: while a `ladder train` trains, a submission's task on the same run dir is
+    "busy" and trains nothing."""
+    spec_obj = tiny_spec("shared", steps=3000, checkpoint_every=5)
+    spec = save_spec(spec_obj, tmp_path / "s.yaml")
+    run_dir = tmp_path / "run"
+    first = _train(spec, run_dir, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        _rows_past(run_dir, 3, first)
+        out = train_task(spec_obj.model_dump_json(), str(run_dir), {"root": str(tmp_path / ".ladder"), "owner": "sub-1"})
+        assert out["outcome"] == "busy" and out["holder"]["pid"] == first.pid, out
+        assert first.poll() is None  # the holder trains on
+    finally:
+        first.kill()
+        first.wait()
