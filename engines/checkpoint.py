@@ -40,6 +40,10 @@ and the checkpoints already there are untouched.
 API
 ---
     save_checkpoint(run_dir, step, params, opt_state, state, keep=2) -> Path
+    write_checkpoint(root, step, state, backend, keep) -> Path
+        the one transaction (temporary directory, checksums, sealed state.json, fsync, rename,
+        prune) around a backend's files: ArrayFiles here, the mesh's sharded files in
+        engines/torch/parallel/checkpoint.py
     latest_checkpoint(run_dir) -> Path | None
     list_checkpoints(run_dir) -> list[Path]          (oldest first)
     verify_checkpoint(path) -> dict                  (its state; CheckpointError if damaged)
@@ -241,15 +245,89 @@ def check_space(root: Path, step: int, need: int) -> None:
         raise _space_error(root, step, need + SPACE_MARGIN, free)
 
 
+class CheckpointBackend:
+    """How a checkpoint's files are written into its directory: by one process (ArrayFiles) or by
+    every rank of a mesh, each its own shards (engines/torch/parallel/checkpoint.py's DCP backend).
+    write_checkpoint runs the one transaction around it."""
+
+    lead = True  # this process names, seals, publishes and prunes
+
+    def tmp_name(self, final: Path) -> str:
+        """The directory written into (every process of one checkpoint agrees on it)."""
+        return f".tmp-{final.name}-{os.getpid()}"
+
+    def barrier(self) -> None:
+        """Wait for every process writing this checkpoint (none but this one here)."""
+
+    def write(self, tmp: Path) -> None:
+        raise NotImplementedError
+
+    def digests(self, tmp: Path) -> dict[str, str]:
+        """{file: sha256} of every file written, on the lead (each process may hash a share)."""
+        return {f.name: sha256_file(f) for f in sorted(tmp.iterdir()) if f.is_file()}
+
+    def prune(self, root: Path, keep: int) -> None:
+        raise NotImplementedError
+
+
+class ArrayFiles(CheckpointBackend):
+    """The engine-neutral format: model.safetensors and optim.safetensors from one process."""
+
+    def __init__(self, model: dict[str, np.ndarray], moments: dict[str, np.ndarray]):
+        self.model, self.moments = model, moments
+
+    def write(self, tmp: Path) -> None:
+        save_file(self.model, str(tmp / MODEL_FILE), metadata={"format": str(FORMAT_VERSION)})
+        save_file(self.moments, str(tmp / OPTIM_FILE), metadata={"format": str(FORMAT_VERSION)})
+        for f in (MODEL_FILE, OPTIM_FILE):  # safetensors writes 0600; every other run file has open()'s mode
+            os.chmod(tmp / f, file_mode())
+
+    def prune(self, root: Path, keep: int) -> None:
+        _prune(root, keep)
+
+
+def write_checkpoint(root: Path, step: int, state: dict, backend: CheckpointBackend, keep: int) -> Path:
+    """The one checkpoint transaction, whatever writes the files: into root/.tmp-step_X, the
+    backend's files (every process its part), their sha256 and the sealed state.json, every file
+    and the directory fsynced, renamed to root/step_X, its parent fsynced; only then are
+    checkpoints beyond the newest `keep` removed. A kill at any point leaves the complete new
+    checkpoint or none; a failure removes the partial directory and goes on."""
+    final = root / step_dir_name(step)
+    tmp = root / backend.tmp_name(final)
+    if backend.lead:
+        root.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+    backend.barrier()
+    try:
+        backend.write(tmp)
+        backend.barrier()
+        sums = backend.digests(tmp)
+        if backend.lead:
+            write_state(tmp, {**state, "step": int(step), "sha256": sums})
+            for f in tmp.iterdir():
+                _fsync_file(f)
+            _fsync_dir(tmp)
+            publish_dir(tmp, final)
+    except BaseException:  # any failure, Ctrl-C included: the partial directory goes, the error goes on
+        if backend.lead:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if backend.lead:
+        backend.prune(root, keep)
+    backend.barrier()
+    return final
+
+
 def save_checkpoint(run_dir: str | Path, step: int, params: dict[str, np.ndarray],
                     opt_state: dict[str, np.ndarray], state: dict, keep: int = 2) -> Path:
-    """Write checkpoint `step` atomically and keep the newest `keep` checkpoints.
+    """Write checkpoint `step` atomically (write_checkpoint with the ArrayFiles backend) and keep
+    the newest `keep` checkpoints.
 
     params: {name: array}; opt_state: {"m/<name>": array, "v/<name>": array, "step": int};
     state: JSON-able dict (step is filled in)."""
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
-    final = root / step_dir_name(step)
     model = _f32(params)
     moments = _f32({k: v for k, v in opt_state.items() if k != "step"})
     bad = [k for k in moments if not k.startswith(("m/", "v/"))]
@@ -258,28 +336,12 @@ def save_checkpoint(run_dir: str | Path, step: int, params: dict[str, np.ndarray
     moments["step"] = np.asarray(int(opt_state.get("step", step)), dtype=np.int64)
     need = sum(a.nbytes for a in model.values()) + sum(a.nbytes for a in moments.values())
     check_space(root, step, need)
-    tmp = root / f".tmp-{final.name}-{os.getpid()}"
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
     try:
-        save_file(model, str(tmp / MODEL_FILE), metadata={"format": str(FORMAT_VERSION)})
-        save_file(moments, str(tmp / OPTIM_FILE), metadata={"format": str(FORMAT_VERSION)})
-        for f in (MODEL_FILE, OPTIM_FILE):  # safetensors writes 0600; every other run file has open()'s mode
-            os.chmod(tmp / f, file_mode())
-        sums = {f: sha256_file(tmp / f) for f in (MODEL_FILE, OPTIM_FILE)}
-        write_state(tmp, {**state, "step": int(step), "format": FORMAT_VERSION, "sha256": sums})
-        for f in (MODEL_FILE, OPTIM_FILE, STATE_FILE):
-            _fsync_file(tmp / f)
-        _fsync_dir(tmp)
-        publish_dir(tmp, final)
-    except BaseException as err:  # any failure, Ctrl-C included: the partial directory goes, the error goes on
-        shutil.rmtree(tmp, ignore_errors=True)
+        return write_checkpoint(root, step, {**state, "format": FORMAT_VERSION}, ArrayFiles(model, moments), keep)
+    except BaseException as err:
         if _no_space(err):
             raise _space_error(root, step, need + SPACE_MARGIN, None) from err
         raise
-    _prune(root, keep)
-    return final
 
 
 def _prune(root: Path, keep: int) -> None:

@@ -15,7 +15,8 @@ resharded by torch.distributed.checkpoint itself, so a run resumes from its shar
 on any dp with the same model.ep_size; any other layout, or the other engine, continues from
 the export.
 
-Atomicity. Every rank writes into sharded/.tmp-step_X; after a barrier rank 0 adds state.json,
+Atomicity. The one transaction of engines/checkpoint.write_checkpoint with this module's backend
+(ShardedFiles): every rank writes into sharded/.tmp-step_X; after a barrier rank 0 adds state.json,
 fsyncs, renames the directory to step_X and fsyncs its parent; only then are checkpoints beyond
 the newest `keep` removed. A kill at any point leaves the complete new checkpoint or none.
 
@@ -61,16 +62,13 @@ import torch.distributed.checkpoint.metadata as dcp_md
 from torch.distributed.checkpoint import FileSystemReader
 
 from engines.checkpoint import (
+    CheckpointBackend,
     CheckpointError,
-    _fsync_dir,
-    _fsync_file,
     check_sealed,
     newest_intact,
-    publish_dir,
     save_checkpoint,
     sha256_file,
-    step_dir_name,
-    write_state,
+    write_checkpoint,
 )
 from engines.torch.parallel.fsdp import _local_of, expert_slice, local_tensor, reshard
 from engines.torch.parallel.layout import Layout
@@ -188,35 +186,41 @@ def optimizer_step(opt) -> int:
     return 0
 
 
-def save_sharded(run_dir: str | Path, step: int, model, opt, info: dict, mc: Layout, keep: int = 2) -> Path:
-    """Every rank writes its shards of checkpoint `step`; rank 0 publishes it atomically."""
-    root = Path(run_dir) / SHARDED
-    final = root / step_dir_name(step)
-    tmp = root / f".tmp-{final.name}"
-    if mc.rank == 0:
-        root.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir()
-    dist.barrier()
-    sd = _state_dict(model, opt, mc, fresh_moments=True)
-    sd["optim_step"] = torch.tensor(optimizer_step(opt), dtype=torch.int64)
-    dcp.save(sd, checkpoint_id=str(tmp))
-    dist.barrier()
-    names = sorted(f.name for f in tmp.iterdir() if f.is_file())  # every rank hashes its share
-    parts: list = [None] * mc.world
-    dist.all_gather_object(parts, {n: sha256_file(tmp / n) for n in names[mc.rank::mc.world]})
-    if mc.rank == 0:
-        sums = {n: d for part in parts for n, d in part.items()}
-        write_state(tmp, {**info, "step": int(step), "mesh": {"dp": mc.dp, "ep": mc.ep, "world": mc.world},
-                          "sha256": sums})
-        for f in tmp.iterdir():
-            _fsync_file(f)
-        _fsync_dir(tmp)
-        publish_dir(tmp, final)
-        for d in list_sharded(run_dir)[: -keep]:
+class ShardedFiles(CheckpointBackend):
+    """The mesh's backend of write_checkpoint: torch.distributed.checkpoint's shards, every rank
+    its own; every rank hashes a share of the files; rank 0 seals, publishes and prunes."""
+
+    def __init__(self, model, opt, mc: Layout):
+        self.model, self.opt, self.mc = model, opt, mc
+        self.lead = mc.rank == 0
+
+    def tmp_name(self, final: Path) -> str:
+        return f".tmp-{final.name}"  # one name for every rank
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def write(self, tmp: Path) -> None:
+        sd = _state_dict(self.model, self.opt, self.mc, fresh_moments=True)
+        sd["optim_step"] = torch.tensor(optimizer_step(self.opt), dtype=torch.int64)
+        dcp.save(sd, checkpoint_id=str(tmp))
+
+    def digests(self, tmp: Path) -> dict[str, str]:
+        names = sorted(f.name for f in tmp.iterdir() if f.is_file())
+        parts: list = [None] * self.mc.world
+        dist.all_gather_object(parts, {n: sha256_file(tmp / n) for n in names[self.mc.rank::self.mc.world]})
+        return {n: d for part in parts for n, d in part.items()}
+
+    def prune(self, root: Path, keep: int) -> None:
+        for d in list_sharded(root.parent)[: -keep]:
             shutil.rmtree(d, ignore_errors=True)
-    dist.barrier()
-    return final
+
+
+def save_sharded(run_dir: str | Path, step: int, model, opt, info: dict, mc: Layout, keep: int = 2) -> Path:
+    """Every rank writes its shards of checkpoint `step`; rank 0 publishes it atomically
+    (engines/checkpoint.write_checkpoint, the one transaction every checkpoint goes through)."""
+    mesh = {"dp": mc.dp, "ep": mc.ep, "world": mc.world}
+    return write_checkpoint(Path(run_dir) / SHARDED, step, {**info, "mesh": mesh}, ShardedFiles(model, opt, mc), keep)
 
 
 def load_sharded(path: Path, model, opt, mc: Layout, verify: bool = True) -> dict:
