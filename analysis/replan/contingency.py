@@ -245,9 +245,9 @@ def _uninformative(st: RunState, options: list[Option]) -> list[str]:
     out = []
     for n, o in enumerate(options, 1):
         fc = o.forecast
-        if fc and fc["hi"] - fc["lo"] >= fall:
-            out.append(f"option {n} ({o.kind}): its {fc['level']:.0%} forecast interval ({fc['lo']:.4g} to "
-                       f"{fc['hi']:.4g}) is as wide as the run's whole fall so far ({fall:.4g}): the run's curve "
+        if fc and fc.width >= fall:
+            out.append(f"option {n} ({o.kind}): its {fc.level:.0%} forecast interval ({fc.lo:.4g} to "
+                       f"{fc.hi:.4g}) is as wide as the run's whole fall so far ({fall:.4g}): the run's curve "
                        "does not pin its final loss yet; read its mean as a guess")
     return out
 
@@ -264,8 +264,8 @@ def _monotone_in_tokens(options: list[Option]) -> list[str]:
     blocks = [[o] for o in same]
     i = 0
     while i < len(blocks) - 1:
-        a = np.mean([o.forecast["mean"] for o in blocks[i]])
-        b = np.mean([o.forecast["mean"] for o in blocks[i + 1]])
+        a = np.mean([o.forecast.mean for o in blocks[i]])
+        b = np.mean([o.forecast.mean for o in blocks[i + 1]])
         if b > a:  # the longer forecasts higher: pool them
             blocks[i] += blocks.pop(i + 1)
             i = max(i - 1, 0)
@@ -275,12 +275,10 @@ def _monotone_in_tokens(options: list[Option]) -> list[str]:
     for blk in blocks:
         if len(blk) < 2:
             continue
-        pooled = float(np.mean([o.forecast["mean"] for o in blk]))
-        was = ", ".join(f"{o.kind} {o.spec.total_steps} steps {o.forecast['mean']:.4g}" for o in blk)
+        pooled = float(np.mean([o.forecast.mean for o in blk]))
+        was = ", ".join(f"{o.kind} {o.spec.total_steps} steps {o.forecast.mean:.4g}" for o in blk)
         for o in blk:
-            d = pooled - o.forecast["mean"]
-            o.forecast = {**o.forecast, "mean": pooled, "lo": max(o.forecast["lo"] + d, 0.0), "hi": o.forecast["hi"] + d,
-                          "pooled_from": o.forecast["mean"]}
+            o.forecast = o.forecast.shifted(pooled, pooled_from=o.forecast.mean)
         notes.append(f"forecasts pooled to stay monotone in tokens (the curve model had {was}): more tokens under "
                      "the same schedule shape do not end higher")
     return notes
@@ -357,7 +355,7 @@ def _recommend(st: RunState, options: list[Option], deadline, bad, drops, no_rew
             if k in by:
                 o = options[by[k]]
                 fc = o.forecast
-                loss = f", forecast final loss {fc['mean']:.4f}" if fc else ""
+                loss = f", forecast final loss {fc.mean:.4f}" if fc else ""
                 return by[k], (f"option {by[k] + 1} ({k}): the plan finishes {options[0].finish}, after the deadline; "
                                f"{o.title} ends {o.finish} ({o.spec.total_steps} steps{loss})")
         refused = next((o for o in options if o.kind.startswith("shorten")), None)

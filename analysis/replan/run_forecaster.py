@@ -17,13 +17,14 @@ from analysis.curves import fit as curves
 from analysis.monitor.divergence import divergence_onset
 from analysis.monitor.watch import spec_warmup_steps
 from core.schedule import lr_at
+from analysis.replan.state import OptionForecast
 from core.spec import Spec
 
 __all__ = ["Forecaster", "curve_forecaster", "INTERVAL_LEVEL"]
 
 INTERVAL_LEVEL = 0.9
-# forecaster(state, option_spec, resume_step) -> {"mean", "lo", "hi", "level"} or None
-Forecaster = Callable[[Any, Spec, int], "dict | None"]
+# forecaster(state, option_spec, resume_step) -> OptionForecast or None
+Forecaster = Callable[[Any, Spec, int], "OptionForecast | None"]
 
 
 def curve_forecaster(state) -> Forecaster | None:
@@ -191,25 +192,25 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
         model_sd = math.sqrt(max(boot_sd**2, reach_err**2) + chosen.shift_sd**2)
         noise_sd = point_noise / math.sqrt(len(last))
         half = zq * math.sqrt(model_sd**2 + noise_sd**2)
-        out = {"mean": mean, "lo": max(mean - half, 0.0), "hi": mean + half, "level": INTERVAL_LEVEL,
-               "model": chosen.name, "model_sd": model_sd, "noise_sd": noise_sd,
-               "holdout_err": holdout, "fitted_points": int(len(s_obs)),
-               "what": f"mean training loss over the last {len(last)} steps"}
+        record = {"holdout_err": holdout, "fitted_points": int(len(s_obs)),
+                  "what": f"mean training loss over the last {len(last)} steps"}
+        out = OptionForecast(mean, max(mean - half, 0.0), mean + half, INTERVAL_LEVEL, chosen.name,
+                             {"model_sd": model_sd, "noise_sd": noise_sd, **record})
         if not (math.isfinite(mean) and math.isfinite(half)) or mean <= 0:
             out = None
         anchored = _anchored(last, lr_T, noise_sd)
         if anchored is not None:
-            anchored = {**anchored, "holdout_err": holdout, "fitted_points": int(len(s_obs)),
-                        "what": f"mean training loss over the last {len(last)} steps"}
+            anchored = OptionForecast(anchored.mean, anchored.lo, anchored.hi, anchored.level, anchored.model,
+                                      {**anchored.detail, **record})
         return out, anchored
 
-    def forecast(st, option: Spec, resume_step: int) -> dict | None:
+    def forecast(st, option: Spec, resume_step: int) -> OptionForecast | None:
         # one method for every option of a replan (chosen on the plan itself, the narrower interval):
         # options forecast by different methods are not comparable with each other
         if "anchored" not in method:
             own_p, anch_p = _both(spec, min(state.step + 1, spec.total_steps))
             method["anchored"] = anch_p is not None and (
-                own_p is None or anch_p["hi"] - anch_p["lo"] < own_p["hi"] - own_p["lo"])
+                own_p is None or anch_p.width < own_p.width)
         own, anchored = _both(option, resume_step)
         first, second = (anchored, own) if method["anchored"] else (own, anchored)
         return first if first is not None else second
@@ -222,7 +223,7 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
     # law gets far better than the level far out), taken as known within +-ANCHOR_CORRECTION_SD.
     traj = fc if fc is not None and fc.is_for(spec.id) else None
 
-    def _anchored(last: np.ndarray, lr_T: np.ndarray, noise_sd: float) -> dict | None:
+    def _anchored(last: np.ndarray, lr_T: np.ndarray, noise_sd: float) -> OptionForecast | None:
         if traj is None or last[0] < traj.traj_step[0] or last[-1] > traj.traj_step[-1] or last[-1] >= len(lr_run):
             return None
         x = last.astype(np.float64)
@@ -236,8 +237,7 @@ def _make_curve_forecaster(curves, state) -> Forecaster | None:
         half = math.sqrt(a_half**2 + (zq * ANCHOR_CORRECTION_SD * corr) ** 2 + (zq * noise_sd) ** 2)
         if not (math.isfinite(mean) and math.isfinite(half)) or mean <= 0:
             return None
-        return {"mean": mean, "lo": max(mean - half, 0.0), "hi": mean + half, "level": INTERVAL_LEVEL,
-                "model": f"forecast+{chosen.name}", "anchor": a_mean, "schedule_correction": corr,
-                "noise_sd": noise_sd}
+        return OptionForecast(mean, max(mean - half, 0.0), mean + half, INTERVAL_LEVEL, f"forecast+{chosen.name}",
+                              {"anchor": a_mean, "schedule_correction": corr, "noise_sd": noise_sd})
 
     return forecast

@@ -115,6 +115,29 @@ class RunState:
 # ---- options -----------------------------------------------------------------------------------
 
 
+@dataclass(frozen=True)
+class OptionForecast:
+    """An option's forecast final loss: its mean and interval at `level`, the model that made it,
+    and that model's own record (its error terms, the anchor, a pooling)."""
+
+    mean: float
+    lo: float
+    hi: float
+    level: float
+    model: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def width(self) -> float:
+        return self.hi - self.lo
+
+    def shifted(self, mean: float, **detail: Any) -> OptionForecast:
+        """The same interval moved to `mean` (lo kept at 0 or above), with `detail` added."""
+        d = mean - self.mean
+        return OptionForecast(mean, max(self.lo + d, 0.0), self.hi + d, self.level, self.model,
+                              {**self.detail, **detail})
+
+
 @dataclass
 class Option:
     kind: str
@@ -127,7 +150,7 @@ class Option:
     finish: str | None = None
     finish_ts: float | None = None
     device_hours: float | None = None
-    forecast: dict | None = None
+    forecast: OptionForecast | None = None
     meets_deadline: bool | None = None
     memory_gb: float | None = None
     path: str | None = None
@@ -135,7 +158,7 @@ class Option:
     resume_checkpoint: Path | None = None  # the checkpoint directory it resumes from, where known
 
     def row(self, n: int) -> dict[str, Any]:
-        fc = self.forecast or {}
+        fc = self.forecast
         return {
             "n": n, "kind": self.kind, "title": self.title, "allowed": self.allowed,
             "spec_id": self.spec.id if self.spec else None, "spec_path": self.path,
@@ -145,8 +168,8 @@ class Option:
             "total_steps": self.spec.total_steps if self.spec else None,
             "tokens": self.spec.data.total_tokens if self.spec else None,
             "finish": self.finish, "meets_deadline": self.meets_deadline, "device_hours": self.device_hours,
-            "forecast_loss": fc.get("mean"), "forecast_lo": fc.get("lo"), "forecast_hi": fc.get("hi"),
-            "forecast_level": fc.get("level"), "memory_gb": self.memory_gb, "reason": self.reason, "note": self.note,
+            "forecast_loss": fc.mean if fc else None, "forecast_lo": fc.lo if fc else None,
+            "forecast_hi": fc.hi if fc else None, "forecast_level": fc.level if fc else None, "memory_gb": self.memory_gb, "reason": self.reason, "note": self.note,
         }
 
 

@@ -16,6 +16,7 @@ import pytest
 from analysis.runs.metrics import ancestor_checkpoints, read_metrics_frame
 from analysis.monitor.watch import monitor
 from analysis.replan.contingency import RunState, make_replan, shorten_spec
+from analysis.replan.state import OptionForecast
 from analysis.replan.specs import derive
 from engines.base import read_metrics
 from engines.checkpoint import init_from_checkpoint, save_checkpoint, step_dir_name
@@ -360,8 +361,8 @@ def test_a_forecast_files_ladder_curve_model_is_matched_to_the_run_and_used_when
     new = shorten_spec(spec, 200, 600, True, "shorten", "test")
     fc = curve_forecaster(state)(state, new, 200)
     truth = float(np.mean(rung.predict(np.arange(595, 600), lr_at(new, np.arange(600))))) + 0.05
-    assert fc["model"] == "ladder" and set(fc["holdout_err"]) == {"ladder", "mpl", "lra"}
-    assert fc["lo"] <= truth <= fc["hi"] and fc["hi"] - fc["lo"] < 0.15
+    assert fc.model == "ladder" and set(fc.detail["holdout_err"]) == {"ladder", "mpl", "lra"}
+    assert fc.lo <= truth <= fc.hi and fc.width < 0.15
 
 
 def test_early_in_a_run_the_forecast_of_its_own_plan_anchors_the_level(tmp_path):
@@ -384,11 +385,11 @@ def test_early_in_a_run_the_forecast_of_its_own_plan_anchors_the_level(tmp_path)
     state = RunState.build(df, spec, None, tokens_per_s=512.0, now=0.0, forecast=load_forecast(tmp_path / "forecast.json"))
     forecast = curve_forecaster(state)
     keep = forecast(state, spec, 200)
-    assert keep["model"].startswith("forecast+") and keep["schedule_correction"] == 0.0
-    assert keep["mean"] == pytest.approx(plan_curve[-5:].mean()) and keep["hi"] - keep["lo"] < 0.1
+    assert keep.model.startswith("forecast+") and keep.detail["schedule_correction"] == 0.0
+    assert keep.mean == pytest.approx(plan_curve[-5:].mean()) and keep.width < 0.1
     short = forecast(state, shorten_spec(spec, 200, 600, True, "shorten", "test"), 200)
-    assert short["model"].startswith("forecast+") and short["schedule_correction"] < 0
-    assert short["anchor"] == pytest.approx(plan_curve[595:600].mean())
+    assert short.model.startswith("forecast+") and short.detail["schedule_correction"] < 0
+    assert short.detail["anchor"] == pytest.approx(plan_curve[595:600].mean())
 
 
 def test_a_finished_run_gets_no_options_and_says_so():
@@ -406,12 +407,12 @@ def test_options_of_one_schedule_shape_forecast_no_higher_loss_for_more_tokens()
 
     def forecaster(state, option, resume_step):
         mean = 2.0 if option.total_steps < spec.total_steps else 3.0
-        return {"mean": mean, "lo": mean - 0.1, "hi": mean + 0.1, "level": 0.9}
+        return OptionForecast(mean, mean - 0.1, mean + 0.1, 0.9, "planted")
 
     plan = make_replan(st, st.now + 300.0, forecaster=forecaster)
     by = {o.kind: o for o in plan.options}
     assert by["shorten"].spec.data.total_tokens < by["keep"].spec.data.total_tokens
-    assert by["keep"].forecast["mean"] <= by["shorten"].forecast["mean"]
+    assert by["keep"].forecast.mean <= by["shorten"].forecast.mean
     assert any("monotone in tokens" in n for n in plan.notes)
 
 
