@@ -23,6 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
+from analysis.forecast.file import ForecastHero  # noqa: E402
 from core.fsutil import atomic_write_text  # noqa: E402
 
 COLORS = plt.get_cmap("viridis")
@@ -54,13 +55,13 @@ def plot_law(out: Path, plan: list[dict], finals: dict[str, float], forecast: di
             ax.plot(curve["flops"], curve["loss"], color="C0", alpha=0.6, label=label)
             if "lo" in curve:
                 ax.fill_between(curve["flops"], curve["lo"], curve["hi"], color="C0", alpha=0.12)
-        h = forecast.get("hero", {})
-        fl = h.get("final_loss")
-        if fl and h.get("flops"):
-            ax.errorbar([h["flops"]], [fl["mean"]], yerr=[[fl["mean"] - fl["lo"]], [fl["hi"] - fl["mean"]]], fmt="D",
+        h = _hero(forecast)
+        fl = h.final_loss if h else None
+        if fl and h.flops:
+            ax.errorbar([h.flops], [fl["mean"]], yerr=[[fl["mean"] - fl["lo"]], [fl["hi"] - fl["mean"]]], fmt="D",
                         color="C3", capsize=5, label=f"hero forecast ({int(100 * fl.get('level', 0.9))}% interval)")
             if hero_actual is not None:
-                ax.scatter([h["flops"]], [hero_actual], marker="*", s=160, color="k", zorder=4, label="hero actual")
+                ax.scatter([h.flops], [hero_actual], marker="*", s=160, color="k", zorder=4, label="hero actual")
     ax.set_xscale("log")
     ax.set_xlabel("training FLOPs")
     ax.set_ylabel("final eval loss (nats/token)")
@@ -118,9 +119,10 @@ def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: dict | None, flags
             late = np.asarray(tr["lo"])[len(tr["lo"]) // 10:]
             ax.set_ylim(min(float(np.nanmin(late)), float(np.nanpercentile(hero["loss"], 1))) - 0.05,
                         float(np.nanmax(np.asarray(tr["hi"])[len(tr["hi"]) // 20:])) + 0.15)
-    fl = (forecast or {}).get("hero", {}).get("final_loss")
-    if fl and forecast.get("hero", {}).get("total_steps"):
-        x = forecast["hero"]["total_steps"]
+    h = _hero(forecast)
+    fl = h.final_loss if h else None
+    if fl and h.total_steps:
+        x = h.total_steps
         ax.errorbar([x], [fl["mean"]], yerr=[[fl["mean"] - fl["lo"]], [fl["hi"] - fl["mean"]]], fmt="D", color="C3",
                     capsize=5, label="final eval loss forecast")
     # monitor flags as legend entries: several early flags drawn as rotated labels overlap
@@ -147,8 +149,9 @@ def plot_grad_norm(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, st
         ax.plot(frac, df["grad_norm"].rolling(5, min_periods=1).mean(), lw=1.4 if is_hero else 0.8,
                 color="k" if is_hero else _rung_color(i, len(names)), label=name)
     gn = (forecast or {}).get("grad_norm")
-    if gn and forecast.get("hero", {}).get("total_steps"):
-        total = forecast["hero"]["total_steps"]
+    h = _hero(forecast)
+    if gn and h and h.total_steps:
+        total = h.total_steps
         x = np.asarray(gn["step"]) / total
         ax.fill_between(x, gn["lo"], gn["hi"], color="C3", alpha=0.15, label="hero envelope")
         ax.plot(x, gn["mean"], color="C3", lw=1)
@@ -279,8 +282,14 @@ def build_report(
     atomic_write_text(out / "summary.json", json.dumps({"experiment": experiment, "verdict": verdict[0], "inside": verdict[1],
                                                          "hero_actual": hero_actual,
                                                          "hero_replicates": seeds if hero_actual is not None else {},
-                                                         "forecast": (forecast or {}).get("hero", {}).get("final_loss")}, indent=2))
+                                                         "forecast": hero.final_loss if (hero := _hero(forecast)) else None},
+                                                        indent=2))
     return out / "index.html"
+
+
+def _hero(forecast: dict | None) -> ForecastHero | None:
+    """forecast.json's hero section, read by its one reader (analysis.forecast.file.ForecastHero)."""
+    return ForecastHero.from_dict(forecast["hero"]) if forecast and forecast.get("hero") else None
 
 
 def _law_table(forecast: dict | None) -> str:
@@ -305,9 +314,10 @@ def verdict_text(forecast: dict | None, actual: float | None, live_df=None,
     finished replicates at other seeds, with the mean of them all); for a hero still running
     (live_df: its metrics so far, actual None), its step and its recent train loss against the
     forecast trajectory at that step. Errors are (actual - forecast) / actual."""
-    if not forecast or "hero" not in forecast:
+    hero = _hero(forecast)
+    if hero is None or hero.final_loss is None:
         return "No forecast yet: run `ladder forecast` on the finished rungs.", False
-    fl = forecast["hero"]["final_loss"]
+    fl = hero.final_loss
     level = int(round(100 * fl.get("level", 0.9)))
     if actual is None:
         final = f"final loss forecast {fl['mean']:.4f} ({level}% interval {fl['lo']:.4f} to {fl['hi']:.4f})"
@@ -337,7 +347,7 @@ def live_verdict(forecast: dict, df) -> tuple[str, bool] | None:
     when there is no step or no forecast trajectory to compare with."""
     if df is None or not len(df) or "step" not in df or "loss" not in df:
         return None
-    total = forecast["hero"].get("total_steps")
+    total = hero.total_steps if (hero := _hero(forecast)) else None
     d = df[["step", "loss"]].apply(pd.to_numeric, errors="coerce").dropna().sort_values("step")
     d = d[np.isfinite(d["loss"])]
     if not len(d):

@@ -12,6 +12,7 @@ from rich.console import Console
 
 from ladder.errors import LadderError
 from ladder.ledger import inside, is_finished, ladder_root, run_dir_for
+from analysis.forecast.file import ForecastError, ForecastHero
 from analysis.runs.names import load_metric_names
 from analysis.runs.metrics import read_metrics_frame
 from core.spec import load_spec
@@ -46,8 +47,13 @@ def load_analysis_json(path: Path) -> dict | None:
 
 
 def check_forecast(fc: dict, path: Path) -> None:
-    """A forecast.json the report can read: hero.final_loss with numeric mean, lo and hi."""
-    fl = fc.get("hero", {}).get("final_loss") if isinstance(fc.get("hero"), dict) else None
+    """A forecast.json the report can read: a hero section of the right types
+    (analysis.forecast.file.ForecastHero) with a final_loss of numeric mean, lo and hi."""
+    try:
+        hero = ForecastHero.from_dict(fc["hero"], path) if fc.get("hero") is not None else None
+    except ForecastError as err:
+        raise LadderError(f"{err}; rerun `ladder forecast`") from None
+    fl = hero.final_loss if hero else None
     if not isinstance(fl, dict) or not all(isinstance(fl.get(k), (int, float)) and not isinstance(fl.get(k), bool)
                                            for k in ("mean", "lo", "hi")):
         raise LadderError(f"{path}: not a forecast (no hero.final_loss with mean, lo and hi); rerun `ladder forecast`")
