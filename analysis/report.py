@@ -23,7 +23,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pandas as pd  # noqa: E402
 
-from analysis.forecast.file import ForecastHero  # noqa: E402
+from analysis.forecast.file import HeroForecast  # noqa: E402
 from core.fsutil import atomic_write_text  # noqa: E402
 
 COLORS = plt.get_cmap("viridis")
@@ -40,7 +40,7 @@ def _rung_color(i: int, n: int):
     return COLORS(0.1 + 0.75 * i / max(n - 1, 1))
 
 
-def plot_law(out: Path, plan: list[dict], finals: dict[str, float], forecast: dict | None, hero_actual: float | None):
+def plot_law(out: Path, plan: list[dict], finals: dict[str, float], forecast: HeroForecast | None, hero_actual: float | None):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     rungs = [r for r in plan if r["role"] == "rung" and r["name"] in finals]
     if rungs:
@@ -48,15 +48,15 @@ def plot_law(out: Path, plan: list[dict], finals: dict[str, float], forecast: di
         for r in rungs:
             ax.annotate(r["name"], (r["flops"], finals[r["name"]]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if forecast:
-        law = forecast.get("law", {})
+        law = forecast.law
         curve = law.get("curve")
         if curve:
             label = law.get("label", "fitted law") + (" at the hero's size" if law.get("kind") == "size_tokens" else "")
             ax.plot(curve["flops"], curve["loss"], color="C0", alpha=0.6, label=label)
             if "lo" in curve:
                 ax.fill_between(curve["flops"], curve["lo"], curve["hi"], color="C0", alpha=0.12)
-        h = _hero(forecast)
-        fl = h.final_loss if h else None
+        h = forecast.hero
+        fl = h.final_loss
         if fl and h.flops:
             ax.errorbar([h.flops], [fl["mean"]], yerr=[[fl["mean"] - fl["lo"]], [fl["hi"] - fl["mean"]]], fmt="D",
                         color="C3", capsize=5, label=f"hero forecast ({int(100 * fl.get('level', 0.9))}% interval)")
@@ -71,10 +71,10 @@ def plot_law(out: Path, plan: list[dict], finals: dict[str, float], forecast: di
     return _save(fig, out, "law.png")
 
 
-def plot_rungs(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, str], forecast: dict | None):
+def plot_rungs(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, str], forecast: HeroForecast | None):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = [n for n in runs if roles.get(n) == "rung"]
-    fits = (forecast or {}).get("rung_fits", {})
+    fits = (forecast.rung_fits if forecast else None) or {}
     for i, name in enumerate(names):
         df = runs[name]
         c = _rung_color(i, len(names))
@@ -96,9 +96,9 @@ def plot_rungs(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, str], 
     return _save(fig, out, "rungs.png")
 
 
-def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: dict | None, flags: list[dict]):
+def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: HeroForecast | None, flags: list[dict]):
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    tr = (forecast or {}).get("trajectory")
+    tr = forecast.trajectory if forecast else None
     if tr:
         ax.fill_between(tr["step"], tr["lo"], tr["hi"], color="C3", alpha=0.18, label="forecast band")
         ax.plot(tr["step"], tr["loss"], color="C3", lw=1.2, label="forecast")
@@ -119,7 +119,7 @@ def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: dict | None, flags
             late = np.asarray(tr["lo"])[len(tr["lo"]) // 10:]
             ax.set_ylim(min(float(np.nanmin(late)), float(np.nanpercentile(hero["loss"], 1))) - 0.05,
                         float(np.nanmax(np.asarray(tr["hi"])[len(tr["hi"]) // 20:])) + 0.15)
-    h = _hero(forecast)
+    h = forecast.hero if forecast else None
     fl = h.final_loss if h else None
     if fl and h.total_steps:
         x = h.total_steps
@@ -137,7 +137,7 @@ def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: dict | None, flags
     return _save(fig, out, "hero.png")
 
 
-def plot_grad_norm(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, str], forecast: dict | None):
+def plot_grad_norm(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, str], forecast: HeroForecast | None):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = list(runs)
     for i, name in enumerate(names):
@@ -148,9 +148,9 @@ def plot_grad_norm(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, st
         is_hero = roles.get(name) == "hero"
         ax.plot(frac, df["grad_norm"].rolling(5, min_periods=1).mean(), lw=1.4 if is_hero else 0.8,
                 color="k" if is_hero else _rung_color(i, len(names)), label=name)
-    gn = (forecast or {}).get("grad_norm")
-    h = _hero(forecast)
-    if gn and h and h.total_steps:
+    gn = forecast.grad_norm if forecast else None
+    h = forecast.hero if forecast else None
+    if gn and h.total_steps:
         total = h.total_steps
         x = np.asarray(gn["step"]) / total
         ax.fill_between(x, gn["lo"], gn["hi"], color="C3", alpha=0.15, label="hero envelope")
@@ -223,7 +223,7 @@ def build_report(
     experiment: str,
     plan: list[dict],
     runs: dict[str, pd.DataFrame],
-    forecast: dict | None,
+    forecast: HeroForecast | None,
     flags: list[dict],
     replan: list[dict],
     recommendation: str | None = None,
@@ -282,22 +282,17 @@ def build_report(
     atomic_write_text(out / "summary.json", json.dumps({"experiment": experiment, "verdict": verdict[0], "inside": verdict[1],
                                                          "hero_actual": hero_actual,
                                                          "hero_replicates": seeds if hero_actual is not None else {},
-                                                         "forecast": hero.final_loss if (hero := _hero(forecast)) else None},
+                                                         "forecast": forecast.final_loss if forecast else None},
                                                         indent=2))
     return out / "index.html"
 
 
-def _hero(forecast: dict | None) -> ForecastHero | None:
-    """forecast.json's hero section, read by its one reader (analysis.forecast.file.ForecastHero)."""
-    return ForecastHero.from_dict(forecast["hero"]) if forecast and forecast.get("hero") else None
-
-
-def _law_table(forecast: dict | None) -> str:
+def _law_table(forecast: HeroForecast | None) -> str:
     if not forecast:
         return ""
-    law = {k: v for k, v in forecast.get("law", {}).items() if isinstance(v, (int, float, str))}
+    law = {k: v for k, v in forecast.law.items() if isinstance(v, (int, float, str))}
     out = _table([law]) if law else ""
-    bt = forecast.get("backtest")
+    bt = forecast.backtest
     if bt:
         out += (f"<p>Backtest: refitted without {html.escape(str(bt['held_out']))}, the law predicts it at "
                 f"{bt['predicted']:.4f} against an actual {bt['actual']:.4f} ({100 * bt['rel_error']:+.2f}%); the hero's "
@@ -308,16 +303,15 @@ def _law_table(forecast: dict | None) -> str:
 LIVE_WINDOW = 25  # steps whose mean train loss stands for a live hero's loss (the plot's smoothing)
 
 
-def verdict_text(forecast: dict | None, actual: float | None, live_df=None,
+def verdict_text(forecast: HeroForecast | None, actual: float | None, live_df=None,
                  replicates: dict[str, float] | None = None) -> tuple[str, bool]:
     """The plain statement of the hero's final eval loss against the forecast interval (and of its
     finished replicates at other seeds, with the mean of them all); for a hero still running
     (live_df: its metrics so far, actual None), its step and its recent train loss against the
     forecast trajectory at that step. Errors are (actual - forecast) / actual."""
-    hero = _hero(forecast)
-    if hero is None or hero.final_loss is None:
+    if forecast is None:
         return "No forecast yet: run `ladder forecast` on the finished rungs.", False
-    fl = hero.final_loss
+    fl = forecast.final_loss
     level = int(round(100 * fl.get("level", 0.9)))
     if actual is None:
         final = f"final loss forecast {fl['mean']:.4f} ({level}% interval {fl['lo']:.4f} to {fl['hi']:.4f})"
@@ -342,19 +336,19 @@ def verdict_text(forecast: dict | None, actual: float | None, live_df=None,
     return text, inside
 
 
-def live_verdict(forecast: dict, df) -> tuple[str, bool] | None:
+def live_verdict(forecast: HeroForecast, df) -> tuple[str, bool] | None:
     """"Hero at step s of S: train loss x vs forecast y (band) ..." for an unfinished hero, or None
     when there is no step or no forecast trajectory to compare with."""
     if df is None or not len(df) or "step" not in df or "loss" not in df:
         return None
-    total = hero.total_steps if (hero := _hero(forecast)) else None
+    total = forecast.hero.total_steps
     d = df[["step", "loss"]].apply(pd.to_numeric, errors="coerce").dropna().sort_values("step")
     d = d[np.isfinite(d["loss"])]
     if not len(d):
         return None
     step = int(d["step"].iloc[-1])
     head = f"Hero at step {step + 1} of {total}: not finished" if total else f"Hero at step {step + 1}: not finished"
-    tr = forecast.get("trajectory") or {}
+    tr = forecast.trajectory or {}
     steps, lo, mid, hi = (np.asarray(tr.get(k) or [], dtype=float) for k in ("step", "lo", "loss", "hi"))
     loss = float(d["loss"].iloc[-LIVE_WINDOW:].mean())
     if not len(steps) or step < steps[0] or step > steps[-1]:

@@ -165,7 +165,7 @@ def _cases(w: Path) -> list[tuple[str, list, str]]:
         ("forecast --root at a file", ["forecast", "exp.py", "--root", w / "afile", "--no-tracking"], "is a file"),
         ("report --out at a file", ["report", "exp.py", "--out", w / "afile", "--no-tracking"], "afile"),
         ("report a forecast that is a list", ["report", "exp.py", "--out", w / "never_written", "--no-tracking",
-                                              "--root", w / "root_list"], "expected a JSON object"),
+                                              "--root", w / "root_list"], "not a forecast (a JSON object is expected)"),
         ("compare a forecast that is a list", ["compare", hero_dir, "--forecast", w / "fc_list.json"], "not a forecast"),
         ("calibrate --root at a file", ["calibrate", "exp.py", "--root", w / "afile"], "is a file"),
         ("calibrate against a forecast that is a list", ["calibrate", "exp.py", "--forecast", w / "fc_list.json"],

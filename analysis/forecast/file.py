@@ -3,6 +3,7 @@
     fc = load_forecast("forecast.json")   # Forecast: the loss trajectory with its band, the grad-norm
                                           # envelope when there is one, the hero and the curve model
     fc.hero.spec_id, fc.hero.tokens_per_step   # ForecastHero: the run the forecast is for
+    doc = read_hero_forecast("forecast.json")  # HeroForecast: the whole document, as the forecast wrote it
 
 Every problem raises ForecastError (an InputError: one line, exit 2) naming the file and the field.
 """
@@ -11,16 +12,17 @@ from __future__ import annotations
 
 import gzip
 import json
-from dataclasses import asdict, dataclass, fields
+import math
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from core.errors import InputError
-from core.safeload import MAX_BYTES
+from core.safeload import MAX_BYTES, parse_json
 
-__all__ = ["Forecast", "ForecastError", "ForecastHero", "load_forecast"]
+__all__ = ["Forecast", "ForecastError", "ForecastHero", "HeroForecast", "load_forecast", "read_hero_forecast"]
 
 
 class ForecastError(InputError):
@@ -62,6 +64,81 @@ class ForecastHero:
                                     f"{' or '.join(k.__name__ for k in kinds[f.name])}")
             got[f.name] = v
         return cls(**got)
+
+
+@dataclass
+class HeroForecast:
+    """A hero's forecast from its ladder (analysis.forecast.hero.forecast): to_dict() is
+    forecast.json, from_dict() reads it back."""
+
+    experiment: str
+    created: str
+    sources: dict[str, Any]
+    law: dict[str, Any]
+    hero: ForecastHero
+    backtest: dict[str, Any] | None
+    trajectory: dict[str, Any]
+    grad_norm: dict[str, Any]
+    curve_model: dict[str, Any] | None = None
+    rung_fits: dict[str, Any] | None = None
+    curve_model_error: str | None = None
+    coverage: dict[str, Any] = field(default_factory=dict)
+    regime: dict[str, Any] = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def final_loss(self) -> dict[str, float]:
+        return self.hero.final_loss
+
+    def to_dict(self) -> dict[str, Any]:
+        d = {"experiment": self.experiment, "created": self.created, "sources": self.sources, "law": self.law,
+             "hero": self.hero.to_dict(), "backtest": self.backtest, "trajectory": self.trajectory,
+             "grad_norm": self.grad_norm, "coverage": self.coverage, "regime": self.regime,
+             "warnings": list(self.warnings)}
+        for k in ("curve_model", "rung_fits", "curve_model_error"):
+            if getattr(self, k) is not None:
+                d[k] = getattr(self, k)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Any, path: str | Path = "forecast") -> HeroForecast:
+        """forecast.json read back: ForecastError naming the section when one is of the wrong
+        type, or when the hero has no final loss with finite mean, lo and hi. Sections a forecast
+        written before them lacks read as empty."""
+        if not isinstance(d, dict):
+            raise ForecastError(f"{path}: not a forecast (a JSON object is expected)")
+        hero = ForecastHero.from_dict(d["hero"], path) if d.get("hero") is not None else None
+        fl = hero.final_loss if hero else None
+        if not isinstance(fl, dict) or not all(isinstance(fl.get(k), (int, float)) and not isinstance(fl.get(k), bool)
+                                               for k in ("mean", "lo", "hi")):
+            raise ForecastError(f"{path}: not a forecast (no hero.final_loss with mean, lo and hi)")
+        if not all(math.isfinite(fl[k]) for k in ("mean", "lo", "hi")):
+            raise ForecastError(f"{path}: its hero final loss is not a number ({fl['mean']}, interval {fl['lo']} "
+                                f"to {fl['hi']})")
+        kinds = {"experiment": str, "created": str, "sources": dict, "law": dict, "backtest": dict, "trajectory": dict,
+                 "grad_norm": dict, "curve_model": dict, "rung_fits": dict, "curve_model_error": str,
+                 "coverage": dict, "regime": dict, "warnings": list}
+        for k, kind in kinds.items():
+            if d.get(k) is not None and not isinstance(d[k], kind):
+                raise ForecastError(f"{path}: forecast {k} is {type(d[k]).__name__}, not {kind.__name__}")
+        empty = {"experiment": "", "created": "", "sources": {}, "law": {}, "trajectory": {}, "grad_norm": {},
+                 "coverage": {}, "regime": {}, "warnings": []}
+        got = {k: d[k] if d.get(k) is not None else empty.get(k) for k in kinds}
+        return cls(hero=hero, **got)
+
+
+
+def read_hero_forecast(path: str | Path) -> HeroForecast:
+    """forecast.json (gzipped or not) as the HeroForecast that wrote it; ForecastError naming the
+    file and the problem otherwise."""
+    path = Path(path)
+    if not path.exists():
+        raise ForecastError(f"{path}: no such forecast file")
+    try:
+        raw = parse_json(read_maybe_gzip(path), str(path))  # nesting within core.safeload's limit
+    except (UnicodeDecodeError, json.JSONDecodeError, gzip.BadGzipFile, EOFError) as e:
+        raise ForecastError(f"{path}: not valid JSON ({e})") from None
+    return HeroForecast.from_dict(raw, path)
 
 
 @dataclass
@@ -113,7 +190,7 @@ def load_forecast(path: str | Path) -> Forecast:
     if not path.exists():
         raise ForecastError(f"{path}: no such forecast file")
     try:
-        raw = json.loads(read_maybe_gzip(path))
+        raw = parse_json(read_maybe_gzip(path), str(path))
     except (UnicodeDecodeError, json.JSONDecodeError, gzip.BadGzipFile, EOFError) as e:
         raise ForecastError(f"{path}: not valid JSON ({e})") from None
     if not isinstance(raw, dict) or "trajectory" not in raw:

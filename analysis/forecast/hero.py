@@ -45,15 +45,14 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import numpy as np
 import pandas as pd
 
 from analysis import fitwarn
 from analysis.forecast import gradnorm, grid
-from analysis.forecast.file import ForecastError, ForecastHero
+from analysis.forecast.file import ForecastError, ForecastHero, HeroForecast  # noqa: F401 (the forecast's names)
 from analysis.forecast.verdicts import regime_verdict, routes
 from analysis.laws import backtest as law_backtest
 from analysis.laws.fitted import FitError
@@ -360,40 +359,6 @@ def memorisation_warnings(rungs: list[RungRun]) -> list[str]:
         except ValueError:
             continue
     return out
-
-
-@dataclass
-class HeroForecast:
-    """A hero's forecast from its ladder; to_dict() is forecast.json."""
-
-    experiment: str
-    created: str
-    sources: dict[str, Any]
-    law: dict[str, Any]
-    hero: ForecastHero
-    backtest: dict[str, Any] | None
-    trajectory: dict[str, Any]
-    grad_norm: dict[str, Any]
-    curve_model: dict[str, Any] | None = None
-    rung_fits: dict[str, Any] | None = None
-    curve_model_error: str | None = None
-    coverage: dict[str, Any] = field(default_factory=dict)
-    regime: dict[str, Any] = field(default_factory=dict)
-    warnings: list[str] = field(default_factory=list)
-
-    @property
-    def final_loss(self) -> dict[str, float]:
-        return self.hero.final_loss
-
-    def to_dict(self) -> dict[str, Any]:
-        d = {"experiment": self.experiment, "created": self.created, "sources": self.sources, "law": self.law,
-             "hero": self.hero.to_dict(), "backtest": self.backtest, "trajectory": self.trajectory,
-             "grad_norm": self.grad_norm, "coverage": self.coverage, "regime": self.regime,
-             "warnings": list(self.warnings)}
-        for k in ("curve_model", "rung_fits", "curve_model_error"):
-            if getattr(self, k) is not None:
-                d[k] = getattr(self, k)
-        return d
 
 
 def _envelope_route(rungs: list[RungRun], hero: Spec) -> tuple[dict, dict, dict | None, dict, list[str]]:

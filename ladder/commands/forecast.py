@@ -12,7 +12,7 @@ from rich.console import Console
 
 from ladder.errors import LadderError
 from ladder.ledger import inside, is_finished, ladder_root, run_dir_for
-from analysis.forecast.file import ForecastError, ForecastHero
+from analysis.forecast.file import ForecastError, read_hero_forecast
 from analysis.runs.names import load_metric_names
 from analysis.runs.metrics import read_metrics_frame
 from core.spec import load_spec
@@ -46,20 +46,17 @@ def load_analysis_json(path: Path) -> dict | None:
     return data
 
 
-def check_forecast(fc: dict, path: Path) -> None:
-    """A forecast.json the report can read: a hero section of the right types
-    (analysis.forecast.file.ForecastHero) with a final_loss of numeric mean, lo and hi."""
+def read_forecast(path: Path):
+    """The forecast.json the report reads (analysis.forecast.file.read_hero_forecast), None when
+    absent; a damaged one is a LadderError naming it."""
+    if not path.exists():
+        return None
     try:
-        hero = ForecastHero.from_dict(fc["hero"], path) if fc.get("hero") is not None else None
+        return read_hero_forecast(path)
+    except InputLimitError as err:
+        raise LadderError(str(err)) from None
     except ForecastError as err:
         raise LadderError(f"{err}; rerun `ladder forecast`") from None
-    fl = hero.final_loss if hero else None
-    if not isinstance(fl, dict) or not all(isinstance(fl.get(k), (int, float)) and not isinstance(fl.get(k), bool)
-                                           for k in ("mean", "lo", "hi")):
-        raise LadderError(f"{path}: not a forecast (no hero.final_loss with mean, lo and hi); rerun `ladder forecast`")
-    if not all(math.isfinite(fl[k]) for k in ("mean", "lo", "hi")):
-        raise LadderError(f"{path}: its hero final loss is not a number ({fl['mean']}, interval {fl['lo']} to "
-                          f"{fl['hi']}); rerun `ladder forecast`")
 
 
 def check_losses_fall(rungs) -> None:
@@ -215,13 +212,14 @@ def forecast_cmd(
         if len(rungs) < 3:
             raise LadderError(f"{from_csv}: forecast needs at least 3 rungs, the file lists {len(rungs)}")
         name = from_csv.stem
-        fc = forecast(name, rungs, hero).to_dict()
+        hf = forecast(name, rungs, hero)
+        fc = hf.to_dict()
         _refuse_if_strict(fc, strict)
         out = out_dir or from_csv.parent
         out.mkdir(parents=True, exist_ok=True)
         path = atomic_write_json(out / "forecast.json", fc)
         plan = costs.plan([*(x.spec for x in rungs), hero], hero)
-        plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, fc, None)
+        plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, hf, None)
         _print_forecast(fc, name, rungs, path, as_json)
         return
     if experiment is None:
@@ -236,7 +234,8 @@ def forecast_cmd(
                           f" (run `ladder submit {experiment}` first)")
     check_losses_fall(rungs)
     try:
-        fc = forecast(exp.name, rungs, exp.hero).to_dict()
+        hf = forecast(exp.name, rungs, exp.hero)
+        fc = hf.to_dict()
     except YardstickError as e:
         raise LadderError(f"{experiment}: {e}") from None
     fl = fc["hero"]["final_loss"]
@@ -250,7 +249,7 @@ def forecast_cmd(
     out = analysis_dir(r, exp.name)
     path = atomic_write_json(out / ("forecast.json" if not holdout else "forecast_holdout.json"), fc)
     plan = costs.plan([*exp.rungs, exp.hero], exp.hero)
-    plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, fc, None)
+    plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, hf, None)
     if not no_tracking:
         try:
             log_forecast(exp, path, tracking_uri, r)
@@ -290,9 +289,7 @@ def report_cmd(
         if m.exists() and m.stat().st_size:
             runs[s.name] = read_metrics_frame(m)
     adir = analysis_dir(r, exp.name)
-    forecast = load_analysis_json(adir / "forecast.json")
-    if forecast is not None:
-        check_forecast(forecast, adir / "forecast.json")
+    forecast = read_forecast(adir / "forecast.json")
     compare = load_analysis_json(adir / "compare.json") or {}
     replan = load_analysis_json(adir / "replan.json") or {}
     flags = [f for f in compare.get("flags", []) if isinstance(f, dict)] if isinstance(compare.get("flags"), list) else []

@@ -133,3 +133,19 @@ def test_forecast_reports_warnings_and_the_coverage_of_every_interval(trained_la
     assert gn["n"] > 0 and 0.0 <= gn["coverage"] <= 1.0 and gn["mean_rel_width"] > 0
     assert "coverage" in d["coverage"]["trajectory"] or "error" in d["coverage"]["trajectory"]
     json.dumps(d)  # forecast.json is strict JSON
+
+
+def test_forecast_json_reads_back_as_the_forecast_that_wrote_it(trained_ladder, tmp_path):
+    from analysis.forecast.file import read_hero_forecast
+    from analysis.forecast.hero import RungRun, forecast
+    from analysis.runs.metrics import read_metrics_frame
+    from ladder.ledger import run_dir_for
+
+    _, root, exp = trained_ladder
+    rungs = [RungRun(s, run_dir_for(root, exp.name, s), read_metrics_frame(run_dir_for(root, exp.name, s) / "metrics.jsonl"))
+             for s in exp.rungs]
+    d = forecast(exp.name, rungs, exp.hero).to_dict()
+    path = tmp_path / "forecast.json"
+    path.write_text(json.dumps(d))
+    back = read_hero_forecast(path)
+    assert back.to_dict() == json.loads(json.dumps(d)) and back.hero.spec_id == exp.hero.id

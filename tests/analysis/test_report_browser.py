@@ -11,6 +11,8 @@ import numpy as np
 import pandas as pd
 import pytest
 
+from analysis.forecast.file import HeroForecast
+
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -36,14 +38,14 @@ def _fake_free_inputs():
                      "flops": 1e15 * 3 ** i, "share_of_hero": 3 ** (i - 4)})
     hero = runs["hero"]
     steps = hero["step"].to_numpy()
-    forecast = {
+    forecast = HeroForecast.from_dict({
         "hero": {"name": "hero", "flops": 1e15 * 81, "total_steps": int(steps.max()),
                  "final_loss": {"mean": 3.0, "lo": 2.9, "hi": 3.1, "level": 0.9}},
         "law": {"E": 2.0, "A": 10.0, "alpha": 0.1, "curve": {"flops": [1e15, 1e17], "loss": [3.4, 3.0], "lo": [3.3, 2.9], "hi": [3.5, 3.1]}},
         "trajectory": {"step": steps.tolist(), "loss": (hero["loss"] + 0.01).tolist(), "lo": (hero["loss"] - 0.05).tolist(),
                        "hi": (hero["loss"] + 0.05).tolist()},
         "grad_norm": {"step": steps.tolist(), "mean": [0.5] * len(steps), "lo": [0.3] * len(steps), "hi": [0.8] * len(steps)},
-    }
+    })
     flags = [{"kind": "loss_band", "severity": "warning", "first_step": int(steps[len(steps) // 2]), "evidence": "3 points above the band"}]
     replan = [{"option": 1, "name": "keep", "finish": "2026-12-01", "gpu_hours": 10.0, "final_loss": 3.0}]
     return plan, runs, forecast, flags, replan

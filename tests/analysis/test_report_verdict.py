@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from analysis.forecast.file import HeroForecast
 from analysis.report import verdict_text
 
-FORECAST = {"hero": {"final_loss": {"mean": 1.0, "lo": 0.9, "hi": 1.1, "level": 0.9}}}
+FORECAST = HeroForecast.from_dict({"hero": {"final_loss": {"mean": 1.0, "lo": 0.9, "hi": 1.1, "level": 0.9}}})
 
 
 def test_the_verdict_states_each_hero_seed_and_their_mean_against_the_forecast():

@@ -101,14 +101,16 @@ def test_a_live_hero_is_judged_against_the_forecast_over_the_same_steps():
     not with the forecast at the last step alone (a content spike there)."""
     import pandas as pd
 
+    from analysis.forecast.file import HeroForecast
     from analysis.report import live_verdict
 
     steps = np.arange(400)
     rng = np.random.default_rng(0)
     loss = 3.0 - steps / 400 + 0.05 * rng.standard_normal(400)
     loss[199] += 0.4  # the batch at the hero's latest step is hard, in the forecast and in the run
-    fc = {"hero": {"total_steps": 400},
-          "trajectory": {"step": steps.tolist(), "loss": loss.tolist(), "lo": (0.99 * loss).tolist(),
-                         "hi": (1.01 * loss).tolist()}}
+    fc = HeroForecast.from_dict({
+        "hero": {"total_steps": 400, "final_loss": {"mean": 2.0, "lo": 1.9, "hi": 2.1, "level": 0.9}},
+        "trajectory": {"step": steps.tolist(), "loss": loss.tolist(), "lo": (0.99 * loss).tolist(),
+                       "hi": (1.01 * loss).tolist()}})
     text, inside = live_verdict(fc, pd.DataFrame({"step": steps[:200], "loss": loss[:200]}))
     assert inside and "+0.00%" in text, text
