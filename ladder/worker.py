@@ -16,7 +16,7 @@ import os
 import socket
 import time
 import traceback
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -54,6 +54,7 @@ class Attempt:
 
     outcome: str = "failed"  # finished | failed | skipped
     note: str = ""
+    who: dict = field(default_factory=dict)  # spec_id, name, host, pid, node of the process training it
     last: Any = None  # the last StepMetrics
     first_step: int = 0
     engine_s: float = 0.0
@@ -70,8 +71,8 @@ def run_claimed(spec: Spec, rd: Path, ctx: dict, report: Callable[..., None], at
     ctx: owner (the claim's), root (where the stop marker lives), options (the environment's
     engine options, as a dict), resume (default True), ray_train (default True: a multi-worker
     spec trains as a Ray Train job; False: the engine launches its own ranks)."""
-    host, pid = socket.gethostname(), os.getpid()
-    base = {"spec_id": spec.id, "name": spec.name, "host": host, "pid": pid, "node": _node_id()}
+    att.who = base = {"spec_id": spec.id, "name": spec.name, "host": socket.gethostname(), "pid": os.getpid(),
+                      "node": _node_id()}
     claim = ledger.Claim.acquire(rd, spec.id, ctx["owner"], node=base["node"], run_dir=str(rd))
     if claim is None:
         raise Busy(ledger.live_claim(rd, spec.id))
@@ -126,15 +127,13 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
     """Runs on a Ray worker (or a --local worker process): run_claimed, and its outcome record.
     (The controller mirrors the run dir into MLflow; the worker only trains.)"""
     spec = Spec.model_validate_json(spec_json)
-    rd = Path(run_dir)
-    base = {"spec_id": spec.id, "name": spec.name, "host": socket.gethostname(), "pid": os.getpid(), "node": _node_id()}
     report = Reporter(ctx.get("sink"), spec.id)
-    att = Attempt()
+    att = Attempt(who={"spec_id": spec.id, "name": spec.name})  # run_claimed adds where it runs
     try:
-        run_claimed(spec, rd, ctx, report, att)
+        run_claimed(spec, Path(run_dir), ctx, report, att)
         state, note = att.outcome, att.note
     except Busy as busy:
-        return {**base, "outcome": "busy", "holder": busy.holder}
+        return {**att.who, "outcome": "busy", "holder": busy.holder}
     except DivergedError as err:
         state, note = "diverged", str(err)
     except ClaimLost as err:
@@ -144,11 +143,11 @@ def train_task(spec_json: str, run_dir: str, ctx: dict) -> dict:
     except Exception as err:  # the worker's boundary: any failure (a bug too, its traceback in status.json) fails this run alone
         state, note = "failed", f"{type(err).__name__}: {err}"
     if state == "skipped":
-        return {**base, "outcome": "skipped", "note": note}
+        return {**att.who, "outcome": "skipped", "note": note}
     last = att.last
-    report({**base, "step": (last.step + 1) if last else 0, "loss": last.loss if last else None, "state": state}, force=True)
+    report({**att.who, "step": (last.step + 1) if last else 0, "loss": last.loss if last else None, "state": state}, force=True)
     return {
-        **base,
+        **att.who,
         "outcome": state,
         "note": note,
         "step": None if last is None else last.step,
