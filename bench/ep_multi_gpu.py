@@ -11,7 +11,7 @@ k shards) and two runs train on the same real-text batches from step 0:
 - `ep`: `python -m torch.distributed.run --nproc_per_node k -m engines.torch.parallel.train` (one
   process per GPU, experts resident on their GPU, pooled-wave all_to_all_single per wave);
 - `single`: one GPU with the engine's own train step (engines/torch/step.py launch_step +
-  finish_step: the fast path of engines/torch/fast.py), the k shards emulated.
+  finish_step: the forward of engines/torch/forward.py), the k shards emulated.
 With `--engine jax` the same two runs use the JAX engine's jitted step: `ep` in a process that
 sees k GPUs, whose 1-D mesh shards the routed experts (and their moments) and runs the pooled-wave
 jax.lax.all_to_all between them, the rest data-parallel; `single` in a process that sees one GPU,

@@ -1,13 +1,13 @@
 """What the fixed eval set costs a run: a periodic eval and the final eval against the train steps
 they sit between, on the engine's own step module (engines/torch/engine.TorchStep).
 
-    python bench/eval_cost.py --experiment experiments/proxy_h200.py --spec hero-d512 --steps 30 [--paths fast,reference]
+    python bench/eval_cost.py --experiment experiments/proxy_h200.py --spec hero-d512 --steps 30 [--paths engine,reference]
 
 The eval set's shape comes from the spec (run.eval_batches groups of 8 windows a source
 periodically, every window at the end, windows of eval_seq_len + 1 tokens); the tokens are random
 ids of the spec's vocabulary, which is all a timing needs, so no corpus has to be built. Prints,
-for each eval path (the fast path, the reference forward) and their values' agreement, the median train step, one periodic eval, the final
-eval, and the share of the run's time periodic evals take at the spec's cadence
+for each eval path (the engine's kernels, the reference kernels: TorchKernels.reference()) and
+their values' agreement, the median train step, one periodic eval, the final eval, and the share of the run's time periodic evals take at the spec's cadence
 (run.eval_every). Device events time every region; the numbers are ratios within one process.
 """
 
@@ -24,8 +24,9 @@ import torch
 from engines.data import EVAL_ROWS, eval_seq_len
 from engines.evalset import eval_windows
 from engines.torch.engine import TorchStep, default_device
-from engines.torch.fast import FastLoss
-from engines.torch.step import EVAL_STACK, fast_eval_losses, reference_eval_losses
+from engines.options import TorchKernels
+from engines.torch.forward import Forward
+from engines.torch.step import eval_losses
 from ladder.experiment import load_experiment
 
 
@@ -47,8 +48,8 @@ def main() -> None:
     ap.add_argument("--experiment", default="experiments/proxy_h200.py")
     ap.add_argument("--spec", default="hero-d512")
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--paths", default="fast,reference", help="eval paths to compare: the fast path (rows in "
-                    "training-batch forwards) and the reference forward (EVAL_STACK groups a forward)")
+    ap.add_argument("--paths", default="engine,reference", help="eval paths to compare: the engine's kernels "
+                    "and the reference kernels (TorchKernels.reference(), eager), rows in training-batch forwards")
     ap.add_argument("--source-tokens", default="116e6,98e6,4.8e6", help="tokens of each source (sets the final eval's size)")
     ap.add_argument("--out", default=None, help="write the rows as JSON here")
     args = ap.parse_args()
@@ -77,15 +78,10 @@ def main() -> None:
     evals_per_run = spec.total_steps // spec.run.eval_every
     rows = []
     for path in args.paths.split(","):
-        if path == "fast":
-            if not isinstance(step.loss_fn, FastLoss):
-                print("fast: not on this device (the fast path runs on CUDA); skipped")
-                continue
-            run = lambda b: fast_eval_losses(step.loss_fn, step.model, b, B, device)  # noqa: E731
-        elif path == "reference":
-            run = lambda b: reference_eval_losses(step.model, b, device, EVAL_STACK)  # noqa: E731
-        else:
-            raise SystemExit(f"--paths: unknown path {path!r} (fast, reference)")
+        if path not in ("engine", "reference"):
+            raise SystemExit(f"--paths: unknown path {path!r} (engine, reference)")
+        loss = step.loss_fn if path == "engine" else Forward(device, TorchKernels.reference())
+        run = lambda b: eval_losses(loss, step.model, b, B, device)  # noqa: E731
         probe = batches(periodic_groups)
         values = run(probe)  # warm-up at this shape (and the values both paths are compared on)
         per = statistics.median(_timed(lambda: run(batches(periodic_groups)), device) for _ in range(5))
@@ -97,7 +93,7 @@ def main() -> None:
                      "probe_losses": values})
     if len(rows) == 2:
         a, b = (np.array(r["probe_losses"]) for r in rows)
-        print(f"fast vs reference on the same batches: max relative difference {np.max(np.abs(a / b - 1)):.2e}, "
+        print(f"engine vs reference kernels on the same batches: max relative difference {np.max(np.abs(a / b - 1)):.2e}, "
               f"mean {np.mean(a / b - 1):+.2e}")
     print(f"{'path':>9} {'step ms':>8} {'periodic ms':>12} {'final s':>8} {'periodic share':>15}")
     for r in rows:

@@ -24,7 +24,7 @@ builds one directly. The options are run arguments, outside the spec's id: the s
 other options is the same run (the results agree to the kernels' rounding), and the options a run
 resolved to are recorded in its status.json and every checkpoint's state.json.
 
-    torch_fast      1 | 0                                  the CUDA fast path, or the reference forward
+    torch_fast      1 | 0                                  the GPU kernels, or the reference ones (TorchKernels.reference)
     torch_master    1 | 0 (unset: per run)                 bf16 working copies written by the optimizer
     torch_compile   block-cudagraphs | block | dense | none  (TorchKernels.compile)
     torch_ep        auto | emulate | processes             an ep_size > 1 spec in processes or emulated
@@ -107,7 +107,7 @@ def _check(obj: Any, label: str) -> None:
 
 @dataclass(frozen=True)
 class TorchKernels:
-    """The torch fast path's kernel choices (engines/torch/fast.py); the defaults are what the
+    """The torch forward's kernel choices (engines/torch/forward.py); the defaults are what the
     engine uses on a GPU with Triton (docs/results/engines-h200.md has the measurements)."""
 
     # "block-cudagraphs": blocks and head compiled and replayed as CUDA graphs; "block": the same
@@ -147,6 +147,15 @@ class TorchKernels:
     def __post_init__(self):
         _check(self, "TorchKernels.")
 
+    @classmethod
+    def reference(cls) -> "TorchKernels":
+        """Plain torch everywhere: eager, SDPA's own backend choice, a dense mask for a window,
+        the fp32 router matmul and torch.topk, no Triton kernel (options torch_fast=0)."""
+        return cls(compile="none", attn_backend=None, window_attention="mask", causal_attention="sdpa",
+                   grouped_mm_weights="nmajor", gather="inductor", grouped_dw="torch", experts="grouped",
+                   topk="torch", router="fp32", rope_layout="bhsq", xent="inductor", swiglu="inductor",
+                   combine_grad="inductor", adamw="compile")
+
     def without_triton(self) -> "TorchKernels":
         """The same choices with every Triton kernel replaced by its compiled form."""
         fallback = {"gather": "inductor", "grouped_dw": "torch", "xent": "inductor", "swiglu": "inductor",
@@ -180,7 +189,7 @@ class JaxKernels:
 @dataclass(frozen=True)
 class EngineOptions:
     torch_fast: bool = env_key(True)
-    torch_master: Optional[bool] = env_key(None)  # None: decided per run (engines/torch/fast.working_copies_enabled)
+    torch_master: Optional[bool] = env_key(None)  # None: decided per run (engines/torch/forward.working_copies_enabled)
     torch_ep: EPLayout = env_key("auto")
     # a layout's dense parameters: "replicate" (whole on every rank, the one-device step on each),
     # "fsdp" (sharded by FSDP2) or "auto" (replicate on a GPU where the rank's state fits:

@@ -2,16 +2,11 @@
 experts' SwiGLU weights. A token dispatcher (engines/torch/dispatch.py, parallel/dispatch.py)
 decides which row goes where; one of these kernel sets does the moving and the matmuls.
 
-- ModuleKernels: the reference forward's (engines/torch/model.py): the Experts module's own
-  weights as they are (autocast casts them on a GPU), gate and up as two matmuls, plain
-  indexing for the row maps (autograd's accumulating backward).
-- CastKernels: the fast forward's (engines/torch/fast.py): weights already cast to the compute
-  dtype (gate|up concatenated, from block_weights or the optimizer's working copies), grouped
-  GEMMs and Triton kernels as options.torch_kernels chooses, row maps with gather backwards
-  (engines/torch/rows.py).
-
-Both expose the same methods (sorted_experts, unsort, fill, read, padded, gate_up, down), so a
-dispatcher runs unchanged under either.
+CastKernels holds the block's expert weights already cast to the compute dtype (gate|up
+concatenated, from engines/torch/forward.block_weights or the optimizer's working copies) and runs
+grouped GEMMs and Triton kernels as options.torch_kernels chooses, row maps with gather backwards
+(engines/torch/rows.py); its methods (sorted_experts, unsort, fill, read, padded, gate_up, down)
+are what a dispatcher calls.
 
 Shape legend: T tokens, K top-k, A assignments (T*K), E experts, C rows per expert buffer,
 R buffer rows (E*C), L expert width, F expert hidden.
@@ -77,46 +72,10 @@ def swiglu_padded(experts, buf_eRL: torch.Tensor, cdt: torch.dtype) -> torch.Ten
     return torch.bmm(h_eRF, experts.w_down.to(cdt))
 
 
-class ModuleKernels:
-    """The reference kernels: the Experts module's weights in fp32 (under autocast on a GPU)."""
-
-    cdt = torch.float32
-
-    def __init__(self, experts):
-        self.experts = experts
-        self.o = kernels_here(TorchKernels())
-
-    def sorted_experts(self, x_TL, order_A, inv_A, K: int, counts_E) -> torch.Tensor:
-        """The experts' outputs for the assignments sorted by expert (order_A, token-major a = t*K + j)."""
-        return self.experts.grouped(x_TL[order_A // K], counts_E)
-
-    def unsort(self, y_sorted_AL, order_A, inv_A, gate_TK) -> torch.Tensor:
-        """y_TKL: the sorted outputs back in (token, slot) order."""
-        T, K = gate_TK.shape
-        return torch.empty_like(y_sorted_AL).index_copy(0, order_A, y_sorted_AL).view(T, K, -1)
-
-    def fill(self, x_TL, fill_R, slot_A, K: int) -> torch.Tensor:
-        """x_RL: each buffer row's assignment's token row (fill_R = T*K: an unfilled row, zeros)."""
-        x_A1L = torch.cat([x_TL.repeat_interleave(K, 0), x_TL.new_zeros(1, x_TL.shape[-1])], 0)
-        return x_A1L[fill_R]
-
-    def read(self, out_RL, slot_A, fill_R) -> torch.Tensor:
-        """y_AL: each assignment's buffer row (slot_A = R: dropped, zeros)."""
-        return torch.cat([out_RL, out_RL.new_zeros(1, out_RL.shape[-1])], 0)[slot_A]
-
-    def padded(self, x_ECL) -> torch.Tensor:
-        return self.experts.padded(x_ECL)
-
-    def gate_up(self) -> torch.Tensor:
-        return torch.cat([self.experts.w_gate, self.experts.w_up], -1).to(self.cdt)
-
-    def down(self) -> torch.Tensor:
-        return self.experts.w_down.to(self.cdt)
-
-
 class CastKernels:
-    """The fast kernels: w holds the block's expert weights in cdt ("moe.experts.gate_up" [E, L, 2F]
-    and "moe.experts.w_down" [E, F, L]: engines/torch/fast.block_weights or working copies)."""
+    """The experts' kernels: w holds the block's expert weights in cdt ("moe.experts.gate_up"
+    [E, L, 2F] and "moe.experts.w_down" [E, F, L]: engines/torch/forward.block_weights or working
+    copies)."""
 
     def __init__(self, experts, w: dict, cdt: torch.dtype, o: TorchKernels):
         self.experts, self.w, self.cdt, self.o = experts, w, cdt, o

@@ -1,5 +1,5 @@
-"""The cross-entropy of the torch engine: the one function every forward (the reference one of
-model.py, the fast one of fast.py, the layouts') and the eval read the output head's loss from.
+"""The cross-entropy of the torch engine: the one function the forward (engines/torch/forward.py,
+on every layout) and the eval read the output head's loss from.
 
     ce_T, lse_T = token_losses(logits_TV, labels_T)   # each token's CE and log-partition
     ce, z = head_losses(logits_TV, labels_T)          # their means: the CE and the z-loss term

@@ -2,7 +2,7 @@
 and every layout's): AdamW with decoupled weight decay on matrices and expert stacks only.
 
 MasterAdamW: AdamW over fp32 master weights that writes the 16-bit working copies of the matrices
-in the same pass: the optimizer of the torch engine's GPU fast path (engines/torch/fast.py).
+in the same pass: the optimizer of the torch engine (engines/torch/forward.py reads its working copies).
 
 With plain fp32 parameters, a bf16 step pays on every matrix: a cast to bf16 in the forward, a
 bf16 -> fp32 cast of its gradient in the backward, clip_grad_norm_'s multiply over the fp32
@@ -11,7 +11,7 @@ copies, whose gradients stay bf16); the grad norm is read from those gradients; 
 tensor reads master, gradient, moments and the clip divisor and writes master, moments and working
 copy (28 bytes a parameter).
 
-Working copies: one leaf per weight the fast forward reads (`weight_layout`): attention's q, k
+Working copies: one leaf per weight the forward reads (`weight_layout`): attention's q, k
 and v side by side ([D, (H + 2G) Q]), the experts' gate and up side by side ([E, L, 2F]), every
 other matrix alone. Parts are concatenated along the last dimension, so a master parameter is a
 slice of its leaf's last dimension and its gradient the same slice of the leaf's gradient.
@@ -51,7 +51,7 @@ def default_kernel() -> str:
 
 def weight_layout(model: MoETransformer) -> dict[str, list[torch.nn.Parameter]]:
     """Working-copy name -> the master parameters it holds, concatenated along the last dim.
-    Block weights are named blocks.<i>.<key> with the keys the fast forward reads."""
+    Block weights are named blocks.<i>.<key> with the keys the forward reads."""
     out: dict[str, list[torch.nn.Parameter]] = {}
     for i, blk in enumerate(model.blocks):
         a, moe = blk.attn, blk.moe
@@ -309,7 +309,7 @@ def build_optimizer(model: torch.nn.Module, optim: OptimSpec, *, working: torch.
     """The AdamW of a step (optim: the spec's peak LR, betas, eps, weight decay and moments dtype).
 
     working: the dtype of the working copies the forward reads (the step decides it:
-    engines/torch/fast.working_dtype): MasterAdamW, its update by `kernel` (default_kernel()).
+    engines/torch/forward.working_dtype): MasterAdamW, its update by `kernel` (default_kernel()).
     Without them: torch's AdamW. One device (sharded None): GuardedAdamW, torch's fused kernel,
     whose step takes the step's finiteness on the device (the update is queued before the step is
     read). A layout's FSDP2-sharded parameters on `sharded` (their device): torch's AdamW, fused on a

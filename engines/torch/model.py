@@ -17,14 +17,14 @@ aux (Switch) = E * sum_e f_e * p_e, f_e = share of the T*K assignments picking e
 probability of e (sigmoid scores normalised per token), over the batch or per sequence (then
 averaged) by model.balance_scope; router_z = mean(logsumexp(router logits)^2).
 
-One module tree serves every torch path. What differs between them is (a) the token dispatcher
-the Experts module holds (engines/torch/dispatch.py: Dropless or Capacity on one device, the
-model.dispatch of the spec; engines/torch/parallel/dispatch.py swaps in its cross-process
-ones) and (b) the kernels: this file's forward is the reference (module weights, autocast on a
-GPU); engines/torch/fast.py computes the same blocks, router and head with explicit dtypes and
-the GPU kernels (EngineOptions.torch_fast and torch_kernels choose). Both combine an assignment's
-output in (token, slot) order, so capacity with no drops equals dropless. Routing metadata stays
-on the device: no host sync inside the forward pass except the CPU expert loop.
+One module tree and one forward serve every torch path (engines/torch/forward.py computes it,
+its kernels chosen when it is built; the reference is a kernel choice). What differs between the
+paths is (a) the token dispatcher the Experts module holds (engines/torch/dispatch.py: Dropless or
+Capacity on one device, the model.dispatch of the spec; engines/torch/parallel/dispatch.py swaps
+in its cross-process ones) and (b) the kernels (EngineOptions.torch_fast and torch_kernels
+choose). An assignment's output is combined in (token, slot) order, so capacity with no drops
+equals dropless. Routing metadata stays on the device: no host sync inside the forward pass
+except the CPU expert loop.
 
 Sharded objective (expert parallel, engines/torch/parallel/): each rank's backward
 seeds its share of the global objective, sum over the ranks = the one-device objective: CE,
@@ -42,14 +42,11 @@ from __future__ import annotations
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from core.spec import ModelSpec
 from engines.params import init_arrays, tensor_shapes
 from engines.torch.dispatch import local_dispatcher
-from engines.torch.experts import ModuleKernels
-from engines.torch.loss import head_losses
 
 # ---- parameters ---------------------------------------------------------------------------------
 
@@ -93,13 +90,6 @@ def rope_tables(seq_len: int, head_dim: int, theta: float, device) -> tuple[torc
             torch.tensor(np.sin(ang), dtype=torch.float32, device=device))
 
 
-def apply_rope(x_BHSQ: torch.Tensor, cos_SP: torch.Tensor, sin_SP: torch.Tensor) -> torch.Tensor:
-    half = x_BHSQ.shape[-1] // 2
-    x1, x2 = x_BHSQ[..., :half], x_BHSQ[..., half:]
-    cos, sin = cos_SP.to(x_BHSQ.dtype), sin_SP.to(x_BHSQ.dtype)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
 def attention_mask(seq_len: int, window: int | None, device) -> torch.Tensor | None:
     """[S, S] bool, True where query i may attend key j; None for plain causal (flash path)."""
     if window is None or window >= seq_len:
@@ -118,18 +108,6 @@ class Attention(nn.Module):
         self.wv = _param(m.d_model, self.G * self.Q)
         self.wo = _param(self.H * self.Q, m.d_model)
 
-    def forward(self, x_BSD, cos, sin, mask_SS):
-        B, S, _ = x_BSD.shape
-        q_BHSQ = (x_BSD @ self.wq).view(B, S, self.H, self.Q).transpose(1, 2)
-        k_BGSQ = (x_BSD @ self.wk).view(B, S, self.G, self.Q).transpose(1, 2)
-        v_BGSQ = (x_BSD @ self.wv).view(B, S, self.G, self.Q).transpose(1, 2)
-        q_BHSQ, k_BGSQ = apply_rope(q_BHSQ, cos, sin), apply_rope(k_BGSQ, cos, sin)
-        gqa = self.G != self.H
-        if mask_SS is None:
-            o_BHSQ = F.scaled_dot_product_attention(q_BHSQ, k_BGSQ, v_BGSQ, is_causal=True, enable_gqa=gqa)
-        else:
-            o_BHSQ = F.scaled_dot_product_attention(q_BHSQ, k_BGSQ, v_BGSQ, attn_mask=mask_SS, enable_gqa=gqa)
-        return o_BHSQ.transpose(1, 2).reshape(B, S, self.H * self.Q) @ self.wo
 
 
 # ---- routed experts -------------------------------------------------------------------------------
@@ -148,37 +126,10 @@ class Experts(nn.Module):
         self.w_down = _param(E, Fh, L)
         self.dispatcher = dispatcher
 
-    def forward(self, x_TL: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tensor, kernels=None):
-        """(y_TKL, send drops, receive drops) with the reference kernels (engines/torch/experts.py),
-        or those kernels(self) makes (the fast forward of a model whose experts are hooked)."""
-        return self.dispatcher(ModuleKernels(self) if kernels is None else kernels(self), x_TL, expert_TK, gate_TK)
-
-    def grouped(self, x_AL: torch.Tensor, counts_E: torch.Tensor) -> torch.Tensor:
-        """SwiGLU over rows already sorted by expert, counts_E rows per expert."""
-        if _use_grouped_mm(x_AL, self.w_gate):
-            offs_E = torch.cumsum(counts_E, 0).to(torch.int32)
-            xb = x_AL.to(torch.bfloat16)
-            wg, wu, wd = (w.to(torch.bfloat16) for w in (self.w_gate, self.w_up, self.w_down))
-            h_AF = F.silu(torch._grouped_mm(xb, wg, offs=offs_E)) * torch._grouped_mm(xb, wu, offs=offs_E)
-            return torch._grouped_mm(h_AF, wd, offs=offs_E).to(x_AL.dtype)
-        outs, start = [], 0
-        for e, n in enumerate(counts_E.tolist()):  # CPU: the host already holds the counts
-            x = x_AL[start : start + n]
-            outs.append((F.silu(x @ self.w_gate[e]) * (x @ self.w_up[e])) @ self.w_down[e])
-            start += n
-        return torch.cat(outs, 0)
-
-    def padded(self, x_ECL: torch.Tensor) -> torch.Tensor:
-        """SwiGLU over fixed-shape per-expert buffers [E, C, L]."""
-        h_ECF = F.silu(torch.bmm(x_ECL, self.w_gate.to(x_ECL.dtype))) * torch.bmm(x_ECL, self.w_up.to(x_ECL.dtype))
-        return torch.bmm(h_ECF, self.w_down.to(x_ECL.dtype))
-
-
-def _use_grouped_mm(x: torch.Tensor, w: torch.Tensor) -> bool:
-    # the CUDA kernel wants bf16 and 16-byte aligned rows; its CPU fallback lacks a stable backward
-    return (x.is_cuda and hasattr(torch, "_grouped_mm") and torch.is_autocast_enabled("cuda")
-            and w.shape[1] % 8 == 0 and w.shape[2] % 8 == 0)
-
+    def forward(self, x_TL: torch.Tensor, expert_TK: torch.Tensor, gate_TK: torch.Tensor, kernels):
+        """(y_TKL or y_TL, send drops, receive drops) with the kernels kernels(self) makes
+        (engines/torch/experts.CastKernels over these weights, cast while the call lasts)."""
+        return self.dispatcher(kernels(self), x_TL, expert_TK, gate_TK)
 
 class SharedExperts(nn.Module):
     def __init__(self, N: int, D: int, R: int):
@@ -187,9 +138,6 @@ class SharedExperts(nn.Module):
         self.w_up = _param(N, D, R)
         self.w_down = _param(N, R, D)
 
-    def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        h_NTR = F.silu(torch.einsum("td,ndr->ntr", x_TD, self.w_gate)) * torch.einsum("td,ndr->ntr", x_TD, self.w_up)
-        return torch.einsum("ntr,nrd->td", h_NTR, self.w_down)
 
 
 class MoE(nn.Module):
@@ -241,22 +189,6 @@ class MoE(nn.Module):
             stats["probs_sum"] = probs_TE.sum(0)
         return expert_TK, gate_TK, stats
 
-    def forward(self, x_TD: torch.Tensor, seq_len: int):
-        m = self.m
-        T, K = x_TD.shape[0], m.top_k
-        expert_TK, gate_TK, stats = self.route(x_TD, seq_len)
-        x_TL = x_TD @ self.latent_down if m.latent_dim is not None else x_TD
-        y_TKL, n_send, n_recv = self.experts(x_TL, expert_TK, gate_TK)
-        y_TL = (y_TKL * gate_TK.unsqueeze(-1).to(y_TKL.dtype)).sum(1)
-        y_TD = y_TL @ self.latent_up if m.latent_dim is not None else y_TL
-        if m.n_shared_experts > 0:
-            y_TD = y_TD + self.shared(x_TD)
-        stats["drop_send"] = n_send / (T * K)
-        stats["drop_recv"] = n_recv / (T * K)
-        stats["n_send"], stats["n_recv"] = n_send, n_recv
-        return y_TD, stats
-
-
 class Block(nn.Module):
     def __init__(self, m: ModelSpec):
         super().__init__()
@@ -265,11 +197,11 @@ class Block(nn.Module):
         self.moe_norm = RMSNorm(m.d_model, m.norm_eps)
         self.moe = MoE(m)
 
-    def forward(self, x_BSD, cos, sin, mask_SS):
-        B, S, D = x_BSD.shape
-        x_BSD = x_BSD + self.attn(self.attn_norm(x_BSD), cos, sin, mask_SS)
-        y_TD, stats = self.moe(self.moe_norm(x_BSD).reshape(B * S, D), S)
-        return x_BSD + y_TD.view(B, S, D), stats
+    def forward(self, x_BSD, cos, sin, mask_SS, run):
+        """The block's computation as its module call, run(self, None, x_BSD, cos, sin, mask_SS)
+        (engines/torch/forward.Forward hands it in), which a wrapper (FSDP2) hooks: it holds the
+        block's gathered parameters for exactly as long as the block runs."""
+        return run(self, None, x_BSD, cos, sin, mask_SS)
 
 
 class Embedding(nn.Module):
@@ -279,34 +211,21 @@ class Embedding(nn.Module):
 
 
 class MoETransformer(nn.Module):
-    """block: the block class (Block, the reference forward; engines/torch/fast.FastBlock, the fast
-    one, for a model whose blocks are hooked by a wrapper such as FSDP2)."""
+    """The parameters of the spec's model; engines/torch/forward.Forward computes it."""
 
-    def __init__(self, m: ModelSpec, block: type[Block] = Block):
+    def __init__(self, m: ModelSpec):
         super().__init__()
         self.m = m
         self.embed = Embedding(m.vocab_size, m.d_model)
-        self.blocks = nn.ModuleList(block(m) for _ in range(m.n_layers))
+        self.blocks = nn.ModuleList(Block(m) for _ in range(m.n_layers))
         self.final_norm = RMSNorm(m.d_model, m.norm_eps)
         self.lm_head = _param(m.d_model, m.vocab_size)
 
-    def forward(self, tokens_BS: torch.Tensor, *args, run=None):
-        """Logits [B, S, V] (fp32) and per-layer MoE statistics stacked to [n_layers, ...]; with
-        `run`, run(self, tokens_BS, *args) instead: another forward of this module tree (a layout's
-        sharded objective, engines/torch/parallel/model.ShardedLoss) as this module's call, which a
-        wrapper hooking the model (FSDP2's root unit) sees as its forward."""
-        if run is not None:
-            return run(self, tokens_BS, *args)
-        S = tokens_BS.shape[1]
-        cos, sin = rope_tables(S, self.m.head_dim, self.m.rope_theta, tokens_BS.device)
-        mask_SS = attention_mask(S, self.m.attention_window, tokens_BS.device)
-        x_BSD = self.embed.weight[tokens_BS]
-        stats = []
-        for block in self.blocks:
-            x_BSD, st = block(x_BSD, cos, sin, mask_SS)
-            stats.append(st)
-        logits_BSV = (self.final_norm(x_BSD) @ self.lm_head).float()
-        return logits_BSV, {k: torch.stack([s[k] for s in stats]) for k in stats[0]}
+    def forward(self, tokens_BS: torch.Tensor, *args, run):
+        """run(self, tokens_BS, *args): a forward of this module tree (engines/torch/forward.Forward,
+        or a layout's sharded objective) as this module's call, which a wrapper hooking the model
+        (FSDP2's root unit) sees as its forward."""
+        return run(self, tokens_BS, *args)
 
     def load_numpy(self, arrays: dict[str, np.ndarray]) -> None:
         """Copy named float32 arrays (a checkpoint or init_params) into the model, shapes checked."""
@@ -336,14 +255,6 @@ def move_router_bias(model: MoETransformer, load_LE: torch.Tensor, rate: float,
         upd_LE = torch.where(finite, upd_LE, 0.0)  # (a NaN load would survive a multiply by 0)
     for i, blk in enumerate(model.blocks):
         blk.moe.router_bias.add_(upd_LE[i])
-
-
-def loss_terms(model: MoETransformer, tokens_BS1: torch.Tensor, optim) -> tuple[torch.Tensor, dict]:
-    """(total objective, metrics as 0-d tensors + per-layer expert loads)."""
-    inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
-    logits_BSV, st = model(inputs_BS)
-    ce, z = head_losses(logits_BSV, targets_BS)
-    return objective(ce, z, st, optim)
 
 
 def objective(ce: torch.Tensor, z: torch.Tensor, st: dict, optim) -> tuple[torch.Tensor, dict]:

@@ -1,8 +1,8 @@
 """The torch engine's step (engines/trainer.py's step module, TorchStep) on one device and on a
 replicated layout (every rank holds the dense parameters and its expert shard whole:
 engines/torch/parallel/replicate.py adds the gradient sums and the global norm), and the step
-helpers the bench drives it with: the loss (the reference forward, or the fast one of
-engines/torch/fast.py, chosen when the step is built, and what it reads: fast.working_dtype), the
+helpers the bench drives it with: the loss (the model's one forward, engines/torch/forward.py,
+with the kernels the options choose, and what it reads: forward.working_dtype), the
 optimizer (engines/torch/master.build_optimizer, the one builder), launching a step without waiting for it,
 queueing its update and reading its metrics back with the step's one host sync.
 
@@ -31,11 +31,9 @@ from core.costs import flops_per_token
 from core.spec import Spec
 from engines.data import TokenStream
 from engines.options import EngineOptions
-from engines.torch.experts import kernels_here
-from engines.torch.fast import FastLoss, fast_path_enabled, working_dtype
-from engines.torch.loss import token_losses
+from engines.torch.forward import Forward, fast_path_enabled, kernels_for, working_dtype
 from engines.torch.master import MasterAdamW, build_optimizer
-from engines.torch.model import Block, MoETransformer, init_params, loss_terms, move_router_bias
+from engines.torch.model import MoETransformer, init_params, move_router_bias
 from engines.torch.parallel import replicate
 from engines.torch.parallel.layout import Layout, check_layout
 from engines.torch.parallel.fsdp import expert_slice
@@ -64,20 +62,11 @@ def cpu_threads(spec: Spec, options: EngineOptions | None = None) -> int | None:
 
 
 def make_loss_fn(model: MoETransformer, device: torch.device, working: MasterAdamW | None = None,
-                 options: EngineOptions | None = None):
-    """The step's objective: the fast path on CUDA (engines/torch/fast.py; reading the working
-    copies of `working`, the step's MasterAdamW, when it keeps them), else model.loss_terms under
-    autocast (bf16 on a GPU, which the fast path turned off then; fp32 on the CPU)."""
-    options = options or EngineOptions()
-    if fast_path_enabled(device, options) or working is not None:
-        return FastLoss(model, device, kernels_here(options.torch_kernels), working=working)
-    cuda = device.type == "cuda"
-
-    def loss_fn(model, x, optim):
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=cuda):
-            return loss_terms(model, x, optim)
-
-    return loss_fn
+                 options: EngineOptions | None = None) -> Forward:
+    """The step's objective: the model's forward with the kernels the options choose here
+    (forward.kernels_for), reading the working copies of `working`, the step's MasterAdamW, when
+    it keeps them."""
+    return Forward(device, kernels_for(device, options or EngineOptions()), working=working)
 
 
 def launch_step(model: MoETransformer, loss_fn, x: torch.Tensor, spec: Spec,
@@ -197,9 +186,6 @@ def optimizer_from_numpy(model: MoETransformer, opt: torch.optim.AdamW, arrays: 
     opt.load_state_dict({"state": state, "param_groups": sd["param_groups"]})
 
 
-EVAL_STACK = 8  # eval batches (groups of 8 windows) in one forward
-
-
 def _stacks(batches, n: int):
     """Consecutive runs of at most n batches of one shape."""
     chunk: list[np.ndarray] = []
@@ -212,12 +198,18 @@ def _stacks(batches, n: int):
         yield chunk
 
 
-def fast_eval_losses(loss: FastLoss, model: MoETransformer, batches, rows: int, device: torch.device) -> list[float]:
-    """Each eval batch's mean CE on the fast path: the rows of all batches of one shape run
-    `rows` at a time (the training batch's row count, so the compiled blocks see one shape; the
-    last forward is filled up with copies of its first row, whose results are dropped). Rows do
-    not depend on each other under dropless dispatch, so the grouping changes no value."""
+def eval_losses(loss: Forward, model: MoETransformer, batches, rows: int, device: torch.device,
+                dropless: bool = True) -> list[float]:
+    """Each eval batch's mean CE. Under dropless dispatch a row's tokens do not depend on the
+    others', so the rows of all batches of one shape run `rows` at a time (the training batch's
+    row count, so the compiled blocks see one shape; the last forward is filled up with copies of
+    its first row, whose results are dropped); capacity dispatch drops by the tokens of a forward,
+    so there each batch runs alone, as on every layout."""
     means: list[torch.Tensor] = []
+    if not dropless:
+        for b in batches:
+            means.append(loss.row_ce(model, torch.from_numpy(b).to(device, dtype=torch.long)).mean())
+        return torch.stack(means).cpu().tolist() if means else []
     for chunk in _stacks(batches, len(batches) or 1):
         x_NS1 = torch.from_numpy(np.concatenate(chunk)).to(device, dtype=torch.long)
         n = x_NS1.shape[0]
@@ -228,23 +220,6 @@ def fast_eval_losses(loss: FastLoss, model: MoETransformer, batches, rows: int, 
                 part = torch.cat([part, part[:1].expand(rows - part.shape[0], -1)])
             ce_N.append(loss.row_ce(model, part)[:min(rows, n - lo)])
         means += [ce.mean() for ce in torch.split(torch.cat(ce_N), [len(b) for b in chunk])]
-    return torch.stack(means).cpu().tolist() if means else []
-
-
-def reference_eval_losses(model: MoETransformer, batches, device: torch.device, stack: int) -> list[float]:
-    """Each eval batch's mean CE through the reference forward (autocast bf16 on a GPU), up to
-    `stack` batches of one shape in one forward (each mean taken over its own rows: under dropless
-    dispatch a row's tokens do not depend on the others'; capacity dispatch drops by the tokens
-    of a forward, so there each group runs alone, stack 1, as on every layout)."""
-    model.eval()
-    means = []
-    with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
-        for chunk in _stacks(batches, stack):
-            x_NS1 = torch.from_numpy(np.concatenate(chunk)).to(device, dtype=torch.long)
-            logits_NSV, _ = model(x_NS1[:, :-1])
-            ce_NS, _ = token_losses(logits_NSV, x_NS1[:, 1:])
-            means += [ce.mean() for ce in torch.split(ce_NS, [len(b) for b in chunk])]
-    model.train()
     return torch.stack(means).cpu().tolist() if means else []
 
 
@@ -268,11 +243,11 @@ class TorchStep:
         if layout is None:
             self.model = MoETransformer(spec.model).to(device)
         else:  # plain blocks: nothing hooks them, their weights are the optimizer's working copies
-            self.model = layout_model(spec.model, layout, block=Block).to(device)
+            self.model = layout_model(spec.model, layout).to(device)
         # what the forward reads: working copies in this dtype (written by MasterAdamW) or the masters
         self.working = working_dtype(spec, device, self.options)
         self.opt = build_optimizer(self.model, spec.optim, working=self.working,
-                                   kernel=kernels_here(self.options.torch_kernels).adamw)
+                                   kernel=kernels_for(device, self.options).adamw)
         self.loss_fn = None
 
     def _ready(self) -> None:
@@ -280,7 +255,7 @@ class TorchStep:
         if self.layout is None:
             self.loss_fn = make_loss_fn(self.model, self.device, working, self.options)
         else:
-            self.loss_fn = ShardedLoss(self.model, self.layout, kernels_here(self.options.torch_kernels), working)
+            self.loss_fn = ShardedLoss(self.model, self.layout, kernels_for(self.device, self.options), working)
 
     def _local(self, arrays: dict) -> dict:
         return arrays if self.layout is None else expert_slice(arrays, self.spec.model, self.layout)
@@ -344,15 +319,12 @@ class TorchStep:
         return read_step(self.opt, pending)
 
     def eval_losses(self, batches) -> list[float]:
-        """Each eval batch's mean CE: on the fast path with dropless dispatch (fast_eval_losses),
-        else through the reference forward (reference_eval_losses); on a layout each rank scores
-        its rows of each batch and the means are the global ones."""
+        """Each eval batch's mean CE (eval_losses); on a layout each rank scores its rows of each
+        batch and the means are the global ones."""
         if self.layout is not None:
             return self._layout_eval_losses(batches)
-        if isinstance(self.loss_fn, FastLoss) and self.spec.model.dispatch == "dropless":
-            return fast_eval_losses(self.loss_fn, self.model, batches, self.spec.data.batch_size, self.device)
-        stack = EVAL_STACK if self.spec.model.dispatch == "dropless" else 1
-        return reference_eval_losses(self.model, batches, self.device, stack)
+        return eval_losses(self.loss_fn, self.model, batches, self.spec.data.batch_size, self.device,
+                           dropless=self.spec.model.dispatch == "dropless")
 
     def _layout_eval_losses(self, batches) -> list[float]:
         return layout_eval_losses(lambda x, n: self.loss_fn(self.model, x, self.spec.optim, n), batches, self.layout)
@@ -368,8 +340,7 @@ class TorchStep:
         return {} if self.layout is None else {"mesh": [self.layout.dp, self.layout.ep]}
 
     def describe(self) -> dict:
-        fast = self.layout is not None or fast_path_enabled(self.device, self.options)
-        out = {**describe_options(self.options, self.device, fast, self.working is not None),
+        out = {**describe_options(self.options, self.device, self.working is not None),
                "torch_dispatch": dispatcher_name(self.model)}
         if self.layout is not None:
             out["torch_dense"] = "replicate"
@@ -380,12 +351,13 @@ class TorchStep:
             write_summary(self.run_dir, self.model, self.opt, self.layout, first_step=first_step, steps=steps)
 
 
-def describe_options(options: EngineOptions, device: torch.device, fast: bool, master: bool) -> dict:
+def describe_options(options: EngineOptions, device: torch.device, master: bool) -> dict:
     """The options a torch run trains under, as they resolved on its device (status.json and
-    the checkpoint info): the fast path or not, working copies or not, the kernels (on a GPU)."""
+    the checkpoint info): the GPU kernels or the reference ones, working copies or not, the
+    kernels (on a GPU)."""
+    fast = fast_path_enabled(device, options)
     return {"device": str(device), "torch_fast": fast, "torch_master": master,
-            "torch_kernels": dataclasses.asdict(kernels_here(options.torch_kernels))
-            if fast and device.type == "cuda" else None,
+            "torch_kernels": dataclasses.asdict(kernels_for(device, options)) if device.type == "cuda" else None,
             "torch_ep": options.torch_ep, "cpu_threads": options.cpu_threads}
 
 

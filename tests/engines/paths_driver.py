@@ -1,5 +1,5 @@
-"""Runs one torch compute path (the reference forward or the fast forward on the CPU, the layout's
-step module over gloo processes: expert parallel alone (dp 1) or a data x expert mesh) for a few steps of a tiny spec on synthetic tokens, and prints its per-step values
+"""Runs one torch compute path (the one-device step with the reference kernels or the default ones
+on the CPU, the layout's step module over gloo processes: expert parallel alone (dp 1) or a data x expert mesh) for a few steps of a tiny spec on synthetic tokens, and prints its per-step values
 as one JSON line: `python -m tests.engines.paths_driver NAME...`. tests/engines/test_torch_paths.py
 compares them, bit for bit, with tests/engines/reference/paths.json (`--record` rewrites that
 file from the code as it is)."""
@@ -20,8 +20,6 @@ from core.spec import Spec
 from engines.base import read_metrics, read_status
 from engines.options import EngineOptions, TorchKernels
 from engines.torch.step import TorchStep
-from engines.torch.experts import kernels_here
-from engines.torch.fast import FastLoss
 from engines.trainer import Trainer
 from ladder.presets import micro_spec
 from tests.engines.test_trainer_reference import SyntheticStream
@@ -34,7 +32,8 @@ TINY = {"data.seq_len": 32, "data.batch_size": 4, "data.total_tokens": 32 * 4 * 
 CAPACITY = {"model.dispatch": "capacity", "model.n_waves": 2, "model.capacity_factor_send": 1.0,
             "model.capacity_factor_recv": 1.0, "model.router_bias_balancing": True, "model.router_bias_rate": 0.01}
 SIGMOID = {"model.router_kind": "sigmoid", "model.balance_scope": "sequence", "model.latent_dim": None}
-# name -> (spec changes, how it runs: "reference" or "fast" in this process, or "layout" over processes)
+# name -> (spec changes, how it runs: in this process with the "reference" kernels
+# (TorchKernels.reference()) or the default ones ("fast"), or "layout" over processes)
 PATHS = {
     "reference-dropless": ({}, ("reference", 1)),
     "reference-capacity": ({**CAPACITY, **SIGMOID}, ("reference", 1)),
@@ -61,11 +60,7 @@ def _note_dispatcher(name: str, run_dir: Path) -> None:
     DISPATCHERS[name] = read_status(run_dir)["options"].get("torch_dispatch")
 
 
-class FastCPUStep(TorchStep):
-    """TorchStep with the fast forward on the CPU (the engine takes it on CUDA only)."""
-
-    def _ready(self) -> None:
-        self.loss_fn = FastLoss(self.model, self.device, kernels_here(TorchKernels()))
+KERNELS = {"reference": TorchKernels.reference(), "fast": TorchKernels()}
 
 
 def _worker(kind: str, rank: int, world: int, port: int, spec_json: str, run_dir: str) -> None:
@@ -98,7 +93,7 @@ def run(name: str) -> list[dict]:
         run_dir = Path(tmp) / name
         if kind in ("reference", "fast"):
             torch.set_num_threads(1)
-            module = (FastCPUStep if kind == "fast" else TorchStep)(spec, torch.device("cpu"))
+            module = TorchStep(spec, torch.device("cpu"), EngineOptions(torch_kernels=KERNELS[kind]))
             list(Trainer(spec, run_dir, module, checkpoints=False, stream=SyntheticStream(spec)).fit())
             _note_dispatcher(name, run_dir)
             return _values(run_dir)
@@ -123,8 +118,9 @@ if __name__ == "__main__":
     if sys.argv[1] == "--record":
         REFERENCE.write_text(json.dumps(
             {"about": "Per-step values of tiny CPU runs (one thread per process, synthetic tokens) of each torch "
-                      "compute path, made by the code before the paths shared one module tree; "
-                      "tests/engines/test_torch_paths.py pins them bit for bit.",
+                      "compute path: the one-device step with the reference kernels and the default ones, and "
+                      "the layout's step module over processes; tests/engines/test_torch_paths.py pins them "
+                      "bit for bit.",
              **{name: run(name) for name in PATHS}}, indent=1) + "\n")
     else:
         values = {name: run(name) for name in sys.argv[1:]}

@@ -1,12 +1,13 @@
-"""On a CUDA GPU, the torch engine's bf16 fast path (compiled, grouped GEMM) agrees with the fp32
-reference path within bf16 tolerance: the loss, every gradient's direction and size, and the loss
+"""On a CUDA GPU, the torch engine's bf16 forward (compiled, grouped GEMM, the GPU kernels) agrees
+with the fp32 forward of the reference kernels within bf16 tolerance: the loss, every gradient's direction and size, and the loss
 after one optimizer step. Skipped without CUDA."""
 
 import pytest
 import torch
 
 from engines.data import TokenStream
-from engines.options import EngineOptions
+from engines.options import EngineOptions, TorchKernels
+from engines.torch.forward import Forward
 from engines.torch.experts import kernels_here
 from engines.torch.master import build_optimizer
 from engines.torch.step import (
@@ -18,7 +19,7 @@ from engines.torch.step import (
     read_step,
     to_device,
 )
-from engines.torch.model import MoETransformer, init_params, loss_terms
+from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec
 
 pytestmark = [pytest.mark.gpu,
@@ -37,6 +38,11 @@ def _setup(dispatch, **changes):
     model.load_numpy(init_params(spec.model, spec.seed))
     x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).to(dev, dtype=torch.long)
     return spec, model, x
+
+
+def fp32_loss():
+    """The reference kernels' forward in fp32 on the GPU: the yardstick of the bf16 paths."""
+    return Forward(torch.device("cuda"), TorchKernels.reference(), cdt=torch.float32)
 
 
 def _grads(model, fn, x, optim):
@@ -58,7 +64,7 @@ def test_bf16_fast_step_matches_the_fp32_path(dispatch, experts, router, kernels
     options = EngineOptions(torch_kernels=TorchKernels(experts=experts, router=router, swiglu=kernels, xent=kernels,
                                                        rope_layout=rope))
     spec, model, x = _setup(dispatch)
-    loss32, g32 = _grads(model, loss_terms, x, spec.optim)  # no autocast: fp32 throughout
+    loss32, g32 = _grads(model, fp32_loss(), x, spec.optim)  # fp32 throughout
     fast = make_loss_fn(model, x.device, options=options)
     loss16, g16 = _grads(model, fast, x, spec.optim)
     assert abs(loss16 - loss32) <= 1e-2 * abs(loss32)
@@ -76,11 +82,11 @@ def test_bf16_fast_step_matches_the_fp32_path(dispatch, experts, router, kernels
         spec, model, x = _setup(dispatch)
         opt = build_optimizer(model, spec.optim, working=torch.bfloat16 if fast_step else None,
                               kernel=kernels_here(options.torch_kernels).adamw)
-        fn = make_loss_fn(model, x.device, opt, options) if fast_step else loss_terms
+        fn = make_loss_fn(model, x.device, opt, options) if fast_step else fp32_loss()
         vals, out = launch_step(model, fn, x, spec, opt)
         finish_step(model, opt, vals, out, spec)
         with torch.no_grad():
-            after.append(float(loss_terms(model, x, spec.optim)[0]))
+            after.append(float(fp32_loss()(model, x, spec.optim)[0]))
     assert after[1] < loss32 and after[0] < loss32
     assert abs(after[1] - after[0]) <= 1e-2 * abs(after[0])
 
@@ -118,13 +124,13 @@ def test_windowed_attention_through_flex_matches_the_fp32_path(compile_mode):
     "flex", compiled inside the blocks or on its own): loss and gradients agree with the fp32
     reference's dense-mask attention, as closely as SDPA with the dense mask does in bf16."""
     from engines.options import EngineOptions, TorchKernels
-    from engines.torch.fast import BlockMask
+    from engines.torch.forward import BlockMask
 
     window = {"model.attention_window": 200, "model.n_kv_heads": 1, "data.seq_len": 512,
               "data.total_tokens": 512 * 4 * 10}
     spec, model, x = _setup("dropless", **window)
     dev = x.device
-    loss32, g32 = _grads(model, loss_terms, x, spec.optim)
+    loss32, g32 = _grads(model, fp32_loss(), x, spec.optim)
     got = {}
     for kind in ("flex", "mask"):
         options = EngineOptions(torch_kernels=TorchKernels(window_attention=kind, compile=compile_mode))

@@ -55,7 +55,7 @@ def test_a_run_records_its_options_in_status_and_checkpoints(tmp_path):
     spec = tiny_spec(steps=2, checkpoint_every=1, **{"model.ep_size": 1})
     list(TorchEngine("cpu", EngineOptions(cpu_threads=1)).train(spec, tmp_path))
     recorded = read_status(tmp_path)["options"]
-    assert recorded["cpu_threads"] == 1 and recorded["torch_fast"] is False  # the CPU's reference forward
+    assert recorded["cpu_threads"] == 1 and recorded["torch_fast"] is False  # the GPU kernels are a CUDA path
     assert recorded["torch_dispatch"] == {"dropless": "Dropless", "capacity": "Capacity"}[spec.model.dispatch]
     assert load_checkpoint(latest_checkpoint(tmp_path))[2]["options"] == recorded
     assert "options" not in spec.model_dump()  # the spec's id cannot see them

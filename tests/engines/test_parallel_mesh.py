@@ -102,7 +102,7 @@ def test_the_exported_final_shards_hold_the_single_process_weights(runs):
         # another order, into up to ~1% of one update (3e-3): atol 5e-5
         np.testing.assert_allclose(got[k], ref[k], rtol=1e-4, atol=5e-5, err_msg=k)
     assert int(got_opt["step"]) == int(ref_opt["step"]) == 6
-    # the ranks run the fast forward, the one-process CPU engine the reference: a first moment
+    # the ranks run the sharded objective, the one-process CPU engine the whole one: a first moment
     # whose gradient nearly cancels (an embedding entry of 2e-6) moves by up to ~2e-8
     for k in ("m/blocks.1.moe.experts.w_up", "v/blocks.0.moe.router", "m/embed.weight"):
         np.testing.assert_allclose(got_opt[k], ref_opt[k], rtol=1e-3, atol=5e-8, err_msg=k)

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -15,7 +17,9 @@ from engines.checkpoint import CHECKPOINTS, init_from_checkpoint, step_dir_name
 from engines.jax.engine import JaxEngine, configure_jax
 from engines.jax.model import ModelConfig
 from engines.jax.moe import capacity_experts
+from engines.options import TorchKernels
 from engines.torch.engine import TorchEngine
+from engines.torch.forward import expert_kernels
 from engines.torch.model import MoE
 from ladder.presets import micro_spec
 
@@ -96,7 +100,9 @@ def test_capacity_dispatch_of_both_engines_on_a_hand_built_routing():
     with torch.no_grad():
         for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down):
             w.copy_(torch.from_numpy(rng.normal(0, 0.3, size=tuple(w.shape)).astype(np.float32)))
-        y_TKL, t_send, t_recv = moe.experts(torch.from_numpy(x_TL), torch.from_numpy(expert_TK), torch.from_numpy(gate_TK))
+        kernels = functools.partial(expert_kernels, cdt=torch.float32, o=TorchKernels.reference())
+        y_TKL, t_send, t_recv = moe.experts(torch.from_numpy(x_TL), torch.from_numpy(expert_TK), torch.from_numpy(gate_TK),
+                                            kernels)
         y_torch = (y_TKL * torch.from_numpy(gate_TK)[..., None]).sum(1).numpy()
     weights = [jnp.asarray(w.detach().numpy()) for w in (moe.experts.w_gate, moe.experts.w_up, moe.experts.w_down)]
     fn = jax.jit(capacity_experts, static_argnums=(6, 7))

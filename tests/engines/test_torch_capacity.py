@@ -5,7 +5,9 @@ import pytest
 import torch
 
 from engines.dispatch_ref import capacities, capacity_plan as ref_plan
+from engines.options import TorchKernels
 from engines.torch.dispatch import capacity_plan
+from engines.torch.forward import moe_combine, moe_experts, moe_weights
 from engines.torch.model import MoE, init_params
 from ladder.presets import micro_spec
 
@@ -69,6 +71,17 @@ def test_tokens_not_divisible_by_ep_is_a_clear_error():
         _plan([[0]] * 5, E=4, ep=2, W=1)
 
 
+def _moe_out(moe, x_TD, seq_len):
+    """The forward's MoE part (engines/torch/forward.py) on one MoE module in fp32 with the
+    reference kernels: (y_TD, statistics with the drop fractions)."""
+    T, K = x_TD.shape[0], moe.m.top_k
+    expert_TK, gate_TK, st = moe.route(x_TD, seq_len)
+    w = moe_weights(moe, torch.float32)
+    y, n_send, n_recv = moe_experts(moe, w, x_TD, expert_TK, gate_TK, torch.float32, TorchKernels.reference())
+    st["drop_send"], st["drop_recv"] = n_send / (T * K), n_recv / (T * K)
+    return moe_combine(moe, w, torch.zeros_like(x_TD), x_TD, y, gate_TK, torch.float32), st
+
+
 def _moe(spec):
     moe = MoE(spec.model)
     params = init_params(spec.model, 3)
@@ -84,8 +97,8 @@ def test_capacity_with_ample_factors_equals_dropless():
     roomy = spec.replace(**{"model.dispatch": "capacity", "model.capacity_factor_send": float(max(E, ep)),
                             "model.capacity_factor_recv": float(E), "model.n_waves": 2})
     x_TD = torch.randn(128, spec.model.d_model, generator=torch.Generator().manual_seed(0))
-    y_drop, st_drop = _moe(spec)(x_TD, 64)
-    y_cap, st_cap = _moe(roomy)(x_TD, 64)
+    y_drop, st_drop = _moe_out(_moe(spec), x_TD, 64)
+    y_cap, st_cap = _moe_out(_moe(roomy), x_TD, 64)
     assert float(st_cap["drop_send"]) == 0 and float(st_cap["drop_recv"]) == 0
     torch.testing.assert_close(y_cap, y_drop, rtol=1e-6, atol=1e-6)
 
@@ -97,7 +110,7 @@ def test_tight_capacity_drops_and_dropped_assignments_add_nothing():
     x_TD = torch.randn(128, spec.model.d_model, generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         moe.router.mul_(50.0)  # a peaked router overloads some experts
-        y, st = moe(x_TD, 64)
+        y, st = _moe_out(moe, x_TD, 64)
         expert_TK, gate_TK, _ = moe.route(x_TD, 64)
         ref = ref_plan(expert_TK.numpy(), 8, 2, 1, 1.0, 1.0)
         assert float(st["drop_send"]) == pytest.approx(ref.drop_frac_send) and ref.drop_frac_send > 0
@@ -111,5 +124,8 @@ def test_tight_capacity_drops_and_dropped_assignments_add_nothing():
                     e = int(expert_TK[t, j])
                     h = torch.nn.functional.silu(x_TL[t] @ moe.experts.w_gate[e]) * (x_TL[t] @ moe.experts.w_up[e])
                     want_TL[t] += gate_TK[t, j] * (h @ moe.experts.w_down[e])
-        want_TD = want_TL @ moe.latent_up + moe.shared(x_TD)
+        sh = moe.shared
+        shared_TD = sum(torch.nn.functional.silu(x_TD @ sh.w_gate[n]) * (x_TD @ sh.w_up[n]) @ sh.w_down[n]
+                        for n in range(spec.model.n_shared_experts))
+        want_TD = want_TL @ moe.latent_up + shared_TD
     torch.testing.assert_close(y, want_TD, rtol=1e-5, atol=1e-6)

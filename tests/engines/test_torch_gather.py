@@ -1,7 +1,7 @@
 """engines/torch/kernels/gather.py: the combine's gather-and-sum with hand-written backward, and its
 Triton kernels. On the CPU: the Combine function's gradients equal autograd's through the plain
-gather + sum, the fast loss with gather="triton" (the torch forms here) equals the reference
-model, and, where Triton is installed, the kernels run in Triton's interpreter and equal the torch
+gather + sum, the forward with gather="triton" (the torch forms here) equals it with the
+reference kernels, and, where Triton is installed, the kernels run in Triton's interpreter and equal the torch
 forms, directly and through the registered ops."""
 
 import pytest
@@ -9,9 +9,9 @@ import torch
 
 from engines.data import TokenStream
 from engines.options import TorchKernels
-from engines.torch import fast
+from engines.torch.forward import Forward
 from engines.torch.kernels.gather import Combine
-from engines.torch.model import MoETransformer, init_params, loss_terms
+from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec
 from tests.engines.triton_script import INTERPRETER, interpreter_only, run_script
 
@@ -44,14 +44,14 @@ def test_combine_gradients_equal_autograd_through_gather_and_sum():
 
 
 @pytest.mark.parametrize("combine_grad", ["inductor", "triton"])
-def test_fast_loss_with_the_gather_ops_matches_the_reference(combine_grad):
+def test_the_forward_with_the_gather_ops_matches_the_reference_kernels(combine_grad):
     spec = micro_spec(**{"model.dispatch": "dropless"})
     model = MoETransformer(spec.model)
     model.load_numpy(init_params(spec.model, spec.seed))
     x = torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long()
     grads = []
     kernels = TorchKernels(gather="triton", combine_grad=combine_grad, compile="block")
-    for fn in (loss_terms, fast.FastLoss(model, torch.device("cpu"), kernels)):
+    for fn in (Forward(torch.device("cpu"), TorchKernels.reference()), Forward(torch.device("cpu"), kernels)):
         model.zero_grad(set_to_none=True)
         total, _ = fn(model, x, spec.optim)
         total.backward()

@@ -1,5 +1,5 @@
 """MasterAdamW (engines/torch/master.py): AdamW on fp32 masters that writes the working copies the
-fast forward reads. On the CPU, with fp32 working copies, it must train exactly like torch's AdamW
+forward reads. On the CPU, with fp32 working copies, it must train exactly like torch's AdamW
 + clip_grad_norm_ on the same forward; with bf16 copies, the copies are the masters rounded; and a
 run resumed from its state continues as if never stopped."""
 
@@ -16,7 +16,7 @@ from engines.torch.step import (
     optimizer_from_numpy,
     optimizer_to_numpy,
 )
-from engines.torch.fast import FastLoss, working_dtype
+from engines.torch.forward import Forward, working_dtype
 from engines.torch.master import MasterAdamW, build_optimizer, foreach_norms, weight_layout
 from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec
@@ -54,7 +54,7 @@ def _train(model, opt, loss_fn, steps, start=0):
 def test_fp32_working_copies_train_exactly_like_adamw_with_clipping():
     ref = _model()
     ref_opt = build_optimizer(ref, SPEC.optim)
-    ref_norms = _train(ref, ref_opt, FastLoss(ref, torch.device("cpu")), 5)
+    ref_norms = _train(ref, ref_opt, Forward(torch.device("cpu")), 5)
     model = _model()
     opt = _master(model)
     norms = _train(model, opt, make_loss_fn(model, torch.device("cpu"), opt), 5)
@@ -199,7 +199,7 @@ def test_a_non_finite_step_changes_nothing():
 ])
 def test_with_the_compiled_update_working_copies_are_kept_for_long_runs_unless_forced(master, seconds, on):
     from engines.options import EngineOptions, TorchKernels
-    from engines.torch.fast import working_copies_enabled
+    from engines.torch.forward import working_copies_enabled
 
     options = EngineOptions(torch_master=master, torch_kernels=TorchKernels(adamw="compile"))
     assert working_copies_enabled(torch.device("cuda"), options, seconds) is on
@@ -209,7 +209,7 @@ def test_with_the_compiled_update_working_copies_are_kept_for_long_runs_unless_f
 def test_the_triton_update_keeps_working_copies_for_short_runs():
     pytest.importorskip("triton")
     from engines.options import EngineOptions, TorchKernels
-    from engines.torch.fast import working_copies_enabled
+    from engines.torch.forward import working_copies_enabled
 
     assert working_copies_enabled(torch.device("cuda"), EngineOptions(), 60.0) is True  # nothing to compile
     compiled = EngineOptions(torch_kernels=TorchKernels(adamw="compile"))

@@ -7,7 +7,8 @@ import torch
 from engines.data import TokenStream
 from engines.torch.master import build_optimizer
 from engines.torch.step import optimizer_from_numpy, optimizer_to_numpy
-from engines.torch.model import MoETransformer, init_params, loss_terms
+from engines.torch.forward import Forward
+from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec
 
 
@@ -21,7 +22,7 @@ def test_update_from_a_saved_state_is_the_adamw_formula():
     for step in range(3):
         for g in opt.param_groups:
             g["lr"] = lr
-        loss_terms(model, torch.from_numpy(stream.batch(step)).long(), o)[0].backward()
+        Forward(torch.device("cpu"))(model, torch.from_numpy(stream.batch(step)).long(), o)[0].backward()
         opt.step()
         opt.zero_grad()
     params, state = model.to_numpy(), optimizer_to_numpy(model, opt)
@@ -33,7 +34,7 @@ def test_update_from_a_saved_state_is_the_adamw_formula():
     optimizer_from_numpy(fresh, opt2, state)
     for g in opt2.param_groups:
         g["lr"] = lr
-    loss_terms(fresh, torch.from_numpy(stream.batch(3)).long(), o)[0].backward()
+    Forward(torch.device("cpu"))(fresh, torch.from_numpy(stream.batch(3)).long(), o)[0].backward()
     grads = {k: p.grad.numpy().astype(np.float64) for k, p in fresh.named_parameters()}
     opt2.step()
     after = fresh.to_numpy()

@@ -1,4 +1,5 @@
-"""Every torch compute path (the reference forward, the fast forward, the layout's step module over
+"""Every torch compute path (the one-device step with the reference kernels and with the default
+ones, the layout's step module over
 processes: expert parallel alone and a data x expert mesh) gives on the CPU the per-step values
 recorded in tests/engines/reference/paths.json (made by tests/engines/paths_driver.py). The
 process paths run in a real subprocess that forks gloo ranks.

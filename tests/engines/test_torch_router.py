@@ -7,7 +7,8 @@ import torch
 from engines.checkpoint import latest_checkpoint, load_checkpoint
 from engines.data import TokenStream
 from engines.torch.engine import TorchEngine
-from engines.torch.model import MoETransformer, init_params, loss_terms
+from engines.torch.forward import Forward
+from engines.torch.model import MoETransformer, init_params
 from ladder.presets import micro_spec
 
 pytestmark = pytest.mark.slow
@@ -63,7 +64,7 @@ def test_bias_moves_against_the_load_error_by_the_rate(tmp_path):
     model = MoETransformer(spec.model)
     model.load_numpy(init_params(spec.model, spec.seed))
     with torch.no_grad():
-        _, out = loss_terms(model, torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long(), spec.optim)
+        _, out = Forward(torch.device("cpu"))(model, torch.from_numpy(TokenStream.from_spec(spec).batch(0)).long(), spec.optim)
     for i, load_E in enumerate(out["load_LE"]):
         want = 0.01 * np.sign(load_E.mean().item() - load_E.numpy())
         assert np.array_equal(params[f"blocks.{i}.moe.router_bias"], want.astype(np.float32))

@@ -1,10 +1,10 @@
 """The MoE transformer of a spec on a layout, by composition: the one model of
 engines/torch/model.py built for this rank (layout_model), and its share of the step's objective
-(ShardedLoss), computed by the fast forward (engines/torch/fast.py) on every layout.
+(ShardedLoss), computed by the one forward (engines/torch/forward.py) on every layout.
 
-The model is built with its kernels: its blocks are FastBlocks (the fast forward as each block's
-module call, so FSDP2 gathers a block's parameters in its forward hook, and the experts' over the
-data group for exactly as long as the dispatch), its Experts modules hold this rank's experts and
+Under FSDP2 the forward runs each block as its module call (so FSDP2 gathers a block's parameters
+in its forward hook, and the experts' over the data group for exactly as long as the dispatch);
+the model's Experts modules hold this rank's experts and
 the layout's dispatcher (engines/torch/parallel/dispatch.py: PooledWave or Ragged, given the
 layout's process groups). The loss runs as the model's own call (model(tokens, ..., run=loss)), so
 FSDP2's root unit gathers the embedding, final norm and head around it.
@@ -29,7 +29,7 @@ import torch.distributed as dist
 from core.spec import ModelSpec
 from engines.options import TorchKernels
 from engines.torch.experts import kernels_here
-from engines.torch.fast import FastBlock, FastLoss
+from engines.torch.forward import Forward
 from engines.torch.model import Experts, MoETransformer, sharded_objective
 from engines.torch.dispatch import Dropless
 from engines.torch.parallel.dispatch import PooledWave, Ragged, all_reduce_sum
@@ -42,12 +42,10 @@ def is_expert_param(name: str) -> bool:
     return EXPERT_MARK in name
 
 
-def layout_model(m: ModelSpec, layout: Layout, block: type = FastBlock) -> MoETransformer:
-    """The spec's model on this rank: its blocks (FastBlocks, whose call FSDP2 hooks, or plain
-    Blocks for a replicated layout, whose fast forward reads the optimizer's working copies), and in
-    each block this rank's share of the routed experts (E / ep of them) behind the layout's
-    dispatcher."""
-    model = MoETransformer(m, block=block)
+def layout_model(m: ModelSpec, layout: Layout) -> MoETransformer:
+    """The spec's model on this rank: in each block this rank's share of the routed experts
+    (E / ep of them) behind the layout's dispatcher."""
+    model = MoETransformer(m)
     if m.dispatch == "capacity":
         dispatcher = PooledWave(m, layout.expert_group, layout.data_group, layout.d)
     elif layout.ep == 1:
@@ -60,13 +58,13 @@ def layout_model(m: ModelSpec, layout: Layout, block: type = FastBlock) -> MoETr
 
 
 class ShardedLoss:
-    """This rank's share of the step's objective: the fast forward of a layout_model (sharded by
-    FSDP2 or not) and model.sharded_objective. Run as the model's call, model(tokens_bS1, optim,
-    n_tokens, run=loss) -> (this rank's share of the objective, {"global": forward metrics summed
-    over every rank, "aux_r", "total_r", "load_LE"})."""
+    """This rank's share of the step's objective: the forward of a layout_model (hooked: sharded
+    by FSDP2, whose units are the blocks; else replicated) and model.sharded_objective. Run as the
+    model's call, model(tokens_bS1, optim, n_tokens, run=loss) -> (this rank's share of the
+    objective, {"global": forward metrics summed over every rank, "aux_r", "total_r", "load_LE"})."""
 
     def __init__(self, model: MoETransformer, layout: Layout, kernels: TorchKernels | None = None,
-                 working=None):
+                 working=None, hooked: bool = False):
         self.layout = layout
         o = kernels_here(kernels or TorchKernels())
         m = model.m
@@ -82,11 +80,11 @@ class ShardedLoss:
             mode = "dense"
         else:
             mode = o.compile if working is not None and o.compile != "dense" else "block"
-        self.fast = FastLoss(model, layout.device, o, working=working, compile=mode,
-                             hooked_experts=layout.ep > 1 and working is None)
+        self.forward = Forward(layout.device, o, working=working, compile=mode, hooked=hooked,
+                            hooked_experts=layout.ep > 1 and working is None)
 
     def __call__(self, model: MoETransformer, tokens_bS1: torch.Tensor, optim, n_tokens: int):
-        ce, z, st = self.fast.forward(model, tokens_bS1)
+        ce, z, st = self.forward.forward(model, tokens_bS1)
         return sharded_objective(ce, z, st, optim, model.m, n_tokens, self.layout.world, all_reduce_sum)
 
 
@@ -103,7 +101,7 @@ def layout_eval_losses(forward, batches, layout: Layout) -> list[float]:
 
 
 def step_metrics(out: dict, aux: torch.Tensor, total: torch.Tensor) -> dict[str, torch.Tensor]:
-    """The metrics of model.loss_terms (global) from the sharded objective's output and the
+    """The metrics of model.objective (global) from the sharded objective's output and the
     balancing and total losses summed over the ranks."""
     g, load_LE = out["global"], out["load_LE"]
     return {

@@ -1,6 +1,6 @@
 """The torch engine's step module on every multi-process layout (engines/torch/parallel/layout.py):
 this rank's shards and tokens, FSDP2 for the parameters (the experts over the data group, the
-rest over all ranks), the layout's dispatcher for the experts, the fast forward for everything
+rest over all ranks), the layout's dispatcher for the experts, the one forward for everything
 (engines/torch/parallel/model.py), sharded checkpoints (torch.distributed.checkpoint) and their
 export to the engine-neutral format.
 
@@ -80,7 +80,7 @@ class ParallelStep:
         if spec.optim.moments != "fp32":  # (MasterAdamW alone keeps bf16 moments: no layout has it)
             raise LayoutError("optim.moments bf16 is not supported over processes: the sharded AdamW keeps fp32 moments")
         self.model = build_sharded_model(spec.model, layout)
-        self.loss = ShardedLoss(self.model, layout, kernels_here(self.options.torch_kernels))
+        self.loss = ShardedLoss(self.model, layout, kernels_here(self.options.torch_kernels), hooked=True)
         self.opt = build_optimizer(self.model, spec.optim, sharded=layout.device)
 
     def init_fresh(self) -> None:
@@ -147,10 +147,10 @@ class ParallelStep:
         return {"mesh": [self.layout.dp, self.layout.ep]}
 
     def describe(self) -> dict:
-        """How this run computes (status.json and the checkpoint info): the fast forward, fp32
+        """How this run computes (status.json and the checkpoint info): the kernels, fp32
         masters (no working copies: on a GPU FSDP2 gathers the blocks' parameters in bf16), the
         layout's dispatcher."""
-        return {**describe_options(self.options, self.layout.device, fast=True, master=False),
+        return {**describe_options(self.options, self.layout.device, master=False),
                 "torch_dispatch": dispatcher_name(self.model),
                 "torch_gather_dtype": "bf16" if gathers_bf16(self.layout.device) else "fp32"}
 

@@ -1,5 +1,5 @@
 """Train a spec over processes on a (data x expert) layout: FSDP2 shards, the layout's dispatcher
-for the experts, the fast forward (engines/torch/parallel/step.py).
+for the experts, the one forward (engines/torch/parallel/step.py).
 
     torchrun --standalone --nproc_per_node N -m engines.torch.parallel.train SPEC.yaml --run-dir DIR
              [--steps S] [--options OPTIONS.json]

@@ -1,33 +1,35 @@
-"""The GPU fast path of the PyTorch engine: the model of engines/torch/model.py (same
-parameters, same objective, same metrics) computed for throughput.
+"""The forward of the PyTorch engine's model (engines/torch/model.py holds its parameters): one
+computation, with its kernels chosen when it is built (options.torch_kernels; Forward).
 
-What changes against the reference forward (model.loss_terms under autocast), and why:
-- dtypes are explicit rather than autocast's: the matmuls read bf16 working copies of the fp32
-  masters, written by the optimizer (engines/torch/master.py; or, with options.torch_master off,
-  casts of the masters made every step); the residual stream, norms' statistics, routing, router
-  losses and the output log-partition stay fp32, as under autocast;
+How it computes:
+- dtypes are explicit: the matmuls run in a compute dtype (bf16 on a GPU, fp32 on the CPU, or the
+  dtype asked for), reading bf16 working copies of the fp32 masters written by the optimizer
+  (engines/torch/master.py) or casts of the masters made every step; the residual stream, norms'
+  statistics, routing, router losses and the output log-partition stay fp32;
 - attention reads one fused QKV projection and calls SDPA with is_causal and no mask when there
   is no sliding window (the flash / cuDNN kernels); a sliding window runs through FlexAttention
   with a block mask on a GPU (kernels window_attention="flex": the blocks wholly outside the
-  window are skipped, where SDPA with a dense [S, S] mask computed every block);
+  window are skipped) or SDPA with a dense [S, S] mask ("mask");
 - the routed experts go through the block's token dispatcher (engines/torch/dispatch.py, or an
-  expert-parallel one) with the fast kernels (engines/torch/experts.CastKernels): dropless
-  dispatch stays on the device (counts and group offsets by scatter-add, one grouped GEMM per
-  expert weight over the rows sorted by expert); dispatch and combine are row permutations whose
+  expert-parallel one) with the kernels of engines/torch/experts.CastKernels: dropless dispatch
+  stays on the device (counts and group offsets by scatter-add, one grouped GEMM per expert
+  weight over the rows sorted by expert); dispatch and combine are row permutations whose
   backward is the inverse permutation (a gather: no atomics); the combine's and the dispatch
-  backward's gather-and-sum run as Triton kernels (engines/torch/kernels/gather.py; kernels
-  gather="inductor" leaves them to Inductor); the expert matmuls' weight gradients run as one
-  Triton kernel each (engines/torch/kernels/grouped_dw.py; kernels grouped_dw="torch" leaves them to
-  _grouped_mm); capacity dispatch fills fixed [E, C, L] buffers by the device-side pooled-wave plan;
-- every block and the output head go through torch.compile (regional: one compiled graph
+  backward's gather-and-sum run as Triton kernels (kernels gather="inductor" leaves them to
+  torch); the expert matmuls' weight gradients run as one Triton kernel each (grouped_dw="torch"
+  leaves them to _grouped_mm); capacity dispatch fills fixed [E, C, L] buffers by the device-side
+  pooled-wave plan;
+- every block and the output head go through torch.compile on a GPU (regional: one compiled graph
   serves all blocks, so compiling costs one block, not the depth).
 
-On the CPU the same code runs in fp32 with a loop over experts and no compilation; tests check
-it against the reference forward there (tests/engines/test_torch_fast.py) and against the fp32
-path on a GPU (tests/engines/test_gpu_bf16.py).
+The reference is a kernel choice, not another forward: TorchKernels.reference() (options
+torch_fast=0) is plain torch everywhere (eager, fp32 router and torch.topk, SDPA's own backend,
+no Triton). On the CPU every choice runs as torch ops in fp32 and no block is compiled; tests
+check the kernel choices against each other there (tests/engines/test_torch_forward.py) and the
+bf16 forward against the fp32 one on a GPU (tests/engines/test_gpu_bf16.py).
 
-Shape legend as in model.py: B batch, S sequence, T tokens, D model, H heads, G kv heads, Q head
-dim, V vocab, E routed experts, K top-k, L expert width, F expert hidden, A assignments (T*K).
+Shape legend: B batch, S sequence, T tokens, D model, H heads, G kv heads, Q head dim, V vocab,
+E routed experts, K top-k, L expert width, F expert hidden, A assignments (T*K).
 """
 
 from __future__ import annotations
@@ -45,26 +47,35 @@ from core.spec import Spec
 from engines.options import EngineOptions, TorchKernels
 from engines.torch.kernels import adamw_kernel, xent
 from engines.torch.experts import CastKernels, kernels_here
-from engines.torch.model import Block, MoETransformer, attention_mask, objective, rope_tables
+from engines.torch.model import MoETransformer, attention_mask, objective, rope_tables
 from engines.torch.kernels.tf32 import mm_tf32
 from engines.torch.kernels.topk import topk_indices
 from engines.torch.loss import head_losses, token_losses
 
 
 def fast_path_enabled(device: torch.device, options: EngineOptions) -> bool:
-    """The engine uses this path on CUDA unless options.torch_fast is off (torch_fast=0)."""
+    """Whether the GPU kernels run: on CUDA unless options.torch_fast is off (torch_fast=0: the
+    reference kernels, TorchKernels.reference())."""
     return device.type == "cuda" and options.torch_fast
+
+
+def kernels_for(device: torch.device, options: EngineOptions) -> TorchKernels:
+    """The kernels the forward runs with here: options.torch_kernels as they can run here, or the
+    reference ones where options.torch_fast is off."""
+    if device.type == "cuda" and not options.torch_fast:
+        return TorchKernels.reference()
+    return kernels_here(options.torch_kernels)
 
 
 # MasterAdamW's compiled update (kernels adamw "compile", or no Triton) costs up to about a
 # minute of warm-up (H200, bench shape, cold compile cache) for 2-3.5% faster steps: it repays that
 # after about 30-40 minutes of steps. Its Triton kernel (the default) compiles nothing.
 WORKING_COPIES_MIN_SECONDS = 2400.0
-ASSUMED_MFU = 0.3  # what the fast path measured at the H200 bench shape (33%)
+ASSUMED_MFU = 0.3  # what the GPU kernels measured at the H200 bench shape (33%)
 
 
 def working_copies_enabled(device: torch.device, options: EngineOptions, expected_seconds: float | None = None) -> bool:
-    """Whether the fast path keeps bf16 working copies written by the optimizer
+    """Whether the GPU kernels' forward keeps bf16 working copies written by the optimizer
     (engines/torch/master.py). options.torch_master True / False (torch_master=1 / 0)
     forces it on / off; otherwise on with MasterAdamW's Triton kernel (its default where Triton
     is installed), or when the run is expected to last at least WORKING_COPIES_MIN_SECONDS
@@ -82,7 +93,7 @@ def working_copies_enabled(device: torch.device, options: EngineOptions, expecte
 def working_dtype(spec: Spec, device: torch.device, options: EngineOptions) -> torch.dtype | None:
     """The dtype of the working copies the step's forward reads (MasterAdamW writes them:
     engines/torch/master.build_optimizer), or None: the forward reads the fp32 masters (casting
-    them where it computes in 16 bits). bf16 on the CUDA fast path where working_copies_enabled,
+    them where it computes in 16 bits). bf16 on CUDA with the GPU kernels where working_copies_enabled,
     from the run's expected duration at the spec's hardware (each of its GPUs does its share; each
     pays the compile). A spec with bf16 moments always has them (only MasterAdamW stores moments
     off the parameters' dtype): bf16, or fp32 copies on the CPU."""
@@ -162,9 +173,14 @@ def block_weights(block, cdt: torch.dtype, experts: bool = True) -> dict[str, to
     """A block's matmul weights in cdt, cast from the fp32 masters, under the names and layouts of
     master.weight_layout (q|k|v and gate|up concatenated along the last dim); experts False leaves
     the routed experts' out (their module casts them when it runs: expert_kernels)."""
-    a, moe = block.attn, block.moe
-    w = {"attn.qkv": torch.cat([a.wq, a.wk, a.wv], -1).to(cdt), "attn.wo": a.wo.to(cdt),
-         **(expert_weights(moe.experts, cdt) if experts else {})}
+    a = block.attn
+    return {"attn.qkv": torch.cat([a.wq, a.wk, a.wv], -1).to(cdt), "attn.wo": a.wo.to(cdt),
+            **moe_weights(block.moe, cdt, experts)}
+
+
+def moe_weights(moe, cdt: torch.dtype, experts: bool = True) -> dict[str, torch.Tensor]:
+    """An MoE module's share of block_weights (keys "moe.*")."""
+    w = expert_weights(moe.experts, cdt) if experts else {}
     if moe.m.latent_dim is not None:
         w["moe.latent_down"], w["moe.latent_up"] = moe.latent_down.to(cdt), moe.latent_up.to(cdt)
     if moe.m.n_shared_experts > 0:
@@ -204,10 +220,10 @@ def moe_route(block, x_BSD, o: TorchKernels):
     return h_TD, expert_TK, gate_TK, stats
 
 
-def moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt):
+def moe_combine(moe, w, x_BSD, h_TD, y, gate_TK, cdt):
     """x + the MoE output; y: y_TKL (each assignment's output, summed with the gates here) or
     y_TL (already summed)."""
-    m = block.moe.m
+    m = moe.m
     y_TL = (y.float() * gate_TK.unsqueeze(-1)).sum(1) if y.dim() == 3 else y
     y_TD = (y_TL.to(cdt) @ w["moe.latent_up"]).float() if m.latent_dim is not None else y_TL
     if m.n_shared_experts > 0:
@@ -218,11 +234,11 @@ def moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt):
     return x_BSD + y_TD.view(x_BSD.shape)
 
 
-def moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt, o: TorchKernels):
-    """(y_TKL or y_TL, send drops, receive drops) of a block's routed experts: the block's
-    dispatcher (engines/torch/dispatch.py, or an expert-parallel one) with the fast kernels; with
+def moe_experts(moe, w, h_TD, expert_TK, gate_TK, cdt, o: TorchKernels):
+    """(y_TKL or y_TL, send drops, receive drops) of an MoE module's routed experts: its
+    dispatcher (engines/torch/dispatch.py, or an expert-parallel one) with the kernels of o; with
     no expert weights in w (block_weights experts=False), through the Experts module's call."""
-    moe, m = block.moe, block.moe.m
+    m = moe.m
     x_TL = (h_TD.to(cdt) @ w["moe.latent_down"]) if m.latent_dim is not None else h_TD
     if "moe.experts.gate_up" not in w:
         return moe.experts(x_TL, expert_TK, gate_TK, kernels=functools.partial(expert_kernels, cdt=cdt, o=o))
@@ -233,11 +249,11 @@ def moe_residual(block, w, x_BSD, cdt, o: TorchKernels, route=None):
     """x + moe(moe_norm(x)) and the block's MoE statistics (route: moe_route or its compiled form)."""
     T, K = x_BSD.shape[0] * x_BSD.shape[1], block.moe.m.top_k
     h_TD, expert_TK, gate_TK, stats = (route or moe_route)(block, x_BSD, o)
-    y, n_send, n_recv = moe_experts(block, w, x_BSD, h_TD, expert_TK, gate_TK, cdt, o)
+    y, n_send, n_recv = moe_experts(block.moe, w, h_TD, expert_TK, gate_TK, cdt, o)
     stats["drop_send"] = n_send / (T * K)
     stats["drop_recv"] = n_recv / (T * K)
     stats["n_send"], stats["n_recv"] = n_send, n_recv
-    return moe_combine(block, w, x_BSD, h_TD, y, gate_TK, cdt), stats
+    return moe_combine(block.moe, w, x_BSD, h_TD, y, gate_TK, cdt), stats
 
 
 def block_forward(block, w, x_BSD, cos, sin, mask_SS, cdt, o: TorchKernels):
@@ -262,30 +278,31 @@ def output_losses(x_BSD, final_norm, lm_head, targets_BS, cdt, o: TorchKernels):
     return head_losses(logits_BSV, targets_BS)
 
 
-# ---- the loss ------------------------------------------------------------------------------------
+# ---- the forward ---------------------------------------------------------------------------------
 
 
-class FastLoss:
-    """loss(model, tokens_BS1, optim) with the contract of model.loss_terms.
+class Forward:
+    """The model's forward with its kernels: forward(model, tokens_BS1) -> (CE, z, per-layer
+    statistics); called as loss(model, tokens_BS1, optim) -> model.objective's (total, metrics).
 
-    With `working` (the engine's MasterAdamW), the matmuls read its 16-bit working copies and their
-    gradients land there (the fp32 masters of those matrices get none); without it they cast the
-    masters every step. compile: the compile mode (default options.compile on CUDA, none elsewhere).
-    The routed experts go through each block's dispatcher: the one-device one of the spec, or the
-    expert-parallel one of a model built by engines/torch/parallel/model.py, whose blocks are
-    FastBlocks: each runs as a module call (which FSDP2 hooks), its experts too.
-    forward(model, tokens_BS1) -> (CE, z, per-layer statistics) serves both objectives."""
+    kernels: the kernel choices (default: TorchKernels() as they can run here). working: the
+    step's MasterAdamW where it keeps 16-bit working copies (the matmuls read them and their
+    gradients land there; the fp32 masters of those matrices get none); without it the matmuls
+    cast the masters every step. cdt: the matmuls' dtype without working copies (bf16 on CUDA,
+    fp32 elsewhere). compile: the compile mode (kernels.compile on CUDA, none elsewhere).
+    hooked: a wrapper (FSDP2) hooks the blocks, so each block runs as its module call (Block.forward
+    hands the computation back here) and reads its weights inside it; hooked_experts: the Experts
+    modules are hooked too (their weights read inside their own call; default: as hooked)."""
 
-    def __init__(self, model: MoETransformer, device: torch.device, kernels: TorchKernels | None = None,
-                 working=None, compile: str | None = None, hooked_experts: bool | None = None):
+    def __init__(self, device: torch.device, kernels: TorchKernels | None = None, working=None,
+                 cdt: torch.dtype | None = None, compile: str | None = None, hooked: bool = False,
+                 hooked_experts: bool | None = None):
         self.options = kernels or kernels_here(TorchKernels())
-        self.modules = isinstance(model.blocks[0], FastBlock)
-        # a wrapper (FSDP2) hooks the Experts modules, so their weights are read inside their call;
-        # False for a model whose experts sit in their block's unit (default: the blocks are modules)
-        self.hooked_experts = self.modules if hooked_experts is None else hooked_experts
+        self.modules = hooked
+        self.hooked_experts = hooked if hooked_experts is None else hooked_experts
         self.working = working
         self.cdt = working.dtype if working is not None else (
-            torch.bfloat16 if device.type == "cuda" else torch.float32)
+            cdt or (torch.bfloat16 if device.type == "cuda" else torch.float32))
         mode = compile or (self.options.compile if device.type == "cuda" else "none")
         self._block, self._attn, self._moe_route, self._head = block_forward, None, None, output_losses
         self._cudagraphs = mode == "block-cudagraphs"
@@ -321,7 +338,7 @@ class FastLoss:
         return self._per_block, leaves["lm_head"]
 
     def _run_block(self, block, w, x_BSD, cos, sin, mask_SS):
-        if self.modules:  # the module call: FastBlock.forward runs _compute_block inside the hooks
+        if self.modules:  # the module call: Block.forward runs _compute_block inside the hooks
             return block(x_BSD, cos, sin, mask_SS, run=self._compute_block)
         return self._compute_block(block, w, x_BSD, cos, sin, mask_SS)
 
@@ -390,8 +407,8 @@ class FastLoss:
 
     @torch.no_grad()
     def row_ce(self, model: MoETransformer, tokens_BS1: torch.Tensor, rows: int = 8) -> torch.Tensor:
-        """Each row's mean CE (fp32, [B]), forward only, on this path's blocks: what the eval
-        scores. The logits are made `rows` rows at a time (a [rows, S, V] fp32 block at most)."""
+        """Each row's mean CE (fp32, [B]), forward only: what the eval scores. The logits are
+        made `rows` rows at a time (a [rows, S, V] fp32 block at most)."""
         inputs_BS, targets_BS = tokens_BS1[:, :-1], tokens_BS1[:, 1:]
         with self._context(tokens_BS1):
             x_BSD, _, lm_head = self._trunk(model, inputs_BS)
@@ -404,16 +421,6 @@ class FastLoss:
     def __call__(self, model: MoETransformer, tokens_BS1: torch.Tensor, optim):
         ce, z, st = self.forward(model, tokens_BS1)
         return objective(ce, z, st, optim)
-
-
-class FastBlock(Block):
-    """A block whose forward is the fast one, chosen when the model is built: FastLoss hands its
-    block computation in as `run` with each call (the module holds no loss state), and the call is
-    one a wrapper (FSDP2) hooks, so it holds the block's gathered parameters for exactly as long as
-    the block runs."""
-
-    def forward(self, x_BSD, cos, sin, mask_SS, run):
-        return run(self, None, x_BSD, cos, sin, mask_SS)
 
 
 def sdpa_backend(name: str | None):
