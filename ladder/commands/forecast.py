@@ -13,11 +13,14 @@ from rich.console import Console
 from ladder.errors import LadderError
 from ladder.ledger import inside, is_finished, ladder_root, run_dir_for
 from analysis.forecast.file import ForecastError, HeroForecast, read_hero_forecast, write_hero_forecast
+from analysis.monitor.comparison import read_comparison
+from analysis.replan.file import read_replan
 from analysis.runs.names import load_metric_names
 from analysis.runs.metrics import read_metrics_frame
 from core.spec import load_spec
 from core import costs
-from core.safeload import InputLimitError, load_file
+from core.errors import InputError
+from core.safeload import InputLimitError
 from core.rundir import METRICS_FILE
 from ladder.experiment import load_experiment
 from analysis.runs.replicates import YardstickError, family_key
@@ -27,22 +30,6 @@ from ladder.tracking import log_artifact_to_parent, log_forecast, store_errors
 def analysis_dir(root: Path, experiment: str) -> Path:
     """Where an experiment's forecast, comparison and replans live (beside its runs)."""
     return inside(Path(root) / "analysis", experiment)
-
-
-def load_analysis_json(path: Path) -> dict | None:
-    """A JSON object the analysis wrote (forecast, compare, replan), None when absent; anything
-    else is a LadderError naming the file."""
-    if not path.exists():
-        return None
-    try:
-        data = load_file(path, "json")
-    except InputLimitError as err:
-        raise LadderError(str(err)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise LadderError(f"{path}: not readable JSON ({err}); rerun the command that writes it") from None
-    if not isinstance(data, dict):
-        raise LadderError(f"{path}: expected a JSON object, found a {type(data).__name__}; rerun the command that writes it")
-    return data
 
 
 def read_forecast(path: Path):
@@ -287,15 +274,17 @@ def report_cmd(
             runs[s.name] = read_metrics_frame(m)
     adir = analysis_dir(r, exp.name)
     forecast = read_forecast(adir / "forecast.json")
-    compare = load_analysis_json(adir / "compare.json") or {}
-    replan = load_analysis_json(adir / "replan.json") or {}
-    flags = [f for f in compare.get("flags", []) if isinstance(f, dict)] if isinstance(compare.get("flags"), list) else []
-    options = replan.get("options", []) if isinstance(replan.get("options"), list) else []
-    rows = [{k: v for k, v in o.items() if not isinstance(v, (dict, list))} for o in options if isinstance(o, dict)]
+    try:
+        compare = read_comparison(adir / "compare.json")
+        replan = read_replan(adir / "replan.json")
+    except InputError as err:
+        raise LadderError(str(err)) from None
+    flags = [f.to_dict() for f in compare.flags] if compare else []
+    rows = [o.to_dict() for o in replan.options] if replan else []
     hero_finished = exp.hero is None or is_finished(run_dir_for(r, exp.name, exp.hero), exp.hero)
     extras = {s.name: read_metrics_frame(run_dir_for(r, exp.name, s) / METRICS_FILE) for s in exp.extras
               if is_finished(run_dir_for(r, exp.name, s), s)}
-    page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.get("recommendation"),
+    page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.recommendation if replan else None,
                         hero_finished=hero_finished, extras=extras)
     if not no_tracking and forecast is not None:
         try:
