@@ -52,7 +52,7 @@ import pandas as pd
 
 from analysis import fitwarn
 from analysis.forecast import gradnorm, grid
-from analysis.forecast.file import (ForecastBacktest, ForecastError, ForecastHero, ForecastLaw, ForecastTrajectory,  # noqa: F401 (the forecast's names)
+from analysis.forecast.file import (ForecastBacktest, ForecastError, ForecastHero, ForecastLaw, ForecastTrajectory,
                                     HeroForecast, RungFit, RungFits)
 from analysis.forecast.verdicts import regime_verdict, routes
 from analysis.laws import backtest as law_backtest
