@@ -49,9 +49,9 @@ def plot_law(out: Path, plan: list[dict], finals: dict[str, float], forecast: He
             ax.annotate(r["name"], (r["flops"], finals[r["name"]]), textcoords="offset points", xytext=(4, 4), fontsize=8)
     if forecast:
         law = forecast.law
-        curve = law.get("curve")
+        curve = law.curve if law else None
         if curve:
-            label = law.get("label", "fitted law") + (" at the hero's size" if law.get("kind") == "size_tokens" else "")
+            label = (law.label or "fitted law") + (" at the hero's size" if law.kind == "size_tokens" else "")
             ax.plot(curve["flops"], curve["loss"], color="C0", alpha=0.6, label=label)
             if "lo" in curve:
                 ax.fill_between(curve["flops"], curve["lo"], curve["hi"], color="C0", alpha=0.12)
@@ -74,7 +74,7 @@ def plot_law(out: Path, plan: list[dict], finals: dict[str, float], forecast: He
 def plot_rungs(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, str], forecast: HeroForecast | None):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     names = [n for n in runs if roles.get(n) == "rung"]
-    fits = (forecast.rung_fits if forecast else None) or {}
+    fits = forecast.rung_fits if forecast else None
     for i, name in enumerate(names):
         df = runs[name]
         c = _rung_color(i, len(names))
@@ -82,9 +82,9 @@ def plot_rungs(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, str], 
         ev = df.dropna(subset=["eval_loss"]) if "eval_loss" in df else df.iloc[0:0]
         if len(ev):
             ax.scatter(ev["tokens"], ev["eval_loss"], color=c, s=10)
-        fit = fits.get(name)
+        fit = fits.get(name) if fits else None
         if fit:
-            ax.plot(fit["tokens"], fit["pred"], color=c, lw=1.6, ls="--")
+            ax.plot(fit.tokens, fit.pred, color=c, lw=1.6, ls="--")
         ax.plot([], [], color=c, label=name)
     ax.plot([], [], color="gray", ls="--", label="curve model fit")
     ax.set_xscale("log")
@@ -99,9 +99,9 @@ def plot_rungs(out: Path, runs: dict[str, pd.DataFrame], roles: dict[str, str], 
 def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: HeroForecast | None, flags: list[dict]):
     fig, ax = plt.subplots(figsize=(7, 4.5))
     tr = forecast.trajectory if forecast else None
-    if tr:
-        ax.fill_between(tr["step"], tr["lo"], tr["hi"], color="C3", alpha=0.18, label="forecast band")
-        ax.plot(tr["step"], tr["loss"], color="C3", lw=1.2, label="forecast")
+    if tr and tr.step:
+        ax.fill_between(tr.step, tr.lo, tr.hi, color="C3", alpha=0.18, label="forecast band")
+        ax.plot(tr.step, tr.loss, color="C3", lw=1.2, label="forecast")
     if hero is not None and len(hero):
         ax.plot(hero["step"], hero["loss"], color="0.6", lw=0.5, label="hero train loss (per step)")
         ax.plot(hero["step"], hero["loss"].rolling(25, min_periods=1, center=True).mean(), color="k", lw=1.2,
@@ -115,10 +115,10 @@ def plot_hero(out: Path, hero: pd.DataFrame | None, forecast: HeroForecast | Non
             if final.any():
                 ax.scatter(ev["step"][final], ev["eval_loss"][final], color="C0", marker="*", s=80, zorder=4,
                            edgecolors="k", linewidths=0.5, label="hero final eval (every window)")
-        if tr:
-            late = np.asarray(tr["lo"])[len(tr["lo"]) // 10:]
+        if tr and tr.step:
+            late = np.asarray(tr.lo)[len(tr.lo) // 10:]
             ax.set_ylim(min(float(np.nanmin(late)), float(np.nanpercentile(hero["loss"], 1))) - 0.05,
-                        float(np.nanmax(np.asarray(tr["hi"])[len(tr["hi"]) // 20:])) + 0.15)
+                        float(np.nanmax(np.asarray(tr.hi)[len(tr.hi) // 20:])) + 0.15)
     h = forecast.hero if forecast else None
     fl = h.final_loss if h else None
     if fl and h.total_steps:
@@ -290,12 +290,12 @@ def build_report(
 def _law_table(forecast: HeroForecast | None) -> str:
     if not forecast:
         return ""
-    law = {k: v for k, v in forecast.law.items() if isinstance(v, (int, float, str))}
+    law = {k: v for k, v in (forecast.law.to_dict() if forecast.law else {}).items() if isinstance(v, (int, float, str))}
     out = _table([law]) if law else ""
     bt = forecast.backtest
     if bt:
-        out += (f"<p>Backtest: refitted without {html.escape(str(bt['held_out']))}, the law predicts it at "
-                f"{bt['predicted']:.4f} against an actual {bt['actual']:.4f} ({100 * bt['rel_error']:+.2f}%); the hero's "
+        out += (f"<p>Backtest: refitted without {html.escape(str(bt.held_out))}, the law predicts it at "
+                f"{bt.predicted:.4f} against an actual {bt.actual:.4f} ({100 * bt.rel_error:+.2f}%); the hero's "
                 "interval is widened by that error, scaled by how far beyond the ladder the hero lies.</p>")
     return out
 
@@ -348,8 +348,8 @@ def live_verdict(forecast: HeroForecast, df) -> tuple[str, bool] | None:
         return None
     step = int(d["step"].iloc[-1])
     head = f"Hero at step {step + 1} of {total}: not finished" if total else f"Hero at step {step + 1}: not finished"
-    tr = forecast.trajectory or {}
-    steps, lo, mid, hi = (np.asarray(tr.get(k) or [], dtype=float) for k in ("step", "lo", "loss", "hi"))
+    tr = forecast.trajectory
+    steps, lo, mid, hi = (np.asarray(a or [], dtype=float) for a in ((tr.step, tr.lo, tr.loss, tr.hi) if tr else [None] * 4))
     loss = float(d["loss"].iloc[-LIVE_WINDOW:].mean())
     if not len(steps) or step < steps[0] or step > steps[-1]:
         return f"{head}, train loss {loss:.4f} (mean of the last {min(LIVE_WINDOW, len(d))} steps); no forecast at that step", False

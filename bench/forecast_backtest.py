@@ -39,6 +39,7 @@ import pandas as pd
 
 from analysis.laws import backtest as law_backtest
 from analysis.runs import replicates
+from analysis.forecast.file import ForecastTrajectory
 from analysis.forecast.final_loss import TAU_PRIOR, Point
 from analysis.curves.fit import SIZE_PRIORS, Curve, CurveError, fit_curves
 from analysis.forecast.hero import (FIT_FROM, RungRun, final_interval, final_loss_coverage, floor_law, forecast,
@@ -283,18 +284,18 @@ def ladder(name: str, path: Path, boot: int) -> None:
             gn["mean_abs_rel_err"], gn["coverage"], gn["mean_rel_width"])
     if hero is None or not _finished(hero):
         return
-    fc = forecast(name, rungs, hero.spec).to_dict()
-    fl = fc["hero"]["final_loss"]
+    hf = forecast(name, rungs, hero.spec)
+    fl = hf.hero.final_loss
     for h in [x for x in heroes if _finished(x)]:  # every seed of the hero against the one forecast
         act = h.final_loss
         row(name, f"hero {h.spec.name} final eval loss", "hero final-loss interval", 1, abs(fl["mean"] / act - 1),
             float(fl["lo"] <= act <= fl["hi"]), (fl["hi"] - fl["lo"]) / fl["mean"],
             f"sd: fit {fl['sd']['fit']:.4f}, measurement {fl['sd']['measurement']:.4f}, backtest {fl['sd']['backtest']:.4f}")
     for stream in (False, True):  # the default forecast carries stream deviations (analysis.forecast.hero.STREAM_DEVIATIONS)
-        tr = fc["trajectory"] if stream else forecast(name, rungs, hero.spec, stream_deviations=False).to_dict()["trajectory"]
+        tr = hf.trajectory if stream else forecast(name, rungs, hero.spec, stream_deviations=False).trajectory
         _trajectory_row(name, f"hero {hero.spec.name} train-loss trajectory",
-                        f"trajectory band ({tr.get('method', '')}, {_factors(tr)})", tr, hero)
-    g = fc["grad_norm"]
+                        f"trajectory band ({tr.method or ''}, {_factors(tr)})", tr, hero)
+    g = hf.grad_norm
     hg = _grad(hero)
     glo, ghi, gm = (np.interp(hg.frac, g["frac"], g[k]) for k in ("lo", "hi", "mean"))
     row(name, f"hero {hero.spec.name} grad norm, every step", "grad-norm envelope", len(hg.g),
@@ -302,7 +303,7 @@ def ladder(name: str, path: Path, boot: int) -> None:
         float(np.mean((ghi - glo) / gm)))
 
 
-def _trajectory_row(name: str, split: str, method: str, tr: dict, run: RungRun) -> None:
+def _trajectory_row(name: str, split: str, method: str, tr: ForecastTrajectory, run: RungRun) -> None:
     """A forecast trajectory against a run's per-step train loss; the note gives the error against the
     run's centred 25-step mean too (what a forecast of the expected loss can reach)."""
     p, l, h, y = on_run_steps(tr, run)
@@ -311,8 +312,8 @@ def _trajectory_row(name: str, split: str, method: str, tr: dict, run: RungRun) 
         f"vs 25-step mean {100 * _mean25_err(p, y):.2f}%" + _covered_note(tr))
 
 
-def _factors(tr: dict) -> str:
-    cal = tr.get("calibration") or {}
+def _factors(tr: ForecastTrajectory) -> str:
+    cal = tr.calibration or {}
     out = f"x{cal.get('factor', 1):.2f}"
     return out + (f", covered x{cal['factor_covered']:.2f}" if "factor_covered" in cal else "")
 
@@ -324,8 +325,8 @@ def _mean25_err(pred, loss) -> float:
     return float(np.mean(np.abs(sm(pred) / sm(loss) - 1)))
 
 
-def _covered_note(tr: dict) -> str:
-    st = tr.get("stream") or {}
+def _covered_note(tr: ForecastTrajectory) -> str:
+    st = tr.stream or {}
     if not st.get("covered_steps"):
         return ""
     return f"; stream deviations on {st['covered_steps']} steps, left sd {100 * st['residual_sd']:.2f}%"

@@ -31,6 +31,7 @@ from typing import Any, Sequence
 import numpy as np
 from scipy.stats import t as student_t
 
+from analysis.forecast.file import ForecastBacktest, ForecastLaw
 from analysis.laws.fit import FitError, LawFit, fit_law, natural_eval
 from analysis.runs import replicates
 from core import costs
@@ -210,22 +211,22 @@ class GridForecast:
     the final-loss coverage, and the train-loss level (no eval measurement) the trajectory ends on."""
 
     final: dict[str, Any]
-    law: dict[str, Any]
-    backtest: dict[str, Any] | None
+    law: ForecastLaw
+    backtest: ForecastBacktest | None
     coverage: dict[str, Any] | None
     level: dict[str, Any]
     warnings: list[str]
 
 
-def _held_interval(law: GridLaw, b: dict[str, Any]) -> dict[str, Any]:
+def _held_interval(law: GridLaw, b: dict[str, Any]) -> ForecastBacktest:
     """The held-out family's prediction with the method's interval: the sub-fit's mean, the full law's
     fit variance, the family mean's measurement variance and the other held-out points' backtest term."""
     others = [o for o in law.backtest if o["held_out"] != b["held_out"]]
     iv = law.interval(b["active_params"], b["tokens"], target_var=b["measurement_var"], backtest_var=_excess_var(others))
     scale = b["predicted"] / iv["mean"]
-    return {"held_out": b["held_out"], "members": b["members"], "predicted": b["predicted"], "lo": iv["lo"] * scale,
-            "hi": iv["hi"] * scale, "actual": b["actual"], "rel_error": b["rel_error"],
-            "inside": bool(iv["lo"] * scale <= b["actual"] <= iv["hi"] * scale)}
+    return ForecastBacktest(held_out=b["held_out"], members=b["members"], predicted=b["predicted"], lo=iv["lo"] * scale,
+                            hi=iv["hi"] * scale, actual=b["actual"], rel_error=b["rel_error"],
+                            inside=bool(iv["lo"] * scale <= b["actual"] <= iv["hi"] * scale))
 
 
 def every_family_backtest(law: GridLaw) -> dict[str, Any]:
@@ -258,15 +259,15 @@ def grid_forecast(points: Sequence[GridPoint], nz: replicates.Noise, hero: Spec,
             curve[key].append(c[k])
     fl = law.fit.to_dict()
     held = [_held_interval(law, b) for b in law.backtest]
-    law_d = {"kind": "size_tokens", "label": "L(N, D) = E + A/N^alpha + B/D^beta",
-             **{k: fl[k] for k in ("E", "A", "B", "alpha", "beta")}, "ci": None, "ci_level": LEVEL,
-             "converged": fl.get("converged", True), "warnings": fl.get("warnings", []),
-             "interval": "one run's final loss at (N, D) (analysis.forecast.grid; hero.final_loss.method)",
-             "points": [{"name": p.name, "active_params": p.N, "tokens": p.D, "loss": p.loss} for p in points],
-             "nearest_backtest": held, "curve": curve}
-    coverage = ({"coverage": float(np.mean([h["inside"] for h in held])), "n": len(held), "level": LEVEL,
-                 "mean_rel_width": float(np.mean([(h["hi"] - h["lo"]) / h["predicted"] for h in held])),
-                 "mean_abs_rel_err": float(np.mean([abs(h["rel_error"]) for h in held])),
+    law_d = ForecastLaw(kind="size_tokens", label="L(N, D) = E + A/N^alpha + B/D^beta",
+                        **{k: fl[k] for k in ("E", "A", "B", "alpha", "beta")}, ci=None, ci_level=LEVEL,
+                        converged=fl.get("converged", True), warnings=fl.get("warnings", []),
+                        interval="one run's final loss at (N, D) (analysis.forecast.grid; hero.final_loss.method)",
+                        points=[{"name": p.name, "active_params": p.N, "tokens": p.D, "loss": p.loss} for p in points],
+                        nearest_backtest=held, curve=curve)
+    coverage = ({"coverage": float(np.mean([h.inside for h in held])), "n": len(held), "level": LEVEL,
+                 "mean_rel_width": float(np.mean([(h.hi - h.lo) / h.predicted for h in held])),
+                 "mean_abs_rel_err": float(np.mean([abs(h.rel_error) for h in held])),
                  "method": f"each of the {K_NEAR} families nearest the hero from the others, with the whole interval method",
                  "every_family": every_family_backtest(law)}
                 if held else None)

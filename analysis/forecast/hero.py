@@ -45,14 +45,15 @@ from __future__ import annotations
 
 import datetime as _dt
 import math
-from typing import NamedTuple
+from dataclasses import dataclass, replace
 
 import numpy as np
 import pandas as pd
 
 from analysis import fitwarn
 from analysis.forecast import gradnorm, grid
-from analysis.forecast.file import ForecastError, ForecastHero, HeroForecast  # noqa: F401 (the forecast's names)
+from analysis.forecast.file import (ForecastBacktest, ForecastError, ForecastHero, ForecastLaw, ForecastTrajectory,
+                                    HeroForecast, RungFit, RungFits)
 from analysis.forecast.verdicts import regime_verdict, routes
 from analysis.laws import backtest as law_backtest
 from analysis.laws.fitted import FitError
@@ -113,13 +114,14 @@ def train_eval_ratio(rungs: list[RungRun]) -> float:
     return float(tail.mean()) / big.final_loss
 
 
-class Trajectory(NamedTuple):
+@dataclass(frozen=True)
+class Trajectory:
     """What trajectory_forecast returns: the hero's band (the forecast file's `trajectory`), the
     fitted curve model (`curve_model`) and each rung's fitted curve (`rung_fits`)."""
 
-    band: dict
+    band: ForecastTrajectory
     curve_model: dict
-    rung_fits: dict
+    rung_fits: RungFits
 
 
 def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
@@ -142,7 +144,7 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
         st = r.metrics["step"].to_numpy()
         kr, lr_r = _ref_steps(r.spec, ref)
         p = np.asarray(fit.predict(np.round(st * kr).astype(np.int64), lr_r, params=r.active), dtype=float)
-        rung_fits[r.spec.name] = {"tokens": (st * r.spec.data.tokens_per_step).tolist(), "pred": p.tolist()}
+        rung_fits[r.spec.name] = RungFit(tokens=(st * r.spec.data.tokens_per_step).tolist(), pred=p.tolist())
         late = slice(len(st) // 2, None)
         y = r.metrics["loss"].to_numpy()
         noise.append(float(np.nanstd(y[late] - p[late])))
@@ -182,15 +184,15 @@ def trajectory_forecast(rungs: list[RungRun], hero: Spec, final: dict,
     every = max(1, hero.total_steps // 400)
     # every k-th step, and every step that carries stream deviations
     keep = np.unique(np.r_[steps_T[start::every], steps_T[cov_T & (steps_T >= start)], steps_T[-1]])
-    traj = {"step": keep.tolist(), "tokens": (keep * hero.data.tokens_per_step).tolist(),
-            "loss": pred_T[keep].tolist(), "lo": lo_T[keep].tolist(), "hi": hi_T[keep].tolist(), "shift": float(shift),
-            "quantity": "train loss per step", "train_eval_ratio": rho, "step_noise": sigma, "stream": stream,
-            "misfit_rel": (misfit_T / pred_T)[keep].tolist(),
-            "stream_covered": cov_T[keep].tolist(),
-            "method": "curve model" + (" + stream deviations" if stream["covered_steps"] else "")}
+    traj = ForecastTrajectory(
+        step=keep.tolist(), tokens=(keep * hero.data.tokens_per_step).tolist(), loss=pred_T[keep].tolist(),
+        lo=lo_T[keep].tolist(), hi=hi_T[keep].tolist(), shift=float(shift), quantity="train loss per step",
+        train_eval_ratio=rho, step_noise=sigma, stream=stream, misfit_rel=(misfit_T / pred_T)[keep].tolist(),
+        stream_covered=cov_T[keep].tolist(),
+        method="curve model" + (" + stream deviations" if stream["covered_steps"] else ""))
     model = fit.to_dict()
     model["clock_tokens_per_step"] = ref  # the fit's step is this many tokens (a run of k x as many: step x k)
-    return Trajectory(traj, model, rung_fits)
+    return Trajectory(traj, model, RungFits(rung_fits))
 
 
 def misfit_profile(misfit: list[tuple[np.ndarray, np.ndarray]], frac_T: np.ndarray) -> np.ndarray:
@@ -211,7 +213,7 @@ def misfit_profile(misfit: list[tuple[np.ndarray, np.ndarray]], frac_T: np.ndarr
     return np.interp(frac_T, centres[have], rms[have]) if have.any() else np.zeros_like(frac_T)
 
 
-def scaled_rung_trajectory(rungs: list[RungRun], hero: Spec, final: dict, n: int = 200) -> dict:
+def scaled_rung_trajectory(rungs: list[RungRun], hero: Spec, final: dict, n: int = 200) -> ForecastTrajectory:
     """Fallback trajectory when the curve model cannot be fitted: the largest rung's loss over the
     fraction of training, scaled to end on the hero's final-loss forecast (and its interval)."""
     big = max(rungs, key=lambda r: r.flops)
@@ -221,8 +223,9 @@ def scaled_rung_trajectory(rungs: list[RungRun], hero: Spec, final: dict, n: int
     steps = np.unique(np.linspace(0, hero.total_steps - 1, n).round().astype(int))
     curve = np.interp((steps + 1) / hero.total_steps, frac, smooth) * (final["mean"] * train_eval_ratio(rungs) / smooth[-1])
     scale_lo, scale_hi = final["lo"] / final["mean"], final["hi"] / final["mean"]
-    return {"step": steps.tolist(), "tokens": (steps * hero.data.tokens_per_step).tolist(), "loss": curve.tolist(),
-            "lo": (curve * scale_lo).tolist(), "hi": (curve * scale_hi).tolist(), "method": f"scaled {big.spec.name}"}
+    return ForecastTrajectory(step=steps.tolist(), tokens=(steps * hero.data.tokens_per_step).tolist(),
+                              loss=curve.tolist(), lo=(curve * scale_lo).tolist(), hi=(curve * scale_hi).tolist(),
+                              method=f"scaled {big.spec.name}")
 
 
 def _grads(r: RungRun) -> gradnorm.RungGrad:
@@ -279,53 +282,51 @@ def trajectory_coverage(rungs: list[RungRun], stream_deviations: bool = STREAM_D
     return out
 
 
-def stream_covered(traj: dict) -> np.ndarray:
+def stream_covered(traj: ForecastTrajectory) -> np.ndarray:
     """Whether each of the trajectory's steps carries stream deviations (none for a trajectory without them)."""
-    return np.asarray(traj.get("stream_covered") or np.zeros(len(traj["step"]), dtype=bool), dtype=bool)
+    return np.asarray(traj.stream_covered or np.zeros(len(traj.step or []), dtype=bool), dtype=bool)
 
 
-def _run_points(traj: dict, run: RungRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _run_points(traj: ForecastTrajectory, run: RungRun) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(the trajectory's steps, the run's logged steps inside them, the run's loss there)."""
     df = run.metrics.dropna(subset=["loss"])
-    steps = np.asarray(traj["step"])
+    steps = np.asarray(traj.step)
     st = df["step"].to_numpy()
     keep = (st >= steps.min()) & (st <= steps.max())
     return steps, st[keep], df["loss"].to_numpy()[keep]
 
 
-def on_run_steps(traj: dict, run: RungRun) -> tuple[np.ndarray, ...]:
+def on_run_steps(traj: ForecastTrajectory, run: RungRun) -> tuple[np.ndarray, ...]:
     """(forecast, lo, hi, loss) at every logged step of the run inside the trajectory's steps (the
     trajectory holds every step where it carries stream deviations, every k-th elsewhere)."""
     steps, st, y = _run_points(traj, run)
-    p, l, h = (np.interp(st, steps, np.asarray(traj[k], dtype=float)) for k in ("loss", "lo", "hi"))
+    p, l, h = (np.interp(st, steps, np.asarray(a, dtype=float)) for a in (traj.loss, traj.lo, traj.hi))
     return p, l, h, y
 
 
-def on_run_covered(traj: dict, run: RungRun) -> np.ndarray:
+def on_run_covered(traj: ForecastTrajectory, run: RungRun) -> np.ndarray:
     """Whether each step on_run_steps returns carries stream deviations (they are kept one by one)."""
     steps, st, _ = _run_points(traj, run)
     return np.isin(st, steps[stream_covered(traj)])
 
 
-def calibrate_trajectory(traj: dict, backtest: dict | None) -> None:
-    """Scale the trajectory band's half-widths by the backtest's calibration factor (the largest
+def calibrate_trajectory(traj: ForecastTrajectory, backtest: dict | None) -> ForecastTrajectory:
+    """The trajectory with its band's half-widths scaled by the backtest's calibration factor (the largest
     rung's curve forecast from the others, as the hero's is), so that LEVEL of that rung's points
     would have fallen inside; the hero's own run is then the independent check. Steps that carry
     stream deviations get the factor measured on such steps of the backtest, the rest the other."""
     factor = (backtest or {}).get("calibration_factor")
-    if not factor or not traj.get("loss"):
-        traj["calibration"] = {"factor": 1.0, "method": "none: no backtest of the trajectory on this ladder"}
-        return
-    p, lo, hi = (np.asarray(traj[k], dtype=float) for k in ("loss", "lo", "hi"))
+    if not factor or not traj.loss:
+        return replace(traj, calibration={"factor": 1.0, "method": "none: no backtest of the trajectory on this ladder"})
+    p, lo, hi = (np.asarray(a, dtype=float) for a in (traj.loss, traj.lo, traj.hi))
     f_cov = backtest.get("calibration_factor_covered", factor)
     f = np.where(stream_covered(traj), f_cov, factor)
-    traj["lo"] = (p - f * (p - lo)).tolist()
-    traj["hi"] = (p + f * (hi - p)).tolist()
-    traj["calibration"] = {"factor": factor, "method": "half-widths x the factor that holds "
-                           f"{LEVEL:.0%} of the largest rung's points forecast from the smaller rungs"}
+    calibration = {"factor": factor, "method": "half-widths x the factor that holds "
+                   f"{LEVEL:.0%} of the largest rung's points forecast from the smaller rungs"}
     if "calibration_factor_covered" in backtest:
-        traj["calibration"].update(factor_covered=f_cov, method=traj["calibration"]["method"] + ", measured separately "
-                                   "on the steps that carry stream deviations (factor_covered) and on the rest")
+        calibration.update(factor_covered=f_cov, method=calibration["method"] + ", measured separately "
+                           "on the steps that carry stream deviations (factor_covered) and on the rest")
+    return replace(traj, lo=(p - f * (p - lo)).tolist(), hi=(p + f * (hi - p)).tolist(), calibration=calibration)
 
 
 def calibration_warnings(backtest: dict | None) -> list[str]:
@@ -361,7 +362,7 @@ def memorisation_warnings(rungs: list[RungRun]) -> list[str]:
     return out
 
 
-def _envelope_route(rungs: list[RungRun], hero: Spec) -> tuple[dict, dict, dict | None, dict, list[str]]:
+def _envelope_route(rungs: list[RungRun], hero: Spec) -> tuple[dict, ForecastLaw, ForecastBacktest | None, dict, list[str]]:
     """(hero.final_loss, law, backtest, train-loss level, warnings) of the compute envelope L(C)."""
     final, law_fit, bt = final_loss_forecast(rungs, hero)
     # the trajectory is train loss: it ends on the law's level without the eval measurement of one run
@@ -376,10 +377,10 @@ def _envelope_route(rungs: list[RungRun], hero: Spec) -> tuple[dict, dict, dict 
         curve["hi"].append(iv["hi"])
     ci = ({k: [float(v) for v in np.quantile(law_fit.draws[:, i], [(1 - LEVEL) / 2, (1 + LEVEL) / 2])]
            for i, k in enumerate(("E", "A", "alpha"))} if len(law_fit.draws) > 1 else None)
-    law = {"kind": "compute", "label": "L(C) = E + A C^-alpha", **{k: fl[k] for k in ("E", "A", "alpha") if k in fl},
-           "ci": ci, "ci_level": LEVEL, "converged": fl.get("converged", True), "warnings": fl.get("warnings", []),
-           "interval": "one run's final loss at C (analysis.forecast.final_loss; hero.final_loss.method)",
-           "points": final["method"]["points"], "curve": curve}
+    law = ForecastLaw(kind="compute", label="L(C) = E + A C^-alpha", E=fl.get("E"), A=fl.get("A"), alpha=fl.get("alpha"),
+                      ci=ci, ci_level=LEVEL, converged=fl.get("converged", True), warnings=fl.get("warnings", []),
+                      interval="one run's final loss at C (analysis.forecast.final_loss; hero.final_loss.method)",
+                      points=final["method"]["points"], curve=curve)
     return final, law, bt, law_level, list(law_fit.warnings)
 
 
@@ -414,7 +415,7 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
                           total_params=costs.param_counts(hero.model)["total"], flops=costs.total_flops(hero),
                           final_loss=final),
         backtest=bt,
-        trajectory={},
+        trajectory=None,
         grad_norm=grad_norm_envelope(rungs, hero),
     )
     fc.warnings += law_warnings
@@ -423,9 +424,10 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
                            f"families and the ladder has {len(pts)}: the forecast fits L(C) on them instead, which "
                            "reads budgets of one size as sizes")
     fc.regime = regime_verdict(rungs, hero, law, final)
-    fc.warnings += [f"regime: {w['kind']}: {w['message']}" for w in fc.regime["warnings"]]
+    fc.warnings += [f"regime: {w['kind']}: {w['message']}" for w in fc.regime.warnings]
     try:
-        fc.trajectory, fc.curve_model, fc.rung_fits = trajectory_forecast(rungs, hero, law_level, stream_deviations)
+        tf = trajectory_forecast(rungs, hero, law_level, stream_deviations)
+        fc.trajectory, fc.curve_model, fc.rung_fits = tf.band, tf.curve_model, tf.rung_fits
         fc.warnings += [f"curve model: {w}" for w in fc.curve_model.get("warnings", [])]
         fc.warnings += routes(fc.hero.final_loss, fc.trajectory)
     except CurveError as e:  # a curve fit that cannot be made (CurveFitError among them): the final-loss
@@ -438,7 +440,7 @@ def forecast(experiment: str, rungs: list[RungRun], hero: Spec, stream_deviation
         fc.coverage["trajectory"] = trajectory_coverage(rungs, stream_deviations)
     except (CurveError, FitError) as e:  # a backtest that cannot be made (no law, no curve fit) is reported, not fatal
         fc.coverage["trajectory"] = {"error": f"{type(e).__name__}: {e}"}
-    calibrate_trajectory(fc.trajectory, fc.coverage["trajectory"])
+    fc.trajectory = calibrate_trajectory(fc.trajectory, fc.coverage["trajectory"])
     fc.warnings += calibration_warnings(fc.coverage["trajectory"])
     for k, v in fc.coverage.items():
         if v is None:

@@ -12,7 +12,7 @@ from typing import Any, Sequence
 import numpy as np
 import pandas as pd
 
-from analysis.forecast.file import ForecastError
+from analysis.forecast.file import ForecastBacktest, ForecastError
 from analysis.forecast.final_loss import MIN_FIT, FinalLaw, Point, fit_final_law
 from analysis.forecast.final_loss import coverage as final_coverage
 from analysis.runs import replicates
@@ -117,7 +117,7 @@ def largest_family_out(rungs: Sequence[Any]) -> tuple[list[Any], list[Any]]:
             [r for r in rungs if replicates.family_key(r.spec) == big])
 
 
-def backtest(rungs: list[RungRun]) -> dict | None:
+def backtest(rungs: list[RungRun]) -> ForecastBacktest | None:
     """Refit without the largest rung family and predict its mean final loss (with the same interval method)."""
     base, held = largest_family_out(rungs)
     if len(ladder_points(base)[0]) < MIN_FIT:
@@ -126,9 +126,9 @@ def backtest(rungs: list[RungRun]) -> dict | None:
     law = final_law(base)
     iv = law.interval(target[0].flops, target_var=target[0].var)
     actual = target[0].loss
-    return {"held_out": target[0].name, "members": list(target[0].members), "predicted": iv["mean"], "lo": iv["lo"],
-            "hi": iv["hi"], "actual": actual, "rel_error": (iv["mean"] - actual) / actual,
-            "inside": bool(iv["lo"] <= actual <= iv["hi"])}
+    return ForecastBacktest(held_out=target[0].name, members=list(target[0].members), predicted=iv["mean"],
+                            lo=iv["lo"], hi=iv["hi"], actual=actual, rel_error=(iv["mean"] - actual) / actual,
+                            inside=bool(iv["lo"] <= actual <= iv["hi"]))
 
 
 def final_interval(rungs: Sequence[Any], C: float) -> tuple[float, float, float, FinalLaw]:
@@ -138,7 +138,7 @@ def final_interval(rungs: Sequence[Any], C: float) -> tuple[float, float, float,
     return iv["mean"], iv["lo"], iv["hi"], law
 
 
-def final_loss_forecast(rungs: list[RungRun], hero: Spec) -> tuple[dict, FinalLaw, dict | None]:
+def final_loss_forecast(rungs: list[RungRun], hero: Spec) -> tuple[dict, FinalLaw, ForecastBacktest | None]:
     law = final_law(rungs)
     iv = law.interval(costs.total_flops(hero))
     if law.backtest.get("points"):

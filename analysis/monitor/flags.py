@@ -121,6 +121,21 @@ class Flag:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "flag") -> Flag:
+        """A flag as to_dict() wrote it; InputError naming `where` and the field otherwise."""
+        if not isinstance(d, dict):
+            raise InputError(f"{where} is {type(d).__name__}, not a mapping")
+        kinds = {"kind": (str,), "severity": (str,), "first_step": (int, type(None)), "evidence": (dict,)}
+        for k, kind in kinds.items():
+            v = d.get(k)
+            if not isinstance(v, kind) or isinstance(v, bool):
+                raise InputError(f"{where}.{k} is {type(v).__name__}, not "
+                                 f"{' or '.join('null' if t is type(None) else t.__name__ for t in kind)}")
+        if d["severity"] not in SEVERITY_RANK:
+            raise InputError(f"{where}.severity is {d['severity']!r}, not one of {', '.join(SEVERITY_RANK)}")
+        return cls(d["kind"], d["severity"], d["first_step"], d["evidence"])
+
 
 @dataclass
 class MonitorReport:

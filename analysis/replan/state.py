@@ -6,7 +6,6 @@ replan.json), the deadline, the gate of the next context stage, and the files a 
 
 from __future__ import annotations
 
-import json
 import re
 import time as _time
 from dataclasses import dataclass, field
@@ -18,9 +17,9 @@ import numpy as np
 import pandas as pd
 
 from analysis.monitor.watch import Forecast, MonitorReport, MonitorSettings, measured_tokens_per_s, monitor, planned_tokens_per_s
+from analysis.replan.file import OptionRow, ReplanDoc, write_replan_json
 from analysis.runs.metrics import RunRef, ancestor_checkpoints
 from core.errors import InputError
-from core.fsutil import atomic_write_text
 from core.spec import Spec, save_spec
 
 
@@ -157,20 +156,21 @@ class Option:
     resume_dir: Path | None = None  # the run dir of the checkpoint it resumes, when its lineage names another run
     resume_checkpoint: Path | None = None  # the checkpoint directory it resumes from, where known
 
-    def row(self, n: int) -> dict[str, Any]:
+    def row(self, n: int) -> OptionRow:
         fc = self.forecast
-        return {
-            "n": n, "kind": self.kind, "title": self.title, "allowed": self.allowed,
-            "spec_id": self.spec.id if self.spec else None, "spec_path": self.path,
-            "resume_step": self.resume_step,
-            "resume_run_dir": str(self.resume_dir) if self.resume_dir else None,
-            "resume_checkpoint": str(self.resume_checkpoint) if self.resume_checkpoint else None,
-            "total_steps": self.spec.total_steps if self.spec else None,
-            "tokens": self.spec.data.total_tokens if self.spec else None,
-            "finish": self.finish, "meets_deadline": self.meets_deadline, "device_hours": self.device_hours,
-            "forecast_loss": fc.mean if fc else None, "forecast_lo": fc.lo if fc else None,
-            "forecast_hi": fc.hi if fc else None, "forecast_level": fc.level if fc else None, "memory_gb": self.memory_gb, "reason": self.reason, "note": self.note,
-        }
+        return OptionRow(
+            n=n, kind=self.kind, title=self.title, allowed=self.allowed,
+            spec_id=self.spec.id if self.spec else None, spec_path=self.path,
+            resume_step=self.resume_step,
+            resume_run_dir=str(self.resume_dir) if self.resume_dir else None,
+            resume_checkpoint=str(self.resume_checkpoint) if self.resume_checkpoint else None,
+            total_steps=self.spec.total_steps if self.spec else None,
+            tokens=self.spec.data.total_tokens if self.spec else None,
+            finish=self.finish, meets_deadline=self.meets_deadline, device_hours=self.device_hours,
+            forecast_loss=fc.mean if fc else None, forecast_lo=fc.lo if fc else None,
+            forecast_hi=fc.hi if fc else None, forecast_level=fc.level if fc else None, memory_gb=self.memory_gb,
+            reason=self.reason, note=self.note,
+        )
 
 
 @dataclass
@@ -183,13 +183,14 @@ class Replan:
     context_gate: dict | None
     notes: list[str] = field(default_factory=list)
 
-    def rows(self) -> list[dict[str, Any]]:
+    def rows(self) -> list[OptionRow]:
         return [o.row(i + 1) for i, o in enumerate(self.options)]
 
-    def to_dict(self) -> dict[str, Any]:
+    def document(self) -> ReplanDoc:
+        """replan.json's document (analysis.replan.file)."""
         st = self.state
-        return {
-            "run": {
+        return ReplanDoc(
+            run={
                 "spec_id": st.spec.id, "name": st.spec.name, "step": st.step, "total_steps": st.spec.total_steps,
                 "budget_frac": st.budget_frac, "tokens_per_s": st.tokens_per_s,
                 "tokens_per_s_source": st.tokens_per_s_source, "checkpoints": st.checkpoints,
@@ -197,15 +198,18 @@ class Replan:
                 "fall_so_far": st.fall_so_far,
                 "run_dir": str(st.run_dir) if st.run_dir else None,
             },
-            "now": _iso(st.now),
-            "deadline": _iso(self.deadline) if self.deadline else None,
-            "flags": [f.to_dict() for f in st.report.flags],
-            "options": self.rows(),
-            "recommended": (self.recommended + 1) if self.recommended is not None else None,
-            "recommendation": self.recommendation,
-            "context_gate": self.context_gate,
-            "notes": self.notes,
-        }
+            now=_iso(st.now),
+            deadline=_iso(self.deadline) if self.deadline else None,
+            flags=tuple(st.report.flags),
+            options=tuple(self.rows()),
+            recommended=(self.recommended + 1) if self.recommended is not None else None,
+            recommendation=self.recommendation,
+            context_gate=self.context_gate,
+            notes=self.notes,
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return self.document().to_dict()
 
 
 def _iso(ts: float) -> str:
@@ -296,16 +300,5 @@ def write_replan(plan: Replan, out_dir: str | Path) -> dict[str, str]:
         save_spec(o.spec, p)
         o.path = str(p)
         paths[o.kind] = str(p)
-    atomic_write_text(out / "replan.json", json.dumps(plan.to_dict(), indent=2, default=_json_default) + "\n")
-    paths["replan.json"] = str(out / "replan.json")
+    paths["replan.json"] = str(write_replan_json(out / "replan.json", plan.document()))
     return paths
-
-
-def _json_default(x):
-    if isinstance(x, (np.integer,)):
-        return int(x)
-    if isinstance(x, (np.floating,)):
-        return float(x)
-    if isinstance(x, Path):
-        return str(x)
-    return str(x)

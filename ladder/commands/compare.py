@@ -8,7 +8,6 @@ warning or critical severity (and errors), nothing else.
 
 from __future__ import annotations
 
-import json
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 from analysis.runs.names import load_metric_names
 from analysis.runs.metrics import check_spec_matches, tokens_from_spec
+from analysis.monitor.comparison import Comparison
 from analysis.monitor.watch import SEVERITY_RANK, MonitorSettings, load_calibration, load_forecast, monitor
 from core.errors import InputError
 from core.spec import load_spec
@@ -219,10 +219,7 @@ def compare_cmd(
         with np.errstate(all="ignore"):
             plot_report(df, report, fc, png, title=f"{src.label}: worst flag {report.worst or 'none'}")
     if as_json:
-        described = src.describe()
-        print(json.dumps({"run": src.label, **({"metrics": described["metrics"]} if "metrics" in described else {}),
-                          "source": described, **report.to_dict(),
-                          **({"png": str(Path(png))} if png else {})}, indent=2, default=str))
+        print(Comparison.of(src.label, src.describe(), report, str(Path(png)) if png else None).text())
     elif quiet:
         if not follow:
             Announcer(console, quiet)(report)

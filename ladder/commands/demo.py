@@ -16,6 +16,8 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
+from analysis.monitor.comparison import Comparison, ComparisonError, write_comparison
+from analysis.replan.file import read_replan, write_replan_json
 from ladder.commands.calibrate import healthy_replicate_specs
 from ladder.commands.forecast import analysis_dir
 from ladder.experiment import load_experiment
@@ -88,12 +90,14 @@ def demo_cmd(
         console.print(f"[red]hero submission exited {rc}; see {log.name}[/red]")
     res = _ladder("compare", str(hero_dir), "--forecast", fc, "--json", check=False, capture=True)
     try:
-        (adir / "compare.json").write_text(json.dumps(json.loads(res.stdout), indent=2))
+        write_comparison(adir / "compare.json", Comparison.from_dict(json.loads(res.stdout)))
     except json.JSONDecodeError:
         console.print(f"[yellow]compare gave no JSON: {res.stderr.strip()[-300:]}[/yellow]")
-    replan_json = adir / "replan" / "replan.json"
-    if replan_json.exists():
-        (adir / "replan.json").write_text(replan_json.read_text())
+    except ComparisonError as e:
+        console.print(f"[yellow]compare gave no comparison: {e}[/yellow]")
+    replan_doc = read_replan(adir / "replan" / "replan.json")
+    if replan_doc is not None:
+        write_replan_json(adir / "replan.json", replan_doc)
     _ladder("report", experiment, "--out", out)
 
     summary = json.loads((Path(out) / "summary.json").read_text())

@@ -12,13 +12,15 @@ from rich.console import Console
 
 from ladder.errors import LadderError
 from ladder.ledger import inside, is_finished, ladder_root, run_dir_for
-from analysis.forecast.file import ForecastError, read_hero_forecast
+from analysis.forecast.file import ForecastError, HeroForecast, read_hero_forecast, write_hero_forecast
+from analysis.monitor.comparison import read_comparison
+from analysis.replan.file import read_replan
 from analysis.runs.names import load_metric_names
 from analysis.runs.metrics import read_metrics_frame
 from core.spec import load_spec
 from core import costs
-from core.fsutil import atomic_write_json
-from core.safeload import InputLimitError, load_file
+from core.errors import InputError
+from core.safeload import InputLimitError
 from core.rundir import METRICS_FILE
 from ladder.experiment import load_experiment
 from analysis.runs.replicates import YardstickError, family_key
@@ -28,22 +30,6 @@ from ladder.tracking import log_artifact_to_parent, log_forecast, store_errors
 def analysis_dir(root: Path, experiment: str) -> Path:
     """Where an experiment's forecast, comparison and replans live (beside its runs)."""
     return inside(Path(root) / "analysis", experiment)
-
-
-def load_analysis_json(path: Path) -> dict | None:
-    """A JSON object the analysis wrote (forecast, compare, replan), None when absent; anything
-    else is a LadderError naming the file."""
-    if not path.exists():
-        return None
-    try:
-        data = load_file(path, "json")
-    except InputLimitError as err:
-        raise LadderError(str(err)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise LadderError(f"{path}: not readable JSON ({err}); rerun the command that writes it") from None
-    if not isinstance(data, dict):
-        raise LadderError(f"{path}: expected a JSON object, found a {type(data).__name__}; rerun the command that writes it")
-    return data
 
 
 def read_forecast(path: Path):
@@ -106,24 +92,24 @@ def finished_rungs(root: Path, exp, holdout: str | None = None):
     return rungs, missing
 
 
-def _refuse_if_strict(fc: dict, strict: bool) -> None:
+def _refuse_if_strict(fc: HeroForecast, strict: bool) -> None:
     """With --strict, a ladder whose regime check warns gets no point forecast (a LadderError, exit 2)."""
-    found = (fc.get("regime") or {}).get("warnings") or []
+    found = (fc.regime.warnings if fc.regime else None) or []
     if strict and found:
         raise LadderError("--strict: no forecast from rungs outside the hero's regime: "
                           + "; ".join(f"{w['kind']} ({w['message']})" for w in found))
 
 
-def _print_forecast(fc: dict, name: str, rungs, path: Path, as_json: bool, done: bool = True) -> bool:
+def _print_forecast(fc: HeroForecast, name: str, rungs, path: Path, as_json: bool, done: bool = True) -> bool:
     """Warnings, then the JSON (True: nothing more to print) or the forecast's headline lines."""
-    for w in fc.get("warnings") or []:
+    for w in fc.warnings:
         Console(stderr=True).print(f"warning: {w}", style="yellow", highlight=False, markup=False)
     if as_json:
-        print(json.dumps(fc, default=float))
+        print(json.dumps(fc.to_dict(), default=float))
         return True
     c = Console()
-    h = fc["hero"]["final_loss"]
-    c.print(f"[bold]{name}[/bold]: hero {fc['hero']['name']} forecast final loss {h['mean']:.4f} "
+    h = fc.hero.final_loss
+    c.print(f"[bold]{name}[/bold]: hero {fc.hero.name} forecast final loss {h['mean']:.4f} "
             f"({int(100 * h['level'])}% interval {h['lo']:.4f} to {h['hi']:.4f}, +-{50 * (h['hi'] - h['lo']) / h['mean']:.1f}%) "
             f"from {len(rungs)} rungs in {len(h.get('method', {}).get('points', [])) or len(rungs)} families")
     if h.get("sd"):
@@ -131,41 +117,41 @@ def _print_forecast(fc: dict, name: str, rungs, path: Path, as_json: bool, done:
         c.print(f"interval parts (log-loss sd): fit {sd['fit']:.4f}, measurement {sd['measurement']:.4f}, "
                 f"backtest {sd['backtest']:.4f} over {h['reach_efolds']:.2f} e-folds; t quantile {h['quantile']:.2f} "
                 f"(dof {h['dof']:.3g})", highlight=False)
-    law = fc["law"]
-    if law.get("kind") == "size_tokens":
-        c.print(f"law: L(N, D) = {law['E']:.3f} + {law['A']:.3g}/N^{law['alpha']:.3f} + {law['B']:.3g}/D^{law['beta']:.3f} "
+    law = fc.law
+    if law.kind == "size_tokens":
+        c.print(f"law: L(N, D) = {law.E:.3f} + {law.A:.3g}/N^{law.alpha:.3f} + {law.B:.3g}/D^{law.beta:.3f} "
                 f"(N active parameters, D tokens)", highlight=False)
-        for b in law.get("nearest_backtest") or []:
-            c.print(f"nearest-rung backtest: {b['held_out']} from the other families predicted {b['predicted']:.4f} "
-                    f"({b['lo']:.4f} to {b['hi']:.4f}), actual {b['actual']:.4f}, error {100 * b['rel_error']:+.2f}%",
+        for b in law.nearest_backtest or []:
+            c.print(f"nearest-rung backtest: {b.held_out} from the other families predicted {b.predicted:.4f} "
+                    f"({b.lo:.4f} to {b.hi:.4f}), actual {b.actual:.4f}, error {100 * b.rel_error:+.2f}%",
                     highlight=False)
-        every = ((fc.get("coverage") or {}).get("final_loss") or {}).get("every_family") or {}
+        every = (fc.coverage.get("final_loss") or {}).get("every_family") or {}
         if every.get("n"):
             c.print(f"every family from the others: rms error {100 * every['rms_rel_error']:.2f}%, largest "
                     f"{100 * every['max_abs_rel_error']:.2f}% ({every['n']} families)", highlight=False)
     else:
-        c.print(f"law: L(C) = {law['E']:.3f} + {law['A']:.3g} C^-{law['alpha']:.3f}")
+        c.print(f"law: L(C) = {law.E:.3f} + {law.A:.3g} C^-{law.alpha:.3f}")
     if h.get("caveat"):
         c.print(f"[bold red]not to be trusted[/bold red]: {h['caveat']}", highlight=False)
     if h.get("routes"):
         r = h["routes"]
         c.print(f"routes: law {r['law']:.4f}, curve model {r['curve_model']:.4f} ({100 * r['rel_difference']:+.1f}%)"
                 + (" [widened]" if "widened_from" in r else ""), highlight=False)
-    if fc.get("backtest") and law.get("kind") != "size_tokens":
-        b = fc["backtest"]
-        c.print(f"backtest: {b['held_out']} predicted {b['predicted']:.4f} ({b['lo']:.4f} to {b['hi']:.4f}), "
-                f"actual {b['actual']:.4f} (mean of {len(b.get('members') or [1])} run(s)), "
-                f"error {100 * b['rel_error']:+.2f}%")
-    if fc.get("trajectory") is None:
-        c.print(f"[yellow]no trajectory: {fc.get('curve_model_error')}[/yellow]")
+    if fc.backtest and law.kind != "size_tokens":
+        b = fc.backtest
+        c.print(f"backtest: {b.held_out} predicted {b.predicted:.4f} ({b.lo:.4f} to {b.hi:.4f}), "
+                f"actual {b.actual:.4f} (mean of {len(b.members or [1])} run(s)), "
+                f"error {100 * b.rel_error:+.2f}%")
+    if fc.trajectory is None:
+        c.print(f"[yellow]no trajectory: {fc.curve_model_error}[/yellow]")
     if done:
         _print_coverage(fc, path)
     return False
 
 
-def _print_coverage(fc: dict, path: Path) -> None:
+def _print_coverage(fc: HeroForecast, path: Path) -> None:
     c = Console()
-    for name, cov in (fc.get("coverage") or {}).items():
+    for name, cov in fc.coverage.items():
         if cov and "coverage" in cov:
             c.print(f"{name.replace('_', ' ')} interval, backtested on this ladder ({cov['method']}, {cov['n']} "
                     f"held-out points): {100 * cov['coverage']:.0f}% inside at {100 * cov['level']:.0f}%, "
@@ -213,14 +199,13 @@ def forecast_cmd(
             raise LadderError(f"{from_csv}: forecast needs at least 3 rungs, the file lists {len(rungs)}")
         name = from_csv.stem
         hf = forecast(name, rungs, hero)
-        fc = hf.to_dict()
-        _refuse_if_strict(fc, strict)
+        _refuse_if_strict(hf, strict)
         out = out_dir or from_csv.parent
         out.mkdir(parents=True, exist_ok=True)
-        path = atomic_write_json(out / "forecast.json", fc)
+        path = write_hero_forecast(out / "forecast.json", hf)
         plan = costs.plan([*(x.spec for x in rungs), hero], hero)
         plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, hf, None)
-        _print_forecast(fc, name, rungs, path, as_json)
+        _print_forecast(hf, name, rungs, path, as_json)
         return
     if experiment is None:
         raise LadderError("give an experiment file, or --from-csv LADDER.csv --hero HERO.yaml")
@@ -235,19 +220,18 @@ def forecast_cmd(
     check_losses_fall(rungs)
     try:
         hf = forecast(exp.name, rungs, exp.hero)
-        fc = hf.to_dict()
     except YardstickError as e:
         raise LadderError(f"{experiment}: {e}") from None
-    fl = fc["hero"]["final_loss"]
+    fl = hf.hero.final_loss
     if not all(math.isfinite(fl[k]) for k in ("mean", "lo", "hi")):  # nothing written from a failed fit
         raise LadderError(f"cannot forecast: the law fitted to rungs {', '.join(x.spec.name for x in rungs)} gives "
                           f"no finite hero loss ({fl['mean']}, interval {fl['lo']} to {fl['hi']})")
-    _refuse_if_strict(fc, strict)
+    _refuse_if_strict(hf, strict)
     if holdout:
         held = [s for s in exp.rungs if s.name not in {x.spec.name for x in rungs}]
-        fc["holdout"] = [h.name for h in held]
+        hf.holdout = [h.name for h in held]
     out = analysis_dir(r, exp.name)
-    path = atomic_write_json(out / ("forecast.json" if not holdout else "forecast_holdout.json"), fc)
+    path = write_hero_forecast(out / ("forecast.json" if not holdout else "forecast_holdout.json"), hf)
     plan = costs.plan([*exp.rungs, exp.hero], exp.hero)
     plot_law(out, plan, {x.spec.name: x.final_loss for x in rungs}, hf, None)
     if not no_tracking:
@@ -256,17 +240,17 @@ def forecast_cmd(
             log_artifact_to_parent(exp, out / "law.png", None, tracking_uri, r)
         except store_errors() as e:  # the forecast file is the record; tracking can catch up later
             Console(stderr=True).print(f"warning: could not log the forecast to MLflow: {e}", style="yellow")
-    if _print_forecast(fc, exp.name, rungs, path, as_json, done=False):
+    if _print_forecast(hf, exp.name, rungs, path, as_json, done=False):
         return
     c = Console()
     if holdout:
-        held = [s for s in exp.rungs if s.name in fc["holdout"]]
+        held = [s for s in exp.rungs if s.name in hf.holdout]
         for s in held:
             from analysis.forecast.hero import final_interval
 
             pred = final_interval(rungs, costs.total_flops(s))
             c.print(f"holdout {s.name}: predicted {pred[0]:.4f} ({pred[1]:.4f} to {pred[2]:.4f})")
-    _print_coverage(fc, path)
+    _print_coverage(hf, path)
 
 
 def report_cmd(
@@ -290,15 +274,17 @@ def report_cmd(
             runs[s.name] = read_metrics_frame(m)
     adir = analysis_dir(r, exp.name)
     forecast = read_forecast(adir / "forecast.json")
-    compare = load_analysis_json(adir / "compare.json") or {}
-    replan = load_analysis_json(adir / "replan.json") or {}
-    flags = [f for f in compare.get("flags", []) if isinstance(f, dict)] if isinstance(compare.get("flags"), list) else []
-    options = replan.get("options", []) if isinstance(replan.get("options"), list) else []
-    rows = [{k: v for k, v in o.items() if not isinstance(v, (dict, list))} for o in options if isinstance(o, dict)]
+    try:
+        compare = read_comparison(adir / "compare.json")
+        replan = read_replan(adir / "replan.json")
+    except InputError as err:
+        raise LadderError(str(err)) from None
+    flags = [f.to_dict() for f in compare.flags] if compare else []
+    rows = [o.to_dict() for o in replan.options] if replan else []
     hero_finished = exp.hero is None or is_finished(run_dir_for(r, exp.name, exp.hero), exp.hero)
     extras = {s.name: read_metrics_frame(run_dir_for(r, exp.name, s) / METRICS_FILE) for s in exp.extras
               if is_finished(run_dir_for(r, exp.name, s), s)}
-    page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.get("recommendation"),
+    page = build_report(Path(out), exp.name, plan, runs, forecast, flags, rows, replan.recommendation if replan else None,
                         hero_finished=hero_finished, extras=extras)
     if not no_tracking and forecast is not None:
         try:

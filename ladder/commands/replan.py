@@ -48,16 +48,16 @@ def render(plan, console: Console) -> None:
         t.add_column(col, overflow="fold")
     for r in plan.rows():
         loss = "-"
-        if r["forecast_loss"] is not None:
-            loss = f"{r['forecast_loss']:.4f} [{r['forecast_lo']:.4f}, {r['forecast_hi']:.4f}]"
-        finish = r["finish"] or "-"
-        if r["meets_deadline"] is False:
+        if r.forecast_loss is not None:
+            loss = f"{r.forecast_loss:.4f} [{r.forecast_lo:.4f}, {r.forecast_hi:.4f}]"
+        finish = r.finish or "-"
+        if r.meets_deadline is False:
             finish += " (late)"
-        style = "" if r["allowed"] else "dim"
-        t.add_row(str(r["n"]), f"{r['kind']}: {r['title']}", "-" if r["resume_step"] is None else str(r["resume_step"]),
-                  "-" if r["total_steps"] is None else str(r["total_steps"]), finish,
-                  "-" if r["device_hours"] is None else f"{r['device_hours']:.3g}", loss,
-                  " ".join(x for x in (r["note"], f"-> {r['spec_path']}" if r["spec_path"] else "") if x), style=style)
+        style = "" if r.allowed else "dim"
+        t.add_row(str(r.n), f"{r.kind}: {r.title}", "-" if r.resume_step is None else str(r.resume_step),
+                  "-" if r.total_steps is None else str(r.total_steps), finish,
+                  "-" if r.device_hours is None else f"{r.device_hours:.3g}", loss,
+                  " ".join(x for x in (r.note, f"-> {r.spec_path}" if r.spec_path else "") if x), style=style)
     if plan.options:
         console.print(t)
     if plan.context_gate:

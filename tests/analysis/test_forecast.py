@@ -149,3 +149,20 @@ def test_forecast_json_reads_back_as_the_forecast_that_wrote_it(trained_ladder, 
     path.write_text(json.dumps(d))
     back = read_hero_forecast(path)
     assert back.to_dict() == json.loads(json.dumps(d)) and back.hero.spec_id == exp.hero.id
+
+
+def test_each_typed_section_of_a_written_forecast_reads_back_equal(trained_ladder, tmp_path):
+    from analysis.forecast.file import read_hero_forecast, write_hero_forecast
+    from analysis.forecast.hero import RungRun, forecast
+    from analysis.runs.metrics import read_metrics_frame
+    from core.fsutil import json_text
+    from ladder.ledger import run_dir_for
+
+    _, root, exp = trained_ladder
+    rungs = [RungRun(s, run_dir_for(root, exp.name, s), read_metrics_frame(run_dir_for(root, exp.name, s) / "metrics.jsonl"))
+             for s in exp.rungs]
+    fc = forecast(exp.name, rungs, exp.hero)
+    back = read_hero_forecast(write_hero_forecast(tmp_path / "forecast.json", fc))
+    for name in ("law", "backtest", "trajectory", "regime", "rung_fits"):
+        wrote, read = getattr(fc, name), getattr(back, name)
+        assert type(read) is type(wrote) and json_text(read.to_dict()) == json_text(wrote.to_dict()), name

@@ -3,6 +3,7 @@ at its clip bound is named in the forecast's warnings."""
 
 from __future__ import annotations
 
+from analysis.forecast.file import ForecastTrajectory
 from analysis.forecast.hero import CALIB_MAX, CALIB_MIN, calibrate_trajectory, calibration_warnings
 
 
@@ -22,7 +23,7 @@ def test_factors_inside_their_range_raise_no_warning():
 
 
 def test_each_step_gets_the_factor_of_its_kind():
-    traj = {"loss": [2.0, 2.0], "lo": [1.9, 1.9], "hi": [2.2, 2.2], "stream_covered": [True, False]}
-    calibrate_trajectory(traj, {"calibration_factor": 0.5, "calibration_factor_covered": 2.0})
-    assert [round(v, 9) for v in traj["lo"]] == [1.8, 1.95]
-    assert [round(v, 9) for v in traj["hi"]] == [2.4, 2.1]
+    traj = ForecastTrajectory(step=[10, 20], loss=[2.0, 2.0], lo=[1.9, 1.9], hi=[2.2, 2.2], stream_covered=[True, False])
+    traj = calibrate_trajectory(traj, {"calibration_factor": 0.5, "calibration_factor_covered": 2.0})
+    assert [round(v, 9) for v in traj.lo] == [1.8, 1.95]
+    assert [round(v, 9) for v in traj.hi] == [2.4, 2.1]

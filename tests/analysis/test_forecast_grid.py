@@ -9,6 +9,7 @@ import math
 import numpy as np
 import pytest
 
+from analysis.forecast.file import ForecastTrajectory
 from analysis.forecast.grid import K_NEAR, GridPoint, fit_grid_law, is_grid
 from analysis.forecast.verdicts import routes as _routes
 from analysis.runs.replicates import Noise
@@ -71,7 +72,7 @@ def _final(mean=1.40, lo=1.30, hi=1.50):
 
 def test_a_curve_model_inside_the_laws_interval_leaves_it_alone():
     final = _final()
-    traj = {"train_eval_ratio": 1.0, "shift": 0.05}  # the curve model ended at 1.35
+    traj = ForecastTrajectory(train_eval_ratio=1.0, shift=0.05)  # the curve model ended at 1.35
     assert _routes(final, traj) == []
     assert (final["lo"], final["hi"]) == (1.30, 1.50)
     assert final["routes"]["curve_model"] == pytest.approx(1.35)
@@ -79,7 +80,7 @@ def test_a_curve_model_inside_the_laws_interval_leaves_it_alone():
 
 def test_a_curve_model_outside_the_laws_interval_widens_it_and_says_so():
     final = _final()
-    traj = {"train_eval_ratio": 1.0, "shift": 0.15}  # the curve model ended at 1.25
+    traj = ForecastTrajectory(train_eval_ratio=1.0, shift=0.15)  # the curve model ended at 1.25
     warnings = _routes(final, traj)
     assert len(warnings) == 1 and warnings[0].startswith("two routes disagree")
     assert final["lo"] == pytest.approx(1.25) and final["hi"] == 1.50

@@ -97,10 +97,10 @@ def test_the_backtest_holds_out_a_family_with_its_replicates(h200):
     ladder = [runs[n] for n in ("d192", "d256", "d320", "d384")]
     rep = _seed(runs["d384"], 1, 1.03)
     bt = backtest(ladder + [rep])
-    assert bt["members"] == ["d384", "d384-seed1"]
-    assert bt["actual"] == pytest.approx(runs["d384"].final_loss * 1.015)
+    assert bt.members == ["d384", "d384-seed1"]
+    assert bt.actual == pytest.approx(runs["d384"].final_loss * 1.015)
     # the prediction is the same as without the replicate: nothing of d384 was fitted
-    assert bt["predicted"] == pytest.approx(backtest(ladder)["predicted"], rel=1e-9)
+    assert bt.predicted == pytest.approx(backtest(ladder).predicted, rel=1e-9)
 
 
 def test_the_law_fits_one_point_per_family(h200):
