@@ -46,8 +46,8 @@ step_module) and loop (engines/lookahead.py), under EngineOptions built here for
 engine's defaults with the variant's choices; the environment does not reach them).
 
 `torch_mesh` (and `torch_mesh_cap`) is the `torch` row's model, batches and options trained through
-the multi-process layout's step module (engines/torch/parallel/step.ParallelStep: FSDP2, the layout's
-dispatcher, the fast forward) in this process as a torch.distributed group of one (NCCL on the GPU,
+the multi-process layout's step module (engines/torch/step.TorchStep with dense "fsdp": FSDP2, the layout's
+dispatcher, the one forward) in this process as a torch.distributed group of one (NCCL on the GPU,
 gloo on the CPU, a TCPStore on 127.0.0.1 at a free port; torn down after the variant): one process
 is a 1 x 1 (data x expert) mesh, so every expert sits on this device and the all-to-alls run over a
 group of one. Against `torch` it prices what the layout's step costs before any second GPU.
@@ -416,21 +416,20 @@ def mesh_of_one(spec):
 def run_torch_mesh(spec, batches, warmup, options: dict | None = None, engine: dict | None = None,
                    profile_steps: int = 0, dense: str = "fsdp"):
     """The torch row's model and batches trained through the multi-process layout's step module
-    (engines/torch/parallel/step.ParallelStep: FSDP2, the layout's dispatcher, the fast forward of
+    (engines/torch/step.TorchStep with dense "fsdp": FSDP2, the layout's dispatcher, the forward of
     engines/torch/parallel/model.py, torch's fused AdamW on the fp32 shards, gathered in bf16 on a GPU; the
     torch row's working copies, torch_master, do not exist there) under the engine's default
     kernel options, in this process as a group of one. One process is ep = 1 (layout.check_layout: the world is a
     multiple of ep; the one-device engine's emulated shards are its own dispatcher's, not the
     layout's), so the expert group is a group of one: every expert on this device, the dropless
     dispatch local (no exchange), FSDP2's collectives over the one rank. Its loop is the step module's own:
-    each step read before the next is launched (ParallelStep.lookahead is False).
+    each step read before the next is launched (its lookahead is off).
     dense "replicate": the layout's other dense sharding (engines/torch/parallel/replicate.py), the
     one-device step module (TorchStep) on this rank of the layout, with its lookahead."""
     import tempfile
 
     import torch
 
-    from engines.torch.parallel.step import ParallelStep
     from engines.torch.step import TorchStep
 
     opts = torch_options(options, engine)
@@ -438,10 +437,7 @@ def run_torch_mesh(spec, batches, warmup, options: dict | None = None, engine: d
     try:
         torch._dynamo.reset()
         with tempfile.TemporaryDirectory(prefix="torch_mesh_") as run_dir:
-            if dense == "replicate":
-                step = TorchStep(spec, layout.device, opts, layout=layout, run_dir=Path(run_dir))
-            else:
-                step = ParallelStep(spec, layout, Path(run_dir), opts)
+            step = TorchStep(spec, layout.device, opts, layout=layout, run_dir=Path(run_dir), dense=dense)
             launch, read = peak_lr_steps(step, spec)
             out, dt, t_warm = timed_loop(launch, read, batches, warmup, sync, lookahead=step.lookahead)
             info = {"options": opts.to_dict(), "engine": dict(engine or {}), "describe": step.describe(),

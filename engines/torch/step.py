@@ -29,7 +29,6 @@ import torch.distributed as dist
 
 from core.costs import flops_per_token
 from core.spec import Spec
-from engines.data import TokenStream
 from engines.options import EngineOptions
 from engines.torch.forward import Forward, fast_path_enabled, kernels_for, working_dtype
 from engines.torch.master import MasterAdamW, build_optimizer
@@ -37,6 +36,7 @@ from engines.torch.model import MoETransformer, init_params, move_router_bias
 from engines.torch.parallel import replicate
 from engines.torch.parallel.layout import Layout, check_layout
 from engines.torch.parallel.fsdp import expert_slice
+from engines.torch.parallel.fully_shard import FullyShard
 from engines.torch.parallel.model import ShardedLoss, gather_experts, layout_eval_losses, layout_model, step_metrics
 from engines.torch.parallel.summary import write_summary
 from engines.trainer import FINITE_KEYS, METRIC_KEYS, VALUE_KEYS
@@ -224,35 +224,46 @@ def eval_losses(loss: Forward, model: MoETransformer, batches, rows: int, device
 
 
 class TorchStep:
-    """The torch engine's step module (engines/trainer.py) on one device, or on one rank of a
-    replicated layout (`layout`: the layout's model, this rank's rows, its share of the objective,
-    the gradient sums; the same optimizer, compiled blocks and lookahead)."""
+    """The torch engine's step module (engines/trainer.py) on one device and on every rank of a
+    layout (`layout`: the layout's model, this rank's rows, its share of the objective). The
+    layout's dense sharding (`dense`, default replicate.dense_sharding of options.torch_dense)
+    decides how the rank holds the dense parameters: "replicate" keeps them whole, with the
+    one-device optimizer, compiled blocks and lookahead, and sums the gradients
+    (engines/torch/parallel/replicate.py); "fsdp" shards them by FSDP2
+    (engines/torch/parallel/fully_shard.FullyShard: its model, optimizer, state and update)."""
 
     engine = "torch"
-    lookahead = True
 
     def __init__(self, spec: Spec, device: torch.device, options: EngineOptions | None = None,
-                 layout: Layout | None = None, run_dir: Path | None = None):
+                 layout: Layout | None = None, run_dir: Path | None = None, dense: str | None = None):
         self.spec, self.device, self.options = spec, device, options or EngineOptions()
         self.layout, self.run_dir = layout, run_dir
         self.lead = layout is None or layout.rank == 0
         self.devices = 1 if layout is None else layout.world
-        # CPU ops run as they are launched, so a step's time there is its launch and read; on a
-        # GPU the host learns when a step ended only at its read, so it is the time between reads
-        self.synchronous = device.type == "cpu"
-        if layout is None:
-            self.model = MoETransformer(spec.model).to(device)
-        else:  # plain blocks: nothing hooks them, their weights are the optimizer's working copies
-            self.model = layout_model(spec.model, layout).to(device)
-        # what the forward reads: working copies in this dtype (written by MasterAdamW) or the masters
-        self.working = working_dtype(spec, device, self.options)
-        self.opt = build_optimizer(self.model, spec.optim, working=self.working,
-                                   kernel=kernels_for(device, self.options).adamw)
+        if layout is not None and dense is None:
+            dense = replicate.dense_sharding(spec, layout, self.options.torch_dense)
+        self.sharded = FullyShard(spec, layout, kernels_for(device, self.options)) if dense == "fsdp" else None
+        # a sharded step is read before the next is launched; CPU ops run as they are launched,
+        # so a step's time there is its launch and read; on a GPU the host learns when a step
+        # ended only at its read, so it is the time between reads
+        self.lookahead = self.sharded is None
+        self.synchronous = device.type == "cpu" or self.sharded is not None
+        self.working = None  # what the forward reads: working copies in this dtype (MasterAdamW's) or the masters
+        if self.sharded is not None:
+            self.model, self.opt = self.sharded.model, self.sharded.opt
+        else:
+            # plain blocks: nothing hooks them, their weights are the optimizer's working copies
+            self.model = (MoETransformer(spec.model) if layout is None else layout_model(spec.model, layout)).to(device)
+            self.working = working_dtype(spec, device, self.options)
+            self.opt = build_optimizer(self.model, spec.optim, working=self.working,
+                                       kernel=kernels_for(device, self.options).adamw)
         self.loss_fn = None
 
     def _ready(self) -> None:
         working = self.opt if self.working is not None else None
-        if self.layout is None:
+        if self.sharded is not None:
+            self.loss_fn = self.sharded.loss
+        elif self.layout is None:
             self.loss_fn = make_loss_fn(self.model, self.device, working, self.options)
         else:
             self.loss_fn = ShardedLoss(self.model, self.layout, kernels_for(self.device, self.options), working)
@@ -261,17 +272,27 @@ class TorchStep:
         return arrays if self.layout is None else expert_slice(arrays, self.spec.model, self.layout)
 
     def init_fresh(self) -> None:
-        self.model.load_numpy(self._local(init_params(self.spec.model, self.spec.seed)))
+        params = init_params(self.spec.model, self.spec.seed)
+        if self.sharded is not None:
+            self.sharded.load(params)
+        else:
+            self.model.load_numpy(self._local(params))
         self._ready()
 
     def load_arrays(self, params: dict, opt: dict, origin: str) -> None:
-        self.model.load_numpy(self._local(params))
-        optimizer_from_numpy(self.model, self.opt, self._local(opt))
+        if self.sharded is not None:
+            self.sharded.load(params, opt)
+        else:
+            self.model.load_numpy(self._local(params))
+            optimizer_from_numpy(self.model, self.opt, self._local(opt))
         self._ready()
 
     def save_arrays(self) -> tuple[dict, dict] | None:
         """The whole state on the lead: on a layout, data row 0 gathers its expert shards (the
-        other rows hold copies of them) and the others return None."""
+        other rows hold copies of them; under FSDP2 every rank takes part in the gathers) and the
+        others return None."""
+        if self.sharded is not None:
+            return self.sharded.save()
         if self.layout is not None and self.layout.d != 0:
             return None
         params, opt = self.model.to_numpy(), optimizer_to_numpy(self.model, self.opt)
@@ -287,10 +308,14 @@ class TorchStep:
         check_layout(self.spec.model, self.layout.world, batch_size)
         return self.layout.part, self.layout.world
 
-    def launch(self, step: int, batch_BS1: np.ndarray, lr: float) -> HostCopy:
+    def launch(self, step: int, batch_BS1: np.ndarray, lr: float):
+        """batch_BS1: this rank's rows of the step's batch (batch_part). Returns the step's
+        HostCopy for read, or under FSDP2 its metrics and finiteness (the step already read)."""
         x = to_device(batch_BS1, self.device)
         for g in self.opt.param_groups:
             g["lr"] = lr
+        if self.sharded is not None:
+            return self.sharded.step(x)
         if self.layout is None:
             vals, out = launch_step(self.model, self.loss_fn, x, self.spec, self.opt)
         else:
@@ -315,12 +340,14 @@ class TorchStep:
         metrics = step_metrics(out, sums[0], sums[1])
         return torch.stack([metrics[k].float() for k in METRIC_KEYS] + [norm.float()]), out
 
-    def read(self, pending: HostCopy) -> tuple[dict[str, float], bool]:
-        return read_step(self.opt, pending)
+    def read(self, pending) -> tuple[dict[str, float], bool]:
+        return pending if self.sharded is not None else read_step(self.opt, pending)
 
     def eval_losses(self, batches) -> list[float]:
         """Each eval batch's mean CE (eval_losses); on a layout each rank scores its rows of each
         batch and the means are the global ones."""
+        if self.sharded is not None:
+            return self.sharded.eval_losses(batches)
         if self.layout is not None:
             return self._layout_eval_losses(batches)
         return eval_losses(self.loss_fn, self.model, batches, self.spec.data.batch_size, self.device,
@@ -342,7 +369,9 @@ class TorchStep:
     def describe(self) -> dict:
         out = {**describe_options(self.options, self.device, self.working is not None),
                "torch_dispatch": dispatcher_name(self.model)}
-        if self.layout is not None:
+        if self.sharded is not None:
+            out.update(self.sharded.describe())
+        elif self.layout is not None:
             out["torch_dense"] = "replicate"
         return out
 

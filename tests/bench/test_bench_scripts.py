@@ -61,7 +61,7 @@ def test_repeat_runs_the_variant_list_over_interleaved(repeated):
 
 def test_torch_mesh_trains_the_torch_rows_model_through_the_layouts_step(repeated):
     """torch_mesh (and _cap): the torch row's model through the multi-process layout's step module
-    (engines/torch/parallel/step.ParallelStep) as a process group of one, gloo on the CPU, the
+    (engines/torch/step.TorchStep with FSDP2) as a process group of one, gloo on the CPU, the
     model's one forward, the torch row's curve; the group is torn down after each variant, so the list
     run twice (--repeat 2) meets again on a fresh port."""
     out, rows = repeated

@@ -71,10 +71,10 @@ def _worker(kind: str, rank: int, world: int, port: int, spec_json: str, run_dir
     code = 0
     try:
         from engines.torch.parallel.layout import setup_layout
-        from engines.torch.parallel.step import ParallelStep, ParallelTrainer
+        from engines.torch.parallel.step import ParallelTrainer
 
         layout = setup_layout(spec.model, spec.data.batch_size, "cpu")
-        module = ParallelStep(spec, layout, Path(run_dir), EngineOptions())
+        module = TorchStep(spec, layout.device, EngineOptions(), layout=layout, run_dir=Path(run_dir), dense="fsdp")
         list(ParallelTrainer(spec, run_dir, module, checkpoints=False, stream=SyntheticStream(spec)).fit())
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
