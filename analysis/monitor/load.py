@@ -50,7 +50,7 @@ import pandas as pd
 from analysis.monitor.checks import RunCurves
 from analysis.monitor.flags import Flag
 from analysis.monitor.seq import check_sequential
-from analysis.monitor.series import block_means, residual, series_values
+from analysis.monitor.series import block_mean, residual, series_values
 from analysis.monitor.stats import first_run, json_num
 
 __all__ = ["LOAD", "check_expert_load", "check_sequential_load", "max_possible_load"]
@@ -87,7 +87,7 @@ def _imbalance_flag(c: RunCurves, f: Flag) -> Flag:
     cal = c.calibration
     edges = cal.edges_array
     steps, v = series_values(c.df, LOAD)
-    m, _, _ = block_means(steps, residual(LOAD, steps, v, None), edges, complete_to=int(steps[-1]))
+    m = block_mean(steps, residual(LOAD, steps, v, None), edges, complete_to=int(steps[-1]))
     mu = np.asarray(cal.series[LOAD].mu, dtype=np.float64)
     b = int(np.clip(np.searchsorted(edges, f.first_step, side="right") - 1, 0, len(mu) - 1))
     run, healthy = (math.exp(x) if np.isfinite(x) else float("nan") for x in (m[b], mu[b]))

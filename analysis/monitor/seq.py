@@ -14,7 +14,7 @@ import pandas as pd
 
 from analysis.monitor.calib import K_REF, Calibration, cusum_threshold, own_change
 from analysis.forecast.file import Forecast
-from analysis.monitor.series import block_means, eval_series, is_eval_series, residual, series_values, throughput_ratio
+from analysis.monitor.series import block_mean, eval_series, is_eval_series, residual, series_values, throughput_ratio
 from analysis.monitor.checks import RunCurves
 from analysis.monitor.stats import column, json_num
 from analysis.monitor.flags import Flag
@@ -214,7 +214,7 @@ def sequential_test(steps: np.ndarray, values: np.ndarray, series: str, cal: Cal
         return None
     edges = cal.edges_array
     r = residual(series, steps, values, forecast)
-    m, _, _ = block_means(steps, r, edges, complete_to=int(steps[-1]))
+    m = block_mean(steps, r, edges, complete_to=int(steps[-1]))
     mu, sd = sc.arrays()
     sd = np.maximum(sd, min_sd)
     u = (m - mu) / sd

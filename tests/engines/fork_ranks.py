@@ -6,7 +6,11 @@ runs each job [world, argv] of JOBS_JSON in turn: `world` forked processes, each
 torchrun environment of its rank (127.0.0.1, a free port) calling MODULE.main(argv). A rank still
 alive after JOIN_S seconds is killed. It prints `CODES [[exit codes of job 1], ...]`. Forking one
 parent that has imported torch (and torch._dynamo, which AdamW imports lazily: seconds) saves
-each rank that import.
+each rank that import. A job [world, argv, env] sets `env` in its ranks' environment on top of the
+driver's (another $MOE_LADDER_OPTIONS); a job ["call", "module:function", args] calls function(*args)
+in the driver itself between two jobs (an export of what an earlier job wrote, for a later one to
+read), its code "called"; an exception there fails the driver. Both let one driver, one torch
+import, serve what would otherwise take several.
 """
 
 from __future__ import annotations
@@ -43,9 +47,9 @@ def drive(module: str, jobs: list, join_s: int, timeout: int, options: str = "cp
     return json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("CODES "))[6:])
 
 
-def _rank(main, rank: int, world: int, port: int, argv: list[str]) -> None:
+def _rank(main, rank: int, world: int, port: int, argv: list[str], env: dict) -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), **env)
     os._exit(main(argv))
 
 
@@ -54,9 +58,16 @@ def run_jobs(module: str, jobs: list, join_s: int) -> list[list[int]]:
 
     main = importlib.import_module(module).main
     codes = []
-    for world, argv in jobs:
+    for job in jobs:
+        if job[0] == "call":
+            mod, _, fn = job[1].partition(":")
+            getattr(importlib.import_module(mod), fn)(*job[2])
+            codes.append("called")
+            continue
+        world, argv, env = job[0], job[1], (job[2] if len(job) > 2 else {})
         port = free_port()
-        procs = [mp.get_context("fork").Process(target=_rank, args=(main, r, world, port, argv)) for r in range(world)]
+        procs = [mp.get_context("fork").Process(target=_rank, args=(main, r, world, port, argv, env))
+                 for r in range(world)]
         for p in procs:
             p.start()
         for p in procs:

@@ -64,14 +64,19 @@ def runs(tmp_path_factory):
     # dp2 x ep1
     dropless = [str(root / "dropless.yaml"), "--run-dir", str(root / "dropless4"), "--device", "cpu"]
     dataparallel = [str(root / "dataparallel.yaml"), "--run-dir", str(root / "dataparallel2"), "--device", "cpu"]
+    # then the stopped run's step-3 shards exported (in the driver), and dp1 x ep2 continuing from
+    # the export alone: one driver, one torch import, for all of it
     codes = _drive([[4, _args(root, "full4")], [4, _args(root, "half4", "--steps", "3")],
-                    [4, _args(root, "half4")], [4, dropless], [2, dataparallel]])
-    assert codes == [[0] * 4] * 4 + [[0, 0]]
-    # the stopped run's step-3 shards exported, and dp1 x ep2 continuing from the export alone
-    exported = export(root / "half4", step=3)
-    init_from_checkpoint(root / "from_export2", exported, metrics_from=root / "half4")
-    assert _drive([[2, _args(root, "from_export2")]]) == [[0, 0]]
+                    [4, _args(root, "half4")], [4, dropless], [2, dataparallel],
+                    ["call", f"{__name__}:export_half", [str(root)]], [2, _args(root, "from_export2")]])
+    assert codes == [[0] * 4] * 4 + [[0, 0], "called", [0, 0]]
     return root
+
+
+def export_half(root: str) -> None:
+    """The stopped run's step-3 shards exported, and a run directory that starts from the export."""
+    exported = export(Path(root) / "half4", step=3)
+    init_from_checkpoint(Path(root) / "from_export2", exported, metrics_from=Path(root) / "half4")
 
 
 def test_dp2_ep2_gives_the_single_process_losses_and_gradient_norms(runs):

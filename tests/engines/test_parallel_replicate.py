@@ -48,17 +48,15 @@ def runs(tmp_path_factory):
     for name, (spec, _) in CASES.items():
         save_spec(spec, root / f"{name}.yaml")
         list(TorchEngine("cpu").train(spec, root / f"{name}-single"))  # also fills the token cache
-    # ep2 stops after step 3 and continues from its checkpoint; the others run whole
-    jobs = [[2, _args(root, "ep2", "--steps", "3")], [2, _args(root, "ep2")],
-            [2, _args(root, "dp2")], [4, _args(root, "dp2ep2")]]
-    codes = drive("engines.torch.parallel.train", jobs, join_s=120, timeout=400, options=OPTIONS)
-    assert codes == [[0, 0], [0, 0], [0, 0], [0, 0, 0, 0]]
-    # the same ep2 spec stopped after step 3 under FSDP2 (a sharded checkpoint), continued replicated
+    # ep2 stops after step 3 and continues from its checkpoint; the others run whole; and the same
+    # ep2 spec stopped after step 3 under FSDP2 (a sharded checkpoint), continued replicated
     save_spec(CASES["ep2"][0], root / "switch.yaml")
-    assert drive("engines.torch.parallel.train", [[2, _args(root, "switch", "--steps", "3")]], join_s=120,
-                 timeout=400, options="cpu_threads=1 torch_dense=fsdp") == [[0, 0]]
-    assert drive("engines.torch.parallel.train", [[2, _args(root, "switch")]], join_s=120, timeout=400,
-                 options=OPTIONS) == [[0, 0]]
+    jobs = [[2, _args(root, "ep2", "--steps", "3")], [2, _args(root, "ep2")],
+            [2, _args(root, "dp2")], [4, _args(root, "dp2ep2")],
+            [2, _args(root, "switch", "--steps", "3"), {"MOE_LADDER_OPTIONS": "cpu_threads=1 torch_dense=fsdp"}],
+            [2, _args(root, "switch")]]
+    codes = drive("engines.torch.parallel.train", jobs, join_s=120, timeout=400, options=OPTIONS)
+    assert codes == [[0, 0], [0, 0], [0, 0], [0, 0, 0, 0], [0, 0], [0, 0]]
     return root
 
 
