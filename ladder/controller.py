@@ -65,15 +65,8 @@ class SubmitResult:
 
 
 def _local_resources() -> dict[str, float]:
-    """What a local Ray started here would offer: every CPU, and the CUDA devices torch sees."""
-    gpus = 0
-    try:
-        import torch
-
-        gpus = torch.cuda.device_count()
-    except (ImportError, RuntimeError):  # no torch, or a broken driver: no GPUs to offer
-        pass
-    return {"CPU": float(os.cpu_count() or 1), "GPU": float(gpus)}
+    """What a local Ray started here would offer: every CPU, and the CUDA devices here (local_gpus)."""
+    return {"CPU": float(os.cpu_count() or 1), "GPU": float(local_gpus())}
 
 
 def _start_ray(address: str | None, timeout_s: float | None = None) -> "Callable[[], None] | None":

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -32,16 +33,38 @@ STOP_GRACE_S = 30.0
 WORKER_LOG = "worker.log"
 
 
-def local_gpus() -> int:
-    """CUDA devices torch sees here (0 without torch or a driver)."""
+NVIDIA_GPUS = Path("/proc/driver/nvidia/gpus")
+
+
+def local_gpus(driver_dir: Path = NVIDIA_GPUS, env: dict | None = None) -> int:
+    """The CUDA devices a process started here would see, counted without importing a framework
+    (importing torch costs a CLI command seconds): the NVIDIA driver's GPUs (one folder each in
+    driver_dir; where the driver publishes none there, the lines of `nvidia-smi -L`), cut to
+    CUDA_VISIBLE_DEVICES where it is set (CUDA reads it up to its first empty or negative entry)."""
+    env = os.environ if env is None else env
     try:
-        import torch
-    except ImportError:
+        n = len(list(driver_dir.iterdir()))
+    except OSError:
+        n = _nvidia_smi_gpus()
+    visible = env.get("CUDA_VISIBLE_DEVICES")
+    if visible is None:
+        return n
+    named = 0
+    for entry in visible.split(","):
+        if not entry.strip() or entry.strip().startswith("-"):
+            break
+        named += 1
+    return min(n, named)
+
+
+def _nvidia_smi_gpus() -> int:
+    if shutil.which("nvidia-smi") is None:
         return 0
     try:
-        return torch.cuda.device_count()
-    except RuntimeError:  # a broken driver offers no GPU
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=30)
+    except (OSError, subprocess.TimeoutExpired):  # a driver that does not answer offers no GPU
         return 0
+    return sum(line.startswith("GPU ") for line in out.stdout.splitlines()) if out.returncode == 0 else 0
 
 
 def infeasible(specs: list, gpus: int, cpus: int) -> list[str]:
