@@ -132,6 +132,9 @@ def _flex_compiled():
     return torch.compile(flex_attention, dynamic=False)
 
 
+FLEX_MIN_HEAD_DIM = 16  # the smallest head dim FlexAttention's compiled kernel takes (torch 2.11)
+
+
 def window_block_mask(seq_len: int, window: int | None, device) -> BlockMask:
     """FlexAttention's block mask of causal attention within the last `window` positions (None:
     plain causal); the mask of model.attention_mask, as blocks: those wholly outside it are skipped."""
@@ -358,7 +361,9 @@ class Forward:
             window = m.attention_window
             windowed = window is not None and window < S
             kind = self.options.window_attention if windowed else self.options.causal_attention
-            if kind == "flex" and torch.device(device).type == "cuda":
+            # FlexAttention's compiled kernel needs a head dim of 16 or more (Inductor refuses
+            # less: "NYI: embedding dimension ... must be at least 16"); below that, the dense mask
+            if kind == "flex" and torch.device(device).type == "cuda" and m.head_dim >= FLEX_MIN_HEAD_DIM:
                 mask = window_block_mask(S, window, device)
                 if self._cudagraphs:  # the same mask every step: replays read it in place
                     for t in mask.as_tuple():
