@@ -203,3 +203,17 @@ def load_file(path: str | Path, kind: str | None = None) -> Any:
         kind = {".yaml": "yaml", ".yml": "yaml", ".toml": "toml"}.get(p.suffix.lower(), "json")
     parse = {"yaml": parse_yaml, "json": parse_json, "toml": parse_toml}[kind]
     return parse(read_text(p), str(p))
+
+
+def read_document(path: str | Path, error: type[Exception]) -> Any | None:
+    """A JSON document a command wrote (compare.json, replan.json), within the limits: None when
+    absent; `error` naming the file and the problem when it is over a limit or not readable JSON."""
+    path = Path(path)
+    if not path.exists():
+        return None
+    try:
+        return load_file(path, "json")
+    except InputLimitError as e:
+        raise error(str(e)) from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise error(f"{path}: not readable JSON ({e}); rerun the command that writes it") from None

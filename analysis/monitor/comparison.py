@@ -20,7 +20,7 @@ from typing import Any
 from analysis.monitor.flags import SEVERITY_RANK, Flag, MonitorReport
 from core.errors import InputError
 from core.fsutil import atomic_write_text
-from core.safeload import InputLimitError, load_file
+from core.safeload import read_document
 
 __all__ = ["Comparison", "ComparisonError", "read_comparison", "write_comparison"]
 
@@ -85,13 +85,5 @@ def write_comparison(path: str | Path, c: Comparison) -> Path:
 def read_comparison(path: str | Path) -> Comparison | None:
     """compare.json as the Comparison that wrote it (within core.safeload's limits), None when
     absent; ComparisonError naming the file and the problem otherwise."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    try:
-        data = load_file(path, "json")
-    except InputLimitError as e:
-        raise ComparisonError(str(e)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ComparisonError(f"{path}: not readable JSON ({e}); rerun the command that writes it") from None
-    return Comparison.from_dict(data, path)
+    data = read_document(path, ComparisonError)
+    return None if data is None else Comparison.from_dict(data, Path(path))

@@ -22,7 +22,7 @@ import numpy as np
 from analysis.monitor.flags import Flag
 from core.errors import InputError
 from core.fsutil import atomic_write_text
-from core.safeload import InputLimitError, load_file
+from core.safeload import read_document
 
 __all__ = ["OptionRow", "ReplanDoc", "ReplanFileError", "read_replan", "write_replan_json"]
 
@@ -148,13 +148,5 @@ def write_replan_json(path: str | Path, doc: ReplanDoc) -> Path:
 def read_replan(path: str | Path) -> ReplanDoc | None:
     """replan.json as the ReplanDoc that wrote it (within core.safeload's limits), None when absent;
     ReplanFileError naming the file and the problem otherwise."""
-    path = Path(path)
-    if not path.exists():
-        return None
-    try:
-        data = load_file(path, "json")
-    except InputLimitError as e:
-        raise ReplanFileError(str(e)) from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise ReplanFileError(f"{path}: not readable JSON ({e}); rerun the command that writes it") from None
-    return ReplanDoc.from_dict(data, path)
+    data = read_document(path, ReplanFileError)
+    return None if data is None else ReplanDoc.from_dict(data, Path(path))
