@@ -1,6 +1,7 @@
-"""The torch engine's step (engines/trainer.py's step module, TorchStep) on one device and on a
-replicated layout (every rank holds the dense parameters and its expert shard whole:
-engines/torch/parallel/replicate.py adds the gradient sums and the global norm), and the step
+"""The torch engine's step (engines/trainer.py's step module, TorchStep) on one device and on every
+layout: replicated (every rank holds the dense parameters and its expert shard whole:
+engines/torch/parallel/replicate.py adds the gradient sums and the global norm) or sharded by FSDP2
+(engines/torch/parallel/fully_shard.py), and the step
 helpers the bench drives it with: the loss (the model's one forward, engines/torch/forward.py,
 with the kernels the options choose, and what it reads: forward.working_dtype), the
 optimizer (engines/torch/master.build_optimizer, the one builder), launching a step without waiting for it,
