@@ -21,8 +21,18 @@ What the healthy runs give, per block b (R runs, block means m_rb):
               one run's block mean cannot be smaller than that)
     sd_b    = sqrt(v_b (1 + 1/R)) x c_b        the spread of a new healthy run's block mean
               (predictive: mu_b itself is a mean of R runs), where c_b = t_{dof_b}(0.975) / z(0.975)
-              with dof_b the degrees of freedom pooled there (up to (R - 1)(2 w + 1)) widens it for
-              the few runs and points it was estimated from.
+              widens it for the few runs it was estimated from; dof_b, the effective degrees of
+              freedom of the pool (analysis.monitor.spread), counts runs rather than blocks:
+                  dof_b = (sum_j d_j)^2 / sum_jk rho_|j-k|^2 min(d_j, d_k)
+              over the pooled blocks j, k, with d_j = (runs at j) - 1 and rho_L the correlation of the
+              runs' deviations (m_rb - mu_b over the pooled sd, uncentred, clipped to [0, 1]) at lag L
+              logged blocks (two normal deviations correlated by rho have squares correlated by
+              rho^2, hence the variances of the blocks). Blocks whose deviations are independent give
+              (R - 1)(2 w + 1); a seed's level that never changes gives R - 1: the pooled blocks then
+              share their runs' levels, and a pair of runs that happen to agree agrees in all five.
+              On the H200 hero's seeds (rho_1 about 0.5 for the train loss, 0.8 for the grad norm,
+              0.9-1 for the eval loss and router entropy) two runs give 1.2-2.5 dof, not the 5 once
+              counted (c_b about 2-5, not 1.31).
 The early transient (the loss falling fast and differently from seed to seed) needs no step cut:
 its blocks have a large sd_b, so the same standardised residual means the same there as later.
 
@@ -32,7 +42,8 @@ high for a while. The runs left out one at a time (each standardised by the othe
 a new run is) measure that: the band's width is scaled up by their root-mean-square u when it
 exceeds 1 (never narrowed), and rho, their pooled autocorrelation at lags 2-8 (clipped to
 [0, 0.9]), is the share of u's variance that is the run's own persistent level (u = L + noise,
-var L = rho; 0.5 when fewer than 3 runs can measure it). Two sequential tests, each one-sided in
+var L = rho). Two runs leave none out (one left has no spread): their own deviations over the
+pooled sd measure rho then (0.5 where they cannot). Two sequential tests, each one-sided in
 both directions (Page's CUSUM: S_b = max(0, S_{b-1} + x_b - k), alarm when S_b > h):
 
 - the level test, on x_b = +-u_b / sqrt(1 - rho) (the noise part in its own units) with the
@@ -56,6 +67,18 @@ tolerance, a quarter to the level test's h and half to the change test's h. Meas
 healthy runs whose levels wander (tests/analysis/test_monitor_calib.py) the rate comes out within
 about 2x of the stated one: the healthy runs' spread is itself estimated from a few runs. The fault
 suite reports the flags of real replicates the calibration never saw.
+
+Two healthy runs. The 97.5% widening c_b keeps a 95% band honest, but the tests work far out in
+the tail (a = alpha/4, about 1.4e-4 a series and direction at the default rate), where a spread
+resting on few dof is wrong most: a pair of seeds that happen to agree makes every later healthy
+run look many sds off. With three or more runs the left-out runs measure the width the band needs
+(the scale above); two leave none out, so there the t distribution sets it: sd_b is widened
+further by [t_dof(1 - a) / z(1 - a)] / [t_dof(0.975) / z(0.975)] (dof the series' fewest;
+analysis.monitor.spread.tail_widening): about 2.3 at 4 dof, 7.5 at 2, 22 at 1.4. The stated rate
+then holds (simulated: 0.007 a direction against 0.02 stated; 0.17 before, when the five pooled
+blocks counted as 5 dof), but only gross departures alarm: calibrate on 3 or more runs to catch
+subtler ones (the monitor's summary says so). Measured on the H200 hero's seeds:
+docs/results/faults_h200 ("Few healthy runs").
 
 The block where a test alarms is the step it is reported at (the first step flagged); the block
 after the last zero of its sum before it is the change's estimated onset. Critical: the departure
@@ -81,7 +104,6 @@ from __future__ import annotations
 import json
 import math
 import warnings
-from statistics import NormalDist
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Sequence
@@ -94,6 +116,7 @@ from analysis.runs.replicates import family_key
 from analysis.monitor.series import (UNMARKED, block_means, eval_sample, is_eval_series, residual, series_values,
                                      source_eval_names, throughput_ratio)
 from analysis.monitor.scope import spec_fields
+from analysis.monitor.spread import spread
 from analysis.monitor.stats import column, local_spike_z
 from core.errors import InputError
 from core.fsutil import atomic_write_text
@@ -110,7 +133,6 @@ CHANGE_POOL = 5
 TRANSIENT_CLEAN = 5  # clean blocks in a row that end the early transient
 RHO_DEFAULT = 0.5  # the persistent share of a healthy run's variance when fewer than 3 runs measure it
 K_REF = 0.5  # CUSUM reference value, in sds of the innovation
-NEIGHBOURS = 2  # blocks each side whose healthy variance is pooled with a block's own
 SIEGMUND = 1.166
 
 
@@ -145,7 +167,7 @@ class SeriesCalibration:
     change_sd: list[float]  # per block: sd of a healthy run's one-step prediction error of its own level
     change_lambda: float  # the smoothing of that level
     runs: int
-    dof: int
+    dof: float  # the fewest effective degrees of freedom a block's spread rests on
     widen: float  # c above
 
     def arrays(self) -> tuple[np.ndarray, np.ndarray]:
@@ -271,45 +293,6 @@ def load_calibration(path: str | Path) -> Calibration:
     return cal
 
 
-def _spread(M_RB: np.ndarray, S_RB: np.ndarray, per_block: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, int, float]:
-    """(mu (B,), sd (B,), scatter (B,), dof, widen) from the block means of R healthy runs.
-
-    The variance of a block is pooled over the 2 NEIGHBOURS + 1 nearest blocks where the healthy
-    runs logged the series (every block for the train loss; one in several for a periodic eval),
-    weighted by their degrees of freedom (runs there - 1), and widened by the t quantile of the
-    degrees of freedom it really rests on: a series logged every few blocks rests on fewer. dof and
-    widen are returned for the record as the fewest and the widest."""
-    R, B = M_RB.shape
-    with np.errstate(invalid="ignore", divide="ignore"), warnings.catch_warnings():
-        warnings.simplefilter("ignore", RuntimeWarning)  # an all-NaN block is NaN, as meant
-        mu = np.nanmean(M_RB, 0)
-        cnt = np.isfinite(M_RB).sum(0)
-        var = np.where(cnt >= 2, np.nanvar(M_RB, 0, ddof=1), np.nan) if R >= 2 else np.full(B, np.nan)
-        scat = np.sqrt(np.nanmean(S_RB ** 2, 0))
-    floor = (np.nan_to_num(scat, nan=0.0) ** 2) / per_block
-    pooled, dof_b = np.full(B, np.nan), np.full(B, 1.0)
-    have = np.flatnonzero(np.isfinite(var))
-    if len(have):
-        d = (cnt[have] - 1).astype(np.float64)
-        win = 2 * NEIGHBOURS + 1
-        num = pd.Series(var[have] * d).rolling(win, center=True, min_periods=1).sum().to_numpy()
-        den = pd.Series(d).rolling(win, center=True, min_periods=1).sum().to_numpy()
-        # every block takes the pool of the nearest block that has a variance of its own
-        j = np.clip(np.searchsorted(have, np.arange(B)), 0, len(have) - 1)
-        left = np.clip(j - 1, 0, len(have) - 1)
-        j = np.where(np.abs(have[left] - np.arange(B)) < np.abs(have[j] - np.arange(B)), left, j)
-        pooled, dof_b = num[j] / den[j], np.maximum(den[j], 1.0)
-    v = np.where(cnt >= 1, np.maximum(np.nan_to_num(pooled, nan=0.0), floor), np.nan)
-    from scipy import stats  # calibration only: the CLI's import of the monitor stays light
-
-    widen_b = stats.t.ppf(0.975, dof_b) / NormalDist().inv_cdf(0.975)
-    sd = np.sqrt(v * (1 + 1 / max(R, 1))) * widen_b
-    used = cnt >= 1
-    dof = int(np.min(dof_b[used])) if used.any() else 1
-    widen = float(np.max(widen_b[used])) if used.any() else float(widen_b.max())
-    return mu, np.where(sd > 0, sd, np.nan), scat, dof, widen
-
-
 def _lagged(U: np.ndarray, lags: range) -> float:
     num = den = 0.0
     for lag in lags:
@@ -341,18 +324,26 @@ def _series_calibration(runs: Sequence[tuple[np.ndarray, np.ndarray]], series: s
     M_RB, S_RB, Z_RB = np.array(M), np.array(S), np.array(Z)
     R = len(runs)
     per_block = np.maximum(np.diff(edges), 1)
-    mu, sd, scat, dof, widen = _spread(M_RB, S_RB, per_block)
+    sp = spread(M_RB, S_RB, per_block)
+    mu, sd, scat = sp.mu, sp.sd, sp.scatter
+    used = np.isfinite(mu)
+    dof = float(np.min(sp.dof[used])) if used.any() else 1.0
+    widen = float(np.max(sp.widen[used])) if used.any() else float(np.max(sp.widen))
     with np.errstate(invalid="ignore"):
         spike = np.max(np.where(np.isfinite(Z_RB), Z_RB, -np.inf), 0)
     spike = np.where(np.isfinite(spike), spike, np.nan)
     # leave one run out: each run standardised by the others' mu and sd, as a new run would be
     scale, rho, change_sd, change_lambda = 1.0, RHO_DEFAULT, None, LAMBDA_DEFAULT
+    if R == 2:  # no run can be left out (one left has no spread): the pair's own deviations measure the persistence
+        r_pair = _lagged(sp.z, range(2, 9))
+        if np.isfinite(r_pair):
+            rho = float(np.clip(r_pair, 0.0, 0.9))
     if R >= 3:
         U = []
         for i in range(R):
             keep = np.arange(R) != i
-            mu_i, sd_i, _, _, _ = _spread(M_RB[keep], S_RB[keep], per_block)
-            U.append((M_RB[i] - mu_i) / sd_i)
+            sp_i = spread(M_RB[keep], S_RB[keep], per_block)
+            U.append((M_RB[i] - sp_i.mu) / sp_i.sd)
         U_RB = np.array(U)
         fin = np.isfinite(U_RB)
         if fin.sum() >= 10:

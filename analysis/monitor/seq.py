@@ -14,6 +14,7 @@ import pandas as pd
 
 from analysis.monitor.calib import K_REF, Calibration, cusum_threshold, own_change
 from analysis.forecast.file import Forecast
+from analysis.monitor.spread import tail_widening
 from analysis.monitor.series import block_mean, eval_series, is_eval_series, residual, series_values, throughput_ratio
 from analysis.monitor.checks import RunCurves
 from analysis.monitor.stats import column, json_num
@@ -49,6 +50,12 @@ def check_sequential(c: RunCurves) -> tuple[list[Flag], dict[str, Any]]:
     if skip_eval:
         summary["eval_not_calibrated"] = scope.eval_skipped
     level_until = scope.level_until_step if scope is not None else None
+    few = sorted({cal.series[n].runs for n in present if cal.series[n].runs < 3})
+    if few:
+        summary["calibration_few_runs"] = (
+            f"calibrated on {few[0]} healthy runs: none can be left out to measure the band's width, so it is "
+            f"widened by the t distribution of its few degrees of freedom at the tests' tail (analysis.monitor.calib) "
+            f"and only departures far outside the healthy runs alarm; calibrate on 3 or more")
     # the run's false-alarm rate, split evenly over the series tested and their two directions
     alpha = cfg.false_alarm_rate / max(2 * len(present), 1)
     for series, (steps, v) in present.items():
@@ -216,6 +223,8 @@ def sequential_test(steps: np.ndarray, values: np.ndarray, series: str, cal: Cal
     r = residual(series, steps, values, forecast)
     m = block_mean(steps, r, edges, complete_to=int(steps[-1]))
     mu, sd = sc.arrays()
+    if sc.runs < 3:  # no left-out run measures the width: the t distribution at the tolerance's tail sets it
+        sd = sd * tail_widening(sc.dof, alpha / 4)
     sd = np.maximum(sd, min_sd)
     u = (m - mu) / sd
     B = len(u)

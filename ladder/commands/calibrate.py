@@ -67,6 +67,10 @@ def calibrate_cmd(
     Console().print(f"calibrated the monitor on {len(runs)} healthy runs ({', '.join(n for n, _, _ in runs)}) "
                     f"against {fc_path}: {len(cal.series)} series, early transient to step {cal.transient_end_step}; "
                     f"wrote {path} (`ladder compare RUN --forecast {fc_path}` uses it)", highlight=False, soft_wrap=True)
+    if len(runs) < 3:
+        Console().print(f"[yellow]{len(runs)} healthy runs leave none out to measure the band's width: it is widened by the "
+                        f"t distribution of their few degrees of freedom, so only gross departures warn; train a third seed "
+                        f"(ladder.experiment.replicate) for a band that catches subtler ones[/yellow]", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

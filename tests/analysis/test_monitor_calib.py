@@ -13,6 +13,7 @@ import pytest
 from analysis.monitor.watch import MonitorSettings, monitor
 from analysis.monitor.calib import Calibration, calibrate, cusum_threshold, load_calibration
 from analysis.monitor.seq import sequential_test
+from analysis.monitor.spread import effective_dof, tail_widening
 from analysis.monitor.series import eval_series, series_values, source_eval_names
 from analysis.forecast.file import ForecastError, load_forecast
 from tests.analysis.test_monitor import forecast_file
@@ -59,6 +60,35 @@ def test_healthy_runs_the_calibration_never_saw_alarm_near_the_stated_rate():
     assert np.mean(rates) <= 2.5 * alpha, rates
 
 
+def test_the_pooled_spread_counts_runs_not_correlated_blocks():
+    """Five pooled blocks of two runs (1 dof each): 5 dof when their deviations are independent, 1
+    when a run's level never changes, between otherwise; and the tail widening grows as dof fall."""
+    d = np.ones(20)
+    assert effective_dof(d, np.zeros(4))[10] == pytest.approx(5.0)
+    assert effective_dof(d, np.ones(4))[10] == pytest.approx(1.0)
+    assert 1.0 < effective_dof(d, np.full(4, 0.7))[10] < 5.0
+    assert tail_widening(30, 1e-4) < tail_widening(4, 1e-4) < tail_widening(2, 1e-4)
+
+
+def test_two_healthy_runs_whose_levels_wander_keep_the_stated_rate_on_a_third():
+    """Two healthy runs: each block's variance has one degree of freedom, and the blocks pooled
+    with it share the same two wandering levels (a pair that happens to agree agrees in all of
+    them), so the pool's effective dof counts runs, not blocks, and with no run to leave out the
+    t distribution at the tolerance's tail widens the band. Averaged over pairs (a pair is itself
+    a sample), a third healthy run alarms within 2.5x of the stated rate per direction; counting
+    the pooled blocks as independent (5 dof) it alarmed at about 9x."""
+    alpha, hits, tries = 0.02, 0, 0
+    for seed in range(20):
+        rng = np.random.default_rng(100 + seed)
+        cal = cal_from(rng, n=2)
+        assert cal.series["loss"].dof < 3  # well under the (R - 1)(2 w + 1) = 5 of independent blocks
+        for _ in range(15):
+            res = sequential_test(*series_values(healthy_run(rng), "loss"), "loss", cal, None, alpha)
+            hits += (res.alarm_up is not None) + (res.alarm_down is not None)
+            tries += 2
+    assert hits / tries <= 2.5 * alpha, hits / tries
+
+
 def test_a_step_of_four_healthy_sds_is_caught_within_three_percent_of_training():
     """At step 500 the healthy runs spread by about 4.5% (their levels wander); a 20% step is
     about 4 of their sds. A step inside the healthy spread is, by design, not a fault."""
@@ -78,7 +108,7 @@ def test_the_monitor_warns_on_a_calibrated_departure_and_stays_quiet_on_a_health
     cal = cal_from(rng)
     quiet = monitor(healthy_run(rng), calibration=cal)
     assert not [f for f in quiet.flags if f.severity != "info"], [(f.kind, f.evidence["text"]) for f in quiet.flags]
-    loud = monitor(healthy_run(rng, shift_from=600, shift=0.5), calibration=cal)
+    loud = monitor(healthy_run(rng, shift_from=600, shift=0.6), calibration=cal)
     f = next(f for f in loud.flags if f.kind == "loss_above_band")
     assert f.severity == "critical" and 600 <= f.first_step <= 620
     assert 590 <= f.evidence["onset_step"] <= 610
