@@ -217,3 +217,12 @@ def read_document(path: str | Path, error: type[Exception]) -> Any | None:
         raise error(str(e)) from None
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise error(f"{path}: not readable JSON ({e}); rerun the command that writes it") from None
+
+
+def kind_error(value: Any, kinds: tuple[type, ...]) -> str | None:
+    """None when `value` is of one of `kinds` (a bool counts only where bool is named, null only
+    where type(None) is), else the end of a one-line refusal: "is str, not int or null"."""
+    if isinstance(value, kinds) and not (isinstance(value, bool) and bool not in kinds):
+        return None
+    return f"is {type(value).__name__}, not {' or '.join('null' if k is type(None) else k.__name__ for k in kinds)}"
+

@@ -23,7 +23,7 @@ import numpy as np
 
 from core.errors import InputError
 from core.fsutil import atomic_write_json
-from core.safeload import MAX_BYTES, parse_json
+from core.safeload import MAX_BYTES, kind_error, parse_json
 
 __all__ = ["Forecast", "ForecastBacktest", "ForecastError", "ForecastHero", "ForecastLaw", "ForecastRegime",
            "ForecastTrajectory", "HeroForecast", "RungFit", "RungFits", "load_forecast", "read_hero_forecast",
@@ -64,9 +64,8 @@ class ForecastHero:
             v = d.get(f.name)
             if v is None:
                 continue
-            if isinstance(v, bool) or not isinstance(v, kinds[f.name]):
-                raise ForecastError(f"{path}: forecast hero.{f.name} is {type(v).__name__}, not "
-                                    f"{' or '.join(k.__name__ for k in kinds[f.name])}")
+            if (wrong := kind_error(v, kinds[f.name])) is not None:
+                raise ForecastError(f"{path}: forecast hero.{f.name} {wrong}")
             got[f.name] = v
         return cls(**got)
 
@@ -81,9 +80,8 @@ def _typed(cls, d: Any, where: str, path: str | Path) -> dict[str, Any]:
         v = d.get(f.name)
         if v is None:
             continue
-        kind = cls.KINDS[f.name]
-        if not isinstance(v, kind) or (isinstance(v, bool) and bool not in kind):
-            raise ForecastError(f"{path}: forecast {where}.{f.name} is {type(v).__name__}, not {' or '.join(k.__name__ for k in kind)}")
+        if (wrong := kind_error(v, cls.KINDS[f.name])) is not None:
+            raise ForecastError(f"{path}: forecast {where}.{f.name} {wrong}")
         got[f.name] = v
     return got
 

@@ -20,7 +20,7 @@ from typing import Any
 from analysis.monitor.flags import SEVERITY_RANK, Flag, MonitorReport
 from core.errors import InputError
 from core.fsutil import atomic_write_text
-from core.safeload import read_document
+from core.safeload import kind_error, read_document
 
 __all__ = ["Comparison", "ComparisonError", "read_comparison", "write_comparison"]
 
@@ -64,9 +64,8 @@ class Comparison:
         kinds = {"run": (str,), "source": (dict,), "worst": (str, type(None)), "flags": (list,), "summary": (dict,),
                  "settings": (dict,), "metrics": (str, type(None)), "png": (str, type(None))}
         for k, kind in kinds.items():
-            if not isinstance(d.get(k), kind):
-                raise ComparisonError(f"{path}: compare {k} is {type(d.get(k)).__name__}, not "
-                                      f"{' or '.join('null' if t is type(None) else t.__name__ for t in kind)}")
+            if (wrong := kind_error(d.get(k), kind)) is not None:
+                raise ComparisonError(f"{path}: compare {k} {wrong}")
         if d["worst"] is not None and d["worst"] not in SEVERITY_RANK:
             raise ComparisonError(f"{path}: compare worst is {d['worst']!r}, not one of {', '.join(SEVERITY_RANK)}")
         try:

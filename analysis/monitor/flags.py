@@ -10,7 +10,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from core.errors import InputError
-from core.safeload import load_file
+from core.safeload import kind_error, load_file
 
 __all__ = ["SEVERITY_RANK", "Flag", "MonitorReport", "MonitorSettings", "Severity"]
 
@@ -128,10 +128,8 @@ class Flag:
             raise InputError(f"{where} is {type(d).__name__}, not a mapping")
         kinds = {"kind": (str,), "severity": (str,), "first_step": (int, type(None)), "evidence": (dict,)}
         for k, kind in kinds.items():
-            v = d.get(k)
-            if not isinstance(v, kind) or isinstance(v, bool):
-                raise InputError(f"{where}.{k} is {type(v).__name__}, not "
-                                 f"{' or '.join('null' if t is type(None) else t.__name__ for t in kind)}")
+            if (wrong := kind_error(d.get(k), kind)) is not None:
+                raise InputError(f"{where}.{k} {wrong}")
         if d["severity"] not in SEVERITY_RANK:
             raise InputError(f"{where}.severity is {d['severity']!r}, not one of {', '.join(SEVERITY_RANK)}")
         return cls(d["kind"], d["severity"], d["first_step"], d["evidence"])

@@ -22,7 +22,7 @@ import numpy as np
 from analysis.monitor.flags import Flag
 from core.errors import InputError
 from core.fsutil import atomic_write_text
-from core.safeload import read_document
+from core.safeload import kind_error, read_document
 
 __all__ = ["OptionRow", "ReplanDoc", "ReplanFileError", "read_replan", "write_replan_json"]
 
@@ -36,10 +36,8 @@ class ReplanFileError(InputError):
 
 def _check(kinds: dict[str, tuple[type, ...]], d: dict, where: str, path: str | Path) -> None:
     for k, kind in kinds.items():
-        v = d.get(k)
-        if not isinstance(v, kind) or (isinstance(v, bool) and bool not in kind):
-            raise ReplanFileError(f"{path}: replan {where}{k} is {type(v).__name__}, not "
-                                  f"{' or '.join('null' if t is _NONE else t.__name__ for t in kind)}")
+        if (wrong := kind_error(d.get(k), kind)) is not None:
+            raise ReplanFileError(f"{path}: replan {where}{k} {wrong}")
 
 
 @dataclass(frozen=True)
